@@ -1,0 +1,7 @@
+"""oomb: train Hugging Face LLMs on million-token contexts, chunk by chunk over a paged KV cache."""
+
+from .config import OOMBConfig
+from .engine import forward_backward
+
+__version__ = "0.1.0"
+__all__ = ["OOMBConfig", "forward_backward", "__version__"]

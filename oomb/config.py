@@ -1,0 +1,81 @@
+"""One dataclass of options for an oomb training step, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+ATTENTION_MODES = ("dense",)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
+    """Map a dtype name ('float32', 'bf16', ...) or a torch.dtype to a torch.dtype."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+    elif isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    allowed = ", ".join(sorted(set(_DTYPES)))
+    raise ValueError(f"{field_name}={value!r} is not supported; use one of: {allowed}")
+
+
+@dataclass
+class OOMBConfig:
+    """Options of the chunk-recurrent step (DESIGN.md section 2)."""
+
+    chunk_size: int = 4096
+    """Tokens per chunk: the unit of recomputation. A multiple of page_size."""
+    page_size: int = 128
+    """Tokens per KV page: the unit of allocation (and later of sparse selection and offload)."""
+    attention: Literal["dense"] = "dense"
+    """Attention over the history: "dense" (exact). "sparse" will come with the sparse issue."""
+    kv_grad_dtype: str | torch.dtype = "float32"
+    """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA)."""
+    checkpoint_layers: bool = True
+    """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
+    loss_chunk_tokens: int = 1024
+    """At most this many tokens' full-vocabulary logits exist at a time in the LM-head loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "page_size", "loss_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.chunk_size % self.page_size:
+            raise ValueError(
+                f"chunk_size={self.chunk_size} must be a multiple of page_size={self.page_size} "
+                f"(e.g. chunk_size={max(1, self.chunk_size // self.page_size) * self.page_size})"
+            )
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={self.attention!r} is not supported; use one of: {ATTENTION_MODES}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not supported; use one of: {BACKENDS}")
+        if not isinstance(self.checkpoint_layers, bool):
+            raise ValueError(f"checkpoint_layers={self.checkpoint_layers!r} must be True or False")
+        resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
+
+    @classmethod
+    def from_dict(cls, options: dict) -> OOMBConfig:
+        """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown OOMBConfig option(s) {unknown}; valid options: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,183 @@
+"""The two-stage chunk-recurrent training step (DESIGN.md section 2), top to bottom.
+
+    stage 1, no grad, chunks 0..N-1:  run chunk c at positions [cC, cC+len); every layer writes
+                                       its k, v into the chunk's new pages and attends to all pages
+                                       so far. Nothing else is kept.
+    stage 2, grad, chunks N-1..0:     recompute chunk c with grad; its attention reads the pages and,
+                                       in backward, adds dK/dV into the page gradient buffers and hands
+                                       the chunk its own accumulated dK/dV. loss_c.backward() then
+                                       accumulates parameter gradients; the chunk's pages are freed.
+
+The sum over chunks of these backward passes is the exact gradient of the full-sequence loss
+(mean token cross-entropy over all label positions of the whole batch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention.backend import select_backend
+from .config import OOMBConfig
+from .kv import ChunkSpan, PagedKVStore, split_into_chunks
+from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
+from .models import Stage, StepState, layer_checkpointing, oomb_attention, unwrap_causal_lm
+
+logger = logging.getLogger(__name__)
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    config: OOMBConfig | None = None,
+    *,
+    progress: bool = False,
+) -> torch.Tensor:
+    """One training step's forward and backward over a long sequence, chunk by chunk.
+
+    Leaves in every parameter's ``.grad`` (accumulating, like ``.backward()``) what
+    ``model(input_ids=input_ids, labels=labels).loss.backward()`` would: labels unshifted,
+    -100 ignored, mean over counted tokens; labels default to input_ids.
+
+    Args:
+        model: a supported transformers *ForCausalLM, optionally PEFT-wrapped.
+        input_ids: (B, T) or (T,) token ids.
+        labels: same shape as input_ids, or None.
+        config: options; defaults to OOMBConfig().
+        progress: show a progress bar over the chunks of both stages.
+    Returns:
+        The detached full-sequence loss (float32 scalar).
+    """
+    config = config or OOMBConfig()
+    causal_lm = unwrap_causal_lm(model)
+    device = causal_lm.get_input_embeddings().weight.device
+    input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
+    targets = shift_labels(labels)
+    num_targets = int((targets != IGNORE_INDEX).sum())
+    if num_targets == 0:
+        raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
+
+    batch, num_tokens = input_ids.shape
+    chunks = split_into_chunks(num_tokens, config.chunk_size)
+    store = _make_store(causal_lm, batch, num_tokens, config, device)
+    backend = select_backend(config.backend, device)
+    decoder = causal_lm.get_decoder()
+    lm_head = causal_lm.get_output_embeddings()
+    bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
+
+    def run_chunk(chunk: ChunkSpan, stage: Stage) -> torch.Tensor:
+        positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
+        out = decoder(
+            input_ids=input_ids[:, chunk.start:chunk.end],
+            position_ids=positions,
+            use_cache=False,
+            oomb_step=StepState(store, chunk, stage, backend),
+        )
+        return out.last_hidden_state
+
+    total_loss = torch.zeros((), dtype=torch.float32, device=device)
+    try:
+        with oomb_attention(causal_lm):
+            # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
+            # same dropout masks (e.g. LoRA dropout) and recomputes exactly what stage 1 stored.
+            rng_states = []
+            with torch.no_grad():
+                for chunk in chunks:
+                    rng_states.append(_rng_state(device))
+                    store.allocate(chunk)
+                    run_chunk(chunk, Stage.FILL)
+                    bar.update()
+            rng_after_step = _rng_state(device)
+
+            # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
+            with layer_checkpointing(decoder, config.checkpoint_layers):
+                for chunk in reversed(chunks):
+                    _set_rng_state(device, rng_states[chunk.index])
+                    hidden = run_chunk(chunk, Stage.GRAD)
+                    loss = chunked_cross_entropy(
+                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens
+                    )
+                    if loss.requires_grad:  # False when the chunk has no counted label
+                        loss.backward()
+                    else:
+                        # Still push the page gradients of later chunks through this chunk.
+                        _backward_without_loss(hidden)
+                    store.free(chunk)
+                    total_loss += loss.detach()
+                    bar.update()
+            _set_rng_state(device, rng_after_step)
+    finally:
+        bar.close()
+        store.free_all()
+    assert store.is_empty, "page store not empty after the step"
+    return total_loss
+
+
+def _backward_without_loss(hidden: torch.Tensor) -> None:
+    """Backward through a chunk whose own loss is zero: its K/V still carry later chunks' gradients."""
+    if hidden.requires_grad:
+        (hidden * 0).sum().backward()
+
+
+def _validated_inputs(
+    causal_lm, input_ids: torch.Tensor, labels: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+        labels = labels[None] if isinstance(labels, torch.Tensor) and labels.dim() == 1 else labels
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, tokens), got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): nothing to train on")
+    vocab = causal_lm.get_input_embeddings().num_embeddings
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), found [{low}, {high}]")
+    if labels is None:
+        labels = input_ids
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor or None, got {type(labels).__name__}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}"
+        )
+    counted = labels[labels != IGNORE_INDEX]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
+        raise ValueError(f"labels must be -100 or lie in [0, {vocab}), found [{int(counted.min())}, "
+                         f"{int(counted.max())}]")
+    return input_ids.to(device=device, dtype=torch.long), labels.to(device=device, dtype=torch.long)
+
+
+def _make_store(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device) -> PagedKVStore:
+    cfg = causal_lm.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return PagedKVStore(
+        num_layers=cfg.num_hidden_layers,
+        batch_size=batch,
+        num_tokens=num_tokens,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        page_size=config.page_size,
+        kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
+        grad_dtype=config.grad_dtype,
+        device=device,
+    )
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

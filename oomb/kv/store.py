@@ -1,0 +1,158 @@
+"""The paged KV store of one training step: K, V and their gradients, per layer, in pages.
+
+Layout (one layer; every layer shares the page ids)::
+
+    page_table (B, max_pages) int32     row b: page ids of sequence b in token order
+        seq 0: [ 7 | 2 | 9 | 4 | ...]   token t of sequence b lives in page page_table[b, t // P],
+        seq 1: [ 0 | 5 | 1 | 8 | ...]   slot t % P
+    k, v    (num_pages, Hkv, P, D)     model dtype, post-RoPE
+    dk, dv  (num_pages, Hkv, P, D)     kv_grad_dtype, zeroed when a page is allocated
+
+Chunks start on page boundaries (chunk_size is a multiple of page_size), so a chunk owns whole
+pages; the tail of a partial last page is written with zeros, never left uninitialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pool import PagePool
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Token positions [start, end) of one chunk, the same for every sequence of the batch."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def split_into_chunks(num_tokens: int, chunk_size: int) -> list[ChunkSpan]:
+    return [
+        ChunkSpan(i, start, min(start + chunk_size, num_tokens))
+        for i, start in enumerate(range(0, num_tokens, chunk_size))
+    ]
+
+
+@dataclass
+class LayerPages:
+    """One layer's pool tensors, each (num_pages, Hkv, P, D)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+class PagedKVStore:
+    """Pages of every layer for a batch of sequences of ``num_tokens`` tokens."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        num_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        kv_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.batch_size = batch_size
+        self.max_pages_per_seq = -(-num_tokens // page_size)
+        self.pool = PagePool(batch_size * self.max_pages_per_seq)
+        shape = (self.pool.capacity, num_kv_heads, page_size, head_dim)
+        self.layers = [
+            LayerPages(
+                k=torch.empty(shape, dtype=kv_dtype, device=device),
+                v=torch.empty(shape, dtype=kv_dtype, device=device),
+                dk=torch.empty(shape, dtype=grad_dtype, device=device),
+                dv=torch.empty(shape, dtype=grad_dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
+        self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
+
+    @staticmethod
+    def bytes_needed(
+        *, num_layers: int, batch_size: int, num_tokens: int, num_kv_heads: int, head_dim: int,
+        page_size: int, kv_dtype: torch.dtype, grad_dtype: torch.dtype,
+    ) -> int:
+        """Bytes of the pool tensors this store would allocate (K, V, dK, dV of all layers)."""
+        pages = batch_size * -(-num_tokens // page_size)
+        elems = num_layers * pages * num_kv_heads * page_size * head_dim
+        return 2 * elems * (kv_dtype.itemsize + grad_dtype.itemsize)
+
+    def _page_range(self, chunk: ChunkSpan) -> tuple[int, int]:
+        assert chunk.start % self.page_size == 0, "chunks must start on a page boundary"
+        return chunk.start // self.page_size, -(-chunk.end // self.page_size)
+
+    def _chunk_ids(self, chunk: ChunkSpan) -> torch.Tensor:
+        first, last = self._page_range(chunk)
+        return self.page_table[:, first:last].reshape(-1).long()  # (B * n,)
+
+    def allocate(self, chunk: ChunkSpan) -> None:
+        """Give the chunk its pages in every sequence and zero their gradient buffers."""
+        if chunk.index in self._chunk_pages:
+            raise RuntimeError(f"chunk {chunk.index} already has pages")
+        first, last = self._page_range(chunk)
+        ids = self.pool.allocate(self.batch_size * (last - first))
+        self._chunk_pages[chunk.index] = ids
+        table = torch.tensor(ids, dtype=torch.int32).reshape(self.batch_size, last - first)
+        self.page_table[:, first:last].copy_(table)
+        index = self._chunk_ids(chunk)
+        for layer in self.layers:
+            layer.dk.index_fill_(0, index, 0)
+            layer.dv.index_fill_(0, index, 0)
+
+    def free(self, chunk: ChunkSpan) -> None:
+        """Return the chunk's pages: no remaining chunk attends to them."""
+        self.pool.free(self._chunk_pages.pop(chunk.index))
+
+    def free_all(self) -> None:
+        for index in list(self._chunk_pages):
+            self.pool.free(self._chunk_pages.pop(index))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.pool.num_used == 0 and not self._chunk_pages
+
+    def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one."""
+        index = self._chunk_ids(chunk)
+        pages = self.layers[layer]
+        pages.k.index_copy_(0, index, self._to_pages(k).to(pages.k.dtype))
+        pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
+
+    def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk."""
+        index = self._chunk_ids(chunk)
+        pages = self.layers[layer]
+        return (
+            self._from_pages(pages.dk.index_select(0, index), chunk.length),
+            self._from_pages(pages.dv.index_select(0, index), chunk.length),
+        )
+
+    def _to_pages(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, L, D = x.shape
+        P = self.page_size
+        n = -(-L // P)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, n * P - L))  # (B, H, n*P, D)
+        return padded.reshape(B, H, n, P, D).transpose(1, 2).reshape(B * n, H, P, D)
+
+    def _from_pages(self, pages: torch.Tensor, length: int) -> torch.Tensor:
+        _, H, P, D = pages.shape
+        B = self.batch_size
+        n = pages.shape[0] // B
+        return pages.reshape(B, n, H, P, D).transpose(1, 2).reshape(B, H, n * P, D)[:, :, :length]

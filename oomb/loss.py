@@ -1,0 +1,50 @@
+"""Chunked LM-head cross-entropy: full-vocabulary logits exist for a slice of tokens at a time."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with positions: target[t] = labels[t + 1], IGNORE_INDEX at the end.
+
+    Shifting once for the whole sequence keeps chunk boundaries right (Hugging Face semantics).
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    logits = lm_head(hidden).float()  # (B, S, V): softmax in fp32
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head: nn.Module,
+    normalizer: int | torch.Tensor,
+    slice_tokens: int,
+) -> torch.Tensor:
+    """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
+
+    Each slice's logits are recomputed in backward (checkpointed), so at most ``slice_tokens``
+    positions' logits (and their gradient) are alive at once, in forward and in backward.
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[1], slice_tokens):
+        part = slice(start, start + slice_tokens)
+        if not (targets[:, part] != IGNORE_INDEX).any():
+            continue  # nothing to learn here: skip the vocabulary projection entirely
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_slice_loss_sum, hidden[:, part], targets[:, part], lm_head,
+                                       use_reentrant=False)
+        else:
+            total = total + _slice_loss_sum(hidden[:, part], targets[:, part], lm_head)
+    return total / normalizer
