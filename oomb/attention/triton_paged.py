@@ -1,0 +1,653 @@
+"""Paged causal attention in Triton: a forward and a deterministic, atomic-free backward.
+
+Implements the contract of ``oomb/attention/reference.py`` (read it first):
+
+    paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale) -> (out, lse)
+    paged_attention_backward(q, k_pool, v_pool, page_table, query_start, scale,
+                             out, dout, lse, dk_pool, dv_pool) -> dq   (dK, dV added into the pools)
+
+Design (details and diagrams in docs/kernels.md):
+
+* GQA by row packing. The G = Hq // Hkv query heads that share a KV head are processed by the same
+  program: tile row r of a (batch, KV head) pair is query i = r // G of head g = r % G. A row tile
+  of BLOCK_M rows therefore covers about BLOCK_M / G consecutive queries of all G heads, every K/V
+  tile is loaded once for the whole group, and K/V are never repeated. Any G works (1, 7, ...).
+* Pages are decoupled from key tiles. Key j of a sequence lives in page ``page_table[b, j // P]``
+  at slot ``j % P``. When BLOCK_N divides P a key tile sits in one page (one page-id load per
+  tile); otherwise every key of the tile looks up its own page (P = 64 with BLOCK_N = 128, or any
+  P that is not a power of two). All pool offsets are int64.
+* Causality is bottom-right aligned: query i (absolute position query_start + i) sees keys
+  0 .. query_start + i. Key tiles visible to every row of a tile run without masks; only the
+  few tiles on the diagonal are masked; fully masked tiles are never visited.
+* Backward without atomics: ``_dkdv_kernel`` owns one key tile of one (batch, KV head), loops
+  over all query row tiles (all G heads of the group), keeps dK, dV in registers and adds them
+  once into the page gradient buffers (read-modify-write: it is the only writer of those slots
+  in the launch). ``_dq_kernel`` owns one row tile and loops over key tiles. ``_delta_kernel``
+  computes rowsum(dO * O) first. Every reduction has a fixed order: two runs are bit-identical.
+
+Supported: q/k/v in bfloat16, float16 or float32 (one dtype for all three; float32 dots use IEEE
+precision, not TF32); gradient pools in any of those dtypes (accumulation is float32, one
+rounding per backward); head dims up to 256 (64 and 128 are the tuned ones; others are padded to
+the next power of two >= 16 and masked); any page size (64 and 128 are the tuned ones); any
+query_start >= 0, any chunk length, any batch size.
+
+Caveats:
+* Page ids in ``page_table[:, :n_pages]`` must be unique (as in the reference): two programs of the
+  dK/dV kernel writing the same page slot would race. Not checked (a check costs a device sync).
+* Autotuning runs on the first call per (head dim, page size, group, dtypes) and benchmarks the
+  dK/dV kernel on clones of the gradient pools (``restore_value``): a one-off copy of both pools.
+  Two processes may pick different configs and so differ in the last bits; one process is
+  deterministic. ``OOMB_TRITON_AUTOTUNE=0`` pins the first config of each list instead.
+* Under ``TRITON_INTERPRET=1`` (CPU tests) every tile is upcast to float32 before ``tl.dot``
+  (the interpreter computes bfloat16 dots wrongly) and a single small config is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Read once at import, like triton.jit does: the interpreter must be chosen before importing."""
+AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
+"""OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
+the same config, hence bit-identical results, in every process."""
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # = 1 / ln(2): softmax runs in base 2 (exp2 is native)
+_LN2 = tl.constexpr(0.6931471805599453)  # = ln(2): turns the base-2 log-sum-exp into natural log
+
+MIN_BLOCK_D = 16
+"""tl.dot needs every tile dimension >= 16: smaller head dims are padded and masked."""
+MAX_HEAD_DIM = 256
+"""Beyond this the per-program tiles (BLOCK_M x BLOCK_D accumulators) no longer fit registers."""
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Integer arguments that change with every chunk (lengths, and strides of the page table and the
+# (B, Hq, Lq) statistics): not specialized, so that a new chunk does not compile a new kernel.
+_DYNAMIC_INTS = ["num_kv_heads", "seq_len", "query_start", "stride_tb", "stride_lb", "stride_lh"]
+_TUNING_KEY = ["HEAD_DIM", "PAGE_SIZE", "GROUP"]  # pointer dtypes are added to the key by Triton
+
+# --------------------------------------------------------------------------------------------
+# Tuning configs. Under the interpreter autotune cannot benchmark: exactly one config, with small
+# tiles so that tiny test shapes still run several tiles and both page paths.
+# --------------------------------------------------------------------------------------------
+_INTERPRET_BLOCK_M = 32  # rows (query x group head) per tile in CPU tests
+_INTERPRET_BLOCK_N = 16  # keys per tile in CPU tests: P = 16, 32 take the one-page path, P = 8, 12 not
+
+
+def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> Configs; one small config when interpreting."""
+    if INTERPRET:
+        gpu = [(_INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N, 4, 1)]
+    elif not AUTOTUNE:
+        gpu = gpu[:1]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
+
+
+# Chosen for H100/H200 (wgmma wants >= 64 rows per warpgroup); the autotuner picks per shape key.
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
+# dK/dV: BLOCK_N keys stay resident (two BLOCK_N x BLOCK_D float32 accumulators), BLOCK_M rows stream.
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
+_DELTA_BLOCK_M = 64  # rows per program of the elementwise rowsum(dO * O)
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _key_offsets(
+    table_row_ptr, start_n, offs_n, num_keys, stride_page, stride_slot,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr,
+):
+    """int64 (BLOCK_N,) offsets into a pool of keys start_n + offs_n of one sequence."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        # The tile lies in one page (start_n is a multiple of BLOCK_N): one page-id load.
+        page = tl.load(table_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
+        slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
+    else:
+        keys = start_n + offs_n
+        if MASK_KEYS:  # keys past the end would index past the table's used entries
+            page = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=keys < num_keys, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row_ptr + keys // PAGE_SIZE).to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+    return page * stride_page + slot * stride_slot
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile; masked entries read as 0 (never NaN from unused page slots)."""
+    if MASK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, hi, num_keys, qk_scale,
+    stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+    offs_n, offs_d, d_ok,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and the key count."""
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < num_keys
+        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
+        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
+        if MASKED:
+            qk = tl.where(keys[None, :] <= q_pos[:, None], qk, float("-inf"))
+        # The first tile visited holds a key every row sees, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY)
+@triton.jit(do_not_specialize=_DYNAMIC_INTS)
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_tb,
+    stride_ob, stride_oh, stride_ol, stride_od,
+    stride_lb, stride_lh, stride_ll,
+    num_kv_heads, seq_len, query_start, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kvh = pid_bh % num_kv_heads
+    num_rows = seq_len * GROUP
+    num_keys = query_start + seq_len
+
+    first_row = pid_m * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    qi = tl.minimum(rows // GROUP, seq_len - 1)  # padding rows borrow the last query; never stored
+    head = (kvh * GROUP + rows % GROUP).to(tl.int64)
+    q_pos = query_start + qi
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_rows = b * stride_qb + head * stride_qh + qi.to(tl.int64) * stride_ql
+    q = _load_tile(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = scale * _LOG2E
+
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    table_row_ptr = table_ptr + b * stride_tb
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys [0, full_end) are visible to every row of the tile; [full_end, last_q] is the diagonal.
+    first_q = query_start + first_row // GROUP
+    last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
+    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, 0, full_end, num_keys, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, last_q + 1, num_keys, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+    )
+
+    out = acc / l_i[:, None]
+    o_rows = b * stride_ob + head * stride_oh + qi.to(tl.int64) * stride_ol
+    o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = (m_i + tl.log2(l_i)) * _LN2
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _delta_kernel(
+    out_ptr, dout_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_ol, stride_od,
+    stride_gb, stride_gh, stride_gl, stride_gd,
+    num_heads, seq_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (query tiles, B * Hq): delta = rowsum(dO * O) in float32, written contiguous (B, Hq, Lq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)
+    o = tl.load(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ol
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + b * stride_gb + h * stride_gh + rows[:, None] * stride_gl
+                 + offs_d[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + pid_bh * seq_len + rows, tl.sum(o * do, 1), mask=offs_m < seq_len)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, lo, hi,
+    num_rows, seq_len, query_start, qk_scale,
+    stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+    stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key tile over row tiles [lo, hi), in order (deterministic)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        qi = tl.minimum(rows // GROUP, seq_len - 1).to(tl.int64)
+        head = (kvh * GROUP + rows % GROUP).to(tl.int64)
+        q_rows = b * stride_qb + head * stride_qh + qi * stride_ql
+        g_rows = b * stride_gb + head * stride_gh + qi * stride_gl
+        q = _load_tile(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
+        do = _load_tile(dout_ptr + g_rows[:, None] + offs_d[None, :] * stride_gd, row_ok, d_ok, True, EVEN_D)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        stat = b * stride_lb + head * stride_lh + qi * stride_ll
+        # Padding rows get lse = +inf, hence p = 0: they add nothing.
+        lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=float("inf")) * _LOG2E
+        delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (N, M)
+        p_t = tl.exp2(qk_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(keys[:, None] <= (query_start + qi)[None, :], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (N, M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"])
+@triton.jit(do_not_specialize=_DYNAMIC_INTS)
+def _dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_tb,
+    stride_gb, stride_gh, stride_gl, stride_gd,
+    stride_lb, stride_lh, stride_ll,
+    stride_dkp, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvp, stride_dvh, stride_dvt, stride_dvd,
+    num_kv_heads, seq_len, query_start, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (key tiles, B * Hkv): dK, dV of one key tile from every row that sees it, added once."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kvh = pid_bh % num_kv_heads
+    num_rows = seq_len * GROUP
+    num_keys = query_start + seq_len
+
+    start_n = pid_n * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    keys = start_n + offs_n
+    key_ok = keys < num_keys
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    table_row_ptr = table_ptr + b * stride_tb
+    kv64 = kvh.to(tl.int64)
+
+    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+                          PAGE_SIZE, BLOCK_N, True)
+    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+                          PAGE_SIZE, BLOCK_N, True)
+    k = _load_tile(k_ptr + kv64 * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                   key_ok, d_ok, True, EVEN_D)
+    v = _load_tile(v_ptr + kv64 * stride_vh + v_rows[:, None] + offs_d[None, :] * stride_vd,
+                   key_ok, d_ok, True, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk_scale = scale * _LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Rows r >= row_lo see part of the tile (query_start + r // G >= start_n); rows >= row_mid see
+    # all of it (query_start + r // G >= start_n + BLOCK_N - 1). Earlier rows see none of it.
+    row_lo = tl.maximum(start_n - query_start, 0) * GROUP // BLOCK_M * BLOCK_M
+    row_full = tl.maximum(start_n + BLOCK_N - 1 - query_start, 0) * GROUP
+    row_mid = tl.minimum((row_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, num_rows)
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_lo, row_mid,
+        num_rows, seq_len, query_start, qk_scale,
+        stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+        stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+        GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION,
+    )
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, num_rows,
+        num_rows, seq_len, query_start, qk_scale,
+        stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+        stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+        GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+    )
+    dk = dk * scale  # scores are scale * q.k
+
+    # This program is the only one touching these slots in the launch: plain read-modify-write.
+    tile_mask = key_ok[:, None] & d_ok[None, :]
+    dk_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_dkp, stride_dkt,
+                           PAGE_SIZE, BLOCK_N, True)
+    dk_ptrs = dk_ptr + kv64 * stride_dkh + dk_rows[:, None] + offs_d[None, :] * stride_dkd
+    old = tl.load(dk_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    tl.store(dk_ptrs, (old + dk).to(dk_ptr.dtype.element_ty), mask=tile_mask)
+    dv_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_dvp, stride_dvt,
+                           PAGE_SIZE, BLOCK_N, True)
+    dv_ptrs = dv_ptr + kv64 * stride_dvh + dv_rows[:, None] + offs_d[None, :] * stride_dvd
+    old = tl.load(dv_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    tl.store(dv_ptrs, (old + dv).to(dv_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, lo, hi, num_keys, qk_scale,
+    stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+    offs_n, offs_d, d_ok,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one row tile over key tiles [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < num_keys
+        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+                              PAGE_SIZE, BLOCK_N, MASKED)
+        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
+        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.exp2(qk - lse2[:, None])
+        if MASKED:
+            p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY)
+@triton.jit(do_not_specialize=_DYNAMIC_INTS)
+def _dq_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_vp, stride_vh, stride_vt, stride_vd,
+    stride_tb,
+    stride_gb, stride_gh, stride_gl, stride_gd,
+    stride_lb, stride_lh, stride_ll,
+    stride_dqb, stride_dqh, stride_dql, stride_dqd,
+    num_kv_heads, seq_len, query_start, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kvh = pid_bh % num_kv_heads
+    num_rows = seq_len * GROUP
+    num_keys = query_start + seq_len
+
+    first_row = pid_m * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    qi = tl.minimum(rows // GROUP, seq_len - 1)
+    head = (kvh * GROUP + rows % GROUP).to(tl.int64)
+    q_pos = query_start + qi
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_rows = b * stride_qb + head * stride_qh + qi.to(tl.int64) * stride_ql
+    g_rows = b * stride_gb + head * stride_gh + qi.to(tl.int64) * stride_gl
+    q = _load_tile(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
+    do = _load_tile(dout_ptr + g_rows[:, None] + offs_d[None, :] * stride_gd, row_ok, d_ok, True, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    stat = b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll
+    lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+    qk_scale = scale * _LOG2E
+
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    table_row_ptr = table_ptr + b * stride_tb
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first_q = query_start + first_row // GROUP
+    last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
+    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, 0, full_end, num_keys, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, last_q + 1, num_keys,
+        qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+    )
+    dq = dq * scale
+    dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
+    tl.store(dq_ptr + dq_rows[:, None] + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def _check_inputs(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor, query_start: int
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the forward inputs; return (B, Hq, Lq, D, Hkv, P)."""
+    if q.dim() != 4 or k_pool.dim() != 4:
+        raise ValueError(f"q must be (B, Hq, Lq, D) and k_pool (num_pages, Hkv, P, D); "
+                         f"got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool {tuple(v_pool.shape)} must have k_pool's shape {tuple(k_pool.shape)}")
+    B, Hq, Lq, D = q.shape
+    _, Hkv, P, Dk = k_pool.shape
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and of the pages ({Dk}) differ")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise NotImplementedError(f"head_dim={D} is not supported: the kernels take 1..{MAX_HEAD_DIM}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{Hq} query heads must be a positive multiple of the {Hkv} KV heads")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"q, k_pool, v_pool must share a dtype; "
+                        f"got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be int32 (B={B}, n_pages); got {page_table.dtype} "
+                         f"{tuple(page_table.shape)}")
+    if page_table.stride(1) != 1:
+        raise ValueError("page_table rows must be contiguous (stride(1) == 1)")
+    if isinstance(query_start, bool) or not isinstance(query_start, int) or query_start < 0:
+        raise ValueError(f"query_start must be an int >= 0; got {query_start!r}")
+    n_pages = -(-(query_start + Lq) // P)
+    if page_table.shape[1] < n_pages:
+        raise ValueError(f"page_table has {page_table.shape[1]} columns but query_start + Lq = "
+                         f"{query_start + Lq} keys need {n_pages} pages of {P}")
+    devices = {t.device for t in (q, k_pool, v_pool, page_table)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    return B, Hq, Lq, D, Hkv, P
+
+
+def _meta(q: torch.Tensor, Hq: int, Hkv: int, D: int, P: int) -> dict:
+    """Constexpr arguments shared by the attention kernels."""
+    return dict(
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(MIN_BLOCK_D, triton.next_power_of_2(D)), PAGE_SIZE=P,
+        UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def paged_attention_forward(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a chunk's queries over its paged history and itself.
+
+    Args:
+        q: (B, Hq, Lq, D), any strides. k_pool, v_pool: (num_pages, Hkv, P, D), q's dtype.
+        page_table: int32 (B, >= ceil((query_start + Lq) / P)). query_start: absolute position of
+            query 0. scale: softmax scale.
+    Returns:
+        out (B, Hq, Lq, D) in q's dtype and layout, lse (B, Hq, Lq) float32 natural log.
+    """
+    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
+    out = torch.empty_like(q)  # keeps q's strides when q is dense: the kernel takes them explicitly
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    if B * Lq == 0:
+        return out, lse
+    G = Hq // Hkv
+
+    def grid(meta):
+        return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
+
+    _fwd_kernel[grid](
+        q, k_pool, v_pool, page_table, out, lse,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
+        Hkv, Lq, query_start, float(scale),
+        **_meta(q, Hq, Hkv, D, P),
+    )
+    return out, lse
+
+
+def paged_attention_backward(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: int,
+    scale: float,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dk_pool: torch.Tensor,
+    dv_pool: torch.Tensor,
+) -> torch.Tensor:
+    """Return dQ (q's dtype, q's layout) and add dK, dV of every page the chunk read into the pools.
+
+    ``out`` and ``lse`` are the forward's results; ``dout`` the gradient of ``out`` (any strides).
+    ``dk_pool``/``dv_pool`` have k_pool's shape, any floating dtype; each touched slot is rounded
+    once to that dtype after a float32 accumulation. Deterministic: no atomics.
+    """
+    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
+    for name, t in (("out", out), ("dout", dout)):
+        if t.shape != q.shape or t.device != q.device:
+            raise ValueError(f"{name} {tuple(t.shape)} on {t.device} must match "
+                             f"q {tuple(q.shape)} on {q.device}")
+    if dout.dtype not in SUPPORTED_DTYPES or out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out/dout dtypes {out.dtype}/{dout.dtype} are not supported; use {SUPPORTED_DTYPES}")
+    if lse.shape != (B, Hq, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be float32 {(B, Hq, Lq)} on {q.device}; "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    for name, t in (("dk_pool", dk_pool), ("dv_pool", dv_pool)):
+        if t.shape != k_pool.shape or t.device != k_pool.device:
+            raise ValueError(f"{name} {tuple(t.shape)} on {t.device} must match k_pool {tuple(k_pool.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    dq = torch.empty_like(q)
+    if B * Lq == 0:
+        return dq
+    G = Hq // Hkv
+    meta = _meta(q, Hq, Hkv, D, P)
+    # dO must have q's dtype for the dots (autograd may hand over another float dtype).
+    dout = dout.to(q.dtype)
+
+    lse = lse.contiguous()  # the kernels index lse and delta with the same strides
+    delta = torch.empty_like(lse)  # (B, Hq, Lq) float32 rowsum(dO * O)
+    _delta_kernel[(triton.cdiv(Lq, _DELTA_BLOCK_M), B * Hq)](
+        out, dout, delta, *out.stride(), *dout.stride(), Hq, Lq,
+        HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=_DELTA_BLOCK_M,
+    )
+
+    def key_grid(meta):
+        return (triton.cdiv(query_start + Lq, meta["BLOCK_N"]), B * Hkv)
+
+    _dkdv_kernel[key_grid](
+        q, k_pool, v_pool, page_table, dout, lse, delta, dk_pool, dv_pool,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
+        *lse.stride(), *dk_pool.stride(), *dv_pool.stride(),
+        Hkv, Lq, query_start, float(scale), **meta,
+    )
+
+    def row_grid(meta):
+        return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
+
+    _dq_kernel[row_grid](
+        q, k_pool, v_pool, page_table, dout, lse, delta, dq,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
+        *lse.stride(), *dq.stride(),
+        Hkv, Lq, query_start, float(scale), **meta,
+    )
+    return dq
