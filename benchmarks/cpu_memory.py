@@ -70,7 +70,7 @@ def main() -> None:
               "rows": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"| tokens | mode | time (s) | peak RSS (MiB) | RSS growth in the step (MiB) |\n|---|---|---|---|---|")
+    print("| tokens | mode | time (s) | peak RSS (MiB) | RSS growth in the step (MiB) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokens']} | {r['mode']} | {r.get('seconds', '-')} | {r.get('peak_rss_mib', '-')} | "
               f"{r.get('step_rss_mib', r.get('error'))} |")

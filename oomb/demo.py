@@ -85,7 +85,7 @@ def gradient_relative_error(model: torch.nn.Module, input_ids: torch.Tensor, con
     diff = sum(float(((p.grad - r) ** 2).sum()) for p, r in zip(params, reference, strict=True))
     norm = sum(float((r**2).sum()) for r in reference)
     model.zero_grad(set_to_none=True)
-    return (diff / norm) ** 0.5, float(loss), float(ref_loss)
+    return (diff / norm) ** 0.5, float(loss), float(ref_loss.detach())
 
 
 def run_demo(options: DemoOptions) -> dict:

@@ -23,7 +23,7 @@ from .attention.backend import select_backend
 from .config import OOMBConfig
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
-from .models import Stage, StepState, layer_checkpointing, oomb_attention, unwrap_causal_lm
+from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,12 @@ def forward_backward(
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
 
     batch, num_tokens = input_ids.shape
+    window = sliding_window_limit(causal_lm)
+    if window is not None and num_tokens > window:
+        raise NotImplementedError(
+            f"sliding-window attention (window {window}) over {num_tokens} tokens is not supported; "
+            "use a model config with sliding_window=None"
+        )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     store = _make_store(causal_lm, batch, num_tokens, config, device)
     backend = select_backend(config.backend, device)
@@ -79,12 +85,13 @@ def forward_backward(
         return out.last_hidden_state
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
+    rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
     try:
         with oomb_attention(causal_lm):
             # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
             # same dropout masks (e.g. LoRA dropout) and recomputes exactly what stage 1 stored.
             rng_states = []
-            with torch.no_grad():
+            with torch.no_grad(), layer_checkpointing(decoder, False):
                 for chunk in chunks:
                     rng_states.append(_rng_state(device))
                     store.allocate(chunk)
@@ -108,8 +115,8 @@ def forward_backward(
                     store.free(chunk)
                     total_loss += loss.detach()
                     bar.update()
-            _set_rng_state(device, rng_after_step)
     finally:
+        _set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
     assert store.is_empty, "page store not empty after the step"

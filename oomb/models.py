@@ -104,16 +104,24 @@ def oomb_attention(causal_lm: PreTrainedModel):
         causal_lm.set_attn_implementation(previous)
 
 
+def sliding_window_limit(causal_lm: PreTrainedModel) -> int | None:
+    """The attention window of a model whose layers use one, else None."""
+    cfg = causal_lm.config
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
+
+
 @contextlib.contextmanager
 def layer_checkpointing(decoder: nn.Module, enabled: bool):
-    """Recompute each decoder layer in its backward, through transformers' GradientCheckpointingLayer.
+    """Switch per-layer recomputation (transformers' GradientCheckpointingLayer) on or off for a stage.
 
     Only the layer modules' own flags change (their ``training`` flag too, which is what the
     checkpointing switch reads); submodules keep their train/eval state, so dropout is untouched.
+    Stage 1 runs with it off: it has no backward, and a user's own checkpointing would only warn.
     """
-    if not enabled:
-        yield
-        return
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -121,9 +129,10 @@ def layer_checkpointing(decoder: nn.Module, enabled: bool):
              for m in layers]
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for m in layers:
-        m.gradient_checkpointing = True
-        m._gradient_checkpointing_func = checkpoint
-        m.training = True
+        m.gradient_checkpointing = enabled
+        if enabled:
+            m._gradient_checkpointing_func = checkpoint
+            m.training = True
     try:
         yield
     finally:

@@ -118,6 +118,8 @@ class PagedKVStore:
 
     def free(self, chunk: ChunkSpan) -> None:
         """Return the chunk's pages: no remaining chunk attends to them."""
+        if chunk.index not in self._chunk_pages:
+            raise RuntimeError(f"chunk {chunk.index} has no pages (never allocated, or freed twice)")
         self.pool.free(self._chunk_pages.pop(chunk.index))
 
     def free_all(self) -> None:

@@ -1,0 +1,98 @@
+"""Builders shared by the tests: tiny random models per family and gradient comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 160
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+)
+FAMILIES = {
+    # name: (config class, model class, family-specific config options)
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # q/k norms; head_dim != 64 / 4
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+PARAM_NOISE = 0.02
+"""Std of the noise added to every parameter so biases and norm weights are not 0 / 1."""
+
+
+def build_tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny fp32 model of ``family`` with random weights, every parameter perturbed."""
+    config_cls, model_cls, options = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **options, **overrides}))
+    perturb_(model, seed)
+    return model
+
+
+def perturb_(model: nn.Module, seed: int, std: float = PARAM_NOISE) -> None:
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * std)
+
+
+def save_tiny_model(family: str, directory: Path, seed: int = 0) -> Path:
+    build_tiny_model(family, seed).save_pretrained(directory)
+    return directory
+
+
+def load_model(family: str, directory: Path) -> nn.Module:
+    _, model_cls, _ = FAMILIES[family]
+    return model_cls.from_pretrained(directory, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's gradient (cloned), by name."""
+    return {
+        name: None if p.grad is None else p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def hf_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Full-sequence Hugging Face forward + backward; returns the detached loss."""
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    return loss.detach()
+
+
+def relative_error(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> float:
+    """||got - want|| / ||want|| over all parameters together (a None gradient counts as zero)."""
+    assert got.keys() == want.keys()
+    num = den = 0.0
+    for name, ref in want.items():
+        ref = torch.zeros(()) if ref is None else ref.double()
+        val = got[name]
+        val = torch.zeros(()) if val is None else val.double()
+        num += float(((val - ref) ** 2).sum())
+        den += float((ref**2).sum())
+    assert den > 0, "the reference gradient is zero: the comparison would be meaningless"
+    return (num / den) ** 0.5
+
+
+def random_ids(batch: int, tokens: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))

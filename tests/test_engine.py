@@ -1,0 +1,442 @@
+"""oomb.forward_backward against an ordinary full-sequence Hugging Face backward, per model family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import (
+    FAMILIES,
+    build_tiny_model,
+    grads,
+    hf_step,
+    load_model,
+    random_ids,
+    relative_error,
+    save_tiny_model,
+)
+from peft import LoraConfig, get_peft_model
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+import oomb
+import oomb.engine
+import oomb.models
+from oomb import OOMBConfig
+from oomb.kv import PagedKVStore
+
+GRAD_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+
+
+def _assert_empty(store):
+    assert store.is_empty
+    assert store.pool.num_free == store.pool.capacity
+    assert all(record.ref_cnt == 0 for record in store.pool.records)
+
+
+@pytest.fixture(autouse=True)
+def created_stores(monkeypatch):
+    """Every PagedKVStore the engine creates in a test; each must be empty when the test ends."""
+    stores = []
+
+    class RecordingStore(PagedKVStore):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            stores.append(self)
+
+    monkeypatch.setattr(oomb.engine, "PagedKVStore", RecordingStore)
+    yield stores
+    for store in stores:
+        _assert_empty(store)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Each family's tiny model, saved once with save_pretrained."""
+    return {
+        family: save_tiny_model(family, tmp_path_factory.mktemp(family), seed=seed)
+        for seed, family in enumerate(FAMILIES)
+    }
+
+
+@pytest.fixture(scope="session")
+def models(model_dirs):
+    """Each family's tiny model loaded back once with attn_implementation="sdpa"; tests zero grads."""
+    return {family: load_model(family, path) for family, path in model_dirs.items()}
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    chunk: int
+    page: int
+    batch: int = 1
+    checkpoint: bool = True
+    ignore: tuple[tuple[int, int, int], ...] = ()
+    """(row, start, end): label positions set to -100."""
+    loss_slice: int = 1024
+    flat: bool = False
+    """Pass 1-D input_ids and labels (batch must be 1)."""
+
+    def config(self) -> OOMBConfig:
+        return OOMBConfig(chunk_size=self.chunk, page_size=self.page, backend="torch",
+                          checkpoint_layers=self.checkpoint, loss_chunk_tokens=self.loss_slice)
+
+    def inputs(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = random_ids(self.batch, self.tokens, seed)
+        labels = ids.clone()
+        for row, start, end in self.ignore:
+            labels[row, start:end] = -100
+        return ids, labels
+
+
+CASES = {
+    # 333 tokens: 6 chunks, the last one 13 tokens, its last page partial.
+    "ragged": Case(333, chunk=64, page=16),
+    "ragged_chunk128": Case(333, chunk=128, page=32, loss_slice=50),
+    "single_chunk_flat": Case(50, chunk=64, page=16, flat=True),
+    "ten_chunks_no_checkpoint": Case(610, chunk=64, page=16, checkpoint=False),
+    "batch2": Case(200, chunk=64, page=32, batch=2, loss_slice=7),
+    # Targets are labels shifted by one: chunk 1 (tokens 64..127) has targets 65..128, all -100 in
+    # both rows, and so has the last chunk (256..299). The other spans cross chunk boundaries.
+    "ignored_spans": Case(
+        300, chunk=64, page=16, batch=2,
+        ignore=((0, 50, 140), (1, 60, 129), (1, 200, 230), (0, 250, 300), (1, 250, 300)),
+    ),
+    "page_equals_chunk": Case(333, chunk=32, page=32, checkpoint=False),
+}
+
+
+def _assert_matches_hf(model, ids, labels, config, *, flat=False):
+    model.zero_grad(set_to_none=True)
+    want_loss = hf_step(model, ids, labels)
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    if flat:
+        got_loss = oomb.forward_backward(model, ids[0], labels[0], config)
+    else:
+        got_loss = oomb.forward_backward(model, ids, labels, config)
+    got = grads(model)
+    assert oomb.engine.unwrap_causal_lm(model).config._attn_implementation == "sdpa"
+    assert got_loss.dtype == torch.float32 and got_loss.dim() == 0 and not got_loss.requires_grad
+    torch.testing.assert_close(got_loss, want_loss, rtol=LOSS_RTOL, atol=0)
+    assert relative_error(got, want) <= GRAD_RTOL
+    return got
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_match_full_sequence_backward(models, family, case):
+    model = models[family]
+    ids, labels = case.inputs(seed=case.tokens)
+    got = _assert_matches_hf(model, ids, labels, case.config(), flat=case.flat)
+    assert all(g is not None for g in got.values()), "every parameter should receive a gradient"
+
+
+def test_ignored_spans_case_has_chunks_without_counted_targets():
+    """Guards the case above: it must really contain whole chunks with no counted target."""
+    case = CASES["ignored_spans"]
+    _, labels = case.inputs(seed=0)
+    targets = oomb.engine.shift_labels(labels)
+    no_target = [
+        chunk.index for chunk in oomb.engine.split_into_chunks(case.tokens, case.chunk)
+        if (targets[:, chunk.start:chunk.end] == -100).all()
+    ]
+    assert no_target == [1, 4]
+
+
+def _lora(model, target_modules, dropout=0.0, **options):
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=target_modules, **options)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: make it nonzero so A gets a gradient too
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return peft_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_gradients_match_and_base_weights_get_none(model_dirs, family):
+    peft_model = _lora(load_model(family, model_dirs[family]), ["q_proj", "k_proj", "v_proj", "o_proj"])
+    ids, labels = CASES["ragged"].inputs(seed=1)
+    labels[:, 100:170] = -100
+    got = _assert_matches_hf(peft_model, ids, labels, CASES["ragged"].config())
+    assert got and all("lora_A" in name or "lora_B" in name for name in got)
+    assert all(g is not None and g.abs().sum() > 0 for g in got.values())
+    base = [p for p in peft_model.parameters() if not p.requires_grad]
+    assert base and all(p.grad is None for p in base)
+
+
+@pytest.mark.parametrize(
+    ("target_modules", "layers"),
+    [(["q_proj"], [0]), (["v_proj", "gate_proj"], [1])],
+    ids=["q_only_first_layer", "v_and_mlp_second_layer"],
+)
+def test_lora_on_some_modules(model_dirs, target_modules, layers):
+    """Layers whose q, k or v need no gradient: the attention Function sees mixed requires_grad."""
+    peft_model = _lora(load_model("qwen3", model_dirs["qwen3"]), target_modules, layers_to_transform=layers)
+    case = CASES["ragged"]
+    ids, labels = case.inputs(seed=14)
+    got = _assert_matches_hf(peft_model, ids, labels, case.config())
+    assert all(g is not None and g.abs().sum() > 0 for g in got.values())
+
+
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoint_layers):
+    """In train mode with LoRA dropout, stage 2 recomputes exactly the K, V that stage 1 stored."""
+    peft_model = _lora(load_model("llama", model_dirs["llama"]), ["k_proj", "v_proj"], dropout=0.3)
+    peft_model.train()
+    stored, compared = {}, []
+    real_write, real_attention = PagedKVStore.write, oomb.models.paged_attention
+
+    def recording_write(self, layer, chunk, k, v):
+        stored[layer, chunk.index] = (k.clone(), v.clone())
+        real_write(self, layer, chunk, k, v)
+
+    def comparing_attention(q, k, v, call):
+        want_k, want_v = stored[call.layer, call.chunk.index]
+        compared.append(torch.equal(k, want_k) and torch.equal(v, want_v))
+        return real_attention(q, k, v, call)
+
+    monkeypatch.setattr(PagedKVStore, "write", recording_write)
+    monkeypatch.setattr(oomb.models, "paged_attention", comparing_attention)
+    case = CASES["ragged"]
+    config = OOMBConfig(chunk_size=case.chunk, page_size=case.page, backend="torch",
+                        checkpoint_layers=checkpoint_layers)
+    ids, _ = case.inputs(seed=15)
+    oomb.forward_backward(peft_model, ids, None, config)
+    chunks_times_layers = len(stored)
+    assert chunks_times_layers == 6 * 2
+    # With layer checkpointing each layer's forward runs twice in stage 2 (forward, recompute).
+    assert len(compared) == chunks_times_layers * (2 if checkpoint_layers else 1)
+    assert all(compared)
+    # The masks really differ between draws, so the equality above is not trivial.
+    with torch.no_grad():
+        first = peft_model(input_ids=ids).logits
+        second = peft_model(input_ids=ids).logits
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_two_steps_accumulate_exactly_twice(models, family):
+    model = models[family]
+    case = CASES["ragged"]
+    ids, labels = case.inputs(seed=3)
+    model.zero_grad(set_to_none=True)
+    hf_step(model, ids, labels)
+    hf_step(model, ids, labels)
+    want_twice = grads(model)
+    model.zero_grad(set_to_none=True)
+    first = oomb.forward_backward(model, ids, labels, case.config())
+    once = grads(model)
+    second = oomb.forward_backward(model, ids, labels, case.config())
+    twice = grads(model)
+    assert torch.equal(first, second)
+    assert relative_error(twice, want_twice) <= GRAD_RTOL
+    assert relative_error(twice, {name: 2 * g for name, g in once.items()}) <= 1e-6
+
+
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_repeated_steps_are_bitwise_identical(models, checkpoint_layers):
+    model = models["qwen2"]
+    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", checkpoint_layers=checkpoint_layers)
+    ids = random_ids(2, 260, seed=4)
+    results = []
+    for seed in range(2):  # the global RNG state does not matter
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss = oomb.forward_backward(model, ids, None, config)
+        results.append((loss, grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+
+
+def _checkpoint_flags(model):
+    return [(m.gradient_checkpointing, m.training) for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_is_left_as_it_was(models, family):
+    model = models[family]
+    ids = random_ids(1, 150, seed=5)
+    flags = _checkpoint_flags(model)
+    assert flags, "the decoder layers should be GradientCheckpointingLayers"
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    assert model.config._attn_implementation == "sdpa"
+    assert _checkpoint_flags(model) == flags
+    assert not model.training
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_store_is_empty_after_a_step(models, created_stores):
+    model = models["llama"]
+    case = CASES["batch2"]
+    ids, labels = case.inputs(seed=6)
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, labels, case.config(), progress=True)
+    assert len(created_stores) == 1
+    store = created_stores[0]
+    assert store.pool.capacity == 2 * -(-case.tokens // case.page)
+    _assert_empty(store)
+
+
+def test_failure_in_stage_two_leaves_store_empty_and_model_restored(models, created_stores, monkeypatch):
+    model = models["qwen3"]
+    case = CASES["ragged"]
+    ids, labels = case.inputs(seed=7)
+    flags = _checkpoint_flags(model)
+    calls = []
+    real_loss = oomb.engine.chunked_cross_entropy
+
+    def failing_loss(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure in stage 2")
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.engine, "chunked_cross_entropy", failing_loss)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="injected failure in stage 2"):
+        oomb.forward_backward(model, ids, labels, case.config())
+    _assert_empty(created_stores[0])
+    assert model.config._attn_implementation == "sdpa"
+    assert _checkpoint_flags(model) == flags
+
+    # The model is usable again: the next step is exact.
+    monkeypatch.setattr(oomb.engine, "chunked_cross_entropy", real_loss)
+    _assert_matches_hf(model, ids, labels, case.config())
+    _assert_empty(created_stores[1])
+
+
+def test_sliding_window_refused_before_any_allocation(models, created_stores, monkeypatch):
+    """A sliding window shorter than the sequence is refused up front, before pages exist."""
+    model = models["mistral"]
+    monkeypatch.setattr(model.config, "sliding_window", 100)
+    ids = random_ids(1, 200, seed=8)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(NotImplementedError, match="sliding-window attention"):
+        oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    assert created_stores == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_failure_in_stage_one_leaves_store_empty(models, created_stores, monkeypatch):
+    """An error in the attention of chunk 1 (stage 1) frees every page and restores the model."""
+    model = models["qwen2"]
+    real_fill = oomb.models.fill_and_attend
+    calls = {"n": 0}
+
+    def failing_fill(q, k, v, call):
+        calls["n"] += 1
+        if call.chunk.index == 1:
+            raise RuntimeError("injected stage-1 failure")
+        return real_fill(q, k, v, call)
+
+    monkeypatch.setattr(oomb.models, "fill_and_attend", failing_fill)
+    ids = random_ids(1, 200, seed=8)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="injected stage-1 failure"):
+        oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    assert calls["n"] > 1
+    _assert_empty(created_stores[0])
+    assert model.config._attn_implementation == "sdpa"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_tied_embeddings():
+    """Small Qwen models tie the LM head to the embeddings: both uses add into one gradient."""
+    model = build_tiny_model("qwen2", seed=11, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    case = CASES["batch2"]
+    ids, labels = case.inputs(seed=9)
+    _assert_matches_hf(model, ids, labels, case.config())
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_user_enabled_gradient_checkpointing_in_train_mode(model_dirs, checkpoint_layers):
+    """A model prepared for HF training (reentrant checkpointing, train mode) still gets exact grads."""
+    model = load_model("llama", model_dirs["llama"])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    flags = _checkpoint_flags(model)
+    funcs = [m._gradient_checkpointing_func for m in model.modules()
+             if isinstance(m, GradientCheckpointingLayer)]
+    case = CASES["ragged"]
+    ids, labels = case.inputs(seed=10)
+    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", checkpoint_layers=checkpoint_layers)
+    _assert_matches_hf(model, ids, labels, config)
+    assert _checkpoint_flags(model) == flags
+    assert funcs == [m._gradient_checkpointing_func for m in model.modules()
+                     if isinstance(m, GradientCheckpointingLayer)]
+    assert model.training
+
+
+def test_bfloat16_page_gradients_are_close(models):
+    """kv_grad_dtype="bf16" rounds the page gradients: close to, not equal to, the exact gradient."""
+    model = models["llama"]
+    ids, labels = CASES["ragged"].inputs(seed=12)
+    model.zero_grad(set_to_none=True)
+    hf_step(model, ids, labels)
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, labels,
+                          OOMBConfig(chunk_size=64, page_size=16, backend="torch", kv_grad_dtype="bf16"))
+    assert GRAD_RTOL < relative_error(grads(model), want) <= 1e-2
+
+
+def test_sliding_window_covering_the_sequence(models, monkeypatch):
+    """A sliding window as long as the sequence is plain causal attention: allowed and exact."""
+    model = models["mistral"]
+    case = CASES["ragged"]
+    monkeypatch.setattr(model.config, "sliding_window", case.tokens)
+    ids, labels = case.inputs(seed=13)
+    _assert_matches_hf(model, ids, labels, case.config())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_model_is_as_close_as_hugging_face(family):
+    """In bf16 oomb's gradient error (against fp32) is within 2x that of HF's own bf16 backward."""
+    model = build_tiny_model(family, seed=16)
+    ids = random_ids(2, 333, seed=16)
+    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch")
+    hf_step(model, ids, ids)
+    exact = grads(model)
+    model.to(torch.bfloat16)
+    model.zero_grad(set_to_none=True)
+    hf_loss = hf_step(model, ids, ids)
+    hf_error = relative_error(grads(model), exact)
+    model.zero_grad(set_to_none=True)
+    loss = oomb.forward_backward(model, ids, None, config)
+    assert loss.dtype == torch.float32
+    assert abs(float(loss) - float(hf_loss)) <= 1e-2 * float(hf_loss)
+    assert 0 < hf_error < 0.05
+    assert relative_error(grads(model), exact) <= 2 * hf_error
+
+
+def test_frozen_model_gives_the_loss_and_no_gradient(model_dirs):
+    model = load_model("qwen2", model_dirs["qwen2"]).requires_grad_(False)
+    case = CASES["ignored_spans"]
+    ids, labels = case.inputs(seed=17)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels).loss
+    got = oomb.forward_backward(model, ids, labels, case.config())
+    torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_other_attention_implementation_is_restored():
+    model = build_tiny_model("llama", seed=18)
+    model.set_attn_implementation("eager")
+    ids = random_ids(1, 100, seed=18)
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    assert model.config._attn_implementation == "eager"
