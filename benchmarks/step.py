@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--kv-grad-dtype", default="float32")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
+    parser.add_argument("--fp32-grad-accumulation", action="store_true",
+                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
     parser.add_argument("--warmup-tokens", type=int, default=8192)
     parser.add_argument("--max-seconds", type=float, default=float("inf"),
                         help="skip a context whose predicted step time (quadratic from the last) exceeds what is left")
@@ -112,7 +114,8 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(True)
     config = oomb.OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size,
-                             kv_grad_dtype=args.kv_grad_dtype, checkpoint_layers=not args.no_checkpoint_layers)
+                             kv_grad_dtype=args.kv_grad_dtype, checkpoint_layers=not args.no_checkpoint_layers,
+                             fp32_grad_accumulation=args.fp32_grad_accumulation)
     shape = ModelShape.from_hf_config(model.config)
     n_params = sum(p.numel() for p in model.parameters())
     runs = {"hf": lambda m, ids: hf_step(m, ids, config.loss_chunk_tokens),

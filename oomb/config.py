@@ -48,6 +48,10 @@ class OOMBConfig:
     """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
     loss_chunk_tokens: int = 1024
     """At most this many tokens' full-vocabulary logits exist at a time in the LM-head loss."""
+    fp32_grad_accumulation: bool = True
+    """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
+    parameter, held during stage 2) and round once at the end, as a full-sequence backward does.
+    Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_tokens"):
@@ -63,8 +67,9 @@ class OOMBConfig:
             raise ValueError(f"attention={self.attention!r} is not supported; use one of: {ATTENTION_MODES}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not supported; use one of: {BACKENDS}")
-        if not isinstance(self.checkpoint_layers, bool):
-            raise ValueError(f"checkpoint_layers={self.checkpoint_layers!r} must be True or False")
+        for name in ("checkpoint_layers", "fp32_grad_accumulation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     @property

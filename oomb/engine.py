@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .attention.backend import select_backend
 from .config import OOMBConfig
+from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
@@ -86,6 +87,7 @@ def forward_backward(
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
     rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
+    accumulator = None
     try:
         with oomb_attention(causal_lm):
             # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
@@ -100,6 +102,7 @@ def forward_backward(
             rng_after_step = _rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
+            accumulator = Fp32GradAccumulator(model.parameters(), config.fp32_grad_accumulation)
             with layer_checkpointing(decoder, config.checkpoint_layers):
                 for chunk in reversed(chunks):
                     _set_rng_state(device, rng_states[chunk.index])
@@ -112,10 +115,15 @@ def forward_backward(
                     else:
                         # Still push the page gradients of later chunks through this chunk.
                         _backward_without_loss(hidden)
+                    accumulator.collect()
                     store.free(chunk)
                     total_loss += loss.detach()
                     bar.update()
+            accumulator.finish()
+            accumulator = None
     finally:
+        if accumulator is not None:
+            accumulator.abort()
         _set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
