@@ -77,11 +77,12 @@ def forward_backward(
 
     def run_chunk(chunk: ChunkSpan, stage: Stage) -> torch.Tensor:
         positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
+        recompute_cache = {} if stage is Stage.GRAD and config.checkpoint_layers else None
         out = decoder(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
             use_cache=False,
-            oomb_step=StepState(store, chunk, stage, backend),
+            oomb_step=StepState(store, chunk, stage, backend, recompute_cache),
         )
         return out.last_hidden_state
 

@@ -37,6 +37,7 @@ class StepState:
     chunk: ChunkSpan
     stage: Stage
     backend: AttentionBackend
+    recompute_cache: dict | None = None  # stage 2 with layer checkpointing: layer -> (out, lse)
 
 
 def oomb_attention_forward(
@@ -70,7 +71,7 @@ def oomb_attention_forward(
     if oomb_step.stage is Stage.FILL:
         out = fill_and_attend(query, key, value, call)
     else:
-        out = paged_attention(query, key, value, call)
+        out = paged_attention(query, key, value, call, oomb_step.recompute_cache)
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
 
 

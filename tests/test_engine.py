@@ -195,10 +195,10 @@ def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoi
         stored[layer, chunk.index] = (k.clone(), v.clone())
         real_write(self, layer, chunk, k, v)
 
-    def comparing_attention(q, k, v, call):
+    def comparing_attention(q, k, v, call, recompute_cache=None):
         want_k, want_v = stored[call.layer, call.chunk.index]
         compared.append(torch.equal(k, want_k) and torch.equal(v, want_v))
-        return real_attention(q, k, v, call)
+        return real_attention(q, k, v, call, recompute_cache)
 
     monkeypatch.setattr(PagedKVStore, "write", recording_write)
     monkeypatch.setattr(oomb.models, "paged_attention", comparing_attention)
@@ -440,3 +440,25 @@ def test_other_attention_implementation_is_restored():
     ids = random_ids(1, 100, seed=18)
     oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
     assert model.config._attn_implementation == "eager"
+
+
+def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
+    """With layer checkpointing, stage 2 computes each layer's attention once, not twice."""
+    from oomb.attention import reference
+    from oomb.attention.backend import AttentionBackend
+
+    calls = {"forward": 0}
+
+    def counting_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return reference.paged_attention_forward(*args, **kwargs)
+
+    backend = AttentionBackend("counting", counting_forward, reference.paged_attention_backward)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
+    model = models["qwen2"]
+    ids = random_ids(1, 200, seed=21)
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, checkpoint_layers=True))
+    num_chunks, num_layers = 4, model.config.num_hidden_layers
+    assert calls["forward"] == 2 * num_chunks * num_layers  # stage 1 + stage 2, no replay
+    model.zero_grad(set_to_none=True)

@@ -36,8 +36,8 @@ def fp32_model(tmp_path_factory):
     return Qwen2ForCausalLM.from_pretrained(path, attn_implementation="sdpa").cuda().float()
 
 
-@pytest.mark.parametrize("batch, tokens", [(1, 3000), (2, 1500)])
-def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens):
+@pytest.mark.parametrize("batch, tokens, chunk", [(1, 3000, 1024), (2, 1500, 512), (1, 3000, 4096)])
+def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk):
     torch.manual_seed(1)
     ids = torch.randint(0, fp32_model.config.vocab_size, (batch, tokens), device="cuda")
     fp32_model.zero_grad(set_to_none=True)
@@ -54,14 +54,15 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens):
     hf_err = _rel_err(_grads(bf16_model), reference)
 
     bf16_model.zero_grad(set_to_none=True)
-    config = oomb.OOMBConfig(chunk_size=1024, page_size=128, backend="triton")
+    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, backend="triton")
     loss = oomb.forward_backward(bf16_model, ids, config=config)
     oomb_err = _rel_err(_grads(bf16_model), reference)
 
-    result = {"batch": batch, "tokens": tokens, "hf_bf16_sdpa_rel_err": hf_err, "oomb_triton_bf16_rel_err": oomb_err,
+    result = {"batch": batch, "tokens": tokens, "chunk": chunk,
+              "hf_bf16_sdpa_rel_err": hf_err, "oomb_triton_bf16_rel_err": oomb_err,
               "loss_fp32": float(ref_loss), "loss_hf_bf16": float(hf_loss), "loss_oomb_bf16": float(loss)}
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"gpu_engine_b{batch}.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"gpu_engine_b{batch}_t{tokens}_c{chunk}.json"), "w") as f:
             json.dump(result, f, indent=2)
     print(result)
     assert oomb_err <= hf_err, result

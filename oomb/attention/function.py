@@ -31,11 +31,19 @@ class PagedAttentionCall:
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
+                recompute_cache: dict | None):
         pages = call.store.layers[call.layer]
-        out, lse = call.backend.forward(
-            q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale
-        )
+        if recompute_cache is not None and call.layer in recompute_cache:
+            # Layer checkpointing replays this forward in backward with the same q and pages:
+            # reuse the result of the first pass instead of recomputing attention.
+            out, lse = recompute_cache.pop(call.layer)
+        else:
+            out, lse = call.backend.forward(
+                q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale
+            )
+            if recompute_cache is not None:
+                recompute_cache[call.layer] = (out.detach(), lse)
         ctx.save_for_backward(q, out, lse)
         ctx.call = call
         ctx.kv_dtype = k.dtype
@@ -51,12 +59,18 @@ class _PagedAttention(torch.autograd.Function):
             out, dout, lse, pages.dk, pages.dv,
         )
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall) -> torch.Tensor:
-    """(B, Hq, L, D) attention output of the chunk; differentiable in q, k, v."""
-    return _PagedAttention.apply(q, k, v, call)
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall, recompute_cache: dict | None = None
+) -> torch.Tensor:
+    """(B, Hq, L, D) attention output of the chunk; differentiable in q, k, v.
+
+    ``recompute_cache`` (layer -> (out, lse)), given when the layer is checkpointed, lets the
+    checkpoint's replay of this forward reuse the first pass's result.
+    """
+    return _PagedAttention.apply(q, k, v, call, recompute_cache)
 
 
 def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall) -> torch.Tensor:
