@@ -8,6 +8,7 @@ gradients against an ordinary full-sequence backward.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import resource
 import sys
@@ -126,3 +127,22 @@ def run_demo(options: DemoOptions) -> dict:
           f"{rel_err:.2e}, loss {oomb_loss:.6f} vs {hf_loss:.6f}: {'OK' if ok else 'MISMATCH'}")
     return {"losses": losses, "tokens_per_s": total_tokens / elapsed, "peak_rss_mib": peak_rss_mib(),
             "grad_relative_error": rel_err, "ok": ok}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `oomb demo`."""
+    defaults = DemoOptions()
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
+    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    parser.add_argument("--page-size", type=int, default=defaults.page_size)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--device", default=defaults.device, help="cpu or cuda")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `oomb demo`; exit code 1 if the final gradient check fails."""
+    result = run_demo(DemoOptions(steps=args.steps, seq_len=args.seq_len, chunk_size=args.chunk_size,
+                                  page_size=args.page_size, lr=args.lr, seed=args.seed, device=args.device))
+    return 0 if result["ok"] else 1
