@@ -36,7 +36,7 @@ def _measure(mode: str, num_tokens: int, chunk_size: int, queue) -> None:
         loss = oomb.forward_backward(model, ids, config=oomb.OOMBConfig(chunk_size=chunk_size))
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put({"mode": mode, "tokens": num_tokens, "seconds": round(seconds, 2), "loss": float(loss),
+    queue.put({"mode": mode, "tokens": num_tokens, "seconds": round(seconds, 2), "loss": float(loss.detach()),
                "rss_before_mib": round(rss_before), "peak_rss_mib": round(peak),
                "step_rss_mib": round(peak - rss_before)})
 

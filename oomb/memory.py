@@ -1,15 +1,24 @@
-"""Predicted GPU memory of an oomb step (DESIGN.md section 3), before anything is allocated.
+"""Predicted GPU and host memory of one training step (DESIGN.md section 3), before anything is allocated.
 
-    GPU memory of a step = weights + parameter gradients + optimizer state
-                         + one chunk's activations + KV (and KV-gradient) pages + logits slice
+    GPU memory of a step = weights + parameter gradients (+ fp32 gradient sums) + optimizer state
+                         + one chunk's activations (+ one logits slice) + KV working set
+                         + page summaries + page tables
+    host RAM             = the process itself + (with offload) K, V and dK, dV pages of every token
 
-Only the pages grow with the context. The activation term is an estimate of what autograd keeps
-for one chunk; `benchmarks/step.py` prints it next to the measured peak.
+Five modes are modelled: plain Hugging Face ("hf": SDPA + gradient checkpointing + chunked loss, for
+comparison) and oomb's dense/sparse attention with host offload off/on. Only the pages (and, in sparse
+mode, their summaries) grow with the context in oomb; in "hf" the stored layer inputs and one layer's
+activations for the whole sequence do. Every assumption is a named constant or a field below.
+
+Calibration (standard workload, DESIGN.md section 6, H200, benchmarks/results/step_h200_2026-11-29*.json):
+peak GPU memory above the weights predicted vs measured, oomb dense 40.0 / 61.0 GiB vs 39.9 / 60.9 GiB
+at 128K / 256K; hf 22.9 / 32.8 / 64.2 GiB vs 22.7 / 32.7 / 64.2 GiB at 32K / 64K / 128K.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 
@@ -17,10 +26,33 @@ from .config import OOMBConfig
 from .kv import PagedKVStore
 
 GIB = 1024**3
+MIB = 1024**2
+
+FP32_BYTES = 4
+INT32_BYTES = 4
+
+LOGITS_FP32_COPIES = 4
+"""fp32 copies of one logits slice alive at the peak of its checkpointed backward: the saved
+log-softmax output, the incoming gradient, the exp(log-softmax) temporary and the outgoing gradient."""
+
+ADAMW_STATE_BYTES = 8
+"""AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per trainable parameter."""
+
+MASTER_WEIGHT_BYTES = 4
+"""An fp32 master copy per trainable low-precision parameter (mixed-precision optimizers)."""
+
+LORA_PARAM_BYTES = 4
+"""PEFT creates LoRA adapters in fp32 next to bf16/fp16 base weights (``autocast_adapter_dtype=True``)."""
+
+HOST_PROCESS_BYTES = 2 * GIB
+"""Resident memory of the training process itself (Python, torch, CUDA libraries, tokenizer, data),
+outside the KV pages. Weights are assumed loaded straight to the GPU."""
 
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The dimensions of a decoder-only transformer that memory depends on."""
+
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -28,12 +60,48 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix (one V x hidden matrix instead of two)."""
+    attention_bias: bool = False
+    """q, k, v projections have biases (Qwen2)."""
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bias = getattr(cfg, "model_type", None) == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, head_dim, cfg.vocab_size)
+                   cfg.num_key_value_heads, head_dim, cfg.vocab_size,
+                   bool(getattr(cfg, "tie_word_embeddings", False)), bias)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q/k/v/o projections, gated MLP, two RMSNorms."""
+        h, i = self.hidden_size, self.intermediate_size
+        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.attention_bias:
+            attention += self.q_dim + 2 * self.kv_dim
+        return attention + 3 * h * i + 2 * h
+
+    def num_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params() + embeddings + self.hidden_size  # + final norm
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA parameters of rank ``rank`` on every linear projection (q, k, v, o, gate, up, down)."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = (h + self.q_dim) + 2 * (h + self.kv_dim) + (self.q_dim + h) + 2 * (h + i) + (i + h)
+        return self.num_layers * rank * per_layer
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K + V of one token in every layer: L x 2 x Hkv x D x bytes (56 KiB for Qwen2.5-7B in bf16)."""
+        return self.num_layers * 2 * self.kv_dim * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -53,14 +121,57 @@ class StepMemory:
         return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items()}
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-token activation terms
+# ---------------------------------------------------------------------------------------------
+
 def layer_activation_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
     """What autograd saves for one decoder layer per token: norms (fp32 upcasts), q/k/v/o, MLP."""
     h, i = shape.hidden_size, shape.intermediate_size
-    kv = 2 * shape.num_kv_heads * shape.head_dim
-    q = shape.num_heads * shape.head_dim
+    kv = 2 * shape.kv_dim
+    q = shape.q_dim
     saved = 2 * h + q + kv + q + q + h  # norm outs, q, k, v (+ RoPE copies), attention out, residual
     saved += 4 * i  # gate, up, act(gate), act * up
     return saved * dtype.itemsize + 4 * h * 4  # two RMSNorms keep fp32 inputs and variance
+
+
+def sdpa_backward_workspace_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Temporaries of torch SDPA's flash backward with grouped KV heads, per token: the fp32 dQ
+    accumulator, dK and dV expanded to all query heads before the group sum, dQ/dK/dV outputs and
+    the incoming dO. (With these the "hf" prediction meets the H200 measurements within 1 %.)"""
+    b = dtype.itemsize
+    return shape.q_dim * FP32_BYTES + 2 * shape.q_dim * b + (shape.q_dim + 2 * shape.kv_dim) * b + shape.q_dim * b
+
+
+def paged_backward_workspace_per_token(shape: ModelShape, dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """Temporaries of oomb's paged attention backward, per chunk token: dQ, the row sums
+    rowsum(dO * O) (fp32), the chunk's dK/dV read from the gradient pages and cast to the model dtype."""
+    b = dtype.itemsize
+    return shape.q_dim * b + shape.num_heads * FP32_BYTES + 2 * shape.kv_dim * (grad_dtype.itemsize + b)
+
+
+def recompute_cache_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """With layer checkpointing stage 2 keeps every layer's attention output and log-sum-exp (fp32)
+    for the chunk, so the replay in backward does not recompute attention (models.StepState)."""
+    return shape.num_layers * shape.num_heads * (shape.head_dim * dtype.itemsize + FP32_BYTES)
+
+
+def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chunk_tokens: int) -> int:
+    """fp32 logits (and their gradients) of one slice of the chunked LM-head loss."""
+    return LOGITS_FP32_COPIES * min(loss_chunk_tokens, tokens) * batch_size * shape.vocab_size * FP32_BYTES
+
+
+def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype) -> int:
+    """Activations autograd holds for one chunk of ``chunk_tokens`` tokens (batch included) in stage 2."""
+    per_layer = layer_activation_bytes_per_token(shape, dtype) * chunk_tokens
+    if config.checkpoint_layers:
+        # Layer inputs of every layer are kept, one layer's full activations exist at a time,
+        # plus the attention outputs kept for the replay.
+        stored = shape.num_layers * chunk_tokens * shape.hidden_size * dtype.itemsize
+        activations = stored + per_layer + recompute_cache_bytes_per_token(shape, dtype) * chunk_tokens
+    else:
+        activations = shape.num_layers * per_layer
+    return activations + paged_backward_workspace_per_token(shape, dtype, config.grad_dtype) * chunk_tokens
 
 
 def estimate_step_memory(
@@ -72,19 +183,248 @@ def estimate_step_memory(
     dtype: torch.dtype = torch.bfloat16,
     trainable_params: int = 0,
 ) -> StepMemory:
-    """Predicted GPU bytes of one oomb dense step (no offload) above weights and optimizer state."""
+    """Predicted GPU bytes of one oomb dense step (no offload) above weights and optimizer state.
+
+    ``trainable_params`` (of ``dtype``) get gradients, plus fp32 sums when
+    ``config.fp32_grad_accumulation`` is on and ``dtype`` is low precision.
+    """
     chunk = min(config.chunk_size, num_tokens) * batch_size
-    per_layer = layer_activation_bytes_per_token(shape, dtype) * chunk
-    if config.checkpoint_layers:
-        # Layer inputs of every layer are kept, one layer's full activations exist at a time.
-        activations = shape.num_layers * chunk * shape.hidden_size * dtype.itemsize + per_layer
-    else:
-        activations = shape.num_layers * per_layer
     kv = PagedKVStore.bytes_needed(
         num_layers=shape.num_layers, batch_size=batch_size, num_tokens=num_tokens,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=config.page_size,
         kv_dtype=dtype, grad_dtype=config.grad_dtype,
     )
-    # fp32 logits, their softmax and gradient for one slice of the chunked loss.
-    logits = 3 * min(config.loss_chunk_tokens, chunk) * shape.vocab_size * 4
-    return StepMemory(trainable_params * dtype.itemsize, activations, kv, logits)
+    grads = trainable_params * dtype.itemsize
+    if config.fp32_grad_accumulation and dtype.itemsize < FP32_BYTES:
+        grads += trainable_params * FP32_BYTES
+    logits = logits_slice_bytes(shape, min(config.chunk_size, num_tokens), batch_size, config.loss_chunk_tokens)
+    return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's model: every mode, GPU and host
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of running the step."""
+
+    name: str
+    attention: Literal["hf", "dense", "sparse"]
+    offload: bool
+    description: str
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("hf", "hf", False, "plain Hugging Face: SDPA + gradient checkpointing + chunked LM-head loss"),
+    Mode("dense", "dense", False, "oomb dense: exact attention, all pages on the GPU"),
+    Mode("dense+offload", "dense", True, "oomb dense, pages in pinned host memory streamed through the GPU"),
+    Mode("sparse", "sparse", False, "oomb sparse: top-k pages per query block, all pages on the GPU"),
+    Mode("sparse+offload", "sparse", True, "oomb sparse, pages on the host, only selected pages moved"),
+)}
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What trains and how: everything besides the step's own options (OOMBConfig)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    """Dtype of the weights, activations and K/V pages."""
+    batch_size: int = 1
+    """Sequences per step."""
+    optimizer: Literal["adamw", "none"] = "adamw"
+    """"adamw": two fp32 moments per trainable parameter; "none": a bare forward+backward (benchmarks)."""
+    master_weights: bool = False
+    """Keep an fp32 master copy of low-precision trainable parameters (4 bytes each)."""
+    lora_rank: int = 0
+    """0: full fine-tuning. r > 0: LoRA of rank r on every linear projection, base weights frozen."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size={self.batch_size} must be a positive integer")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0 = full fine-tuning)")
+        if self.optimizer not in ("adamw", "none"):
+            raise ValueError(f"optimizer={self.optimizer!r} is not supported; use 'adamw' or 'none'")
+
+
+@dataclass(frozen=True)
+class OffloadAssumptions:
+    """The GPU working set of host offload (DESIGN.md section 2, "Host offload")."""
+
+    resident_layers: int = 2
+    """Layers whose chunk pages (K, V, dK, dV) are on the GPU at once: the one being computed and the
+    next one being prefetched."""
+    stream_block_pages: int = 64
+    """History pages per streamed block (dense offload): each layer's earlier pages pass through the
+    GPU in blocks of this many pages, K, V in and dK, dV out."""
+    stream_buffers: int = 2
+    """Blocks in flight: double buffering overlaps the copy of one block with compute on the other."""
+
+
+@dataclass(frozen=True)
+class SparseAssumptions:
+    """Sparse attention's budget and bookkeeping (DESIGN.md section 2, "Sparse mode")."""
+
+    top_k_pages: int = 64
+    """Earlier pages each query block attends to, chosen by score against the page summaries."""
+    sink_pages: int = 1
+    """First pages of the sequence every query block attends to, besides the top-k."""
+    summary_vectors: int = 2
+    """Vectors summarising a page per KV head and layer: 2 for a Quest-style min/max key bound."""
+    store_selection: bool = True
+    """Keep stage 1's selection (int32 page ids per query block, layer and KV head) for stage 2;
+    False: recompute it deterministically in stage 2 (no memory)."""
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted peak bytes of one step, by term."""
+
+    mode: str
+    tokens: int
+    gpu: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def gpu_above_weights(self) -> int:
+        return self.gpu_total - self.gpu["weights"]
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+GPU_TERMS = ("weights", "param grads", "fp32 grad sums", "optimizer", "activations", "KV working set",
+             "page summaries", "page tables")
+HOST_TERMS = ("process", "KV pages", "KV grad pages")
+
+
+def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
+    return batch_size * -(-tokens // page_size)
+
+
+def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """K, V, dK, dV of one page in one layer."""
+    return 2 * shape.kv_dim * page_size * (dtype.itemsize + grad_dtype.itemsize)
+
+
+def _hf_activations(shape: ModelShape, tokens: int, setup: TrainingSetup, config: OOMBConfig,
+                    layer_grad: int, head_grad: int, all_grads: int) -> int:
+    """Peak bytes of a plain HF step beyond the full parameter gradients (never below zero).
+
+    With gradient checkpointing each layer's input (T x hidden) is stored in forward; in backward,
+    layer j recomputes its activations for all T tokens while layers > j already hold their
+    gradients and layers <= j still hold their inputs. The peak is at the first or the last layer's
+    backward (the profile is linear in j), or at the loss.
+    """
+    t = tokens * setup.batch_size
+    b = setup.dtype.itemsize
+    stored = t * shape.hidden_size * b  # one layer's checkpointed input
+    layer = (layer_activation_bytes_per_token(shape, setup.dtype)
+             + sdpa_backward_workspace_per_token(shape, setup.dtype)) * t
+    flow = 2 * stored  # the residual stream's gradient entering and leaving the layer
+    L = shape.num_layers
+    first_layer_backward = head_grad + layer_grad + L * stored + layer + flow
+    last_layer_backward = head_grad + L * layer_grad + stored + layer + flow
+    loss = head_grad + L * stored + flow + logits_slice_bytes(shape, tokens, setup.batch_size,
+                                                              config.loss_chunk_tokens)
+    return max(0, max(first_layer_backward, last_layer_backward, loss) - all_grads)
+
+
+def predict(
+    mode: str | Mode,
+    shape: ModelShape,
+    tokens: int,
+    config: OOMBConfig | None = None,
+    setup: TrainingSetup | None = None,
+    *,
+    offload: OffloadAssumptions | None = None,
+    sparse: SparseAssumptions | None = None,
+) -> MemoryPrediction:
+    """Predicted peak GPU bytes and host bytes of one step of ``mode`` on ``tokens`` tokens per sequence.
+
+    Args:
+        mode: a name of MODES ("hf", "dense", "dense+offload", "sparse", "sparse+offload").
+        shape: the model's dimensions.
+        tokens: context length T (tokens per sequence).
+        config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice).
+        setup: dtype, batch, optimizer, LoRA.
+        offload, sparse: assumptions of the planned modes.
+    Returns:
+        A MemoryPrediction with the GPU_TERMS and HOST_TERMS in bytes.
+    """
+    mode = MODES[mode] if isinstance(mode, str) else mode
+    config = config or OOMBConfig()
+    setup = setup or TrainingSetup()
+    offload = offload or OffloadAssumptions()
+    sparse = sparse or SparseAssumptions()
+    if tokens <= 0:
+        raise ValueError(f"tokens={tokens} must be a positive integer")
+    b = setup.dtype.itemsize
+    B, P, L = setup.batch_size, config.page_size, shape.num_layers
+    low_precision = b < FP32_BYTES
+
+    # Parameters, gradients, optimizer.
+    if setup.lora_rank:
+        trainable = shape.lora_params(setup.lora_rank)
+        weights = shape.num_params() * b + trainable * LORA_PARAM_BYTES
+        grad_bytes, trainable_low_precision = LORA_PARAM_BYTES, False
+        layer_grad = trainable // L * grad_bytes
+        head_grad = 0
+    else:
+        trainable = shape.num_params()
+        weights = trainable * b
+        grad_bytes, trainable_low_precision = b, low_precision
+        layer_grad = shape.layer_params() * b
+        head_grad = shape.vocab_size * shape.hidden_size * b
+    grads = trainable * grad_bytes
+    optimizer = 0
+    if setup.optimizer == "adamw":
+        optimizer += trainable * ADAMW_STATE_BYTES
+    if setup.master_weights and trainable_low_precision:
+        optimizer += trainable * MASTER_WEIGHT_BYTES
+    gpu = dict.fromkeys(GPU_TERMS, 0)
+    gpu.update({"weights": weights, "param grads": grads, "optimizer": optimizer})
+    host = dict.fromkeys(HOST_TERMS, 0)
+    host["process"] = HOST_PROCESS_BYTES
+
+    if mode.attention == "hf":
+        gpu["activations"] = _hf_activations(shape, tokens, setup, config, layer_grad, head_grad, grads)
+        return MemoryPrediction(mode.name, tokens, gpu, host)
+
+    # oomb: one chunk's activations and logits slice, whatever the context.
+    chunk_len = min(config.chunk_size, tokens)
+    if config.fp32_grad_accumulation and trainable_low_precision:
+        gpu["fp32 grad sums"] = trainable * FP32_BYTES
+    gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
+                          + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens))
+    pages = _num_pages(tokens, P, B)  # pages of one layer
+    page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
+    gpu["page tables"] = pages * INT32_BYTES
+
+    if mode.offload:
+        # GPU: the chunk's pages of the resident layers + the streamed blocks of earlier pages.
+        chunk_pages = _num_pages(chunk_len, P, B)
+        if mode.attention == "dense":
+            block = min(offload.stream_block_pages, pages)
+        else:
+            block = min(sparse.top_k_pages + sparse.sink_pages, pages // B) * B
+        gpu["KV working set"] = (offload.resident_layers * chunk_pages + offload.stream_buffers * block) * page_bytes
+        # Host: K, V, dK, dV of every token, pinned.
+        host["KV pages"] = L * pages * 2 * shape.kv_dim * P * b
+        host["KV grad pages"] = L * pages * 2 * shape.kv_dim * P * config.grad_dtype.itemsize
+    else:
+        gpu["KV working set"] = L * pages * page_bytes
+
+    if mode.attention == "sparse":
+        summaries = L * pages * sparse.summary_vectors * shape.kv_dim * b
+        selection = 0
+        if sparse.store_selection:  # one selection per query block (page) per layer and KV head
+            selection = L * pages * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages) * INT32_BYTES
+        gpu["page summaries"] = summaries + selection
+    return MemoryPrediction(mode.name, tokens, gpu, host)

@@ -1,0 +1,666 @@
+"""`oomb bench`: one training step (forward + backward, no optimizer) of plain HF and oomb's modes, over contexts.
+
+    oomb bench --out-dir DIR             # the standard workload (DESIGN.md section 6) on this GPU
+    oomb bench --quick --out-dir DIR     # tiny model on the CPU, 1K and 2K tokens, a few seconds
+    oomb bench --replot DIR/bench.json   # redraw the table and plot of a run (e.g. where matplotlib is)
+
+Modes: "hf" (SDPA + gradient checkpointing + oomb's chunked LM-head loss: what a savvy user runs
+today), "dense", "dense+offload", "sparse", "sparse+offload". A mode this version of oomb does not
+implement is reported as such, with no numbers but the planner's (labelled as predictions).
+
+Isolation: each mode runs in its own worker process, forked from a fork server that has imported
+torch and transformers but never touched a GPU or run an op (so forking is safe, and a worker costs
+no second import). The worker builds the model once, runs a warm-up step (compilation, autotuning:
+reported apart, excluded from the table), then the contexts in increasing order, each after
+synchronising, emptying the allocator cache and resetting the peak statistics (GPU, and the host's
+VmHWM). An out-of-memory error ends that mode's sweep only; a worker that dies (segfault, the
+kernel's OOM killer, the time limit) is recorded and the next mode starts in a fresh process, with
+a clean CUDA context and allocator. Results (JSON, markdown table, PNG plot) are rewritten after
+every measurement, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue as queue_module
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import machine
+from .config import OOMBConfig, resolve_dtype
+from .memory import GIB, MIB, MODES, ModelShape, TrainingSetup, predict
+from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
+
+logger = logging.getLogger(__name__)
+
+BENCH_MODES = ("hf", "dense", "dense+offload", "sparse+offload")
+"""The modes of the side-by-side comparison (issue 7); "sparse" (without offload) may be added."""
+NOT_IMPLEMENTED = "not implemented in this version"
+POLL_SECONDS = 0.5
+"""How often the parent checks a silent worker for death or the time limit."""
+TOKENS_PER_GROWTH = 10_000
+"""Memory growth is reported per this many tokens (DESIGN.md section 6)."""
+WORKER_PRELOAD = ["oomb.bench", "oomb.engine", "transformers", "transformers.models.qwen2.modeling_qwen2",
+                  "transformers.models.llama.modeling_llama"]
+"""Imported once by the fork server, so workers start in milliseconds."""
+MODE_COLORS = {"hf": "tab:gray", "dense": "tab:blue", "dense+offload": "tab:green", "sparse": "tab:purple",
+               "sparse+offload": "tab:orange"}
+
+
+@dataclass
+class BenchOptions:
+    """One benchmark run. Defaults: the standard workload (DESIGN.md section 6) on one GPU."""
+
+    preset: str = "qwen2.5-7b"
+    contexts: list[int] = field(default_factory=lambda: [32768, 65536, 131072, 262144])
+    modes: list[str] = field(default_factory=lambda: list(BENCH_MODES))
+    device: str = "cuda"
+    chunk_size: int = 4096
+    page_size: int = 128
+    kv_grad_dtype: str = "float32"
+    checkpoint_layers: bool = True
+    fp32_grad_accumulation: bool = False
+    """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
+    loss_chunk_tokens: int = 1024
+    warmup_tokens: int = 8192
+    max_seconds: float = math.inf
+    """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
+    this many seconds from the start; stop a worker still running then."""
+    seed: int = 0
+    out_dir: str = "bench-results"
+    name: str = "bench"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
+        if not self.contexts or min(self.contexts) <= 0:
+            raise ValueError(f"contexts={self.contexts} must be positive token counts")
+        self.contexts = sorted(set(self.contexts))
+        self.oomb_config()  # validates chunk and page sizes early
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """bf16 on a GPU; fp32 on the CPU (bf16 there is 3-7x slower and tells nothing)."""
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    def oomb_config(self) -> OOMBConfig:
+        return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
+                          checkpoint_layers=self.checkpoint_layers, loss_chunk_tokens=self.loss_chunk_tokens,
+                          fp32_grad_accumulation=self.fp32_grad_accumulation)
+
+
+QUICK = dict(preset="tiny", contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,
+             name="bench_quick")
+"""--quick: the demo's tiny model on the CPU, all modes, in a few seconds."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process: one mode, all contexts
+# ---------------------------------------------------------------------------------------------
+
+def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch.dtype, seed: int):
+    """A model of ``preset`` with random weights, built directly on ``device`` (same weights per seed)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config(preset, max_positions=max_tokens)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.set_attn_implementation("sdpa")
+    return model.train()
+
+
+def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
+    """Plain HF with the tools a savvy user adds: SDPA, gradient checkpointing, a chunked loss."""
+    from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        targets = shift_labels(ids)
+        loss = chunked_cross_entropy(hidden, targets, model.lm_head, int((targets != IGNORE_INDEX).sum()),
+                                     loss_chunk_tokens)
+        loss.backward()
+    finally:
+        model.gradient_checkpointing_disable()
+    return float(loss.detach())
+
+
+def make_step(mode: str, options: BenchOptions):
+    """The function running one step of ``mode``: (model, ids) -> loss."""
+    if mode == "hf":
+        return lambda model, ids: hf_step(model, ids, options.loss_chunk_tokens)
+    from .engine import forward_backward
+
+    config = oomb_config_for(mode, options.oomb_config())
+    return lambda model, ids: float(forward_backward(model, ids, config=config))
+
+
+def token_ids(vocab: int, tokens: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The same random sequence for every mode (drawn on the CPU, then moved)."""
+    generator = torch.Generator().manual_seed(seed + tokens)
+    return torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(step, model, ids: torch.Tensor, device: torch.device) -> dict:
+    """Time and peak memory of one step, after synchronising and resetting the peak statistics."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    _sync(device)
+    rss_before = machine.current_rss_bytes() or 0
+    machine.reset_peak_rss()
+    start = time.perf_counter()
+    loss = step(model, ids)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    host_peak = machine.peak_rss_bytes()
+    row = {"seconds": round(seconds, 3), "loss": round(loss, 4),
+           "host_peak_gib": round(host_peak / GIB, 4), "host_step_gib": round((host_peak - rss_before) / GIB, 4)}
+    if cuda:
+        row["peak_gpu_above_weights_gib"] = round((torch.cuda.max_memory_allocated(device) - base) / GIB, 3)
+        row["peak_gpu_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GIB, 3)
+    model.zero_grad(set_to_none=True)
+    return row
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))  # CPU allocator
+
+
+def _worker(mode: str, options: BenchOptions, deadline: float, out) -> None:
+    """Entry point of a worker process: events go to the queue ``out``."""
+    try:
+        _run_mode(mode, options, deadline, out.put)
+    except BaseException as err:
+        out.put({"event": "error", "error": f"{type(err).__name__}: {err}"})
+        raise
+    finally:
+        out.close()
+        out.join_thread()
+
+
+def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
+    device = torch.device(options.device)
+    if device.type == "cuda":
+        gpu = machine.detect_gpu(device)
+        emit({"event": "device", "gpu": gpu.name, "total_bytes": gpu.total_bytes, "count": torch.cuda.device_count()})
+    start = time.perf_counter()
+    model = build_model(options.preset, max(options.contexts + [options.warmup_tokens]), device, options.dtype,
+                        options.seed)
+    _sync(device)
+    emit({"event": "init", "seconds": round(time.perf_counter() - start, 2)})
+    step = make_step(mode, options)
+    vocab = model.config.vocab_size
+    start = time.perf_counter()
+    step(model, token_ids(vocab, options.warmup_tokens, options.seed, device))
+    _sync(device)
+    emit({"event": "warmup", "tokens": options.warmup_tokens, "seconds": round(time.perf_counter() - start, 2)})
+    last = None  # (tokens, seconds) of the last completed step
+    stopped = None
+    for tokens in options.contexts:
+        if stopped:
+            emit({"event": "row", "tokens": tokens, "status": f"skipped: {stopped}"})
+            continue
+        if last is not None:
+            expected = last[1] * (tokens / last[0]) ** 2  # attention dominates: quadratic in the context
+            if time.time() + expected > deadline:
+                emit({"event": "row", "tokens": tokens,
+                      "status": f"skipped: predicted {expected:.0f} s exceeds the time left (--max-seconds)"})
+                stopped = "a shorter context was predicted past the time limit"
+                continue
+        ids = token_ids(vocab, tokens, options.seed, device)
+        emit({"event": "start", "tokens": tokens})
+        try:
+            row = {**measure(step, model, ids, device), "status": "ok"}
+            last = (tokens, row["seconds"])
+        except Exception as err:
+            if not _is_oom(err):
+                raise
+            row = {"status": "out of memory"}
+            stopped = "out of memory at a shorter context"
+        del ids
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        emit({"event": "row", "tokens": tokens, **row})
+    emit({"event": "done"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: the sweep, predictions, outputs
+# ---------------------------------------------------------------------------------------------
+
+def _mp_context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(WORKER_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> dict:
+    p = predict(mode, shape, tokens, options.oomb_config(), TrainingSetup(options.dtype, 1, "none"))
+    return {"predicted_gpu_above_weights_gib": round(p.gpu_above_weights / GIB, 3),
+            "predicted_host_gib": round(p.host_total / GIB, 3)}
+
+
+def new_report(options: BenchOptions, shape: ModelShape) -> dict:
+    device = torch.device(options.device)
+    report = {
+        "tool": "oomb bench",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "machine": machine.machine_info(device),
+        "versions": machine.versions(),
+        "workload": {
+            "preset": options.preset, "shape": dataclasses.asdict(shape), "params": shape.num_params(),
+            "weights_gib": round(shape.num_params() * options.dtype.itemsize / GIB, 3),
+            "dtype": str(options.dtype).removeprefix("torch."), "step": "one forward+backward, no optimizer",
+            "hf": MODES["hf"].description,
+            "options": {**dataclasses.asdict(options), "max_seconds": str(options.max_seconds)},
+        },
+        "modes": {m: {"status": "implemented" if is_implemented(m) else "planned", "description": MODES[m].description}
+                  for m in options.modes},
+        "rows": [],
+    }
+    return report
+
+
+def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOptions) -> None:
+    """A worker's description of the GPU, and the planner's longest context for it (once per run)."""
+    if "gpu" in report["machine"]:
+        return
+    report["machine"].update(gpu=event["gpu"], gpu_memory_gib=round(event["total_bytes"] / GIB, 1),
+                             gpu_count=event["count"])
+    budget = Budget(event["total_bytes"], machine.host_available_bytes() or event["total_bytes"])
+    setup = TrainingSetup(options.dtype, 1, "none")
+    report["planner"] = {
+        "gpu_limit_gib": round(budget.gpu_limit / GIB, 2),
+        "largest_context": {m: largest_context(lambda t, m=m: predict(m, shape, t, options.oomb_config(), setup)
+                                               .gpu_total <= budget.gpu_limit, options.page_size)
+                            for m in options.modes},
+    }
+
+
+def _add_row(report: dict, mode: str, tokens: int, row: dict, shape: ModelShape, options: BenchOptions) -> dict:
+    row = {"mode": mode, "tokens": tokens, **{k: v for k, v in row.items() if k != "event"}}
+    row.update(_prediction(mode, tokens, shape, options))
+    measured, predicted = row.get("peak_gpu_above_weights_gib"), row["predicted_gpu_above_weights_gib"]
+    if measured:
+        row["prediction_error"] = round(predicted / measured - 1, 4)
+    report["rows"].append(row)
+    return row
+
+
+def _print_row(row: dict) -> None:
+    text = f"{row['mode']:>15} {format_tokens(row['tokens']):>6}: "
+    if row["status"] == "ok":
+        text += f"{row['seconds']:.2f} s"
+        if "peak_gpu_above_weights_gib" in row:
+            text += (f", GPU {row['peak_gpu_above_weights_gib']:.2f} GiB above weights "
+                     f"(predicted {row['predicted_gpu_above_weights_gib']:.2f})")
+        text += f", host peak {row['host_peak_gib']:.2f} GiB, loss {row['loss']:.4f}"
+    else:
+        text += row["status"]
+    print(text, flush=True)
+
+
+def run_bench(options: BenchOptions) -> dict:
+    """Run the sweep; write JSON, markdown and PNG into options.out_dir after every measurement."""
+    shape = ModelShape.from_hf_config(preset_config(options.preset))
+    report = new_report(options, shape)
+    paths = output_paths(options.out_dir, options.name)
+    write_outputs(report, paths)
+    started = time.time()
+    deadline = started + options.max_seconds
+    ctx = None
+    for mode in options.modes:
+        info = report["modes"][mode]
+        if not is_implemented(mode):
+            for tokens in options.contexts:
+                _print_row(_add_row(report, mode, tokens, {"status": NOT_IMPLEMENTED}, shape, options))
+            continue
+        if time.time() >= deadline:
+            for tokens in options.contexts:
+                _add_row(report, mode, tokens, {"status": "skipped: time limit reached before this mode"},
+                         shape, options)
+            continue
+        ctx = ctx or _mp_context()
+        _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths)
+        write_outputs(report, paths)
+    report["seconds"] = round(time.time() - started, 1)
+    write_outputs(report, paths)
+    print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}", flush=True)
+    return report
+
+
+def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> None:
+    """Run one mode's worker, turning its events into rows; record its death or the time limit."""
+    events = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(mode, options, deadline, events), name=f"oomb-bench-{mode}")
+    proc.start()
+    pending = list(options.contexts)  # contexts without a row yet
+    in_flight = None
+    failure = None
+    while pending:
+        try:
+            event = events.get(timeout=POLL_SECONDS)
+        except queue_module.Empty:
+            if not proc.is_alive():
+                failure = failure or f"worker died (exit code {proc.exitcode})"
+                break
+            if time.time() > deadline:
+                proc.kill()
+                failure = "stopped: time limit (--max-seconds) reached"
+                break
+            continue
+        kind = event["event"]
+        if kind == "device":
+            _record_gpu(report, event, shape, options)
+        elif kind in ("init", "warmup"):
+            info[f"{kind}_seconds"] = event["seconds"]
+            if kind == "warmup":
+                info["warmup_tokens"] = event["tokens"]
+            print(f"{mode:>15} {kind}: {event['seconds']:.1f} s", flush=True)
+        elif kind == "start":
+            in_flight = event["tokens"]
+        elif kind == "row":
+            in_flight = None
+            pending.remove(event["tokens"])
+            _print_row(_add_row(report, mode, event["tokens"], event, shape, options))
+            write_outputs(report, paths)
+        elif kind == "error":
+            failure = f"error: {event['error']}"
+        elif kind == "done":
+            break
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    info["worker_exit_code"] = proc.exitcode
+    if pending:
+        failure = failure or f"worker ended early (exit code {proc.exitcode})"
+        where = f"at {format_tokens(in_flight)}" if in_flight else "before its first measurement"
+        info["failure"] = f"{failure} {where}"
+        for tokens in list(pending):
+            status = failure if tokens == in_flight else f"skipped: {failure} {where}"
+            _print_row(_add_row(report, mode, tokens, {"status": status}, shape, options))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: JSON, markdown, PNG
+# ---------------------------------------------------------------------------------------------
+
+def output_paths(out_dir: str | Path, name: str) -> dict[str, Path]:
+    out = Path(out_dir)
+    return {ext: out / f"{name}.{ext}" for ext in ("json", "md", "png")}
+
+
+def summarize(report: dict) -> dict:
+    """Memory growth per 10K tokens (least squares over a mode's measured contexts) and its longest step."""
+    gpu = report["machine"]["device"] == "cuda"
+    key = "peak_gpu_above_weights_gib" if gpu else "host_step_gib"
+    growth, longest = {}, {}
+    for mode in report["modes"]:
+        points = [(r["tokens"], r[key]) for r in report["rows"] if r["mode"] == mode and r["status"] == "ok"]
+        if points:
+            longest[mode] = max(t for t, _ in points)
+        if len(points) >= 2:
+            mean_t = sum(t for t, _ in points) / len(points)
+            mean_m = sum(m for _, m in points) / len(points)
+            var = sum((t - mean_t) ** 2 for t, _ in points)
+            slope = sum((t - mean_t) * (m - mean_m) for t, m in points) / var if var else 0.0
+            growth[mode] = round(slope * TOKENS_PER_GROWTH * GIB / MIB, 1)
+    return {"memory": "GPU peak above weights" if gpu else "host RSS growth during the step",
+            "memory_growth_per_10k_tokens_mib": growth, "longest_measured_context": longest}
+
+
+def write_outputs(report: dict, paths: dict[str, Path]) -> None:
+    """(Re)write JSON, markdown and, when matplotlib is installed, the PNG."""
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    report["rows"].sort(key=lambda r: (r["tokens"], list(MODES).index(r["mode"])))
+    report["summary"] = summarize(report)
+    try:
+        report["plot"] = str(paths["png"].name) if render_plot(report, paths["png"]) else None
+    except Exception as err:  # a plot must never cost the measurements
+        logger.warning("plot failed: %s", err)
+        report["plot"] = None
+    _atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
+    _atomic_write(paths["md"], render_markdown(report))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _memory_unit(report: dict) -> tuple[str, str, float]:
+    """(row key, label, scale to the unit) of the memory that is plotted and tabulated."""
+    if report["machine"]["device"] == "cuda":
+        return "peak_gpu_above_weights_gib", "peak GPU memory above weights (GiB)", 1.0
+    return "host_step_gib", "host RSS growth during the step (MiB)", GIB / MIB
+
+
+def render_markdown(report: dict) -> str:
+    m, v, w = report["machine"], report["versions"], report["workload"]
+    o = w["options"]
+    gpu = m["device"] == "cuda"
+    where = f"{m.get('gpu', 'GPU')} ({m.get('gpu_memory_gib', '?')} GiB)" if gpu else f"CPU: {m['cpu']}"
+    lines = [
+        f"# oomb bench: {w['preset']} on {where}",
+        "",
+        f"{report['date']}; oomb {v['oomb']} ({v.get('git_commit') or 'no git'}), torch {v['torch']}, "
+        f"transformers {v['transformers']}, triton {v.get('triton')}, CUDA {v.get('cuda')}, Python {v['python']}; "
+        f"{m['cpu_count']} CPUs, host {m['host_memory_gib']} GiB.",
+        "",
+        f"Workload: {w['preset']} ({w['params'] / 1e9:.2f} B parameters, random weights, {w['weights_gib']} GiB), "
+        f"{w['dtype']}, {w['step']}, chunk {o['chunk_size']}, page {o['page_size']}, KV gradients "
+        f"{o['kv_grad_dtype']}, fp32 gradient sums {'on' if o['fp32_grad_accumulation'] else 'off'}. "
+        f"hf = {w['hf']}. Warm-up excluded. Command: `{report['command']}`",
+        "",
+    ]
+    key, label, scale = _memory_unit(report)
+    if gpu:
+        lines += ["| context | mode | step time | peak GPU above weights | planner prediction | peak host RSS | "
+                  "loss | status |", "|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| context | mode | step time | host RSS growth | loss | status |", "|---|---|---|---|---|---|"]
+    missing = [mode for mode, i in report["modes"].items() if i["status"] != "implemented"]
+    for r in report["rows"]:
+        if r["mode"] in missing:
+            continue
+        ok = r["status"] == "ok"
+        time_cell = f"{r['seconds']:.2f} s" if ok else "-"
+        loss = f"{r['loss']:.4f}" if ok else "-"
+        if gpu:
+            pred = f"{r['predicted_gpu_above_weights_gib']:.2f} GiB"
+            if "prediction_error" in r:
+                pred += f" ({r['prediction_error']:+.1%})"
+            mem = f"{r[key]:.2f} GiB" if ok else "-"
+            host = f"{r['host_peak_gib']:.1f} GiB" if ok else "-"
+            lines.append(f"| {format_tokens(r['tokens'])} | {r['mode']} | {time_cell} | {mem} | {pred} | {host} | "
+                         f"{loss} | {r['status']} |")
+        else:
+            mem = f"{r[key] * scale:.1f} MiB" if ok else "-"
+            lines.append(f"| {format_tokens(r['tokens'])} | {r['mode']} | {time_cell} | {mem} | {loss} | "
+                         f"{r['status']} |")
+    s = report.get("summary", {})
+    growth = s.get("memory_growth_per_10k_tokens_mib", {})
+    if growth:
+        lines += ["", f"{s['memory']} grows per {TOKENS_PER_GROWTH:,} tokens (least squares over the measured "
+                  "contexts): " + ", ".join(f"{k} {g:,.1f} MiB" for k, g in growth.items()) + "."]
+    setup = [f"{k} init {i['init_seconds']} s, warm-up {i['warmup_seconds']} s ({format_tokens(i['warmup_tokens'])})"
+             for k, i in report["modes"].items() if "warmup_seconds" in i]
+    if setup:
+        lines += ["", "Excluded from the table: " + "; ".join(setup) + "."]
+    if missing:
+        lines += ["", f"{NOT_IMPLEMENTED.capitalize()} of oomb (nothing measured): {', '.join(missing)}. "
+                  "The JSON holds the planner's predictions for them (`predicted_*`, mode status \"planned\")."]
+    failures = [f"{k}: {i['failure']}" for k, i in report["modes"].items() if i.get("failure")]
+    if failures:
+        lines += ["", "Failures: " + "; ".join(failures) + "."]
+    if report.get("plot"):
+        lines += ["", f"![step time and memory vs context]({report['plot']})"]
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(report: dict, path: Path) -> bool:
+    """Step time and memory vs context (log-log), one line per measured mode, OOM marked. False
+    (and a warning) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (redraw later with `oomb bench --replot %s`)",
+                       path.with_suffix(".json"))
+        return False
+    key, label, scale = _memory_unit(report)
+    gpu = report["machine"]["device"] == "cuda"
+    contexts = sorted({r["tokens"] for r in report["rows"]})
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for mode, info in report["modes"].items():
+        if info["status"] != "implemented":
+            continue
+        rows = [r for r in report["rows"] if r["mode"] == mode]
+        ok = [r for r in rows if r["status"] == "ok"]
+        color = MODE_COLORS.get(mode)
+        if ok:
+            xs = [r["tokens"] for r in ok]
+            ax_time.plot(xs, [r["seconds"] for r in ok], "o-", color=color, label=mode)
+            ax_mem.plot(xs, [max(r[key] * scale, 1e-3) for r in ok], "o-", color=color, label=mode)
+        if gpu:
+            ax_mem.plot([r["tokens"] for r in rows], [r["predicted_gpu_above_weights_gib"] for r in rows], ":",
+                        color=color, alpha=0.7, label=f"{mode} (planner)")
+        for r in rows:
+            if r["status"] == "out of memory":
+                for ax in (ax_time, ax_mem):
+                    ax.plot(r["tokens"], 0.95, "x", color="red", markersize=10, mew=2,
+                            transform=ax.get_xaxis_transform())
+                    ax.annotate(f"{mode} OOM", (r["tokens"], 0.95), xycoords=ax.get_xaxis_transform(),
+                                textcoords="offset points", xytext=(-8, -14), fontsize=8, color="red", ha="right")
+    if gpu and report["machine"].get("gpu_memory_gib"):
+        ax_mem.axhline(report["machine"]["gpu_memory_gib"] - report["workload"]["weights_gib"], color="black",
+                       linestyle="--", linewidth=0.8, label="GPU memory - weights")
+    for ax, ylabel in ((ax_time, "step time (s)"), (ax_mem, label)):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(contexts))
+        ax.xaxis.set_major_formatter(FixedFormatter([format_tokens(c) for c in contexts]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        if len(contexts) == 1:
+            ax.set_xlim(contexts[0] / 1.5, contexts[0] * 1.5)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    m, v = report["machine"], report["versions"]
+    where = m.get("gpu", "GPU") if gpu else f"CPU ({m['cpu_count']} cores)"
+    fig.suptitle(f"oomb bench: {report['workload']['preset']}, one forward+backward, {where}")
+    missing = [k for k, i in report["modes"].items() if i["status"] != "implemented"]
+    footer = (f"{report['date'][:10]}; oomb {v['oomb']}, torch {v['torch']}, transformers {v['transformers']}, "
+              f"triton {v.get('triton')}; warm-up excluded")
+    if missing:
+        footer += f"; {NOT_IMPLEMENTED}: {', '.join(missing)}"
+    fig.text(0.01, 0.01, footer, fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def replot(json_path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Redraw the markdown table and PNG of a finished run from its JSON."""
+    json_path = Path(json_path)
+    report = json.loads(json_path.read_text())
+    paths = output_paths(out_dir or json_path.parent, json_path.stem)
+    write_outputs(report, paths)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `oomb bench`; defaults are the standard workload, --quick the CPU smoke run."""
+    d = BenchOptions()
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model on the CPU, contexts 1K 2K (overridable by the options below)")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the table and plot of a finished run")
+    parser.add_argument("--preset", choices=["qwen2.5-7b", "qwen2.5-0.5b", "llama3-8b", "tiny"])
+    parser.add_argument("--contexts", type=parse_tokens, nargs="+", help="e.g. 32K 64K 128K 256K")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help=f"default: {' '.join(BENCH_MODES)}")
+    parser.add_argument("--device", help="cuda (default) or cpu")
+    parser.add_argument("--chunk-size", type=int)
+    parser.add_argument("--page-size", type=int)
+    parser.add_argument("--kv-grad-dtype", help=f"default {d.kv_grad_dtype}")
+    parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
+                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
+    parser.add_argument("--no-checkpoint-layers", action="store_true")
+    parser.add_argument("--warmup-tokens", type=parse_tokens)
+    parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out-dir", help=f"where NAME.json, NAME.md, NAME.png go (default {d.out_dir})")
+    parser.add_argument("--name", help="file name stem (default bench, or bench_quick with --quick)")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    values = dict(QUICK) if args.quick else {}
+    for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
+                 "fp32_grad_accumulation", "warmup_tokens", "max_seconds", "seed", "out_dir", "name"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.no_checkpoint_layers:
+        values["checkpoint_layers"] = False
+    if "kv_grad_dtype" in values:
+        resolve_dtype(values["kv_grad_dtype"], "kv_grad_dtype")
+    options = BenchOptions(**values)
+    if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device on this machine: use --device cpu (or --quick)")
+    return options
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `oomb bench`; exit code 1 when a mode failed (crash or error), out-of-memory included not."""
+    if args.replot:
+        paths = replot(args.replot, args.out_dir)
+        print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}")
+        return 0
+    report = run_bench(options_from_args(args))
+    return 1 if any(i.get("failure") for i in report["modes"].values()) else 0

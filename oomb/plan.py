@@ -1,0 +1,467 @@
+"""`oomb plan`: how much GPU and host memory a step needs, and the longest context that fits.
+
+    oomb plan --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125
+    oomb plan --model path/to/local/model --context 256K --lora-rank 16 --json
+
+For every mode (plain HF, oomb dense/sparse with host offload off/on) it prints the predicted peak
+GPU memory by term, the host RAM, whether the step fits the GPU and host budgets, and the largest
+context that does. The numbers come from ``oomb.memory.predict``; modes this version of oomb does
+not implement yet are modelled from the design and labelled "planned", never "measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import machine
+from .config import ATTENTION_MODES, OOMBConfig, resolve_dtype
+from .memory import (
+    GIB,
+    GPU_TERMS,
+    HOST_TERMS,
+    MODES,
+    MemoryPrediction,
+    Mode,
+    ModelShape,
+    OffloadAssumptions,
+    SparseAssumptions,
+    TrainingSetup,
+    predict,
+)
+
+SAFETY_MARGIN = 0.05
+"""Fraction of GPU and host memory the planner keeps free: allocator fragmentation and temporaries
+the model does not count (measured peaks were within 1-4 % of the predictions)."""
+CUDA_CONTEXT_BYTES = GIB // 2
+"""Device memory held by the CUDA context and kernel images, outside PyTorch's allocator."""
+MAX_SEARCH_TOKENS = 1 << 32
+"""Upper end of the largest-context search (4G tokens)."""
+DEFAULT_CONTEXT = 131072
+TOKEN_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+# Model shapes for planning and benchmarking without a checkpoint: HF config fields by model type.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                   rope_theta=1e6, tie_word_embeddings=True)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                rope_theta=5e5, tie_word_embeddings=False)),
+    "tiny": ("qwen2", {}),  # oomb.demo.tiny_qwen2_config: the demo's model
+}
+
+
+def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
+    """A transformers config of preset ``name`` (random weights are built from it by the benchmark)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    if name == "tiny":
+        from .demo import tiny_qwen2_config
+
+        return tiny_qwen2_config(max_positions)
+    from transformers import AutoConfig
+
+    model_type, fields = PRESETS[name]
+    return AutoConfig.for_model(model_type, max_position_embeddings=max_positions, **fields)
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """The shape of a preset name or of a local model directory's config.json (nothing downloaded)."""
+    if model in PRESETS:
+        return ModelShape.from_hf_config(preset_config(model))
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a local directory with a config.json")
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    return ModelShape.from_hf_config(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+
+
+def parse_tokens(text: str | int) -> int:
+    """'131072', '128K', '1M' (binary: K = 1024) -> a positive token count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 131072, 128K, 1M)")
+    tokens = int(float(match.group(1)) * TOKEN_SUFFIXES[match.group(2).upper()])
+    if tokens <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a context must be at least one token")
+    return tokens
+
+
+def format_tokens(tokens: int) -> str:
+    """131072 -> '128K', 1048576 -> '1M', 1000 -> '1,000'."""
+    for suffix, scale in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if tokens >= scale and tokens % scale == 0:
+            return f"{tokens // scale}{suffix}"
+    return f"{tokens:,}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Which modes this version runs
+# ---------------------------------------------------------------------------------------------
+
+def is_implemented(mode: str | Mode) -> bool:
+    """True when this version of oomb can run ``mode`` (hf always; oomb modes per OOMBConfig)."""
+    mode = MODES[mode] if isinstance(mode, str) else mode
+    if mode.attention == "hf":
+        return True
+    config_fields = {f.name for f in dataclasses.fields(OOMBConfig)}
+    return mode.attention in ATTENTION_MODES and (not mode.offload or "offload" in config_fields)
+
+
+def oomb_config_for(mode: str | Mode, base: OOMBConfig) -> OOMBConfig:
+    """The OOMBConfig that runs oomb ``mode`` (attention and, assumed, a boolean ``offload`` field)."""
+    mode = MODES[mode] if isinstance(mode, str) else mode
+    if mode.attention == "hf":
+        raise ValueError("mode 'hf' runs plain transformers, not an OOMBConfig")
+    if not is_implemented(mode):
+        raise NotImplementedError(f"mode {mode.name!r} is not implemented in this version of oomb")
+    changes = {"attention": mode.attention}
+    if "offload" in {f.name for f in dataclasses.fields(OOMBConfig)}:
+        changes["offload"] = mode.offload
+    return dataclasses.replace(base, **changes)
+
+
+def mode_status(mode: str | Mode) -> str:
+    return "implemented" if is_implemented(mode) else "planned"
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets and the search for the largest context
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Budget:
+    """GPU and host memory a step may use."""
+
+    gpu_bytes: int
+    """Size of the GPU (total device memory)."""
+    host_bytes: int
+    """Host RAM the step may take (MemAvailable when detected)."""
+    gpu_source: str = "given"
+    host_source: str = "given"
+    margin: float = SAFETY_MARGIN
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin={self.margin} must be in [0, 1)")
+        if self.gpu_bytes <= 0 or self.host_bytes <= 0:
+            raise ValueError(f"memory sizes must be positive (GPU {self.gpu_bytes}, host {self.host_bytes} bytes)")
+
+    @property
+    def gpu_limit(self) -> int:
+        return int(self.gpu_bytes * (1 - self.margin)) - CUDA_CONTEXT_BYTES
+
+    @property
+    def host_limit(self) -> int:
+        return int(self.host_bytes * (1 - self.margin))
+
+    @classmethod
+    def detect(cls, gpu_gib: float | None = None, host_gib: float | None = None,
+               margin: float = SAFETY_MARGIN) -> Budget:
+        """Given sizes (GiB) win; otherwise this machine's GPU (mem_get_info) and MemAvailable."""
+        if gpu_gib is not None:
+            gpu, gpu_source = int(gpu_gib * GIB), "given"
+        else:
+            info = machine.detect_gpu()
+            if info is None:
+                raise ValueError("no CUDA device on this machine: give the GPU size with --gpu-gib "
+                                 "(e.g. --gpu-gib 139 for an H200, 79 for an H100 80GB)")
+            gpu, gpu_source = info.total_bytes, f"detected: {info.name}"
+        if host_gib is not None:
+            host, host_source = int(host_gib * GIB), "given"
+        else:
+            available = machine.host_available_bytes()
+            if available is None:
+                raise ValueError("cannot read MemAvailable from /proc/meminfo: give the host RAM with --host-gib")
+            host, host_source = available, "detected: MemAvailable"
+        return cls(gpu, host, gpu_source, host_source, margin)
+
+
+def largest_context(fits: Callable[[int], bool], step: int, limit: int = MAX_SEARCH_TOKENS) -> int:
+    """The largest multiple of ``step`` (at most ``limit``) for which ``fits`` holds; 0 if none.
+
+    ``fits`` must be monotone (true up to some length, false beyond): memory grows with the context.
+    """
+    if not fits(step):
+        return 0
+    n_max = limit // step
+    lo, hi = 1, 2  # lo * step fits; hi * step does not, or is past the limit
+    while hi <= n_max and fits(hi * step):
+        lo, hi = hi, hi * 2
+    hi = min(hi, n_max + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+@dataclass(frozen=True)
+class ModeReport:
+    mode: Mode
+    prediction: MemoryPrediction
+    fits_gpu: bool
+    fits_host: bool
+    largest_context: int
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def status(self) -> str:
+        return mode_status(self.mode)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    shape: ModelShape
+    tokens: int
+    config: OOMBConfig
+    setup: TrainingSetup
+    offload: OffloadAssumptions
+    sparse: SparseAssumptions
+    budget: Budget
+    reports: list[ModeReport]
+    hints: list[str]
+
+
+def _check(prediction: MemoryPrediction, budget: Budget) -> tuple[bool, bool]:
+    return prediction.gpu_total <= budget.gpu_limit, prediction.host_total <= budget.host_limit
+
+
+def make_plan(
+    model: str,
+    shape: ModelShape,
+    tokens: int,
+    budget: Budget,
+    config: OOMBConfig | None = None,
+    setup: TrainingSetup | None = None,
+    offload: OffloadAssumptions | None = None,
+    sparse: SparseAssumptions | None = None,
+    modes: list[str] | None = None,
+) -> Plan:
+    """Predictions, fit and largest context of every mode in ``modes`` (default: all)."""
+    config = config or OOMBConfig()
+    setup = setup or TrainingSetup()
+    offload = offload or OffloadAssumptions()
+    sparse = sparse or SparseAssumptions()
+    modes = modes or list(MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
+
+    def run(mode: str, t: int, cfg: OOMBConfig = config, st: TrainingSetup = setup) -> MemoryPrediction:
+        return predict(mode, shape, t, cfg, st, offload=offload, sparse=sparse)
+
+    reports = []
+    for name in modes:
+        prediction = run(name, tokens)
+        largest = largest_context(lambda t, name=name: all(_check(run(name, t), budget)), config.page_size)
+        reports.append(ModeReport(MODES[name], prediction, *_check(prediction, budget), largest))
+
+    hints = []
+    alternatives = []
+    if config.grad_dtype != torch.bfloat16:
+        alternatives.append(("--kv-grad-dtype bfloat16", dataclasses.replace(config, kv_grad_dtype="bfloat16"), setup))
+    if setup.lora_rank == 0:
+        alternatives.append(("--lora-rank 16", config, dataclasses.replace(setup, lora_rank=16)))
+    for report in reports:
+        if report.fits:
+            continue
+        for flag, cfg, st in alternatives:
+            prediction = run(report.mode.name, tokens, cfg, st)
+            if all(_check(prediction, budget)):
+                hints.append(f"{report.mode.name} fits with {flag} (GPU {prediction.gpu_total / GIB:.1f} GiB, "
+                             f"host {prediction.host_total / GIB:.1f} GiB)")
+                break
+    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fit_text(report: ModeReport) -> str:
+    if report.fits:
+        return "yes"
+    return "no: " + "+".join(x for x, ok in (("GPU", report.fits_gpu), ("host", report.fits_host)) if not ok)
+
+
+def format_plan(plan: Plan) -> str:
+    """A plain-text report: one column per mode, one row per memory term."""
+    s, cfg, st, budget = plan.shape, plan.config, plan.setup, plan.budget
+    training = f"LoRA rank {st.lora_rank}" if st.lora_rank else "full fine-tuning"
+    optimizer = {"adamw": "AdamW (fp32 moments)", "none": "no optimizer"}[st.optimizer]
+    lines = [
+        f"oomb plan: {plan.model}: {s.num_params() / 1e9:.2f} B parameters, {s.num_layers} layers, "
+        f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}",
+        f"step: {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) x batch {st.batch_size}, {_dtype(st.dtype)}, "
+        f"{training}, {optimizer}{', fp32 master weights' if st.master_weights else ''}",
+        f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.grad_dtype)}, fp32 grad sums "
+        f"{'on' if cfg.fp32_grad_accumulation else 'off'}, "
+        f"layer checkpointing {'on' if cfg.checkpoint_layers else 'off'}",
+        f"budget: GPU {budget.gpu_bytes / GIB:.1f} GiB ({budget.gpu_source}) -> {budget.gpu_limit / GIB:.1f} GiB "
+        f"usable; host {budget.host_bytes / GIB:.1f} GiB ({budget.host_source}) -> {budget.host_limit / GIB:.1f} GiB "
+        f"usable ({budget.margin:.0%} margin, {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context)",
+        "",
+    ]
+    width = max(15, *(len(r.mode.name) + 2 for r in plan.reports))
+    label_width = 22
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"{label:<{label_width}}" + "".join(f"{c:>{width}}" for c in cells)
+
+    reports = plan.reports
+    lines.append(row("", [r.mode.name for r in reports]))
+    lines.append(row("status", [r.status for r in reports]))
+    lines.append("GPU (GiB)")
+    for term in GPU_TERMS:
+        if any(r.prediction.gpu[term] for r in reports):
+            lines.append(row("  " + term, [_gib(r.prediction.gpu[term]) for r in reports]))
+    lines.append(row("  total", [_gib(r.prediction.gpu_total) for r in reports]))
+    lines.append("host RAM (GiB)")
+    for term in HOST_TERMS:
+        if any(r.prediction.host[term] for r in reports):
+            lines.append(row("  " + term, [_gib(r.prediction.host[term]) for r in reports]))
+    lines.append(row("  total", [_gib(r.prediction.host_total) for r in reports]))
+    lines.append(row(f"fits {format_tokens(plan.tokens)}", [_fit_text(r) for r in reports]))
+    lines.append(row("largest context", [f"{r.largest_context:,}" for r in reports]))
+    lines.append("")
+    fitting = [r.mode.name + ("" if r.status == "implemented" else " (planned)") for r in reports if r.fits]
+    lines.append(f"fits at {plan.tokens:,} tokens: {', '.join(fitting) if fitting else 'none'}")
+    for r in reports:
+        if not r.fits:
+            why = []
+            if not r.fits_gpu:
+                why.append(f"GPU {r.prediction.gpu_total / GIB:.1f} > {budget.gpu_limit / GIB:.1f} GiB")
+            if not r.fits_host:
+                why.append(f"host {r.prediction.host_total / GIB:.1f} > {budget.host_limit / GIB:.1f} GiB")
+            lines.append(f"does not fit: {r.mode.name}: {'; '.join(why)}")
+    lines.extend(f"hint: {h}" for h in plan.hints)
+    if any(r.status == "planned" for r in reports):
+        o, sp = plan.offload, plan.sparse
+        lines.append(
+            f"planned = not in this version of oomb: predicted from the design, not measured (offload: "
+            f"{o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page streamed "
+            f"blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} summary "
+            f"vectors per page)")
+    return "\n".join(lines)
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as plain JSON-able data (bytes as integers, totals also in GiB)."""
+    def clean(obj) -> dict:
+        return {k: (_dtype(v) if isinstance(v, torch.dtype) else v) for k, v in dataclasses.asdict(obj).items()}
+
+    return {
+        "model": plan.model,
+        "shape": dataclasses.asdict(plan.shape),
+        "params": plan.shape.num_params(),
+        "tokens": plan.tokens,
+        "config": {**clean(plan.config), "kv_grad_dtype": _dtype(plan.config.grad_dtype)},
+        "setup": clean(plan.setup),
+        "offload_assumptions": clean(plan.offload),
+        "sparse_assumptions": clean(plan.sparse),
+        "budget": {**clean(plan.budget), "gpu_limit": plan.budget.gpu_limit, "host_limit": plan.budget.host_limit,
+                   "cuda_context_bytes": CUDA_CONTEXT_BYTES},
+        "modes": [
+            {
+                "mode": r.mode.name,
+                "status": r.status,
+                "description": r.mode.description,
+                "gpu_bytes": r.prediction.gpu,
+                "gpu_total_gib": round(r.prediction.gpu_total / GIB, 3),
+                "gpu_above_weights_gib": round(r.prediction.gpu_above_weights / GIB, 3),
+                "host_bytes": r.prediction.host,
+                "host_total_gib": round(r.prediction.host_total / GIB, 3),
+                "fits": r.fits,
+                "fits_gpu": r.fits_gpu,
+                "fits_host": r.fits_host,
+                "largest_context": r.largest_context,
+            }
+            for r in plan.reports
+        ],
+        "hints": plan.hints,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `oomb plan`."""
+    defaults, setup = OOMBConfig(), TrainingSetup()
+    offload, sparse = OffloadAssumptions(), SparseAssumptions()
+    parser.add_argument("--model", required=True, help=f"a local model directory or a preset: {', '.join(PRESETS)}")
+    parser.add_argument("--context", type=parse_tokens, default=DEFAULT_CONTEXT,
+                        help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--gpu-gib", type=float, help="GPU size in GiB (default: this machine's CUDA device)")
+    parser.add_argument("--host-gib", type=float, help="host RAM for the step in GiB (default: MemAvailable)")
+    parser.add_argument("--margin", type=float, default=SAFETY_MARGIN, help="fraction of each memory kept free")
+    group = parser.add_argument_group("training")
+    group.add_argument("--batch-size", type=int, default=setup.batch_size)
+    group.add_argument("--dtype", default="bfloat16", help="weights, activations and K/V pages")
+    group.add_argument("--optimizer", choices=["adamw", "none"], default=setup.optimizer)
+    group.add_argument("--master-weights", action="store_true", help="fp32 master copy of trainable weights")
+    group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
+    group = parser.add_argument_group("oomb step (OOMBConfig)")
+    group.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    group.add_argument("--page-size", type=int, default=defaults.page_size)
+    group.add_argument("--kv-grad-dtype", default="float32")
+    group.add_argument("--loss-chunk-tokens", type=int, default=defaults.loss_chunk_tokens)
+    group.add_argument("--no-checkpoint-layers", action="store_true")
+    group.add_argument("--no-fp32-grad-accumulation", action="store_true")
+    group = parser.add_argument_group("planned modes (assumptions)")
+    group.add_argument("--top-k-pages", type=int, default=sparse.top_k_pages)
+    group.add_argument("--sink-pages", type=int, default=sparse.sink_pages)
+    group.add_argument("--resident-layers", type=int, default=offload.resident_layers)
+    group.add_argument("--stream-block-pages", type=int, default=offload.stream_block_pages)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, kv_grad_dtype=args.kv_grad_dtype,
+                        checkpoint_layers=not args.no_checkpoint_layers, loss_chunk_tokens=args.loss_chunk_tokens,
+                        fp32_grad_accumulation=not args.no_fp32_grad_accumulation)
+    setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
+                          args.master_weights, args.lora_rank)
+    offload = OffloadAssumptions(resident_layers=args.resident_layers, stream_block_pages=args.stream_block_pages)
+    sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages)
+    budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
+    return make_plan(args.model, load_model_shape(args.model), args.context, budget, config, setup, offload, sparse,
+                     args.modes)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the plan; exit code 0 when an implemented mode fits, 1 otherwise."""
+    plan = plan_from_args(args)
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
+    return 0 if any(r.fits and r.status == "implemented" for r in plan.reports) else 1

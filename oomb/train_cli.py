@@ -1,0 +1,120 @@
+"""`oomb train [CONFIG.yaml] [flags] [--set section.key=value ...]`: a training run from the shell.
+
+With no arguments it trains the embedded tiny Qwen2-shaped model on oomb's own source on this
+machine. Precedence: defaults < CONFIG.yaml < the shortcut flags (--model, --data, ...) < --set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .train_config import TrainerConfig
+from .trainer import NotEnoughMemoryError, Trainer, TrainResult
+
+EXIT_ERROR = 1
+EXIT_MEMORY = 3
+EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `oomb train`."""
+    parser.add_argument("config", nargs="?", help="YAML config file (default: the embedded tiny model and corpus)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")
+    parser.add_argument("--model", help="local Hugging Face model directory (model.path)")
+    parser.add_argument("--data", action="append", metavar="PATH",
+                        help="data file or folder: jsonl, parquet, text (data.paths; repeatable)")
+    parser.add_argument("--seq-len", type=int, help="tokens per training sequence (data.seq_len)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (train.max_steps)")
+    parser.add_argument("--output-dir", help="where checkpoints, metrics and the final model go (train.output_dir)")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (lora.enabled=true)")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                        help="continue from the latest checkpoint in the output dir, or from CHECKPOINT")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over even if the output dir holds a run (deletes its checkpoints and metrics)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+
+def shortcut_overrides(args: argparse.Namespace) -> list[str]:
+    """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
+    pairs = [("model.path", args.model), ("data.paths", args.data), ("data.seq_len", args.seq_len),
+             ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
+             ("checkpoint.resume", args.resume)]
+    if args.lora:
+        pairs.append(("lora.enabled", True))
+    if args.overwrite:
+        pairs.append(("train.overwrite", True))
+    return [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `oomb train`: 0 when done, 130 when interrupted (state saved), 3 when memory is short."""
+    config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    _quiet_transformers()
+    trainer = Trainer(config)
+    try:
+        trainer.setup()
+        print(_header(trainer), flush=True)
+        result = trainer.train()
+    except NotEnoughMemoryError as err:
+        print(f"oomb train: {err}", file=sys.stderr)
+        return EXIT_MEMORY
+    except FloatingPointError as err:
+        print(f"oomb train: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("oomb train: interrupted before the first step; nothing was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(_summary(result, trainer), flush=True)
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _header(trainer: Trainer) -> str:
+    cfg = trainer.config
+    source = cfg.model.path or f"preset {cfg.model.preset} (random weights)"
+    data = ", ".join(cfg.data.paths) if cfg.data.paths else "embedded corpus (oomb's source)"
+    mode = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
+    start = f", resuming at step {trainer.step} from {trainer.resumed_from}" if trainer.resumed_from else ""
+    return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
+            f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}\n"
+            f"  data: {data}; {cfg.train.max_steps} steps x {cfg.train.grad_accum} sequence(s) x "
+            f"{cfg.data.seq_len:,} tokens, chunk {cfg.oomb.chunk_size}, page {cfg.oomb.page_size}, "
+            f"lr {trainer.lr:g}{start}\n  output: {cfg.train.output_dir}")
+
+
+def _summary(result: TrainResult, trainer: Trainer) -> str:
+    out = trainer.output_dir
+    losses = result.losses
+    trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
+    lines = [f"oomb train: {'interrupted after' if result.interrupted else 'done,'} {result.steps} steps, "
+             f"{result.tokens:,} tokens in {result.elapsed_s:,.1f} s ({result.tokens_per_s:,.0f} tokens/s); {trend}"]
+    if result.checkpoint:
+        lines.append(f"  checkpoint: {result.checkpoint}")
+    if result.export_dir:
+        kind = "LoRA adapter (PEFT)" if trainer.config.lora.enabled else "model"
+        lines.append(f"  {kind}: {result.export_dir} (from_pretrained-ready, with tokenizer)")
+    if result.merged_dir:
+        lines.append(f"  merged model: {result.merged_dir}")
+    lines.append(f"  metrics: {out / trainer.config.logging.metrics_file}, summary: {out / 'summary.json'}")
+    memory = f"host {result.peak_host_gib:.2f} GiB"
+    if result.peak_gpu_gib is not None:
+        memory += f", GPU {result.peak_gpu_gib:.2f} GiB"
+    lines.append(f"  peak memory: {memory}")
+    if result.interrupted:
+        lines.append("  continue with the same command plus --resume")
+    return "\n".join(lines)
+
+
+def _quiet_transformers() -> None:
+    """transformers' own progress bars (loading, writing shards) would break ours."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except (ImportError, AttributeError):
+        pass

@@ -1,0 +1,135 @@
+"""AdamW with float32 master weights, and the warmup + cosine learning-rate schedule.
+
+Where trainable parameters are bfloat16/float16 (``optim.master_weights``), AdamW never sees them:
+
+    model parameter p (bf16, device)  --.grad after each sequence, summed in fp32-->  master.grad
+    AdamW.step() on the fp32 masters (so exp_avg, exp_avg_sq are fp32 too)
+    master  --rounded copy-->  p
+
+Small updates then accumulate in fp32 instead of vanishing in bf16 rounding. float32 parameters
+(CPU runs, LoRA adapters, which PEFT keeps in fp32) are stepped directly. With ``optim.offload``
+every trainable parameter gets a master in host memory and AdamW steps on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .train_config import OptimSection
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """The tensors AdamW updates: an fp32 master per low-precision (or offloaded) trainable parameter,
+    else the parameter itself."""
+
+    def __init__(self, model: nn.Module, enabled: bool, offload: bool) -> None:
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.masters: list[torch.Tensor | None] = []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            master = None
+            if offload or (enabled and p.dtype in LOW_PRECISION):
+                device = torch.device("cpu") if offload else p.device
+                master = p.detach().to(device=device, dtype=torch.float32, copy=True)
+                if offload and p.is_cuda:
+                    master = master.pin_memory()  # faster copies both ways
+            self.names.append(name)
+            self.params.append(p)
+            self.masters.append(master)
+
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [p if m is None else m for p, m in zip(self.params, self.masters, strict=True)]
+
+    @property
+    def num_masters(self) -> int:
+        return sum(m.numel() for m in self.masters if m is not None)
+
+    def collect(self) -> None:
+        """After a sequence's backward: move low-precision gradients into the fp32 masters' .grad."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            if m is None or p.grad is None:
+                continue
+            grad = p.grad.to(device=m.device, dtype=torch.float32)
+            if m.grad is None:
+                m.grad = grad  # p.grad itself when already fp32 on the master's device: p lets go of it below
+            else:
+                m.grad.add_(grad)
+            p.grad = None
+
+    def scale_grads(self, factor: float) -> None:
+        for t in self.optimizer_params:
+            if t.grad is not None:
+                t.grad.mul_(factor)
+
+    def zero_grads(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.grad = None
+            if m is not None:
+                m.grad = None
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """Copy the updated masters into the model's parameters (rounding to their dtype)."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            if m is not None:
+                p.copy_(m, non_blocking=True)
+        if any(p.is_cuda for p in self.params):
+            torch.cuda.synchronize()  # pinned sources must not change before the copies finish
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: m for n, m in zip(self.names, self.masters, strict=True) if m is not None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"master weights do not match the model (missing {missing[:3]}, unexpected "
+                             f"{extra[:3]}): was the checkpoint written with other optim.master_weights/offload "
+                             "or model settings?")
+        for n, m in zip(self.names, self.masters, strict=True):
+            if m is not None:
+                m.copy_(state[n])
+        self.push()
+
+
+def build_optimizer(masters: MasterWeights, options: OptimSection, lr: float) -> torch.optim.AdamW:
+    """AdamW over the masters; matrices decay, vectors (biases, norms) do not. Fused on CUDA by default."""
+    params = masters.optimizer_params
+    decay = [t for t in params if t.dim() >= 2]
+    no_decay = [t for t in params if t.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": options.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameter: enable LoRA or unfreeze parameters")
+    on_cuda = all(t.is_cuda for t in params)
+    fused = options.fused if options.fused is not None else on_cuda
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(options.betas), eps=options.eps, fused=fused or None)
+
+
+def lr_factor(step: int, options: OptimSection, max_steps: int) -> float:
+    """Multiplier of the peak lr before optimizer step ``step`` (0-based): linear warmup, then
+    cosine down to ``min_lr_ratio`` at ``max_steps`` (or constant)."""
+    warmup = options.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if options.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, options: OptimSection,
+                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:  # a plain function: LambdaLR's state_dict then holds only counters
+        return lr_factor(step, options, max_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

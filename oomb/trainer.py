@@ -1,0 +1,507 @@
+"""`oomb.Trainer`: a complete long-context training run, driven by one ``TrainerConfig``.
+
+    setup   output dir (fresh, --overwrite or --resume) -> model config checked (directory,
+            architecture, context vs max positions) -> tokenizer -> data stream -> model (+ LoRA)
+            -> memory check -> AdamW (fp32 masters) + schedule -> restore a checkpoint
+    step    grad_accum x [next packed sequence -> oomb.forward_backward -> grads into fp32 masters]
+            -> mean over sequences -> clip -> AdamW -> schedule -> masters copied into the model
+    after   metrics.jsonl line, progress bar; a checkpoint every checkpoint.every steps
+    end     final checkpoint, export (save_pretrained) to output_dir/final, summary.json
+
+Ctrl-C during a step drops the partial step, writes a checkpoint of the last complete one and
+returns (``TrainResult.interrupted``); ``checkpoint.resume="latest"`` continues exactly there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import machine
+from .checkpoint import Checkpoint, atomic_directory, capture_rng, latest_checkpoint, load_checkpoint, restore_rng
+from .checkpoint import save_checkpoint as write_checkpoint
+from .data import DataPosition, PackedSequences, resolve_files
+from .engine import forward_backward
+from .memory import GIB, ModelShape, estimate_step_memory
+from .models import unwrap_causal_lm
+from .presets import (
+    TINY_PRESET,
+    apply_lora,
+    build_model,
+    context_warning,
+    count_parameters,
+    load_model_config,
+    load_tokenizer,
+)
+from .train_config import TrainerConfig
+from .train_optim import MasterWeights, build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LR = {"tiny": 3e-3, "lora": 2e-4, "full": 1e-5}
+MEMORY_HEADROOM = 0.95  # refuse when the prediction exceeds this fraction of free memory
+ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
+
+
+class NotEnoughMemoryError(MemoryError):
+    """The predicted memory of a step exceeds what is free; the message has the numbers and the fixes."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    output_dir: str
+    checkpoint: str | None
+    export_dir: str | None
+    merged_dir: str | None
+    interrupted: bool
+    resumed_from: str | None
+    peak_gpu_gib: float | None
+    peak_host_gib: float
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+class Trainer:
+    """Train a causal LM on long packed sequences with oomb's chunk-recurrent step.
+
+    Args:
+        config: the run's configuration (default: the embedded tiny model and corpus on this machine).
+        model: an already-built transformers *ForCausalLM to train instead of loading ``config.model``.
+        tokenizer: the tokenizer to use with ``model``.
+    """
+
+    def __init__(self, config: TrainerConfig | None = None, *, model: nn.Module | None = None,
+                 tokenizer=None) -> None:
+        self.config = config or TrainerConfig()
+        if (model is None) != (tokenizer is None):
+            raise ValueError("pass model and tokenizer together (or neither, to load them from config.model)")
+        self.model, self.tokenizer = model, tokenizer
+        self.output_dir = Path(self.config.train.output_dir)
+        self.checkpoint_dir = self.output_dir / "checkpoints"
+        self.step = 0
+        self.tokens = 0
+        self.losses: list[float] = []
+        self.elapsed = 0.0  # training seconds, over all sessions of the run
+        self.resumed_from: Path | None = None
+        self._last_saved: Path | None = None
+        self._saved_step = -1
+        self._ready = False
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Everything before the first step (``train`` calls it if not done yet)."""
+        if self._ready:
+            return
+        cfg = self.config
+        self.device = _resolve_device(cfg.train.device)
+        self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
+        resume_from = self._prepare_output_dir()
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+
+        if self.model is None:
+            model_config = load_model_config(cfg.model, cfg.data.seq_len)
+        else:
+            model_config = unwrap_causal_lm(self.model).config
+        warning = context_warning(model_config, cfg.data.seq_len)
+        if warning:
+            logger.warning(warning)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(cfg.model)
+        self.data = PackedSequences(resolve_files(cfg.data), self.tokenizer, cfg.data, cfg.train.seed)
+        if self.model is None:
+            self.model = build_model(cfg.model, model_config, self.dtype, self.device)
+        if cfg.lora.enabled and not hasattr(self.model, "peft_config"):
+            self.model = apply_lora(self.model, cfg.lora)
+        causal_lm = unwrap_causal_lm(self.model)
+        self.device = causal_lm.get_input_embeddings().weight.device
+        vocab = causal_lm.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > vocab:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model embeds only {vocab}: "
+                             "use the model's own tokenizer (model.tokenizer) or resize its embeddings")
+        self.trainable, self.total_params = count_parameters(self.model)
+        logger.info("model: %s, %.2f M parameters (%.2f M trainable), %s on %s", type(causal_lm).__name__,
+                    self.total_params / 1e6, self.trainable / 1e6, self.dtype, self.device)
+
+        self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
+        self._check_memory(causal_lm)
+        self.lr = cfg.optim.lr or self._default_lr()
+        self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        if resume_from is not None:
+            self._restore(resume_from)
+        self._data_position = self.data.position  # where the step after the last complete one starts
+        self._ready = True
+
+    def _default_lr(self) -> float:
+        if self.config.model.path is None and self.config.model.preset == TINY_PRESET:
+            return DEFAULT_LR["tiny"]
+        return DEFAULT_LR["lora" if self.config.lora.enabled else "full"]
+
+    def _prepare_output_dir(self) -> Path | None:
+        """The checkpoint to resume from, or None for a fresh run (refusing to mix with an old one)."""
+        resume = self.config.checkpoint.resume
+        latest = latest_checkpoint(self.checkpoint_dir)
+        if resume == "latest":
+            if latest is None:
+                logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0",
+                               self.checkpoint_dir)
+                return None
+            return latest
+        if resume is not None:
+            return Path(resume)
+        metrics = self.output_dir / self.config.logging.metrics_file
+        if latest is not None or metrics.exists():
+            if not self.config.train.overwrite:
+                found = latest.name if latest is not None else metrics.name
+                raise ValueError(
+                    f"train.output_dir={str(self.output_dir)!r} already holds a run ({found}); continue it with "
+                    "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
+                    "another train.output_dir")
+            for name in (*ARTIFACTS, self.config.logging.metrics_file):
+                path = self.output_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        return None
+
+    def _check_memory(self, causal_lm) -> None:
+        mode = self.config.train.memory_check
+        if mode == "off":
+            return
+        terms = self.predicted_memory(causal_lm)
+        need = sum(terms.values())
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            where = f"GPU memory on {self.device}"
+        else:
+            free = host_available_bytes()
+            where = "host memory (MemAvailable)"
+        problems = []
+        if need > MEMORY_HEADROOM * free:
+            problems.append((where, need, free, terms))
+        if self.config.optim.offload and self.device.type == "cuda":
+            host_need = 16 * self.masters.num_masters
+            host_free = host_available_bytes()
+            if host_need > MEMORY_HEADROOM * host_free:
+                problems.append(("host memory for the offloaded optimizer", host_need, host_free,
+                                 {"fp32 masters, their gradients, AdamW state": host_need}))
+        logger.info("predicted memory of a step beyond the loaded weights: %.2f GiB (%s)", need / GIB,
+                    ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items()))
+        if not problems:
+            return
+        message = "\n".join(
+            f"not enough {w}: a step needs about {n / GIB:.1f} GiB beyond the loaded weights, {f / GIB:.1f} GiB "
+            f"are free\n" + "\n".join(f"  {k}: {v / GIB:.2f} GiB" for k, v in t.items())
+            for w, n, f, t in problems)
+        message += "\n" + self._memory_advice(causal_lm)
+        if mode == "warn":
+            logger.warning("%s", message)
+        else:
+            raise NotEnoughMemoryError(message + "\n  or set train.memory_check=warn to try anyway")
+
+    def predicted_memory(self, causal_lm) -> dict[str, int]:
+        """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
+        cfg = self.config
+        shape = ModelShape.from_hf_config(causal_lm.config)
+        step = estimate_step_memory(shape, cfg.data.seq_len, cfg.oomb, dtype=self.dtype,
+                                    trainable_params=self.trainable)
+        terms = {
+            "KV and KV-gradient pages": step.kv_pages,
+            "activations of one chunk": step.chunk_activations,
+            "logits slice": step.logits_slice,
+            "parameter gradients (+ fp32 sums over chunks)": step.param_grads,
+        }
+        if not cfg.optim.offload:
+            # AdamW exp_avg + exp_avg_sq in fp32; masters hold 4 bytes of weight and 4 of gradient.
+            terms["optimizer state"] = 8 * self.trainable + 8 * self.masters.num_masters
+        return terms
+
+    def _memory_advice(self, causal_lm) -> str:
+        cfg = self.config
+        shape = ModelShape.from_hf_config(causal_lm.config)
+        per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * (
+            self.dtype.itemsize + cfg.oomb.grad_dtype.itemsize)
+        tips = [f"lower data.seq_len={cfg.data.seq_len} (KV pages cost {per_token / 1024:.0f} KiB per token)"]
+        if cfg.oomb.grad_dtype == torch.float32 and self.dtype != torch.float32:
+            tips.append("set oomb.kv_grad_dtype=bfloat16 (halves the KV-gradient pages)")
+        if not cfg.lora.enabled:
+            tips.append("train LoRA adapters (lora.enabled=true) instead of all weights")
+            if not cfg.optim.offload and self.device.type == "cuda":
+                tips.append("keep master weights and AdamW state in host memory (optim.offload=true)")
+        tips.append(f"use a smaller oomb.chunk_size={cfg.oomb.chunk_size} (less activation memory)")
+        return "options: " + "; ".join(tips)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write the state after the last complete step to output_dir/checkpoints/step-NNNNNN."""
+        params = dict(self.model.named_parameters())
+        state = {
+            "tokens": self.tokens,
+            "elapsed_s": self.elapsed,
+            "data_position": self._data_position.to_dict(),
+            "data_files": [str(f.path) for f in self.data.files],
+            "losses": self.losses,
+        }
+        checkpoint = Checkpoint(
+            step=self.step,
+            weights={n: params[n] for n in self.masters.names},
+            adapter=self.config.lora.enabled,
+            master=self.masters.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            rng=capture_rng(),
+            state=state,
+            config_yaml=self.config.to_yaml(),
+        )
+        self._last_saved = write_checkpoint(checkpoint, self.checkpoint_dir, self.config.checkpoint.keep_last)
+        self._saved_step = self.step
+        return self._last_saved
+
+    def _restore(self, path: Path) -> None:
+        checkpoint = load_checkpoint(path)
+        params = dict(self.model.named_parameters())
+        expected = set(self.masters.names)
+        if set(checkpoint.weights) != expected or checkpoint.adapter != self.config.lora.enabled:
+            missing = sorted(expected - set(checkpoint.weights))
+            raise ValueError(
+                f"checkpoint {path} does not match this model: {len(missing)} trainable parameter(s) missing "
+                f"(e.g. {missing[:2]}), {len(set(checkpoint.weights) - expected)} unexpected; was it written "
+                "with other model or lora settings?")
+        with torch.no_grad():
+            for name, tensor in checkpoint.weights.items():
+                params[name].copy_(tensor)
+        if checkpoint.master or self.masters.state_dict():
+            self.masters.load_state_dict(checkpoint.master)
+        self.optimizer.load_state_dict(checkpoint.optimizer)
+        self.scheduler.load_state_dict(checkpoint.scheduler)
+        restore_rng(checkpoint.rng)
+        state = checkpoint.state
+        if state.get("data_files") != [str(f.path) for f in self.data.files]:
+            logger.warning("the data files differ from those of checkpoint %s: the data position may not "
+                           "mean the same", path)
+        self.data.seek(DataPosition.from_dict(state["data_position"]))
+        self.step, self.tokens = checkpoint.step, int(state["tokens"])
+        self.losses, self.elapsed = [float(x) for x in state["losses"]], float(state["elapsed_s"])
+        self.resumed_from, self._last_saved, self._saved_step = path, path, checkpoint.step
+        _truncate_metrics(self.output_dir / self.config.logging.metrics_file, self.step)
+        logger.info("resumed from %s (step %d, %d tokens seen)", path, self.step, self.tokens)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Run setup, then steps up to train.max_steps; checkpoint, export and summarize."""
+        self.setup()
+        cfg = self.config
+        reporter = _Reporter(cfg, self.output_dir, self.step)
+        interrupted = False
+        try:
+            while self.step < cfg.train.max_steps:
+                metrics = self.train_step()
+                reporter.log(metrics)
+                every = cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < cfg.train.max_steps:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            interrupted = True
+            self.masters.zero_grads()  # the partial step is dropped; its data is read again on resume
+            logger.warning("interrupted during step %d: saving the state after step %d", self.step + 1, self.step)
+        finally:
+            reporter.close()
+        if self._saved_step != self.step or self._last_saved is None:
+            self.save_checkpoint()
+        export_dir = merged_dir = None
+        if not interrupted and cfg.checkpoint.export:
+            export_dir, merged_dir = self.export()
+        result = self._result(interrupted, export_dir, merged_dir)
+        (self.output_dir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+        self.data.close()
+        return result
+
+    def train_step(self) -> dict:
+        """One optimizer step over train.grad_accum sequences; returns its metrics."""
+        cfg = self.config
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        losses, tokens, documents, epoch = [], 0, 0, 0
+        for _ in range(cfg.train.grad_accum):
+            sample = next(self.data)
+            loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
+                                    progress=cfg.logging.progress and cfg.logging.chunk_progress)
+            self.masters.collect()
+            losses.append(float(loss))
+            tokens += sample.input_ids.numel()
+            documents, epoch = documents + sample.documents, sample.epoch
+        loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the loss is {loss} at step {self.step + 1}: lower optim.lr (now "
+                                     f"{self.lr}) or check the data; the last checkpoint is {self._last_saved}")
+        with _sigint_deferred():  # an update is applied whole or not at all
+            self.masters.scale_grads(1 / cfg.train.grad_accum)  # the mean over sequences
+            clip = cfg.optim.max_grad_norm or math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.optimizer_params, clip))
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.masters.push()
+            self.step += 1
+            self.tokens += tokens
+            self.losses.append(loss)
+            self._data_position = self.data.position
+            step_time = time.perf_counter() - start
+            self.elapsed += step_time
+        metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                   "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
+                   "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
+                   "host_rss_gib": host_rss_bytes() / GIB}
+        if self.device.type == "cuda":
+            metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        return metrics
+
+    def export(self) -> tuple[Path, Path | None]:
+        """save_pretrained the model (LoRA: the adapter) and tokenizer to output_dir/final; with
+        lora.merge_on_export also the merged model to output_dir/final-merged."""
+        final = self.output_dir / "final"
+        with atomic_directory(final) as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+        merged = None
+        if self.config.lora.enabled and self.config.lora.merge_on_export:
+            merged = self.output_dir / "final-merged"
+            with atomic_directory(merged) as tmp:
+                self.model = self.model.merge_and_unload()
+                self.model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+        logger.info("exported to %s%s", final, f" and {merged}" if merged else "")
+        return final, merged
+
+    def _result(self, interrupted: bool, export_dir, merged_dir) -> TrainResult:
+        gpu = torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
+        return TrainResult(
+            steps=self.step, losses=list(self.losses), tokens=self.tokens, elapsed_s=self.elapsed,
+            tokens_per_s=self.tokens / self.elapsed if self.elapsed else 0.0, output_dir=str(self.output_dir),
+            checkpoint=str(self._last_saved) if self._last_saved else None,
+            export_dir=str(export_dir) if export_dir else None, merged_dir=str(merged_dir) if merged_dir else None,
+            interrupted=interrupted, resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB)
+
+
+class _Reporter:
+    """Progress bar, metrics.jsonl and (optional) TensorBoard for one session of a run."""
+
+    def __init__(self, config: TrainerConfig, output_dir: Path, start_step: int) -> None:
+        self.bar = tqdm(total=config.train.max_steps, initial=start_step, desc="oomb train", unit="step",
+                        disable=not config.logging.progress, dynamic_ncols=True)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
+        self.writer = None
+        if config.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                logger.warning("logging.tensorboard=true but the tensorboard package is not installed "
+                               "(pip install tensorboard): metrics go to %s only", config.logging.metrics_file)
+
+    def log(self, metrics: dict) -> None:
+        self.metrics.write(json.dumps(metrics) + "\n")
+        self.metrics.flush()
+        postfix = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
+                   "host": f"{metrics['host_rss_gib']:.1f}G"}
+        if "gpu_peak_gib" in metrics:
+            postfix["gpu"] = f"{metrics['gpu_peak_gib']:.1f}G"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "gpu_peak_gib"):
+                if key in metrics:
+                    self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+        logger.info("step %d loss %.4f lr %.3g grad_norm %.3g %.0f tokens/s", metrics["step"], metrics["loss"],
+                    metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
+
+    def close(self) -> None:
+        self.bar.close()
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C until the block is done (main thread only), then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines of steps after ``step`` (written after the checkpoint a run resumes from)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
+    return device
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def host_available_bytes() -> int:
+    """Memory the kernel could hand out now (MemAvailable), else free physical pages."""
+    available = machine.host_available_bytes()
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_rss_bytes() -> int:
+    """Current resident memory of this process."""
+    rss = machine.current_rss_bytes()
+    return rss if rss is not None else machine.peak_rss_bytes()
