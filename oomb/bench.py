@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import logging
 import math
 import multiprocessing as mp
-import os
 import queue as queue_module
 import shlex
 import sys
@@ -40,24 +38,20 @@ from pathlib import Path
 import torch
 
 from . import machine
+from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .config import OOMBConfig, resolve_dtype
-from .memory import GIB, MIB, MODES, ModelShape, TrainingSetup, predict
+from .memory import GIB, MODES, ModelShape, TrainingSetup, predict
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 
 logger = logging.getLogger(__name__)
 
 BENCH_MODES = ("hf", "dense", "dense+offload", "sparse+offload")
 """The modes of the side-by-side comparison (issue 7); "sparse" (without offload) may be added."""
-NOT_IMPLEMENTED = "not implemented in this version"
 POLL_SECONDS = 0.5
 """How often the parent checks a silent worker for death or the time limit."""
-TOKENS_PER_GROWTH = 10_000
-"""Memory growth is reported per this many tokens (DESIGN.md section 6)."""
 WORKER_PRELOAD = ["oomb.bench", "oomb.engine", "transformers", "transformers.models.qwen2.modeling_qwen2",
                   "transformers.models.llama.modeling_llama"]
 """Imported once by the fork server, so workers start in milliseconds."""
-MODE_COLORS = {"hf": "tab:gray", "dense": "tab:blue", "dense+offload": "tab:green", "sparse": "tab:purple",
-               "sparse+offload": "tab:orange"}
 
 
 @dataclass
@@ -80,6 +74,8 @@ class BenchOptions:
     """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
     this many seconds from the start; stop a worker still running then."""
     seed: int = 0
+    threads: int | None = None
+    """CPU threads of a worker (torch.set_num_threads); None: torch's default."""
     out_dir: str = "bench-results"
     name: str = "bench"
 
@@ -103,9 +99,10 @@ class BenchOptions:
                           fp32_grad_accumulation=self.fp32_grad_accumulation)
 
 
-QUICK = dict(preset="tiny", contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,
+QUICK = dict(preset="tiny", contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512, threads=1,
              name="bench_quick")
-"""--quick: the demo's tiny model on the CPU, all modes, in a few seconds."""
+"""--quick: the demo's tiny model on the CPU, all modes, in a few seconds. One thread: the tiny model
+gains nothing from more, and OpenMP threads that wait on each other crawl on a busy 2-core machine."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +208,8 @@ def _worker(mode: str, options: BenchOptions, deadline: float, out) -> None:
 
 def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
     device = torch.device(options.device)
+    if options.threads:
+        torch.set_num_threads(options.threads)
     if device.type == "cuda":
         gpu = machine.detect_gpu(device)
         emit({"event": "device", "gpu": gpu.name, "total_bytes": gpu.total_bytes, "count": torch.cuda.device_count()})
@@ -275,12 +274,17 @@ def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions
             "predicted_host_gib": round(p.host_total / GIB, 3)}
 
 
+def _argv() -> list[str]:
+    """The command line as typed: `python -m oomb.cli bench ...` shows as `oomb bench ...`."""
+    return ["oomb" if Path(sys.argv[0]).name in ("cli.py", "oomb") else sys.argv[0], *sys.argv[1:]]
+
+
 def new_report(options: BenchOptions, shape: ModelShape) -> dict:
     device = torch.device(options.device)
     report = {
         "tool": "oomb bench",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "command": " ".join(shlex.quote(a) for a in _argv()),
         "machine": machine.machine_info(device),
         "versions": machine.versions(),
         "workload": {
@@ -305,11 +309,14 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
                              gpu_count=event["count"])
     budget = Budget(event["total_bytes"], machine.host_available_bytes() or event["total_bytes"])
     setup = TrainingSetup(options.dtype, 1, "none")
+
+    def fits(mode: str, tokens: int) -> bool:
+        p = predict(mode, shape, tokens, options.oomb_config(), setup)
+        return p.gpu_total <= budget.gpu_limit and p.host_total <= budget.host_limit
+
     report["planner"] = {
-        "gpu_limit_gib": round(budget.gpu_limit / GIB, 2),
-        "largest_context": {m: largest_context(lambda t, m=m: predict(m, shape, t, options.oomb_config(), setup)
-                                               .gpu_total <= budget.gpu_limit, options.page_size)
-                            for m in options.modes},
+        "gpu_limit_gib": round(budget.gpu_limit / GIB, 2), "host_limit_gib": round(budget.host_limit / GIB, 2),
+        "largest_context": {m: largest_context(lambda t, m=m: fits(m, t), options.page_size) for m in options.modes},
     }
 
 
@@ -341,7 +348,7 @@ def run_bench(options: BenchOptions) -> dict:
     shape = ModelShape.from_hf_config(preset_config(options.preset))
     report = new_report(options, shape)
     paths = output_paths(options.out_dir, options.name)
-    write_outputs(report, paths)
+    write_outputs(report, paths, plot=False)
     started = time.time()
     deadline = started + options.max_seconds
     ctx = None
@@ -358,7 +365,7 @@ def run_bench(options: BenchOptions) -> dict:
             continue
         ctx = ctx or _mp_context()
         _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths)
-        write_outputs(report, paths)
+        write_outputs(report, paths, plot=False)
     report["seconds"] = round(time.time() - started, 1)
     write_outputs(report, paths)
     print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}", flush=True)
@@ -373,6 +380,7 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
     pending = list(options.contexts)  # contexts without a row yet
     in_flight = None
     failure = None
+    timed_out = False
     while pending:
         try:
             event = events.get(timeout=POLL_SECONDS)
@@ -382,7 +390,7 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
                 break
             if time.time() > deadline:
                 proc.kill()
-                failure = "stopped: time limit (--max-seconds) reached"
+                failure, timed_out = "time limit (--max-seconds) reached", True
                 break
             continue
         kind = event["event"]
@@ -399,7 +407,7 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
             in_flight = None
             pending.remove(event["tokens"])
             _print_row(_add_row(report, mode, event["tokens"], event, shape, options))
-            write_outputs(report, paths)
+            write_outputs(report, paths, plot=event["status"] == "ok" and options.device != "cpu")
         elif kind == "error":
             failure = f"error: {event['error']}"
         elif kind == "done":
@@ -412,205 +420,13 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
     if pending:
         failure = failure or f"worker ended early (exit code {proc.exitcode})"
         where = f"at {format_tokens(in_flight)}" if in_flight else "before its first measurement"
-        info["failure"] = f"{failure} {where}"
+        info["stopped" if timed_out else "failure"] = f"{failure} {where}"
         for tokens in list(pending):
-            status = failure if tokens == in_flight else f"skipped: {failure} {where}"
+            if tokens == in_flight:
+                status = f"stopped: {failure}" if timed_out else failure
+            else:
+                status = f"skipped: {failure} {where}"
             _print_row(_add_row(report, mode, tokens, {"status": status}, shape, options))
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs: JSON, markdown, PNG
-# ---------------------------------------------------------------------------------------------
-
-def output_paths(out_dir: str | Path, name: str) -> dict[str, Path]:
-    out = Path(out_dir)
-    return {ext: out / f"{name}.{ext}" for ext in ("json", "md", "png")}
-
-
-def summarize(report: dict) -> dict:
-    """Memory growth per 10K tokens (least squares over a mode's measured contexts) and its longest step."""
-    gpu = report["machine"]["device"] == "cuda"
-    key = "peak_gpu_above_weights_gib" if gpu else "host_step_gib"
-    growth, longest = {}, {}
-    for mode in report["modes"]:
-        points = [(r["tokens"], r[key]) for r in report["rows"] if r["mode"] == mode and r["status"] == "ok"]
-        if points:
-            longest[mode] = max(t for t, _ in points)
-        if len(points) >= 2:
-            mean_t = sum(t for t, _ in points) / len(points)
-            mean_m = sum(m for _, m in points) / len(points)
-            var = sum((t - mean_t) ** 2 for t, _ in points)
-            slope = sum((t - mean_t) * (m - mean_m) for t, m in points) / var if var else 0.0
-            growth[mode] = round(slope * TOKENS_PER_GROWTH * GIB / MIB, 1)
-    return {"memory": "GPU peak above weights" if gpu else "host RSS growth during the step",
-            "memory_growth_per_10k_tokens_mib": growth, "longest_measured_context": longest}
-
-
-def write_outputs(report: dict, paths: dict[str, Path]) -> None:
-    """(Re)write JSON, markdown and, when matplotlib is installed, the PNG."""
-    paths["json"].parent.mkdir(parents=True, exist_ok=True)
-    report["rows"].sort(key=lambda r: (r["tokens"], list(MODES).index(r["mode"])))
-    report["summary"] = summarize(report)
-    try:
-        report["plot"] = str(paths["png"].name) if render_plot(report, paths["png"]) else None
-    except Exception as err:  # a plot must never cost the measurements
-        logger.warning("plot failed: %s", err)
-        report["plot"] = None
-    _atomic_write(paths["json"], json.dumps(report, indent=2) + "\n")
-    _atomic_write(paths["md"], render_markdown(report))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _memory_unit(report: dict) -> tuple[str, str, float]:
-    """(row key, label, scale to the unit) of the memory that is plotted and tabulated."""
-    if report["machine"]["device"] == "cuda":
-        return "peak_gpu_above_weights_gib", "peak GPU memory above weights (GiB)", 1.0
-    return "host_step_gib", "host RSS growth during the step (MiB)", GIB / MIB
-
-
-def render_markdown(report: dict) -> str:
-    m, v, w = report["machine"], report["versions"], report["workload"]
-    o = w["options"]
-    gpu = m["device"] == "cuda"
-    where = f"{m.get('gpu', 'GPU')} ({m.get('gpu_memory_gib', '?')} GiB)" if gpu else f"CPU: {m['cpu']}"
-    lines = [
-        f"# oomb bench: {w['preset']} on {where}",
-        "",
-        f"{report['date']}; oomb {v['oomb']} ({v.get('git_commit') or 'no git'}), torch {v['torch']}, "
-        f"transformers {v['transformers']}, triton {v.get('triton')}, CUDA {v.get('cuda')}, Python {v['python']}; "
-        f"{m['cpu_count']} CPUs, host {m['host_memory_gib']} GiB.",
-        "",
-        f"Workload: {w['preset']} ({w['params'] / 1e9:.2f} B parameters, random weights, {w['weights_gib']} GiB), "
-        f"{w['dtype']}, {w['step']}, chunk {o['chunk_size']}, page {o['page_size']}, KV gradients "
-        f"{o['kv_grad_dtype']}, fp32 gradient sums {'on' if o['fp32_grad_accumulation'] else 'off'}. "
-        f"hf = {w['hf']}. Warm-up excluded. Command: `{report['command']}`",
-        "",
-    ]
-    key, label, scale = _memory_unit(report)
-    if gpu:
-        lines += ["| context | mode | step time | peak GPU above weights | planner prediction | peak host RSS | "
-                  "loss | status |", "|---|---|---|---|---|---|---|---|"]
-    else:
-        lines += ["| context | mode | step time | host RSS growth | loss | status |", "|---|---|---|---|---|---|"]
-    missing = [mode for mode, i in report["modes"].items() if i["status"] != "implemented"]
-    for r in report["rows"]:
-        if r["mode"] in missing:
-            continue
-        ok = r["status"] == "ok"
-        time_cell = f"{r['seconds']:.2f} s" if ok else "-"
-        loss = f"{r['loss']:.4f}" if ok else "-"
-        if gpu:
-            pred = f"{r['predicted_gpu_above_weights_gib']:.2f} GiB"
-            if "prediction_error" in r:
-                pred += f" ({r['prediction_error']:+.1%})"
-            mem = f"{r[key]:.2f} GiB" if ok else "-"
-            host = f"{r['host_peak_gib']:.1f} GiB" if ok else "-"
-            lines.append(f"| {format_tokens(r['tokens'])} | {r['mode']} | {time_cell} | {mem} | {pred} | {host} | "
-                         f"{loss} | {r['status']} |")
-        else:
-            mem = f"{r[key] * scale:.1f} MiB" if ok else "-"
-            lines.append(f"| {format_tokens(r['tokens'])} | {r['mode']} | {time_cell} | {mem} | {loss} | "
-                         f"{r['status']} |")
-    s = report.get("summary", {})
-    growth = s.get("memory_growth_per_10k_tokens_mib", {})
-    if growth:
-        lines += ["", f"{s['memory']} grows per {TOKENS_PER_GROWTH:,} tokens (least squares over the measured "
-                  "contexts): " + ", ".join(f"{k} {g:,.1f} MiB" for k, g in growth.items()) + "."]
-    setup = [f"{k} init {i['init_seconds']} s, warm-up {i['warmup_seconds']} s ({format_tokens(i['warmup_tokens'])})"
-             for k, i in report["modes"].items() if "warmup_seconds" in i]
-    if setup:
-        lines += ["", "Excluded from the table: " + "; ".join(setup) + "."]
-    if missing:
-        lines += ["", f"{NOT_IMPLEMENTED.capitalize()} of oomb (nothing measured): {', '.join(missing)}. "
-                  "The JSON holds the planner's predictions for them (`predicted_*`, mode status \"planned\")."]
-    failures = [f"{k}: {i['failure']}" for k, i in report["modes"].items() if i.get("failure")]
-    if failures:
-        lines += ["", "Failures: " + "; ".join(failures) + "."]
-    if report.get("plot"):
-        lines += ["", f"![step time and memory vs context]({report['plot']})"]
-    return "\n".join(lines) + "\n"
-
-
-def render_plot(report: dict, path: Path) -> bool:
-    """Step time and memory vs context (log-log), one line per measured mode, OOM marked. False
-    (and a warning) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot (redraw later with `oomb bench --replot %s`)",
-                       path.with_suffix(".json"))
-        return False
-    key, label, scale = _memory_unit(report)
-    gpu = report["machine"]["device"] == "cuda"
-    contexts = sorted({r["tokens"] for r in report["rows"]})
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.6))
-    for mode, info in report["modes"].items():
-        if info["status"] != "implemented":
-            continue
-        rows = [r for r in report["rows"] if r["mode"] == mode]
-        ok = [r for r in rows if r["status"] == "ok"]
-        color = MODE_COLORS.get(mode)
-        if ok:
-            xs = [r["tokens"] for r in ok]
-            ax_time.plot(xs, [r["seconds"] for r in ok], "o-", color=color, label=mode)
-            ax_mem.plot(xs, [max(r[key] * scale, 1e-3) for r in ok], "o-", color=color, label=mode)
-        if gpu:
-            ax_mem.plot([r["tokens"] for r in rows], [r["predicted_gpu_above_weights_gib"] for r in rows], ":",
-                        color=color, alpha=0.7, label=f"{mode} (planner)")
-        for r in rows:
-            if r["status"] == "out of memory":
-                for ax in (ax_time, ax_mem):
-                    ax.plot(r["tokens"], 0.95, "x", color="red", markersize=10, mew=2,
-                            transform=ax.get_xaxis_transform())
-                    ax.annotate(f"{mode} OOM", (r["tokens"], 0.95), xycoords=ax.get_xaxis_transform(),
-                                textcoords="offset points", xytext=(-8, -14), fontsize=8, color="red", ha="right")
-    if gpu and report["machine"].get("gpu_memory_gib"):
-        ax_mem.axhline(report["machine"]["gpu_memory_gib"] - report["workload"]["weights_gib"], color="black",
-                       linestyle="--", linewidth=0.8, label="GPU memory - weights")
-    for ax, ylabel in ((ax_time, "step time (s)"), (ax_mem, label)):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(FixedLocator(contexts))
-        ax.xaxis.set_major_formatter(FixedFormatter([format_tokens(c) for c in contexts]))
-        ax.xaxis.set_minor_locator(NullLocator())
-        if len(contexts) == 1:
-            ax.set_xlim(contexts[0] / 1.5, contexts[0] * 1.5)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-    m, v = report["machine"], report["versions"]
-    where = m.get("gpu", "GPU") if gpu else f"CPU ({m['cpu_count']} cores)"
-    fig.suptitle(f"oomb bench: {report['workload']['preset']}, one forward+backward, {where}")
-    missing = [k for k, i in report["modes"].items() if i["status"] != "implemented"]
-    footer = (f"{report['date'][:10]}; oomb {v['oomb']}, torch {v['torch']}, transformers {v['transformers']}, "
-              f"triton {v.get('triton')}; warm-up excluded")
-    if missing:
-        footer += f"; {NOT_IMPLEMENTED}: {', '.join(missing)}"
-    fig.text(0.01, 0.01, footer, fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def replot(json_path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
-    """Redraw the markdown table and PNG of a finished run from its JSON."""
-    json_path = Path(json_path)
-    report = json.loads(json_path.read_text())
-    paths = output_paths(out_dir or json_path.parent, json_path.stem)
-    write_outputs(report, paths)
-    return paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,6 +452,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--threads", type=int, help="CPU threads per worker (default: torch's; 1 with --quick)")
     parser.add_argument("--out-dir", help=f"where NAME.json, NAME.md, NAME.png go (default {d.out_dir})")
     parser.add_argument("--name", help="file name stem (default bench, or bench_quick with --quick)")
 
@@ -643,7 +460,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
-                 "fp32_grad_accumulation", "warmup_tokens", "max_seconds", "seed", "out_dir", "name"):
+                 "fp32_grad_accumulation", "warmup_tokens", "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.no_checkpoint_layers:
@@ -657,7 +474,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run `oomb bench`; exit code 1 when a mode failed (crash or error), out-of-memory included not."""
+    """Run `oomb bench`; exit code 1 when a worker died or raised (out of memory is a result, not a failure)."""
     if args.replot:
         paths = replot(args.replot, args.out_dir)
         print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}")

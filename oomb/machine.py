@@ -110,7 +110,10 @@ def _version(package: str) -> str | None:
 
 
 def git_commit(path: Path | None = None) -> str | None:
-    """The commit of the working tree holding this package (with "+dirty" when it has changes)."""
+    """The commit of the working tree holding this package (with "+dirty" when it has changes), or
+    $OOMB_GIT_COMMIT where the tree is a copy without .git (e.g. on a GPU machine)."""
+    if os.environ.get("OOMB_GIT_COMMIT"):
+        return os.environ["OOMB_GIT_COMMIT"]
     root = path or Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,

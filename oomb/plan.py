@@ -44,6 +44,8 @@ CUDA_CONTEXT_BYTES = GIB // 2
 """Device memory held by the CUDA context and kernel images, outside PyTorch's allocator."""
 MAX_SEARCH_TOKENS = 1 << 32
 """Upper end of the largest-context search (4G tokens)."""
+GROWTH_TOKENS = 10_000
+"""GPU memory growth is reported per this many more tokens (DESIGN.md section 6)."""
 DEFAULT_CONTEXT = 131072
 TOKEN_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
@@ -219,6 +221,8 @@ class ModeReport:
     fits_gpu: bool
     fits_host: bool
     largest_context: int
+    gpu_growth_per_10k: int
+    """GPU bytes 10,000 more tokens would add (DESIGN.md section 6 reports this)."""
 
     @property
     def fits(self) -> bool:
@@ -275,7 +279,8 @@ def make_plan(
     for name in modes:
         prediction = run(name, tokens)
         largest = largest_context(lambda t, name=name: all(_check(run(name, t), budget)), config.page_size)
-        reports.append(ModeReport(MODES[name], prediction, *_check(prediction, budget), largest))
+        growth = run(name, tokens + GROWTH_TOKENS).gpu_total - prediction.gpu_total
+        reports.append(ModeReport(MODES[name], prediction, *_check(prediction, budget), largest, growth))
 
     hints = []
     alternatives = []
@@ -341,15 +346,16 @@ def format_plan(plan: Plan) -> str:
     lines.append(row("", [r.mode.name for r in reports]))
     lines.append(row("status", [r.status for r in reports]))
     lines.append("GPU (GiB)")
-    for term in GPU_TERMS:
-        if any(r.prediction.gpu[term] for r in reports):
+    for term in GPU_TERMS:  # terms that round to 0.00 GiB everywhere are left out (they are in --json)
+        if any(r.prediction.gpu[term] >= GIB / 200 for r in reports):
             lines.append(row("  " + term, [_gib(r.prediction.gpu[term]) for r in reports]))
     lines.append(row("  total", [_gib(r.prediction.gpu_total) for r in reports]))
     lines.append("host RAM (GiB)")
     for term in HOST_TERMS:
-        if any(r.prediction.host[term] for r in reports):
+        if any(r.prediction.host[term] >= GIB / 200 for r in reports):
             lines.append(row("  " + term, [_gib(r.prediction.host[term]) for r in reports]))
     lines.append(row("  total", [_gib(r.prediction.host_total) for r in reports]))
+    lines.append(row("GPU MiB per +10K tok", [f"{r.gpu_growth_per_10k / 2**20:,.1f}" for r in reports]))
     lines.append(row(f"fits {format_tokens(plan.tokens)}", [_fit_text(r) for r in reports]))
     lines.append(row("largest context", [f"{r.largest_context:,}" for r in reports]))
     lines.append("")
@@ -366,11 +372,11 @@ def format_plan(plan: Plan) -> str:
     lines.extend(f"hint: {h}" for h in plan.hints)
     if any(r.status == "planned" for r in reports):
         o, sp = plan.offload, plan.sparse
+        lines.append("planned = not in this version of oomb: predicted from the design, not measured")
         lines.append(
-            f"planned = not in this version of oomb: predicted from the design, not measured (offload: "
-            f"{o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page streamed "
-            f"blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} summary "
-            f"vectors per page)")
+            f"  (offload: {o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page "
+            f"streamed blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} "
+            f"summary vectors per page and KV head)")
     return "\n".join(lines)
 
 
@@ -404,6 +410,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "fits_gpu": r.fits_gpu,
                 "fits_host": r.fits_host,
                 "largest_context": r.largest_context,
+                "gpu_growth_per_10k_tokens_bytes": r.gpu_growth_per_10k,
             }
             for r in plan.reports
         ],

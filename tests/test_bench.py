@@ -1,0 +1,188 @@
+"""`oomb bench`: the quick CPU run end to end, the worker's out-of-memory handling, the parent's
+bookkeeping when a worker dies, and the outputs of a GPU-style report."""
+
+import json
+import queue
+
+import pytest
+import torch
+
+import oomb.bench as bench
+from oomb import cli
+from oomb.memory import MODES
+from oomb.plan import is_implemented
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_bench_writes_json_markdown_and_plot(tmp_path):
+    rc = cli.main(["bench", "--quick", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench_quick.json").read_text())
+    markdown = (tmp_path / "bench_quick.md").read_text()
+    assert (tmp_path / "bench_quick.png").read_bytes()[:8] == PNG_MAGIC
+    assert report["machine"]["device"] == "cpu" and report["versions"]["torch"] == torch.__version__
+    assert set(report["modes"]) == set(bench.BENCH_MODES)
+    rows = {(r["mode"], r["tokens"]): r for r in report["rows"]}
+    for tokens in (1024, 2048):
+        hf, dense = rows["hf", tokens], rows["dense", tokens]
+        assert hf["status"] == dense["status"] == "ok"
+        assert hf["seconds"] > 0 and dense["host_peak_gib"] > 0
+        assert dense["loss"] == pytest.approx(hf["loss"], rel=1e-3)  # same weights, same tokens, exact gradients
+        for mode in ("dense+offload", "sparse+offload"):
+            if not is_implemented(mode):
+                assert rows[mode, tokens]["status"] == bench.NOT_IMPLEMENTED
+                assert "seconds" not in rows[mode, tokens]
+    assert report["modes"]["dense"]["warmup_seconds"] > 0
+    assert "| 2K | dense |" in markdown and "![step time and memory vs context](bench_quick.png)" in markdown
+    if not is_implemented("dense+offload"):
+        assert "Not implemented in this version of oomb (nothing measured): dense+offload" in markdown
+
+
+class _FakeModel:
+    config = type("Config", (), {"vocab_size": 16})()
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def test_worker_stops_a_mode_at_out_of_memory(monkeypatch):
+    calls = []
+
+    def step(model, ids):
+        calls.append(ids.shape[1])
+        if ids.shape[1] >= 2048:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+        return 1.0
+
+    monkeypatch.setattr(bench, "build_model", lambda *args: _FakeModel())
+    monkeypatch.setattr(bench, "make_step", lambda mode, options: step)
+    options = bench.BenchOptions(**{**bench.QUICK, "contexts": [1024, 2048, 4096], "warmup_tokens": 128})
+    events = []
+    bench._run_mode("dense", options, float("inf"), events.append)
+    rows = {e["tokens"]: e for e in events if e["event"] == "row"}
+    assert rows[1024]["status"] == "ok"
+    assert rows[2048]["status"] == "out of memory"
+    assert rows[4096]["status"] == "skipped: out of memory at a shorter context"
+    assert calls == [128, 1024, 2048]  # warm-up, then no attempt past the OOM
+    assert events[-1] == {"event": "done"}
+
+
+class _DyingProcess:
+    """A worker that reports one measurement, starts the next and dies (like the OOM killer's -9)."""
+
+    def __init__(self, target, args, name):
+        self.events = args[-1]
+        self.exitcode = None
+
+    def start(self):
+        for event in ({"event": "warmup", "tokens": 128, "seconds": 0.1}, {"event": "start", "tokens": 1024},
+                      {"event": "row", "tokens": 1024, "status": "ok", "seconds": 0.5, "loss": 1.0,
+                       "host_peak_gib": 1.0, "host_step_gib": 0.1}, {"event": "start", "tokens": 2048}):
+            self.events.put(event)
+        self.exitcode = -9
+
+    def is_alive(self):
+        return False
+
+    def join(self, timeout=None):
+        pass
+
+    def kill(self):
+        pass
+
+
+class _FakeContext:
+    Queue = queue.Queue
+    Process = _DyingProcess
+
+
+def test_parent_records_a_dead_worker_and_moves_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "POLL_SECONDS", 0.01)
+    options = bench.BenchOptions(**{**bench.QUICK, "contexts": [1024, 2048, 4096], "out_dir": str(tmp_path)})
+    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny"))
+    report = bench.new_report(options, shape)
+    paths = bench.output_paths(tmp_path, "dead")
+    bench._sweep_mode(_FakeContext(), "dense", options, float("inf"), report, report["modes"]["dense"], shape, paths)
+    rows = {r["tokens"]: r["status"] for r in report["rows"]}
+    assert rows[1024] == "ok"
+    assert rows[2048] == "worker died (exit code -9)"
+    assert rows[4096] == "skipped: worker died (exit code -9) at 2K"
+    assert report["modes"]["dense"]["failure"] == "worker died (exit code -9) at 2K"
+    bench.write_outputs(report, paths)
+    assert "Failures: dense: worker died (exit code -9) at 2K." in paths["md"].read_text()
+
+
+class _HungProcess(_DyingProcess):
+    """A worker still busy with its warm-up when the time limit comes."""
+
+    killed = False
+
+    def start(self):
+        self.events.put({"event": "init", "seconds": 1.0})
+
+    def is_alive(self):
+        return not self.killed
+
+    def kill(self):
+        self.killed = True
+        self.exitcode = -9
+
+
+def test_parent_kills_a_worker_at_the_time_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "POLL_SECONDS", 0.01)
+    context = type("Context", (), {"Queue": queue.Queue, "Process": _HungProcess})()
+    options = bench.BenchOptions(**{**bench.QUICK, "out_dir": str(tmp_path)})
+    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny"))
+    report = bench.new_report(options, shape)
+    info = report["modes"]["hf"]
+    bench._sweep_mode(context, "hf", options, 0.0, report, info, shape, bench.output_paths(tmp_path, "late"))
+    assert info["stopped"] == "time limit (--max-seconds) reached before its first measurement"
+    assert "failure" not in info and info["init_seconds"] == 1.0
+    assert {r["status"] for r in report["rows"]} == {
+        "skipped: time limit (--max-seconds) reached before its first measurement"}
+
+
+def _gpu_report():
+    """A report shaped like an H200 run (numbers of benchmarks/results/step_h200_2026-11-29a.json)."""
+    options = bench.BenchOptions()
+    shape = bench.ModelShape.from_hf_config(bench.preset_config("qwen2.5-7b"))
+    report = bench.new_report(options, shape)
+    report["machine"].update(device="cuda", gpu="NVIDIA H200", gpu_memory_gib=139.8)
+    measured = {"hf": [(32768, 5.41, 22.74), (65536, 14.07, 32.68), (131072, 43.41, 64.22), (262144, None, None)],
+                "dense": [(32768, 8.16, 23.41), (65536, 23.32, 28.66), (131072, 74.84, 39.16),
+                          (262144, None, None)]}
+    for mode, points in measured.items():
+        for tokens, seconds, gib in points:
+            row = ({"status": "ok", "seconds": seconds, "loss": 12.65, "host_peak_gib": 3.0, "host_step_gib": 0.1,
+                    "peak_gpu_above_weights_gib": gib} if seconds else
+                   {"status": "out of memory" if mode == "hf" else "skipped: predicted 299 s exceeds the time left"})
+            bench._add_row(report, mode, tokens, row, shape, options)
+    for mode in ("dense+offload", "sparse+offload"):
+        for tokens in options.contexts:
+            bench._add_row(report, mode, tokens, {"status": bench.NOT_IMPLEMENTED}, shape, options)
+    return report
+
+
+def test_gpu_report_outputs_and_replot(tmp_path):
+    report = _gpu_report()
+    paths = bench.output_paths(tmp_path, "h200")
+    bench.write_outputs(report, paths)
+    md = paths["md"].read_text()
+    assert "| 256K | hf | - | - |" in md and "out of memory" in md
+    assert "| 128K | dense | 74.84 s | 39.16 GiB | 39.49 GiB (+0.8%)" in md
+    growth = report["summary"]["memory_growth_per_10k_tokens_mib"]
+    assert 1500 < growth["dense"] < 1800  # 168 KiB per token of KV and KV-gradient pages: 1,640 MiB per 10K
+    assert growth["hf"] > 2 * growth["dense"]
+    (tmp_path / "h200.png").unlink()
+    assert cli.main(["bench", "--replot", str(paths["json"])]) == 0
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_options_validation():
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench.BenchOptions(modes=["fast"])
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        bench.BenchOptions(chunk_size=1000)
+    assert bench.BenchOptions(contexts=[4096, 1024, 4096]).contexts == [1024, 4096]
+    assert set(bench.BENCH_MODES) <= set(MODES)

@@ -1,0 +1,198 @@
+"""The memory planner: model terms against DESIGN.md section 3 and H200 measurements, search, CLI."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from oomb import cli
+from oomb.config import ATTENTION_MODES, OOMBConfig
+from oomb.memory import (
+    GIB,
+    MODES,
+    SparseAssumptions,
+    TrainingSetup,
+    estimate_step_memory,
+    predict,
+)
+from oomb.plan import (
+    Budget,
+    format_tokens,
+    is_implemented,
+    largest_context,
+    load_model_shape,
+    make_plan,
+    oomb_config_for,
+    parse_tokens,
+)
+
+KIB = 1024
+QWEN7B = load_model_shape("qwen2.5-7b")
+BENCH = TrainingSetup(torch.bfloat16, 1, "none")  # the standard workload: no optimizer
+BENCH_CONFIG = OOMBConfig(fp32_grad_accumulation=False)
+
+
+def test_presets_have_the_documented_shapes():
+    assert QWEN7B.num_params() == 7_615_616_512  # what transformers built on the H200 (step_h200 JSON)
+    assert QWEN7B.kv_bytes_per_token(torch.bfloat16) == 56 * KIB
+    small = load_model_shape("qwen2.5-0.5b")
+    assert (small.num_layers, small.num_kv_heads, small.head_dim, small.tie_word_embeddings) == (24, 2, 64, True)
+    assert small.kv_bytes_per_token(torch.bfloat16) == 12 * KIB  # DESIGN.md section 3
+    llama = load_model_shape("llama3-8b")
+    assert (llama.num_layers, llama.head_dim, llama.attention_bias, llama.vocab_size) == (32, 128, False, 128256)
+    assert load_model_shape("tiny").hidden_size == 64
+
+
+def test_kv_pages_of_qwen7b_at_one_million_tokens():
+    """DESIGN.md section 3: 56 KiB/token K+V, 112 KiB fp32 dK+dV: 1M tokens = 56 GiB + 112 GiB."""
+    p = predict("dense+offload", QWEN7B, 1 << 20, OOMBConfig(kv_grad_dtype="float32"))
+    assert p.host["KV pages"] == 56 * GIB
+    assert p.host["KV grad pages"] == 112 * GIB
+    dense = predict("dense", QWEN7B, 1 << 20, OOMBConfig(kv_grad_dtype="float32"))
+    assert dense.gpu["KV working set"] == 168 * GIB
+
+
+def test_one_million_tokens_fits_only_with_offload_and_bf16_grad_pages():
+    """DESIGN.md section 3, our GPU machine: 141 GB GPU, 125 GiB host."""
+    budget = Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB)
+    for grad_dtype, offload_fits in (("float32", False), ("bfloat16", True)):
+        plan = make_plan("qwen2.5-7b", QWEN7B, 1 << 20, budget, OOMBConfig(kv_grad_dtype=grad_dtype), BENCH)
+        fits = {r.mode.name: r for r in plan.reports}
+        assert not fits["dense"].fits and not fits["dense"].fits_gpu
+        assert not fits["hf"].fits
+        assert fits["dense+offload"].fits_gpu
+        assert fits["dense+offload"].fits is offload_fits
+        assert fits["sparse+offload"].fits is offload_fits
+    assert any("dense+offload fits with --kv-grad-dtype bfloat16" in h for h in
+               make_plan("q", QWEN7B, 1 << 20, budget, OOMBConfig(), BENCH).hints)
+
+
+# Measured on the H200 (benchmarks/results/step_h200_2026-11-29{a,b}.json): GiB above the weights.
+MEASURED_HF = {32768: 22.74, 65536: 32.68, 131072: 64.22}
+MEASURED_DENSE = {32768: 23.41, 65536: 28.66, 131072: 39.94, 262144: 60.94}  # 32K/64K: run a, others: run b
+
+
+@pytest.mark.parametrize(("mode", "measured"), [("hf", MEASURED_HF), ("dense", MEASURED_DENSE)])
+def test_predictions_within_ten_percent_of_h200_measurements(mode, measured):
+    for tokens, gib in measured.items():
+        predicted = predict(mode, QWEN7B, tokens, BENCH_CONFIG, BENCH).gpu_above_weights / GIB
+        assert abs(predicted / gib - 1) < 0.10, (mode, tokens, predicted, gib)
+
+
+def test_hf_runs_out_of_memory_at_256k_on_the_h200():
+    h200 = Budget(gpu_bytes=int(139.8 * GIB), host_bytes=125 * GIB)
+    assert predict("hf", QWEN7B, 131072, BENCH_CONFIG, BENCH).gpu_total <= h200.gpu_limit
+    assert predict("hf", QWEN7B, 262144, BENCH_CONFIG, BENCH).gpu_total > h200.gpu_limit
+
+
+def test_estimate_step_memory_keeps_its_interface():
+    est = estimate_step_memory(QWEN7B, 131072, BENCH_CONFIG, trainable_params=QWEN7B.num_params())
+    gib = est.as_gib()
+    assert set(gib) == {"param_grads", "chunk_activations", "kv_pages", "logits_slice", "total"}
+    assert gib["kv_pages"] == 21.0
+    full = predict("dense", QWEN7B, 131072, BENCH_CONFIG, BENCH)
+    assert est.total == full.gpu_above_weights - full.gpu["page tables"]
+
+
+def test_terms_follow_the_options():
+    base = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), BENCH)
+    acc = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=True), BENCH)
+    assert acc.gpu_total - base.gpu_total == 4 * QWEN7B.num_params()
+    adamw = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), TrainingSetup())
+    assert adamw.gpu["optimizer"] == 8 * QWEN7B.num_params()
+    lora = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(lora_rank=16))
+    assert lora.gpu["param grads"] == 4 * QWEN7B.lora_params(16) < base.gpu["param grads"] / 50
+    assert lora.gpu["fp32 grad sums"] == 0  # LoRA adapters are fp32 already
+    sparse = predict("sparse", QWEN7B, 65536, BENCH_CONFIG, BENCH, sparse=SparseAssumptions(store_selection=False))
+    pages = 65536 // 128
+    assert sparse.gpu["page summaries"] == 28 * pages * 2 * 4 * 128 * 2  # min/max key per page, head, layer
+
+
+def test_offload_keeps_gpu_memory_flat():
+    small, large = (predict("dense+offload", QWEN7B, t, BENCH_CONFIG, BENCH) for t in (1 << 17, 1 << 22))
+    assert large.gpu_total - small.gpu_total < 1 * 1024**2  # only the page tables grow
+    assert large.host_total > 30 * small.host_total - 30 * 2 * GIB
+    sparse_small, sparse_large = (predict("sparse+offload", QWEN7B, t, BENCH_CONFIG, BENCH) for t in (1 << 17, 1 << 22))
+    growth_per_10k = (sparse_large.gpu_total - sparse_small.gpu_total) / ((1 << 22) - (1 << 17)) * 10_000
+    assert growth_per_10k < 10 * 1024**2  # the paper's "+10 MB per +10K tokens" (sparse + offload)
+
+
+def test_largest_context_search():
+    assert largest_context(lambda t: t <= 1000, 128) == 896
+    assert largest_context(lambda t: t <= 100, 128) == 0
+    assert largest_context(lambda t: True, 128, limit=10_000) == 9984
+    assert largest_context(lambda t: t <= 128 * 37, 128) == 128 * 37
+
+
+def test_largest_context_is_exact_and_monotone_in_the_budget():
+    config = OOMBConfig()
+    previous = {m: 0 for m in MODES}
+    for gpu_gib in (40, 60, 80, 141, 300):
+        budget = Budget(gpu_bytes=gpu_gib * GIB, host_bytes=125 * GIB)
+        plan = make_plan("qwen2.5-7b", QWEN7B, 4096, budget, config, BENCH)
+        for r in plan.reports:
+            assert r.largest_context >= previous[r.mode.name], (r.mode.name, gpu_gib)
+            previous[r.mode.name] = r.largest_context
+            if r.largest_context:
+                at, beyond = (predict(r.mode.name, QWEN7B, t, config, BENCH)
+                              for t in (r.largest_context, r.largest_context + config.page_size))
+                assert at.gpu_total <= budget.gpu_limit and at.host_total <= budget.host_limit
+                assert beyond.gpu_total > budget.gpu_limit or beyond.host_total > budget.host_limit
+    assert previous["dense"] > previous["hf"] > 0
+
+
+def test_implemented_modes_follow_the_config():
+    assert is_implemented("hf") and is_implemented("dense")
+    assert is_implemented("sparse") == ("sparse" in ATTENTION_MODES)
+    assert oomb_config_for("dense", OOMBConfig(chunk_size=256)).chunk_size == 256
+    for mode in MODES:
+        if not is_implemented(mode):
+            with pytest.raises(NotImplementedError, match="not implemented in this version"):
+                oomb_config_for(mode, OOMBConfig())
+
+
+def test_token_counts():
+    assert parse_tokens("128K") == 131072 and parse_tokens("1M") == 1 << 20 and parse_tokens("4096") == 4096
+    assert format_tokens(131072) == "128K" and format_tokens(1 << 20) == "1M" and format_tokens(1000) == "1,000"
+    with pytest.raises(Exception, match="not a token count"):
+        parse_tokens("lots")
+
+
+def test_cli_table(capsys):
+    rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139", "--host-gib", "125"])
+    out = capsys.readouterr().out
+    assert rc == 1  # no implemented mode fits 1M tokens
+    for text in ("dense+offload", "sparse+offload", "planned", "implemented", "largest context", "KV grad pages",
+                 "does not fit: dense: GPU", "fits at 1,048,576 tokens", "not in this version"):
+        assert text in out, text
+    rc = cli.main(["plan", "--model", "qwen2.5-0.5b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
+                   "--modes", "dense", "hf"])
+    assert rc == 0
+    assert "fits at 131,072 tokens: dense, hf" in capsys.readouterr().out
+
+
+def test_cli_json_and_model_directory(tmp_path, capsys):
+    Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+    rc = cli.main(["plan", "--model", str(tmp_path), "--context", "64K", "--gpu-gib", "24", "--host-gib", "16",
+                   "--lora-rank", "8", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert data["shape"]["num_layers"] == 3 and data["tokens"] == 65536
+    status = {m["mode"]: m["status"] for m in data["modes"]}
+    assert status["hf"] == status["dense"] == "implemented"
+    assert all(status[m] == ("implemented" if is_implemented(m) else "planned") for m in MODES)
+    dense = next(m for m in data["modes"] if m["mode"] == "dense")
+    assert dense["fits"] and dense["largest_context"] > 65536
+    assert sum(dense["gpu_bytes"].values()) / GIB == pytest.approx(dense["gpu_total_gib"], abs=1e-3)
+
+
+def test_cli_errors(capsys):
+    assert cli.main(["plan", "--model", "no-such-model", "--gpu-gib", "80", "--host-gib", "64"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny", "--chunk-size", "1000", "--gpu-gib", "8", "--host-gib", "8"]) == 2
+    assert "multiple of page_size" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main(["plan", "--model", "tiny", "--host-gib", "8"]) == 2
+        assert "--gpu-gib" in capsys.readouterr().err
