@@ -1,8 +1,8 @@
-# The two commands of the README: `make demo` (main job) and `make test` (test suite).
+# The two commands of the README: `make train` (main job) and `make test` (test suite); `make demo` too.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo train test lint clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -12,6 +12,9 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/oomb demo
+
+train: setup
+	$(VENV)/bin/oomb train --overwrite
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -7,7 +7,7 @@ its own process; steps are timed after a warm-up step, with synchronisation and 
 reset; memory is the peak above the weights. Results are written after every measurement.
 
     python benchmarks/step.py --contexts 32768 65536 131072 262144 --out benchmarks/results/step_h200.json
-    python benchmarks/step.py --preset tiny --contexts 2048 4096 --device cpu   # smoke test
+    python benchmarks/step.py --preset tiny-qwen2 --contexts 2048 4096 --device cpu   # smoke test
 
 Writes OUT (JSON) and, next to it, the markdown table and plot of `oomb bench`.
 """
@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from oomb.bench import BenchOptions, run_bench
-from oomb.plan import PRESETS
+from oomb.presets import PRESETS
 
 MODE_NAMES = {"hf": "hf", "oomb": "dense"}  # this script's names -> oomb bench's
 

@@ -2,6 +2,8 @@
 
 from .config import OOMBConfig
 from .engine import forward_backward
+from .train_config import TrainerConfig
+from .trainer import Trainer, TrainResult
 
 __version__ = "0.1.0"
-__all__ = ["OOMBConfig", "forward_backward", "__version__"]
+__all__ = ["OOMBConfig", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "__version__"]

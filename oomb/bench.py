@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import machine
+from . import machine, presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .config import OOMBConfig, resolve_dtype
 from .memory import GIB, MODES, ModelShape, TrainingSetup, predict
@@ -99,8 +99,8 @@ class BenchOptions:
                           fp32_grad_accumulation=self.fp32_grad_accumulation)
 
 
-QUICK = dict(preset="tiny", contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512, threads=1,
-             name="bench_quick")
+QUICK = dict(preset=presets.TINY_PRESET, contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,
+             threads=1, name="bench_quick")
 """--quick: the demo's tiny model on the CPU, all modes, in a few seconds. One thread: the tiny model
 gains nothing from more, and OpenMP threads that wait on each other crawl on a busy 2-core machine."""
 
@@ -439,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny model on the CPU, contexts 1K 2K (overridable by the options below)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the table and plot of a finished run")
-    parser.add_argument("--preset", choices=["qwen2.5-7b", "qwen2.5-0.5b", "llama3-8b", "tiny"])
+    parser.add_argument("--preset", choices=list(presets.PRESETS))
     parser.add_argument("--contexts", type=parse_tokens, nargs="+", help="e.g. 32K 64K 128K 256K")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), help=f"default: {' '.join(BENCH_MODES)}")
     parser.add_argument("--device", help="cuda (default) or cpu")

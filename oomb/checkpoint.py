@@ -3,8 +3,9 @@
     output_dir/checkpoints/
       step-000010/
         model.safetensors     trainable parameters by name (full fine-tuning), or
-        adapter.safetensors   the LoRA adapter's parameters by name
-        master.safetensors    fp32 master weights (only where parameters are bf16/fp16)
+        adapter.safetensors   the LoRA adapter's parameters by name; both without the parameters
+                              that have an fp32 master, which is exact where the parameter is not
+        master.safetensors    fp32 master weights (bf16/fp16 parameters, or all with optimizer offload)
         optimizer.pt          AdamW state_dict
         scheduler.pt          learning-rate schedule state_dict
         rng.pt                torch CPU and CUDA, Python `random` states
@@ -14,7 +15,9 @@
 
 A directory named ``step-NNNNNN`` exists only once every file in it has been written and synced
 (``os.replace`` of the whole directory), so a run killed at any moment leaves either the previous
-checkpoints or the new one, never a torn one.
+checkpoints or the new one, never a torn one. Loading is lazy where checkpoints are big: tensors are
+read one at a time from the safetensors files and the optimizer state is memory-mapped, so a 7B
+full fine-tuning state (~100 GB) never needs a second copy in host memory.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +51,9 @@ class Checkpoint:
     """What a checkpoint holds; tensors on the CPU."""
 
     step: int
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     adapter: bool  # weights are LoRA adapter parameters (else all trainable parameters)
-    master: dict[str, torch.Tensor]
+    master: Mapping[str, torch.Tensor]
     optimizer: dict
     scheduler: dict
     rng: dict
@@ -112,12 +116,13 @@ def save_checkpoint(checkpoint: Checkpoint, root: str | Path, keep_last: int = 0
         weights_file = ADAPTER_WEIGHTS if checkpoint.adapter else FULL_WEIGHTS
         save_file(_cpu_contiguous(checkpoint.weights), tmp / weights_file)
         if checkpoint.master:
-            save_file(_cpu_contiguous(checkpoint.master), tmp / MASTER_WEIGHTS)
+            save_file(_cpu_contiguous(checkpoint.master), tmp / MASTER_WEIGHTS)  # no copy if already on the host
         torch.save(checkpoint.optimizer, tmp / "optimizer.pt")
         torch.save(checkpoint.scheduler, tmp / "scheduler.pt")
         torch.save(checkpoint.rng, tmp / "rng.pt")
         (tmp / "config.yaml").write_text(checkpoint.config_yaml)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": checkpoint.step, **checkpoint.state}, indent=1))
+        state = {"step": checkpoint.step, "adapter": checkpoint.adapter, **checkpoint.state}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     _prune(root, keep_last)
     logger.info("checkpoint written: %s", final)
     return final
@@ -130,17 +135,37 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         hint = f"; complete checkpoints there: {[p.name for p in list_checkpoints(path)]}" if path.is_dir() else ""
         raise FileNotFoundError(f"{str(path)!r} is not a complete oomb checkpoint (no {STATE_FILE}){hint}")
     state = json.loads((path / STATE_FILE).read_text())
-    adapter = (path / ADAPTER_WEIGHTS).is_file()
-    weights = load_file(path / (ADAPTER_WEIGHTS if adapter else FULL_WEIGHTS))
-    master = load_file(path / MASTER_WEIGHTS) if (path / MASTER_WEIGHTS).is_file() else {}
+    adapter = bool(state.pop("adapter"))
+    weights = LazyTensors(path / (ADAPTER_WEIGHTS if adapter else FULL_WEIGHTS))
+    master = LazyTensors(path / MASTER_WEIGHTS) if (path / MASTER_WEIGHTS).is_file() else {}
 
     def load(name: str):
-        return torch.load(path / name, map_location="cpu", weights_only=True)
+        return torch.load(path / name, map_location="cpu", weights_only=True, mmap=True)
 
     config_yaml = (path / "config.yaml").read_text() if (path / "config.yaml").is_file() else ""
     return Checkpoint(step=int(state.pop("step")), weights=weights, adapter=adapter, master=master,
                       optimizer=load("optimizer.pt"), scheduler=load("scheduler.pt"), rng=load("rng.pt"),
                       state=state, config_yaml=config_yaml)
+
+
+class LazyTensors(Mapping):
+    """The tensors of a safetensors file, each read from disk when asked for (CPU)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = safe_open(path, "pt", device="cpu")
+        self._keys = list(self._file.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._keys:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def capture_rng() -> dict:

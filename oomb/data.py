@@ -35,6 +35,7 @@ SCAN_BLOCK_BYTES = 16 << 20  # read size when indexing jsonl lines
 NEWLINE_SEARCH_BYTES = 64 << 10  # how far past a text piece's nominal end to look for a newline
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,12 @@ def _file_format(path: Path, forced: str) -> str:
     if forced != "auto":
         return forced
     suffix = path.suffix.lower()
+    if suffix in COMPRESSED_SUFFIXES:
+        raise ValueError(f"data file {str(path)!r} is compressed ({suffix}); decompress it first "
+                         "(oomb streams plain jsonl, text and parquet files)")
+    if suffix == ".json":
+        raise ValueError(f"data file {str(path)!r}: .json is ambiguous; write one JSON object per line as "
+                         ".jsonl, or set data.format=jsonl if it already is JSON lines")
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
     if suffix in PARQUET_SUFFIXES:
@@ -251,7 +258,7 @@ def _piece_bounds(path: Path, piece_bytes: int) -> list[int]:
             if newline >= 0:
                 cut = target + newline + 1
             else:  # no newline nearby: do not split a multi-byte character (continuation bytes are 10xxxxxx)
-                cut = target + next((i for i, b in enumerate(window) if b & 0xC0 != 0x80), 0)
+                cut = target + next((i for i, b in enumerate(window) if b & 0xC0 != 0x80), len(window))
             if cut >= size:
                 break
             bounds.append(cut)
@@ -293,7 +300,8 @@ class PackedSequences:
         bos = tokenizer.bos_token_id
         self.bos = bos if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else None
         self._sources: dict[int, object] = {}
-        self._order_key, self._file_order, self._unit_order = None, None, None
+        self._order_key, self._unit_order = None, None
+        self._warned_small = False
         self.seek(position or DataPosition())
 
     # -- position --
@@ -312,6 +320,7 @@ class PackedSequences:
             raise ValueError(f"data position {position} points past the {len(self.files)} data files: did "
                              "data.paths change since the checkpoint?")
         self._segments: deque[_Segment] = deque()
+        self._available = 0  # tokens in _segments not handed out yet
         self._cursor = (position.epoch, position.file, position.unit)
         self._skip = position.skip
         self._epoch_tokens = 0
@@ -328,8 +337,9 @@ class PackedSequences:
 
     def __next__(self) -> Sample:
         seq_len = self.options.seq_len
-        while sum(len(s.tokens) - s.offset for s in self._segments) < seq_len:
+        while self._available < seq_len:
             self._read_next_unit()
+        self._available -= seq_len
         input_ids = torch.empty(seq_len, dtype=torch.long)
         starts = torch.zeros(seq_len, dtype=torch.bool)
         filled, epoch = 0, self._segments[0].epoch
@@ -355,6 +365,10 @@ class PackedSequences:
             if self._epoch_complete and self._epoch_tokens == 0:
                 raise ValueError(f"the data has no tokens: {len(self.files)} file(s), all empty or blank "
                                  f"(first: {self.files[0].path})")
+            if self._epoch_complete and self._epoch_tokens < self.options.seq_len and not self._warned_small:
+                self._warned_small = True
+                logger.warning("the data holds %d tokens per epoch, fewer than data.seq_len=%d: every sequence "
+                               "repeats it", self._epoch_tokens, self.options.seq_len)
             self._cursor, self._epoch_tokens, self._epoch_complete = (epoch + 1, 0, 0), 0, True
             logger.info("data: epoch %d done, starting epoch %d", epoch, epoch + 1)
             return
@@ -362,6 +376,7 @@ class PackedSequences:
         source = self._source(index)
         units = self._units_for(epoch, index, source)
         if unit >= len(units):
+            source.close()  # drop its file handle / row group; reopened if a later epoch comes back
             self._cursor = (epoch, file + 1, 0)
             return
         self._cursor = (epoch, file, unit + 1)
@@ -370,6 +385,7 @@ class PackedSequences:
         skip, self._skip = self._skip, 0
         if len(tokens) > skip:
             self._epoch_tokens += len(tokens)
+            self._available += len(tokens) - skip
             self._segments.append(_Segment(epoch, file, unit, tokens, piece.starts_document, skip))
 
     def _tokenize(self, unit: _Unit) -> torch.Tensor:

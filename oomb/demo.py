@@ -23,11 +23,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from .config import OOMBConfig
 from .engine import forward_backward
+from .presets import TINY_PRESET, preset_config
 
 logger = logging.getLogger(__name__)
-
-BYTE_VOCAB = 256
-
 
 @dataclass
 class DemoOptions:
@@ -41,18 +39,8 @@ class DemoOptions:
 
 
 def tiny_qwen2_config(max_positions: int) -> Qwen2Config:
-    """A Qwen2-shaped model small enough to train on 16K tokens on two CPU cores."""
-    return Qwen2Config(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    )
+    """A Qwen2-shaped model small enough to train on 16K tokens on two CPU cores (oomb.presets)."""
+    return preset_config(TINY_PRESET, max_positions)
 
 
 def embedded_corpus() -> bytes:

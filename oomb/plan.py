@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import machine
+from . import machine, presets
 from .config import ATTENTION_MODES, OOMBConfig, resolve_dtype
 from .memory import (
     GIB,
@@ -49,42 +49,18 @@ GROWTH_TOKENS = 10_000
 DEFAULT_CONTEXT = 131072
 TOKEN_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
-# Model shapes for planning and benchmarking without a checkpoint: HF config fields by model type.
-PRESETS: dict[str, tuple[str, dict]] = {
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                 rope_theta=1e6, tie_word_embeddings=False)),
-    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                   rope_theta=1e6, tie_word_embeddings=True)),
-    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                rope_theta=5e5, tie_word_embeddings=False)),
-    "tiny": ("qwen2", {}),  # oomb.demo.tiny_qwen2_config: the demo's model
-}
-
-
 def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
-    """A transformers config of preset ``name`` (random weights are built from it by the benchmark)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    if name == "tiny":
-        from .demo import tiny_qwen2_config
-
-        return tiny_qwen2_config(max_positions)
-    from transformers import AutoConfig
-
-    model_type, fields = PRESETS[name]
-    return AutoConfig.for_model(model_type, max_position_embeddings=max_positions, **fields)
+    """A transformers config of preset ``name`` (oomb.presets, shared with `oomb train`)."""
+    return presets.preset_config(name, max_positions)
 
 
 def load_model_shape(model: str) -> ModelShape:
     """The shape of a preset name or of a local model directory's config.json (nothing downloaded)."""
-    if model in PRESETS:
+    if model in presets.PRESETS:
         return ModelShape.from_hf_config(preset_config(model))
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(presets.PRESETS)}) "
                          "nor a local directory with a config.json")
     from transformers import AutoConfig
 
@@ -426,7 +402,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb plan`."""
     defaults, setup = OOMBConfig(), TrainingSetup()
     offload, sparse = OffloadAssumptions(), SparseAssumptions()
-    parser.add_argument("--model", required=True, help=f"a local model directory or a preset: {', '.join(PRESETS)}")
+    parser.add_argument("--model", required=True,
+                        help=f"a local model directory or a preset: {', '.join(presets.PRESETS)}")
     parser.add_argument("--context", type=parse_tokens, default=DEFAULT_CONTEXT,
                         help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))

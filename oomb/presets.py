@@ -46,6 +46,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
         max_position_embeddings=131072)),
 }
 TINY_PRESET = "tiny-qwen2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def byte_tokenizer():
@@ -133,6 +134,9 @@ def load_tokenizer(section: ModelSection):
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {source!r} does not exist; set model.tokenizer to a local "
                                 "directory written by tokenizer.save_pretrained")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{source!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); set "
+                                "model.tokenizer to the directory of the model's tokenizer (tokenizer.save_pretrained)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:

@@ -20,6 +20,9 @@ EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb train`."""
+    parser.epilog = ("Precedence: defaults < CONFIG.yaml < the flags above < --set. --print-config lists every key; "
+                     "docs/training.md explains them. Exit codes: 0 done, 1 loss not finite, 2 bad config or "
+                     "input, 3 not enough memory, 130 interrupted (state saved; add --resume to continue).")
     parser.add_argument("config", nargs="?", help="YAML config file (default: the embedded tiny model and corpus)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")
@@ -67,8 +70,9 @@ def main(args: argparse.Namespace) -> int:
     except FloatingPointError as err:
         print(f"oomb train: {err}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("oomb train: interrupted before the first step; nothing was saved", file=sys.stderr)
+    except KeyboardInterrupt:  # during setup, or a second Ctrl-C while the first one's checkpoint was written
+        print(f"oomb train: interrupted; complete checkpoints in {trainer.checkpoint_dir} (if any) are intact",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     print(_summary(result, trainer), flush=True)
     return EXIT_INTERRUPTED if result.interrupted else 0

@@ -14,6 +14,7 @@ every trainable parameter gets a master in host memory and AdamW steps on the CP
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class MasterWeights:
             if not p.requires_grad:
                 continue
             master = None
-            if offload or (enabled and p.dtype in LOW_PRECISION):
+            if self.needs_master(p, enabled, offload):
                 device = torch.device("cpu") if offload else p.device
                 master = p.detach().to(device=device, dtype=torch.float32, copy=True)
                 if offload and p.is_cuda:
@@ -44,9 +45,23 @@ class MasterWeights:
             self.params.append(p)
             self.masters.append(master)
 
+    @staticmethod
+    def needs_master(p: torch.Tensor, enabled: bool, offload: bool) -> bool:
+        return offload or (enabled and p.dtype in LOW_PRECISION)
+
+    @classmethod
+    def count(cls, model: nn.Module, enabled: bool, offload: bool) -> int:
+        """Elements the masters of ``model`` would hold, without allocating them."""
+        return sum(p.numel() for p in model.parameters() if p.requires_grad and cls.needs_master(p, enabled, offload))
+
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p if m is None else m for p, m in zip(self.params, self.masters, strict=True)]
+
+    @property
+    def unmastered_names(self) -> list[str]:
+        """Trainable parameters stepped directly (no master)."""
+        return [n for n, m in zip(self.names, self.masters, strict=True) if m is None]
 
     @property
     def num_masters(self) -> int:
@@ -88,7 +103,8 @@ class MasterWeights:
         return {n: m for n, m in zip(self.names, self.masters, strict=True) if m is not None}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy masters in (``state`` may read each tensor lazily), then into the model."""
         expected = set(self.state_dict())
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -87,7 +88,9 @@ class Trainer:
 
     Args:
         config: the run's configuration (default: the embedded tiny model and corpus on this machine).
-        model: an already-built transformers *ForCausalLM to train instead of loading ``config.model``.
+        model: an already-built transformers *ForCausalLM (optionally PEFT-wrapped) to train instead of
+            loading ``config.model``; it stays on its device and dtype (``model.*`` and ``train.device``
+            are not used), LoRA is added if ``lora.enabled`` and it is not PEFT-wrapped yet.
         tokenizer: the tokenizer to use with ``model``.
     """
 
@@ -107,6 +110,8 @@ class Trainer:
         self._last_saved: Path | None = None
         self._saved_step = -1
         self._ready = False
+        self._last_metrics: dict | None = None
+        self._peak_gpu = 0.0
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class Trainer:
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
-        resume_from = self._prepare_output_dir()
+        resume_from, stale = self._prepare_output_dir()
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 
@@ -135,6 +140,7 @@ class Trainer:
             self.model = build_model(cfg.model, model_config, self.dtype, self.device)
         if cfg.lora.enabled and not hasattr(self.model, "peft_config"):
             self.model = apply_lora(self.model, cfg.lora)
+        self.model.train()
         causal_lm = unwrap_causal_lm(self.model)
         self.device = causal_lm.get_input_embeddings().weight.device
         vocab = causal_lm.get_input_embeddings().num_embeddings
@@ -145,11 +151,17 @@ class Trainer:
         logger.info("model: %s, %.2f M parameters (%.2f M trainable), %s on %s", type(causal_lm).__name__,
                     self.total_params / 1e6, self.trainable / 1e6, self.dtype, self.device)
 
+        self._num_masters = MasterWeights.count(self.model, cfg.optim.master_weights, cfg.optim.offload)
+        self._check_memory(causal_lm)  # before the masters and optimizer state exist
         self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
-        self._check_memory(causal_lm)
         self.lr = cfg.optim.lr or self._default_lr()
         self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        for path in stale:  # --overwrite: deleted only now that the new run is known to start
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
         if resume_from is not None:
@@ -162,33 +174,27 @@ class Trainer:
             return DEFAULT_LR["tiny"]
         return DEFAULT_LR["lora" if self.config.lora.enabled else "full"]
 
-    def _prepare_output_dir(self) -> Path | None:
-        """The checkpoint to resume from, or None for a fresh run (refusing to mix with an old one)."""
+    def _prepare_output_dir(self) -> tuple[Path | None, list[Path]]:
+        """The checkpoint to resume from (None: a fresh run), and the old artifacts a fresh run replaces.
+        A fresh run in a directory holding another run is refused unless train.overwrite."""
         resume = self.config.checkpoint.resume
         latest = latest_checkpoint(self.checkpoint_dir)
-        if resume == "latest":
-            if latest is None:
-                logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0",
-                               self.checkpoint_dir)
-                return None
-            return latest
-        if resume is not None:
-            return Path(resume)
         metrics = self.output_dir / self.config.logging.metrics_file
-        if latest is not None or metrics.exists():
-            if not self.config.train.overwrite:
-                found = latest.name if latest is not None else metrics.name
-                raise ValueError(
-                    f"train.output_dir={str(self.output_dir)!r} already holds a run ({found}); continue it with "
-                    "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
-                    "another train.output_dir")
-            for name in (*ARTIFACTS, self.config.logging.metrics_file):
-                path = self.output_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        return None
+        artifacts = [p for p in (self.output_dir / n for n in (*ARTIFACTS, metrics.name)) if p.exists()]
+        if resume == "latest" and latest is not None:
+            return latest, []
+        if resume is not None and resume != "latest":
+            return Path(resume), []
+        if resume == "latest":
+            logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0", self.checkpoint_dir)
+            return None, artifacts  # a run that died before its first checkpoint: start it again
+        if (latest is not None or metrics.exists()) and not self.config.train.overwrite:
+            found = latest.name if latest is not None else metrics.name
+            raise ValueError(
+                f"train.output_dir={str(self.output_dir)!r} already holds a run ({found}); continue it with "
+                "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
+                "another train.output_dir")
+        return None, artifacts
 
     def _check_memory(self, causal_lm) -> None:
         mode = self.config.train.memory_check
@@ -206,7 +212,7 @@ class Trainer:
         if need > MEMORY_HEADROOM * free:
             problems.append((where, need, free, terms))
         if self.config.optim.offload and self.device.type == "cuda":
-            host_need = 16 * self.masters.num_masters
+            host_need = 16 * self._num_masters
             host_free = host_available_bytes()
             if host_need > MEMORY_HEADROOM * host_free:
                 problems.append(("host memory for the offloaded optimizer", host_need, host_free,
@@ -239,7 +245,7 @@ class Trainer:
         }
         if not cfg.optim.offload:
             # AdamW exp_avg + exp_avg_sq in fp32; masters hold 4 bytes of weight and 4 of gradient.
-            terms["optimizer state"] = 8 * self.trainable + 8 * self.masters.num_masters
+            terms["optimizer state"] = 8 * self.trainable + 8 * self._num_masters
         return terms
 
     def _memory_advice(self, causal_lm) -> str:
@@ -271,7 +277,7 @@ class Trainer:
         }
         checkpoint = Checkpoint(
             step=self.step,
-            weights={n: params[n] for n in self.masters.names},
+            weights={n: params[n] for n in self.masters.unmastered_names},  # the rest: exact in the masters
             adapter=self.config.lora.enabled,
             master=self.masters.state_dict(),
             optimizer=self.optimizer.state_dict(),
@@ -287,22 +293,26 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         checkpoint = load_checkpoint(path)
         params = dict(self.model.named_parameters())
-        expected = set(self.masters.names)
+        expected = set(self.masters.unmastered_names)
         if set(checkpoint.weights) != expected or checkpoint.adapter != self.config.lora.enabled:
             missing = sorted(expected - set(checkpoint.weights))
             raise ValueError(
                 f"checkpoint {path} does not match this model: {len(missing)} trainable parameter(s) missing "
                 f"(e.g. {missing[:2]}), {len(set(checkpoint.weights) - expected)} unexpected; was it written "
-                "with other model or lora settings?")
+                "with other model, lora or optim.master_weights/offload settings?")
         with torch.no_grad():
-            for name, tensor in checkpoint.weights.items():
-                params[name].copy_(tensor)
+            for name in checkpoint.weights:  # one tensor in host memory at a time
+                params[name].copy_(checkpoint.weights[name])
         if checkpoint.master or self.masters.state_dict():
             self.masters.load_state_dict(checkpoint.master)
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scheduler.load_state_dict(checkpoint.scheduler)
         restore_rng(checkpoint.rng)
         state = checkpoint.state
+        changed = _changed_keys(yaml.safe_load(checkpoint.config_yaml or "{}") or {}, self.config.to_dict())
+        if changed:
+            logger.warning("resuming %s with changed settings %s: the run continues, but not as the "
+                           "checkpointed run would have", path, changed)
         if state.get("data_files") != [str(f.path) for f in self.data.files]:
             logger.warning("the data files differ from those of checkpoint %s: the data position may not "
                            "mean the same", path)
@@ -330,6 +340,8 @@ class Trainer:
                     self.save_checkpoint()
         except KeyboardInterrupt:
             interrupted = True
+            if self._last_metrics and self._last_metrics["step"] > reporter.last_step:
+                reporter.log(self._last_metrics)  # Ctrl-C came during that step's update, which completed
             self.masters.zero_grads()  # the partial step is dropped; its data is read again on resume
             logger.warning("interrupted during step %d: saving the state after step %d", self.step + 1, self.step)
         finally:
@@ -378,12 +390,14 @@ class Trainer:
             self._data_position = self.data.position
             step_time = time.perf_counter() - start
             self.elapsed += step_time
-        metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                   "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
-                   "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
-                   "host_rss_gib": host_rss_bytes() / GIB}
-        if self.device.type == "cuda":
-            metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                       "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
+                       "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
+                       "host_rss_gib": host_rss_bytes() / GIB}
+            if self.device.type == "cuda":
+                metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+                self._peak_gpu = max(self._peak_gpu, metrics["gpu_peak_gib"])
+            self._last_metrics = metrics
         return metrics
 
     def export(self) -> tuple[Path, Path | None]:
@@ -404,7 +418,7 @@ class Trainer:
         return final, merged
 
     def _result(self, interrupted: bool, export_dir, merged_dir) -> TrainResult:
-        gpu = torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
+        gpu = self._peak_gpu if self.device.type == "cuda" else None
         return TrainResult(
             steps=self.step, losses=list(self.losses), tokens=self.tokens, elapsed_s=self.elapsed,
             tokens_per_s=self.tokens / self.elapsed if self.elapsed else 0.0, output_dir=str(self.output_dir),
@@ -422,6 +436,7 @@ class _Reporter:
                         disable=not config.logging.progress, dynamic_ncols=True)
         output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
+        self.last_step = start_step
         self.writer = None
         if config.logging.tensorboard:
             try:
@@ -433,6 +448,7 @@ class _Reporter:
                                "(pip install tensorboard): metrics go to %s only", config.logging.metrics_file)
 
     def log(self, metrics: dict) -> None:
+        self.last_step = metrics["step"]
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
         postfix = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
@@ -469,6 +485,21 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous)
     if received:
         raise KeyboardInterrupt
+
+
+RESUME_SENSITIVE = ("model", "lora", "data", "oomb", "train.seed", "train.grad_accum", "optim.master_weights",
+                    "optim.offload")
+
+
+def _changed_keys(old: dict, new: dict) -> list[str]:
+    """Settings that make a resumed run differ from the checkpointed one (max_steps, lr... may change)."""
+    changed = []
+    for key in RESUME_SENSITIVE:
+        section, _, name = key.partition(".")
+        before, after = old.get(section, {}), new.get(section, {})
+        names = [name] if name else sorted(set(before) | set(after))
+        changed += [f"{section}.{n}" for n in names if before.get(n) != after.get(n)]
+    return changed
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

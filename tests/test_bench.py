@@ -100,7 +100,7 @@ class _FakeContext:
 def test_parent_records_a_dead_worker_and_moves_on(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "POLL_SECONDS", 0.01)
     options = bench.BenchOptions(**{**bench.QUICK, "contexts": [1024, 2048, 4096], "out_dir": str(tmp_path)})
-    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny"))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny-qwen2"))
     report = bench.new_report(options, shape)
     paths = bench.output_paths(tmp_path, "dead")
     bench._sweep_mode(_FakeContext(), "dense", options, float("inf"), report, report["modes"]["dense"], shape, paths)
@@ -133,7 +133,7 @@ def test_parent_kills_a_worker_at_the_time_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "POLL_SECONDS", 0.01)
     context = type("Context", (), {"Queue": queue.Queue, "Process": _HungProcess})()
     options = bench.BenchOptions(**{**bench.QUICK, "out_dir": str(tmp_path)})
-    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny"))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config("tiny-qwen2"))
     report = bench.new_report(options, shape)
     info = report["modes"]["hf"]
     bench._sweep_mode(context, "hf", options, 0.0, report, info, shape, bench.output_paths(tmp_path, "late"))

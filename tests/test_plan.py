@@ -41,7 +41,7 @@ def test_presets_have_the_documented_shapes():
     assert small.kv_bytes_per_token(torch.bfloat16) == 12 * KIB  # DESIGN.md section 3
     llama = load_model_shape("llama3-8b")
     assert (llama.num_layers, llama.head_dim, llama.attention_bias, llama.vocab_size) == (32, 128, False, 128256)
-    assert load_model_shape("tiny").hidden_size == 64
+    assert load_model_shape("tiny-qwen2").hidden_size == 64
 
 
 def test_kv_pages_of_qwen7b_at_one_million_tokens():
@@ -191,8 +191,8 @@ def test_cli_json_and_model_directory(tmp_path, capsys):
 def test_cli_errors(capsys):
     assert cli.main(["plan", "--model", "no-such-model", "--gpu-gib", "80", "--host-gib", "64"]) == 2
     assert "neither a preset" in capsys.readouterr().err
-    assert cli.main(["plan", "--model", "tiny", "--chunk-size", "1000", "--gpu-gib", "8", "--host-gib", "8"]) == 2
+    assert cli.main(["plan", "--model", "tiny-qwen2", "--chunk-size", "1000", "--gpu-gib", "8", "--host-gib", "8"]) == 2
     assert "multiple of page_size" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert cli.main(["plan", "--model", "tiny", "--host-gib", "8"]) == 2
+        assert cli.main(["plan", "--model", "tiny-qwen2", "--host-gib", "8"]) == 2
         assert "--gpu-gib" in capsys.readouterr().err

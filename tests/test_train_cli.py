@@ -1,0 +1,166 @@
+"""`oomb train` and its config: YAML < flags < --set, unknown keys, messages, end-to-end CLI runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import build_tiny_model
+
+import oomb
+import oomb.trainer
+from oomb.cli import main as cli_main
+from oomb.config import OOMBConfig
+from oomb.presets import BYTE_VOCAB, byte_tokenizer
+from oomb.train_config import SECTIONS, TrainerConfig
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FAST = ["--set", "oomb.chunk_size=128", "--set", "oomb.page_size=32", "--set", "logging.progress=false",
+        "--set", "train.device=cpu"]
+
+
+def test_defaults_are_the_embedded_cpu_run():
+    config = TrainerConfig()
+    assert config.model.path is None and config.model.preset == "tiny-qwen2"
+    assert config.data.paths == [] and config.lora.enabled is False
+    assert isinstance(config.oomb, OOMBConfig)
+    assert oomb.Trainer is oomb.trainer.Trainer and oomb.TrainerConfig is TrainerConfig
+
+
+def test_yaml_then_flags_then_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"optim": {"lr": "1e-4"}, "data": {"seq_len": 1024}, "train": {"max_steps": 3}}))
+    config = TrainerConfig.load(path)
+    assert config.optim.lr == 1e-4 and config.data.seq_len == 1024 and config.train.max_steps == 3
+    config = TrainerConfig.load(path, ["data.seq_len=2048", "data.seq_len=4096", "oomb.kv_grad_dtype=bf16",
+                                       "model.rope_scaling.factor=4", "data.paths=one.jsonl"])
+    assert config.data.seq_len == 4096 and config.oomb.grad_dtype == torch.bfloat16
+    assert config.model.rope_scaling == {"factor": 4} and config.data.paths == ["one.jsonl"]
+
+
+def test_round_trip_through_yaml(tmp_path):
+    config = TrainerConfig.load(None, ["lora.enabled=true", "lora.target_modules=[q_proj, v_proj]",
+                                       "optim.betas=[0.8, 0.9]", "oomb.kv_grad_dtype=bfloat16"])
+    path = tmp_path / "c.yaml"
+    path.write_text(config.to_yaml())
+    assert TrainerConfig.load(path) == config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.learning_rate=1"], r"unknown key\(s\) \['optim.learning_rate'\]; valid keys of 'optim': \['lr',"),
+        (["optimizer.lr=1"], r"unknown config section\(s\) \['optimizer'\]; valid sections: \['model', 'lora'"),
+        (["oomb.chunk=1"], r"unknown OOMBConfig option\(s\) \['chunk'\]; valid options"),
+        (["optim.schedule=linear"], r"optim.schedule='linear' must be one of 'cosine', 'constant'"),
+        (["train.max_steps=0"], r"train.max_steps=0 must be > 0"),
+        (["train.grad_accum=two"], r"train.grad_accum='two' must be an integer"),
+        (["data.seq_len=1"], r"data.seq_len=1 must be at least 2"),
+        (["lora.dropout=1.5"], r"lora.dropout=1.5 must lie in \[0, 1\)"),
+        (["lora.target_modules=[]"], r"lora.target_modules=\[\] names no module"),
+        (["train.device=tpu"], r"train.device='tpu' is not a device; use auto, cpu, cuda or cuda:N"),
+        (["oomb.chunk_size=100"], r"chunk_size=100 must be a multiple of page_size=128"),
+        (["optim.lr"], r"override 'optim.lr' must look like section.key=value"),
+        (["model.dtype=fp8"], r"model.dtype='fp8' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+    ],
+)
+def test_bad_config_names_value_rule_and_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig.load(None, overrides)
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError, match="config file 'nope.yaml' does not exist"):
+        TrainerConfig.load("nope.yaml")
+
+
+def test_examples_are_valid_configs():
+    lora = TrainerConfig.load(EXAMPLES / "qwen2.5-7b-1m-lora.yaml")
+    assert lora.lora.enabled and lora.data.seq_len == 1 << 20 and lora.oomb.grad_dtype == torch.bfloat16
+    full = TrainerConfig.load(EXAMPLES / "qwen2.5-7b-768k-full.yaml")
+    assert not full.lora.enabled and full.optim.offload and full.data.seq_len == 768 * 1024
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == ["qwen2.5-7b-1m-lora.yaml", "qwen2.5-7b-768k-full.yaml"]
+
+
+def test_every_option_is_documented():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    missing = [f"{name}.{f.name}" for name, cls in SECTIONS.items() if cls is not OOMBConfig
+               for f in dataclasses.fields(cls) if f"`{name}.{f.name}`" not in text]
+    assert not missing, f"options missing from docs/training.md: {missing}"
+
+
+def test_print_config_applies_flags(capsys):
+    assert cli_main(["train", "--lora", "--seq-len", "1024", "--data", "a b.jsonl", "--set", "optim.lr=2e-5",
+                     "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["lora"]["enabled"] is True and printed["data"]["seq_len"] == 1024
+    assert printed["data"]["paths"] == ["a b.jsonl"] and printed["optim"]["lr"] == 2e-5
+
+
+def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path):
+    assert cli_main(["train", "--set", "optim.lrr=1"]) == 2
+    assert "oomb train: error: unknown key(s) ['optim.lrr']" in capsys.readouterr().err
+    assert cli_main(["train", "--model", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out"), *FAST]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model("qwen2", vocab_size=BYTE_VOCAB + 1).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_cli_run_resume_and_refusal(tmp_path, model_dir, capsys, caplog):
+    data = tmp_path / "notes.txt"
+    data.write_text("".join(f"note {i}: long context training, chunk by chunk.\n" for i in range(100)))
+    out = tmp_path / "out"
+    args = ["train", "--model", str(model_dir), "--data", str(data), "--seq-len", "256", "--steps", "2",
+            "--output-dir", str(out), *FAST, "--set", "checkpoint.every=1"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "oomb train: " + str(model_dir) in printed and "done, 2 steps, 512 tokens" in printed
+    assert str(out / "final") in printed
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+    assert cli_main(args) == 2  # the same output dir again: refused, with the ways out
+    assert "--resume" in capsys.readouterr().err
+    assert cli_main([*args, "--steps", "3", "--resume", "--set", "data.seq_len=128"]) == 0  # one more step
+    assert "changed settings ['data.seq_len']" in caplog.text
+    assert "resuming at step 2" in capsys.readouterr().out
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tokens"] == 128
+
+
+def test_cli_ctrl_c_exits_130_with_resume_hint(tmp_path, model_dir, capsys, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(oomb.trainer, "forward_backward", interrupt)
+    out = tmp_path / "out"
+    assert cli_main(["train", "--model", str(model_dir), "--seq-len", "256", "--output-dir", str(out), *FAST]) == 130
+    printed = capsys.readouterr().out
+    assert "interrupted after 0 steps" in printed and "--resume" in printed
+    assert (out / "checkpoints" / "step-000000" / "trainer_state.json").is_file()
+
+
+def test_cli_not_enough_memory_exits_3(tmp_path, model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(oomb.trainer, "host_available_bytes", lambda: 1 << 20)
+    assert cli_main(["train", "--model", str(model_dir), "--seq-len", "256", "--output-dir", str(tmp_path), *FAST]) == 3
+    assert "not enough host memory" in capsys.readouterr().err
+
+
+def test_cli_embedded_default_round_trip(tmp_path, capsys):
+    """No model, no data: the embedded preset and corpus; then train on from its export."""
+    out = tmp_path / "default"
+    assert cli_main(["train", "--seq-len", "256", "--steps", "1", "--output-dir", str(out), *FAST]) == 0
+    assert "preset tiny-qwen2 (random weights)" in capsys.readouterr().out
+    again = tmp_path / "again"
+    assert cli_main(["train", "--model", str(out / "final"), "--seq-len", "256", "--steps", "1",
+                     "--output-dir", str(again), *FAST]) == 0
+    assert (again / "final" / "model.safetensors").is_file()
