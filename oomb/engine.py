@@ -15,6 +15,7 @@ The sum over chunks of these backward passes is the exact gradient of the full-s
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -36,6 +37,7 @@ def forward_backward(
     config: OOMBConfig | None = None,
     *,
     progress: bool = False,
+    grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -49,6 +51,9 @@ def forward_backward(
         labels: same shape as input_ids, or None.
         config: options; defaults to OOMBConfig().
         progress: show a progress bar over the chunks of both stages.
+        grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
+            is added into the tensor chunk by chunk (never rounded) instead of into ``.grad``.
+            A trainer with fp32 master weights passes the masters' gradient buffers.
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
@@ -103,7 +108,7 @@ def forward_backward(
             rng_after_step = _rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
-            accumulator = Fp32GradAccumulator(model.parameters(), config.fp32_grad_accumulation)
+            accumulator = Fp32GradAccumulator(model.parameters(), config.fp32_grad_accumulation, grad_targets)
             with layer_checkpointing(decoder, config.checkpoint_layers):
                 for chunk in reversed(chunks):
                     _set_rng_state(device, rng_states[chunk.index])

@@ -67,8 +67,19 @@ class MasterWeights:
     def num_masters(self) -> int:
         return sum(m.numel() for m in self.masters if m is not None)
 
+    def grad_targets(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Masters' fp32 .grad buffers on their parameter's device, for ``forward_backward(grad_targets=)``:
+        every chunk's gradient is added there unrounded, and no bf16 .grad or fp32 sum is kept besides."""
+        targets = {}
+        for p, m in zip(self.params, self.masters, strict=True):
+            if m is not None and m.device == p.device:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                targets[p] = m.grad
+        return targets
+
     def collect(self) -> None:
-        """After a sequence's backward: move low-precision gradients into the fp32 masters' .grad."""
+        """After a sequence's backward: move the remaining gradients (host masters) into the masters' .grad."""
         for p, m in zip(self.params, self.masters, strict=True):
             if m is None or p.grad is None:
                 continue

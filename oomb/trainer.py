@@ -15,6 +15,7 @@ returns (``TrainResult.interrupted``); ``checkpoint.resume="latest"`` continues 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -235,7 +236,12 @@ class Trainer:
         """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
         cfg = self.config
         shape = ModelShape.from_hf_config(causal_lm.config)
-        step = estimate_step_memory(shape, cfg.data.seq_len, cfg.oomb, dtype=self.dtype,
+        oomb_config = cfg.oomb
+        if cfg.optim.master_weights and not cfg.optim.offload:
+            # Chunk gradients go straight into the masters' fp32 .grad (counted with the optimizer):
+            # only one chunk's low-precision .grad exists at a time, no separate fp32 sums.
+            oomb_config = dataclasses.replace(oomb_config, fp32_grad_accumulation=False)
+        step = estimate_step_memory(shape, cfg.data.seq_len, oomb_config, dtype=self.dtype,
                                     trainable_params=self.trainable)
         terms = {
             "KV and KV-gradient pages": step.kv_pages,
@@ -366,7 +372,8 @@ class Trainer:
         for _ in range(cfg.train.grad_accum):
             sample = next(self.data)
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
-                                    progress=cfg.logging.progress and cfg.logging.chunk_progress)
+                                    progress=cfg.logging.progress and cfg.logging.chunk_progress,
+                                    grad_targets=self.masters.grad_targets())
             self.masters.collect()
             losses.append(float(loss))
             tokens += sample.input_ids.numel()
