@@ -52,7 +52,7 @@ def forward_backward(
         config: options; defaults to OOMBConfig().
         progress: show a progress bar over the chunks of both stages.
         grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
-            is added into the tensor chunk by chunk (never rounded) instead of into ``.grad``.
+            is added into the tensor chunk by chunk (the sum is never rounded) instead of into ``.grad``.
             A trainer with fp32 master weights passes the masters' gradient buffers.
     Returns:
         The detached full-sequence loss (float32 scalar).

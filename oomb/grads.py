@@ -4,7 +4,8 @@ A full-sequence backward rounds each bf16 weight gradient once (its GEMM accumul
 Stage 2 produces one gradient per chunk; adding them into a bf16 ``.grad`` rounds N times. This
 accumulator moves each chunk's gradient into an fp32 sum and writes it back once, or, for
 parameters the caller gives an fp32 target (e.g. a trainer's master weights' ``.grad``), adds
-every chunk straight into that target and never rounds at all.
+every chunk straight into that target, so the sum is never rounded (each chunk's gradient is
+still what autograd produced in the parameter's dtype).
 """
 
 from __future__ import annotations

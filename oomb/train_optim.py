@@ -69,7 +69,7 @@ class MasterWeights:
 
     def grad_targets(self) -> dict[nn.Parameter, torch.Tensor]:
         """Masters' fp32 .grad buffers on their parameter's device, for ``forward_backward(grad_targets=)``:
-        every chunk's gradient is added there unrounded, and no bf16 .grad or fp32 sum is kept besides."""
+        every chunk's gradient is added there, the sum stays fp32, and no bf16 .grad or fp32 sum is kept besides."""
         targets = {}
         for p, m in zip(self.params, self.masters, strict=True):
             if m is not None and m.device == p.device:
