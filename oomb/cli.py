@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("oomb.train_cli", "train a model on long packed sequences: config, checkpoints, resume, logs"),
     "plan": ("oomb.plan", "predict GPU and host memory of a step and the longest context that fits"),
     "bench": ("oomb.bench", "benchmark HF and oomb modes over contexts: JSON, markdown table and plot"),
+    "gradcheck": ("oomb.gradcheck", "sparse vs dense (and dense vs HF) parameter gradients: per-layer cosine, error"),
 }
 
 

@@ -15,8 +15,10 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-ATTENTION_MODES = ("dense",)
+ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton")
+SPARSE_SCORES = ("minmax", "mean")
+SPARSE_SELECTIONS = ("kv_head", "shared")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -37,9 +39,26 @@ class OOMBConfig:
     chunk_size: int = 4096
     """Tokens per chunk: the unit of recomputation. A multiple of page_size."""
     page_size: int = 128
-    """Tokens per KV page: the unit of allocation (and later of sparse selection and offload)."""
-    attention: Literal["dense"] = "dense"
-    """Attention over the history: "dense" (exact). "sparse" will come with the sparse issue."""
+    """Tokens per KV page: the unit of allocation, of sparse selection (and later of offload)."""
+    attention: Literal["dense", "sparse"] = "dense"
+    """Attention over the history: "dense" (exact) or "sparse" (each query block reads the
+    sparse_sink_pages first pages, its top sparse_budget earlier pages and its own chunk;
+    docs/sparse.md). The sparse_* options below only matter in sparse mode."""
+    sparse_budget: int = 64
+    """Sparse: earlier pages (besides the sinks) each query block reads, per KV head, chosen by score.
+    A budget covering every earlier page is dense attention, bit for bit."""
+    sparse_sink_pages: int = 1
+    """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
+    sparse_score: Literal["minmax", "mean"] = "minmax"
+    """Sparse: how a query block scores an earlier page from its summary. "minmax": Quest's upper
+    bound sum_d max(q_d min_d, q_d max_d) from the page's elementwise min and max key; "mean": q . mean key."""
+    sparse_selection: Literal["kv_head", "shared"] = "kv_head"
+    """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
+    choice per query block for all heads (the best score of any head)."""
+    sparse_leak_free: bool = False
+    """Sparse: score a block's pages with its first query only, so no query influences which pages an
+    earlier query reads. False (default): every query of the block votes (better recall; a later
+    query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton"] = "auto"
@@ -67,7 +86,17 @@ class OOMBConfig:
             raise ValueError(f"attention={self.attention!r} is not supported; use one of: {ATTENTION_MODES}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not supported; use one of: {BACKENDS}")
-        for name in ("checkpoint_layers", "fp32_grad_accumulation"):
+        for name in ("sparse_budget", "sparse_sink_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0 (a number of pages)")
+        if self.sparse_score not in SPARSE_SCORES:
+            raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
+        if self.sparse_selection not in SPARSE_SELECTIONS:
+            raise ValueError(
+                f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"
+            )
+        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")

@@ -10,6 +10,11 @@
 
 The sum over chunks of these backward passes is the exact gradient of the full-sequence loss
 (mean token cross-entropy over all label positions of the whole batch).
+
+Sparse mode (config.attention="sparse", docs/sparse.md) changes only what attention reads: in
+stage 1 every layer also summarises the chunk's pages and selects, per query block, the history
+pages it reads; stage 2 reuses that selection. The gradients are the exact gradients of that
+sparse model.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
+from .sparse import SparseOptions
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,8 @@ def forward_backward(
             "use a model config with sliding_window=None"
         )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
-    store = _make_store(causal_lm, batch, num_tokens, config, device)
+    sparse = SparseOptions.from_config(config)  # None in dense mode
+    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse)
     backend = select_backend(config.backend, device)
     decoder = causal_lm.get_decoder()
     lm_head = causal_lm.get_output_embeddings()
@@ -87,7 +94,7 @@ def forward_backward(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
             use_cache=False,
-            oomb_step=StepState(store, chunk, stage, backend, recompute_cache),
+            oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse),
         )
         return out.last_hidden_state
 
@@ -176,7 +183,9 @@ def _validated_inputs(
     return input_ids.to(device=device, dtype=torch.long), labels.to(device=device, dtype=torch.long)
 
 
-def _make_store(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device) -> PagedKVStore:
+def _make_store(
+    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None
+) -> PagedKVStore:
     cfg = causal_lm.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return PagedKVStore(
@@ -189,6 +198,7 @@ def _make_store(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, devi
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
         grad_dtype=config.grad_dtype,
         device=device,
+        summaries=sparse.summaries if sparse is not None else (),
     )
 
 

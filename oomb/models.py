@@ -7,7 +7,7 @@ The step's state reaches our attention function as one keyword argument, ``oomb_
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
 from typing import Any
@@ -19,6 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from .attention.backend import AttentionBackend
 from .attention.function import PagedAttentionCall, fill_and_attend, paged_attention
 from .kv import ChunkSpan, PagedKVStore
+from .sparse import SparseOptions
 
 ATTENTION_NAME = "oomb"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -38,6 +39,7 @@ class StepState:
     stage: Stage
     backend: AttentionBackend
     recompute_cache: dict | None = None  # stage 2 with layer checkpointing: layer -> (out, lse)
+    sparse: SparseOptions | None = None  # sparse mode's options; None: dense
 
 
 def oomb_attention_forward(
@@ -67,10 +69,13 @@ def oomb_attention_forward(
             "use a model config with sliding_window=None"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    call = PagedAttentionCall(oomb_step.store, module.layer_idx, chunk, oomb_step.backend, scale)
+    store, layer = oomb_step.store, module.layer_idx
+    call = PagedAttentionCall(store, layer, chunk, oomb_step.backend, scale, oomb_step.sparse)
     if oomb_step.stage is Stage.FILL:
-        out = fill_and_attend(query, key, value, call)
+        out = fill_and_attend(query, key, value, call)  # sparse: selects the pages and keeps the selection
     else:
+        if oomb_step.sparse is not None:  # stage 2 reads exactly the pages stage 1 selected
+            call = replace(call, selection=store.selection(layer, chunk))
         out = paged_attention(query, key, value, call, oomb_step.recompute_cache)
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
 

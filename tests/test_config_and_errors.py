@@ -20,6 +20,14 @@ def test_default_config_is_valid():
     assert config.chunk_size % config.page_size == 0
     assert config.grad_dtype == torch.float32
     assert config.checkpoint_layers is True
+    assert config.attention == "dense"
+
+
+def test_sparse_config():
+    config = OOMBConfig.from_dict({"attention": "sparse", "sparse_budget": 0, "sparse_sink_pages": 0,
+                                   "sparse_score": "mean", "sparse_selection": "shared", "sparse_leak_free": True})
+    assert (config.attention, config.sparse_budget, config.sparse_sink_pages) == ("sparse", 0, 0)
+    assert (config.sparse_score, config.sparse_selection, config.sparse_leak_free) == ("mean", "shared", True)
 
 
 def test_chunk_size_must_be_a_multiple_of_page_size():
@@ -42,7 +50,14 @@ def test_sizes_must_be_positive_integers(field, value):
     ("options", "message"),
     [
         ({"backend": "cuda"}, r"backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton'\)"),
-        ({"attention": "sparse"}, r"attention='sparse' is not supported; use one of: \('dense',\)"),
+        ({"attention": "flash"}, r"attention='flash' is not supported; use one of: \('dense', 'sparse'\)"),
+        ({"sparse_budget": -1}, r"sparse_budget=-1 must be an integer >= 0 \(a number of pages\)"),
+        ({"sparse_budget": 4.0}, r"sparse_budget=4\.0 must be an integer >= 0"),
+        ({"sparse_sink_pages": True}, r"sparse_sink_pages=True must be an integer >= 0"),
+        ({"sparse_score": "max"}, r"sparse_score='max' is not supported; use one of: \('minmax', 'mean'\)"),
+        ({"sparse_selection": "head"},
+         r"sparse_selection='head' is not supported; use one of: \('kv_head', 'shared'\)"),
+        ({"sparse_leak_free": 1}, r"sparse_leak_free=1 must be True or False"),
         ({"kv_grad_dtype": "float8"}, r"kv_grad_dtype='float8' is not supported; use one of: .*bf16"),
         ({"kv_grad_dtype": torch.int8}, r"kv_grad_dtype=torch\.int8 is not supported"),
         ({"checkpoint_layers": "yes"}, r"checkpoint_layers='yes' must be True or False"),

@@ -1,4 +1,5 @@
-"""Choosing the attention backend: a pair of functions following reference.py's contract."""
+"""Choosing the attention backend: dense functions following reference.py's contract and sparse ones
+following reference_sparse.py's."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import reference, reference_sparse
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The two functions of a backend; see oomb/attention/reference.py for their contract."""
+    """The functions of a backend: dense (oomb/attention/reference.py's contract) and sparse
+    (oomb/attention/reference_sparse.py's: the same plus a per-block page selection)."""
 
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., torch.Tensor]
+    sparse_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_sparse.sparse_attention_forward
+    sparse_backward: Callable[..., torch.Tensor] = reference_sparse.sparse_attention_backward
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -28,9 +32,10 @@ TORCH_BACKEND = AttentionBackend(
 
 
 def _triton_backend() -> AttentionBackend:
-    from . import triton_paged  # imported lazily: triton is an optional dependency
+    from . import triton_paged, triton_sparse  # imported lazily: triton is an optional dependency
 
-    return AttentionBackend("triton", triton_paged.paged_attention_forward, triton_paged.paged_attention_backward)
+    return AttentionBackend("triton", triton_paged.paged_attention_forward, triton_paged.paged_attention_backward,
+                            triton_sparse.sparse_attention_forward, triton_sparse.sparse_attention_backward)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

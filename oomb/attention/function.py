@@ -6,15 +6,21 @@ Backward adds dK, dV of every page it read into the page gradient buffers, outsi
 returns the chunk's own accumulated page gradients as the gradients of k and v. By then those
 buffers hold the contributions of every later chunk (processed earlier in the reverse pass) plus
 the chunk's own, so summed over chunks the result is the exact full-sequence gradient.
+
+In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
+selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
+makes the selection after writing the chunk's pages and keeps it in the store; stage 2 is handed
+the same tensor, so it recomputes exactly the attention stage 1 computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..kv import ChunkSpan, PagedKVStore
+from ..sparse import SparseOptions, select_pages
 from .backend import AttentionBackend
 
 
@@ -27,21 +33,30 @@ class PagedAttentionCall:
     chunk: ChunkSpan
     backend: AttentionBackend
     scale: float
+    sparse: SparseOptions | None = None
+    """Sparse mode's options (None: dense). Stage 1 uses them to select pages."""
+    selection: torch.Tensor | None = None
+    """(B, Hkv, n_blocks, K) int32 history pages per query block (reference_sparse.py); None: all."""
+
+
+def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    pages = call.store.layers[call.layer]
+    args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
+    if call.selection is None:
+        return call.backend.forward(*args)
+    return call.backend.sparse_forward(*args, call.selection)
 
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
                 recompute_cache: dict | None):
-        pages = call.store.layers[call.layer]
         if recompute_cache is not None and call.layer in recompute_cache:
             # Layer checkpointing replays this forward in backward with the same q and pages:
             # reuse the result of the first pass instead of recomputing attention.
             out, lse = recompute_cache.pop(call.layer)
         else:
-            out, lse = call.backend.forward(
-                q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale
-            )
+            out, lse = _attention_forward(q, call)
             if recompute_cache is not None:
                 recompute_cache[call.layer] = (out.detach(), lse)
         ctx.save_for_backward(q, out, lse)
@@ -54,10 +69,11 @@ class _PagedAttention(torch.autograd.Function):
         q, out, lse = ctx.saved_tensors
         call: PagedAttentionCall = ctx.call
         pages = call.store.layers[call.layer]
-        dq = call.backend.backward(
-            q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale,
-            out, dout, lse, pages.dk, pages.dv,
-        )
+        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
+        if call.selection is None:
+            dq = call.backend.backward(*args, out, dout, lse, pages.dk, pages.dv)
+        else:
+            dq = call.backend.sparse_backward(*args, call.selection, out, dout, lse, pages.dk, pages.dv)
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
         return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
 
@@ -74,8 +90,12 @@ def paged_attention(
 
 
 def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall) -> torch.Tensor:
-    """Stage 1 (no grad): write the chunk's k, v into its pages, then attend."""
+    """Stage 1 (no grad): write the chunk's k, v into its pages (sparse: select and keep the pages
+    each query block reads), then attend."""
     call.store.write(call.layer, call.chunk, k, v)
-    pages = call.store.layers[call.layer]
-    out, _ = call.backend.forward(q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
+    if call.sparse is not None:
+        selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse)
+        call.store.save_selection(call.layer, call.chunk, selection)
+        call = replace(call, selection=selection)
+    out, _ = _attention_forward(q, call)
     return out

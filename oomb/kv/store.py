@@ -7,18 +7,24 @@ Layout (one layer; every layer shares the page ids)::
         seq 1: [ 0 | 5 | 1 | 8 | ...]   slot t % P
     k, v    (num_pages, Hkv, P, D)     model dtype, post-RoPE
     dk, dv  (num_pages, Hkv, P, D)     kv_grad_dtype, zeroed when a page is allocated
+    summaries[name] (num_pages, Hkv, D) sparse mode only: per-page key summaries (kv/summaries.py)
 
 Chunks start on page boundaries (chunk_size is a multiple of page_size), so a chunk owns whole
 pages; the tail of a partial last page is written with zeros, never left uninitialised.
+
+In sparse mode the store also keeps, per (chunk, layer), the page selection stage 1 made (int32
+(B, Hkv, n_blocks, K) page-table positions, or None when the chunk reads every earlier page), so
+that stage 2 reads exactly the same pages; it is freed with the chunk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .pool import PagePool
+from .summaries import SUMMARY_KINDS, summarize_pages
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class LayerPages:
     v: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    summaries: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sparse mode: name (kv/summaries.py) -> (num_pages, Hkv, D) per-page key summary, kv dtype."""
 
 
 class PagedKVStore:
@@ -66,7 +74,10 @@ class PagedKVStore:
         kv_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device: torch.device,
+        summaries: tuple[str, ...] = (),
     ) -> None:
+        unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
+        assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
         self.batch_size = batch_size
         self.max_pages_per_seq = -(-num_tokens // page_size)
@@ -78,11 +89,16 @@ class PagedKVStore:
                 v=torch.empty(shape, dtype=kv_dtype, device=device),
                 dk=torch.empty(shape, dtype=grad_dtype, device=device),
                 dv=torch.empty(shape, dtype=grad_dtype, device=device),
+                summaries={
+                    name: torch.empty(shape[:2] + shape[3:], dtype=kv_dtype, device=device) for name in summaries
+                },
             )
             for _ in range(num_layers)
         ]
+        self.summary_kinds = tuple(summaries)
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
+        self._selections: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk index, layer) -> selection
 
     @staticmethod
     def bytes_needed(
@@ -121,21 +137,48 @@ class PagedKVStore:
         if chunk.index not in self._chunk_pages:
             raise RuntimeError(f"chunk {chunk.index} has no pages (never allocated, or freed twice)")
         self.pool.free(self._chunk_pages.pop(chunk.index))
+        for key in [key for key in self._selections if key[0] == chunk.index]:
+            del self._selections[key]
 
     def free_all(self) -> None:
         for index in list(self._chunk_pages):
             self.pool.free(self._chunk_pages.pop(index))
+        self._selections.clear()
 
     @property
     def is_empty(self) -> bool:
-        return self.pool.num_used == 0 and not self._chunk_pages
+        return self.pool.num_used == 0 and not self._chunk_pages and not self._selections
 
     def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one."""
+        """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one;
+        in sparse mode also the pages' key summaries."""
         index = self._chunk_ids(chunk)
         pages = self.layers[layer]
-        pages.k.index_copy_(0, index, self._to_pages(k).to(pages.k.dtype))
+        k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
+        pages.k.index_copy_(0, index, k_pages)
         pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
+        if self.summary_kinds:
+            valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
+            by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
+            for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds).items():
+                pages.summaries[name].index_copy_(0, index, summary.flatten(0, 1))
+
+    def history_summaries(self, layer: int, num_pages: int) -> dict[str, torch.Tensor]:
+        """Summaries of the first ``num_pages`` pages of every sequence: name -> (B, num_pages, Hkv, D)."""
+        ids = self.page_table[:, :num_pages].long()  # (B, num_pages)
+        return {name: summary[ids] for name, summary in self.layers[layer].summaries.items()}
+
+    def save_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor | None) -> None:
+        """Keep stage 1's page selection of (chunk, layer) for stage 2; freed with the chunk."""
+        if chunk.index not in self._chunk_pages:
+            raise RuntimeError(f"chunk {chunk.index} has no pages: cannot keep a selection for it")
+        self._selections[chunk.index, layer] = selection
+
+    def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
+        """Stage 1's page selection of (chunk, layer); None means every earlier page."""
+        if (chunk.index, layer) not in self._selections:
+            raise RuntimeError(f"no page selection for chunk {chunk.index}, layer {layer}: stage 1 makes it")
+        return self._selections[chunk.index, layer]
 
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk."""

@@ -1,0 +1,255 @@
+"""`oomb gradcheck`: how far sparse attention's parameter gradients are from dense ones.
+
+    oomb gradcheck                                         # tiny-qwen2, random weights, 2K synthetic tokens
+    oomb gradcheck --model path/to/model --text book.txt --seq-len 32K --budgets 8 32 128
+    oomb gradcheck --scores minmax mean --leak-free --json out.json
+    oomb gradcheck --model trained/ --ids sequence.txt --seq-len 8192       # token ids, one file
+
+For one sequence it runs one dense oomb step and one sparse step per (score rule, budget), and
+prints, per decoder layer and in total, the cosine similarity and the relative error
+||g_sparse - g_dense|| / ||g_dense|| of the parameter gradients (plus the losses), as a table and,
+with --json, as a JSON file. Where the full sequence fits (--hf auto: up to HF_AUTO_MAX_TOKENS
+tokens), it also checks dense oomb against an ordinary full-sequence Hugging Face backward.
+
+Random weights on random tokens give diffuse attention: the worst case for sparse attention.
+Trained weights on real text concentrate attention and are the meaningful measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import re
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import presets
+from .config import SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
+from .engine import forward_backward
+from .plan import parse_tokens
+from .sparse import SparseOptions
+from .train_config import ModelSection
+
+logger = logging.getLogger(__name__)
+
+HF_AUTO_MAX_TOKENS = 32768
+"""--hf auto runs the full-sequence HF reference up to this many tokens (it holds the whole graph)."""
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass
+class GradcheckOptions:
+    model: str = presets.TINY_PRESET
+    text: str | None = None
+    ids: str | None = None
+    seq_len: int = 2048
+    budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    scores: list[str] = field(default_factory=lambda: list(SPARSE_SCORES))
+    sink_pages: int = 1
+    selection: str = "kv_head"
+    leak_free: bool = False
+    chunk_size: int = 512
+    page_size: int = 64
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    hf: str = "auto"
+    json_path: str | None = None
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Cosine similarity and relative error per parameter group (decoder layer, "other") and in total."""
+    sums: dict[str, list[float]] = {}  # group -> [dot, |got|^2, |want|^2, |got - want|^2]
+    for name, ref in want.items():
+        match = _LAYER.search(name)
+        group = f"layer {int(match.group(1))}" if match else "other"
+        a, b = got[name].double(), ref.double()
+        for key in (group, "total"):
+            s = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+            s[0] += float((a * b).sum())
+            s[1] += float((a * a).sum())
+            s[2] += float((b * b).sum())
+            s[3] += float(((a - b) ** 2).sum())
+
+    def order(key: str) -> tuple:
+        return (key == "total", key == "other", int(key.split()[1]) if key.startswith("layer") else 0)
+
+    return {
+        key: {"cosine": dot / max((ga * gb) ** 0.5, 1e-300), "rel_err": (diff / max(gb, 1e-300)) ** 0.5}
+        for key, (dot, ga, gb, diff) in sorted(sums.items(), key=lambda item: order(item[0]))
+    }
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def _load(options: GradcheckOptions):
+    """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
+    is_preset = options.model in presets.PRESETS
+    section = ModelSection(path=None if is_preset else options.model,
+                           preset=options.model if is_preset else presets.TINY_PRESET)
+    device = torch.device(options.device)
+    dtype = resolve_dtype(options.dtype, "--dtype") if options.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = presets.load_model_config(section, options.seq_len)
+    torch.manual_seed(options.seed)
+    model = presets.build_model(section, config, dtype, device).eval()
+    if options.text is not None and options.ids is not None:
+        raise ValueError("give --text or --ids, not both")
+    if options.ids is not None:
+        path = Path(options.ids)
+        if not path.is_file():
+            raise FileNotFoundError(f"--ids {options.ids!r} is not a file")
+        tokens = [int(t) for t in path.read_text().split()]
+        if len(tokens) < options.seq_len:
+            raise ValueError(f"--ids {options.ids!r} has {len(tokens)} tokens, fewer than --seq-len {options.seq_len}")
+        ids = torch.tensor(tokens[: options.seq_len])[None]
+        source = path.name
+    elif options.text is None:
+        generator = torch.Generator().manual_seed(options.seed)
+        ids = torch.randint(0, config.vocab_size, (1, options.seq_len), generator=generator)
+        source = "random token ids"
+    else:
+        path = Path(options.text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--text {options.text!r} is not a file")
+        tokens = presets.load_tokenizer(section)(path.read_text(errors="replace"))["input_ids"]
+        if len(tokens) < options.seq_len:
+            raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than --seq-len "
+                             f"{options.seq_len}; give a longer file or a shorter --seq-len")
+        ids = torch.tensor(tokens[: options.seq_len])[None]
+        source = f"{path.name}"
+    weights = "random weights" if is_preset else "local weights"
+    return model, ids.to(device), f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})", source
+
+
+def history_read(num_tokens: int, config: OOMBConfig) -> float:
+    """Fraction of (query block, earlier page) pairs a sparse step reads: 1.0 is dense."""
+    sparse = SparseOptions.from_config(config)
+    P, C = config.page_size, config.chunk_size
+    read = total = 0
+    for start in range(0, num_tokens, C):
+        n_hist, blocks = start // P, -(-min(C, num_tokens - start) // P)
+        read += blocks * sparse.num_selected(n_hist)
+        total += blocks * n_hist
+    return read / total if total else 1.0
+
+
+def run_gradcheck(options: GradcheckOptions) -> dict:
+    """Dense vs sparse (and dense vs HF) gradients of one sequence; returns the JSON-able report."""
+    model, ids, model_text, source = _load(options)
+    base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size)
+    report = {"date": date.today().isoformat(),
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+                         f"transformers {transformers.__version__}",
+              "model": model_text, "sequence": source, "tokens": ids.shape[1], "options": asdict(options),
+              "config": {k: v for k, v in asdict(base).items() if not k.startswith("sparse_")}}
+
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    dense_loss = float(forward_backward(model, ids, config=base))
+    dense = _gradients(model)
+    report["dense"] = {"loss": dense_loss, "seconds": time.perf_counter() - start}
+
+    run_hf = options.hf == "on" or (options.hf == "auto" and ids.shape[1] <= HF_AUTO_MAX_TOKENS)
+    if run_hf:
+        model.zero_grad(set_to_none=True)
+        try:
+            hf_loss = model(input_ids=ids, labels=ids).loss
+            hf_loss.backward()
+            report["hf"] = {"loss": float(hf_loss.detach()), **compare(dense, _gradients(model))["total"]}
+        except torch.OutOfMemoryError:
+            report["hf"] = {"error": "out of memory"}
+    runs = []
+    for score in options.scores:
+        for budget in options.budgets:
+            config = OOMBConfig(**{**asdict(base), "attention": "sparse", "sparse_budget": budget,
+                                   "sparse_sink_pages": options.sink_pages, "sparse_score": score,
+                                   "sparse_selection": options.selection, "sparse_leak_free": options.leak_free})
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            loss = float(forward_backward(model, ids, config=config))
+            runs.append({"score": score, "budget": budget, "loss": loss, "seconds": time.perf_counter() - start,
+                         "history_read": history_read(ids.shape[1], config),
+                         "groups": compare(_gradients(model), dense)})
+    model.zero_grad(set_to_none=True)
+    report["sparse"] = runs
+    return report
+
+
+def format_report(report: dict) -> str:
+    opts = report["options"]
+    lines = [
+        f"oomb gradcheck: {report['model']}, {report['tokens']} tokens of {report['sequence']}, "
+        f"chunk {opts['chunk_size']}, page {opts['page_size']}, {opts['sink_pages']} sink page(s), "
+        f"selection {opts['selection']}{', leak-free' if opts['leak_free'] else ''}",
+        f"dense oomb loss {report['dense']['loss']:.6f} ({report['dense']['seconds']:.1f} s)",
+    ]
+    hf = report.get("hf")
+    if hf is None:
+        lines.append("dense vs full-sequence HF: not run (--hf off, or longer than --hf auto's limit)")
+    elif "error" in hf:
+        lines.append(f"dense vs full-sequence HF: {hf['error']}")
+    else:
+        lines.append(f"dense vs full-sequence HF: loss {hf['loss']:.6f}, gradient cosine {hf['cosine']:.8f}, "
+                     f"relative error {hf['rel_err']:.2e}")
+    runs = report["sparse"]
+    if not runs:
+        return "\n".join(lines)
+    lines.append("sparse vs dense parameter gradients (cosine / relative error):")
+    headers = [f"{r['score']} k={r['budget']}" for r in runs]
+    width = max(18, *(len(h) for h in headers))
+    lines.append(f"{'':<12}" + "".join(f" | {h:>{width}}" for h in headers))
+    lines.append("-" * 12 + ("-+-" + "-" * width) * len(runs))
+    for group in runs[0]["groups"]:
+        cells = [f"{r['groups'][group]['cosine']:.5f} / {r['groups'][group]['rel_err']:.2e}" for r in runs]
+        lines.append(f"{group:<12}" + "".join(f" | {c:>{width}}" for c in cells))
+    lines.append(f"{'loss':<12}" + "".join(f" | {r['loss']:>{width}.6f}" for r in runs))
+    lines.append(f"{'pages read':<12}" + "".join(f" | {100 * r['history_read']:>{width - 1}.1f}%" for r in runs))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `oomb gradcheck`."""
+    d = GradcheckOptions()
+    parser.add_argument("--model", default=d.model,
+                        help=f"a preset ({', '.join(presets.PRESETS)}; random weights) or a local HF model directory")
+    parser.add_argument("--text", default=None,
+                        help="text file to tokenize (model's tokenizer; bytes for a preset); default: random ids")
+    parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --text)")
+    parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=d.budgets, help="sparse budgets (pages)")
+    parser.add_argument("--scores", nargs="+", choices=SPARSE_SCORES, default=d.scores, help="score rules to compare")
+    parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
+    parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
+    parser.add_argument("--leak-free", action="store_true", help="score each block with its first query only")
+    parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+    parser.add_argument("--device", default=d.device, help="cpu or cuda")
+    parser.add_argument("--seed", type=int, default=d.seed, help="random weights and random ids")
+    parser.add_argument("--hf", choices=("auto", "on", "off"), default=d.hf,
+                        help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the report as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    names = {f for f in GradcheckOptions.__dataclass_fields__}
+    options = GradcheckOptions(**{k: v for k, v in vars(args).items() if k in names})
+    report = run_gradcheck(options)
+    report["command"] = "oomb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["gradcheck"] else None
+    print(format_report(report))
+    if options.json_path:
+        Path(options.json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {options.json_path}")
+    return 0

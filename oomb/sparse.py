@@ -1,0 +1,160 @@
+"""Sparse attention's page selection: which earlier pages each query block of a chunk reads.
+
+A chunk of Lq queries starting at page c0 is cut into query blocks of one page (P queries; the
+last may be shorter). Per (sequence, KV head, block) the selection is a sorted list of *history*
+pages (page-table positions < c0)::
+
+    history pages 0 .. c0-1                                    the chunk's own pages c0 ..
+    | sink | sink |  .  | top | . | top |  .  .  | top |  .  | own pages: always read, causal |
+      '-- sink_pages --'   '--- budget pages with the best score ---'
+
+* sinks: the first ``sink_pages`` pages, always read (attention sinks);
+* top-k: the ``budget`` other history pages with the highest score of the block against the
+  pages' summaries (oomb/kv/summaries.py), per KV head ("kv_head") or one choice for all heads
+  ("shared", the best score of any head);
+* the chunk's own pages are not part of the selection: every block reads them, causally.
+
+Scores (not differentiated; all in float32):
+
+* "minmax" (Quest): for a query row q and a page with elementwise key bounds [min_d, max_d],
+  ``sum_d max(q_d min_d, q_d max_d)`` is an upper bound of q . k over the page's keys. It is
+  computed as two matmuls: ``relu(q) . max + min(q, 0) . min``.
+* "mean": q . mean key.
+
+A block's score for a page is the maximum over the block's rows (its queries x the G query heads
+of the KV head): a page is kept if any row wants it. ``leak_free`` scores with the block's first
+query only (its G heads), so that no query changes which pages an earlier query of its block reads.
+
+When the sinks plus the budget cover every history page there is nothing to choose: the selection
+is ``None`` and the chunk runs the dense code path (so a large budget is dense attention, bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import OOMBConfig
+from .kv import ChunkSpan, PagedKVStore
+from .kv.summaries import SUMMARIES_OF_SCORE
+
+SCORE_TILE_ELEMENTS = 1 << 24
+"""At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
+
+
+@dataclass(frozen=True)
+class SparseOptions:
+    """The sparse options of OOMBConfig, as the attention function sees them."""
+
+    budget: int
+    sink_pages: int
+    score: str  # "minmax" | "mean"
+    selection: str  # "kv_head" | "shared"
+    leak_free: bool
+
+    @classmethod
+    def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
+        """The options of a sparse config; None in dense mode."""
+        if config.attention != "sparse":
+            return None
+        return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
+                   config.sparse_leak_free)
+
+    @property
+    def summaries(self) -> tuple[str, ...]:
+        """The page summaries the score reads (oomb/kv/summaries.py)."""
+        return SUMMARIES_OF_SCORE[self.score]
+
+    def num_selected(self, history_pages: int) -> int:
+        """Pages of the history each block reads: the sinks plus the budget, at most all of them."""
+        return min(history_pages, self.sink_pages + self.budget)
+
+
+def block_scores(
+    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions
+) -> torch.Tensor:
+    """Score of every (query block, history page) pair.
+
+    Args:
+        q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
+        summaries: name -> (B, n_hist, Hkv, D) summaries of the history pages, in page order.
+        page_size: P, the queries per block.
+        options: score rule, granularity, leak-free.
+    Returns:
+        (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
+        KV head holds the same scores.
+    """
+    B, Hq, Lq, D = q.shape
+    first = next(iter(summaries.values()))
+    n_hist, Hkv = first.shape[1], first.shape[2]
+    G, P = Hq // Hkv, page_size
+    n_blocks = -(-Lq // P)
+    if options.leak_free:
+        # Only the first query of each block: (B, Hkv, G, n_blocks, 1, D).
+        rows = q[:, :, ::P].float().reshape(B, Hkv, G, n_blocks, 1, D)
+    else:
+        # Pad the last block with copies of the last query: they cannot change a maximum.
+        qf = q.float()
+        if n_blocks * P > Lq:
+            qf = torch.cat([qf, qf[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
+        rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
+    if options.score == "minmax":
+        k_max = summaries["key_max"].float().permute(0, 2, 1, 3)  # (B, Hkv, n_hist, D)
+        k_min = summaries["key_min"].float().permute(0, 2, 1, 3)
+    else:
+        k_mean = summaries["key_mean"].float().permute(0, 2, 1, 3)
+
+    rows_per_block = G * rows.shape[4]
+    blocks_per_tile = max(1, SCORE_TILE_ELEMENTS // max(1, B * Hkv * rows_per_block * n_hist))
+    out = torch.empty((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
+    for b0 in range(0, n_blocks, blocks_per_tile):
+        b1 = min(b0 + blocks_per_tile, n_blocks)
+        r = rows[:, :, :, b0:b1].permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, (b1 - b0) * rows_per_block, D)
+        if options.score == "minmax":
+            # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
+            s = r.clamp(min=0) @ k_max.transpose(-1, -2) + r.clamp(max=0) @ k_min.transpose(-1, -2)
+        else:
+            s = r @ k_mean.transpose(-1, -2)
+        out[:, :, b0:b1] = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist).amax(dim=3)
+    if options.selection == "shared":
+        out = out.amax(dim=1, keepdim=True).expand(B, Hkv, n_blocks, n_hist)
+    return out
+
+
+def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:
+    """The selection from block scores: sinks + top-budget, sorted ascending.
+
+    Args:
+        scores: (B, Hkv, n_blocks, n_hist) from block_scores.
+    Returns:
+        (B, Hkv, n_blocks, K) int32 page-table positions, K = options.num_selected(n_hist); each row
+        distinct and ascending.
+    """
+    B, Hkv, n_blocks, n_hist = scores.shape
+    sinks = min(options.sink_pages, n_hist)
+    k = options.num_selected(n_hist) - sinks
+    chosen = torch.topk(scores[..., sinks:], k, dim=-1, sorted=False).indices + sinks
+    sink_ids = torch.arange(sinks, device=scores.device).expand(B, Hkv, n_blocks, sinks)
+    selection = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
+    return selection.to(torch.int32)
+
+
+@torch.no_grad()
+def select_pages(
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions
+) -> torch.Tensor | None:
+    """The history pages each query block of ``chunk`` reads in ``layer`` (stage 1, after its pages
+    and summaries were written).
+
+    Returns:
+        (B, Hkv, n_blocks, K) int32 page-table positions (see top_pages), or None when the sinks and
+        the budget cover every history page: then the chunk reads all of them (dense).
+    """
+    P = store.page_size
+    assert chunk.start % P == 0, "chunks start on page boundaries"
+    n_hist = chunk.start // P
+    if options.num_selected(n_hist) == n_hist:
+        return None
+    scores = block_scores(q, store.history_summaries(layer, n_hist), P, options)
+    return top_pages(scores, options)

@@ -1,0 +1,77 @@
+"""`oomb gradcheck` on the tiny preset, on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oomb import cli
+from oomb.config import OOMBConfig
+from oomb.gradcheck import GradcheckOptions, compare, history_read, run_gradcheck
+
+SMALL = ["--seq-len", "1024", "--chunk-size", "256", "--page-size", "32"]
+
+
+def test_gradcheck_command_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "gradcheck.json"
+    # 1024 tokens in pages of 32: the last chunk has 24 history pages; 23 + 1 sink read them all.
+    assert cli.main(["gradcheck", *SMALL, "--budgets", "2", "23", "--scores", "minmax", "mean",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for expected in ("oomb gradcheck: tiny-qwen2 (random weights, float32, cpu), 1024 tokens of random token ids",
+                     "dense vs full-sequence HF", "minmax k=2", "mean k=23", "layer 0", "layer 1", "total",
+                     "pages read"):
+        assert expected in text
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 1024 and report["hf"]["rel_err"] < 1e-5
+    runs = {(r["score"], r["budget"]): r for r in report["sparse"]}
+    assert set(runs) == {("minmax", 2), ("minmax", 23), ("mean", 2), ("mean", 23)}
+    for score in ("minmax", "mean"):
+        small, full = runs[score, 2], runs[score, 23]
+        assert set(small["groups"]) == {"layer 0", "layer 1", "other", "total"}
+        assert 0.5 < small["groups"]["total"]["cosine"] < 1.0 and small["groups"]["total"]["rel_err"] > 1e-3
+        # A budget covering every earlier page is the dense step, bit for bit.
+        assert full["groups"]["total"]["rel_err"] == 0.0 and full["loss"] == report["dense"]["loss"]
+        assert small["history_read"] < full["history_read"] == 1.0
+
+
+def test_gradcheck_reads_a_text_file_with_the_byte_tokenizer(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 12)  # 636 bytes
+    report = run_gradcheck(GradcheckOptions(text=str(text), seq_len=512, chunk_size=128, page_size=32,
+                                            budgets=[1], scores=["minmax"], hf="off"))
+    assert report["sequence"] == "book.txt" and report["tokens"] == 512 and "hf" not in report
+    with pytest.raises(ValueError, match=r"has 636 tokens, fewer than --seq-len 1024"):
+        run_gradcheck(GradcheckOptions(text=str(text), seq_len=1024, hf="off", budgets=[]))
+    assert cli.main(["gradcheck", "--text", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_gradcheck_reads_token_ids(tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 200) for i in range(300)) + "\n")
+    report = run_gradcheck(GradcheckOptions(ids=str(ids), seq_len=256, chunk_size=128, page_size=32, budgets=[1],
+                                            scores=["mean"], hf="off"))
+    assert report["sequence"] == "ids.txt" and report["sparse"][0]["groups"]["total"]["cosine"] > 0.5
+    with pytest.raises(ValueError, match="give --text or --ids, not both"):
+        run_gradcheck(GradcheckOptions(ids=str(ids), text=str(ids)))
+
+
+def test_compare_groups_by_layer():
+    want = {"model.layers.0.w": torch.tensor([1.0, 0.0]), "model.layers.10.w": torch.tensor([0.0, 2.0]),
+            "lm_head.weight": torch.tensor([3.0])}
+    got = {"model.layers.0.w": torch.tensor([0.0, 1.0]), "model.layers.10.w": torch.tensor([0.0, 2.0]),
+           "lm_head.weight": torch.tensor([3.0])}
+    result = compare(got, want)
+    assert list(result) == ["layer 0", "layer 10", "other", "total"]
+    assert result["layer 0"]["cosine"] == 0.0 and result["layer 0"]["rel_err"] == pytest.approx(2**0.5)
+    assert result["layer 10"] == {"cosine": 1.0, "rel_err": 0.0}
+    assert result["total"]["rel_err"] == pytest.approx((2 / 14) ** 0.5)
+
+
+def test_history_read():
+    config = OOMBConfig(chunk_size=64, page_size=16, attention="sparse", sparse_budget=1, sparse_sink_pages=1)
+    # Chunks of 4 blocks with 0, 4, 8 history pages: read 0, 2, 2 of them per block.
+    assert history_read(192, config) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
+    assert history_read(64, config) == 1.0

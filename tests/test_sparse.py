@@ -1,0 +1,563 @@
+"""Sparse attention: page summaries, selection, the sparse reference backend and the engine in sparse mode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import build_tiny_model, grads, random_ids, relative_error
+from transformers import AttentionInterface
+
+import oomb
+import oomb.attention.function
+import oomb.engine
+import oomb.models
+from oomb import OOMBConfig
+from oomb.attention import reference, reference_sparse
+from oomb.evaluate import forward_hidden
+from oomb.kv import ChunkSpan, PagedKVStore
+from oomb.kv.summaries import summarize_pages
+from oomb.sparse import SparseOptions, block_scores, select_pages, top_pages
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_RTOL = 1e-5
+
+
+def _options(**changes) -> SparseOptions:
+    base = dict(budget=3, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    return SparseOptions(**{**base, **changes})
+
+
+# --------------------------------------------------------------------------------------------
+# Page summaries
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [16, 13, 1])
+def test_store_writes_page_summaries(length):
+    """min/max/mean over the written keys of each page; the zero padding of a partial page is no key."""
+    P, Hkv, D, B = 4, 2, 8, 2
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=20, num_kv_heads=Hkv, head_dim=D, page_size=P,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_min", "key_max", "key_mean"))
+    chunk = ChunkSpan(0, 0, length)
+    store.allocate(chunk)
+    # All keys > 0: a zero of the padding would win the min if it counted.
+    k = torch.randn(B, Hkv, length, D, generator=torch.Generator().manual_seed(0)).abs() + 3.0
+    store.write(0, chunk, k, torch.randn_like(k))
+    n = -(-length // P)
+    got = store.history_summaries(0, n)
+    for page in range(n):
+        keys = k[:, :, page * P:(page + 1) * P]  # (B, Hkv, <=P, D)
+        torch.testing.assert_close(got["key_min"][:, page], keys.amin(2))
+        torch.testing.assert_close(got["key_max"][:, page], keys.amax(2))
+        torch.testing.assert_close(got["key_mean"][:, page], keys.mean(2))
+    store.free(chunk)
+
+
+def test_summaries_keep_the_page_dtype():
+    pages = torch.randn(1, 2, 3, 4, 8).to(torch.bfloat16)
+    out = summarize_pages(pages, 4, ("key_min", "key_max", "key_mean"))
+    assert all(t.dtype == torch.bfloat16 and t.shape == (1, 2, 3, 8) for t in out.values())
+    assert torch.equal(out["key_max"], pages.amax(3))  # exact: an element of the page
+
+
+# --------------------------------------------------------------------------------------------
+# Selection
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Scoring:
+    q: torch.Tensor  # (B, Hq, Lq, D)
+    keys: torch.Tensor  # (B, n_hist, Hkv, P, D): the history pages' keys
+    summaries: dict[str, torch.Tensor]
+    page: int
+
+
+def _scoring(seed=0, B=2, Hkv=2, G=3, Lq=10, D=8, P=4, n_hist=9) -> Scoring:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, n_hist, Hkv, P, D, generator=g)
+    summaries = summarize_pages(keys, P, ("key_min", "key_max", "key_mean"))
+    return Scoring(torch.randn(B, Hkv * G, Lq, D, generator=g), keys, summaries, P)
+
+
+def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
+    """(B, Hkv, n_blocks, n_hist) by the definitions, one (block, page) pair at a time."""
+    B, Hq, Lq, D = s.q.shape
+    n_hist, Hkv = s.keys.shape[1], s.keys.shape[2]
+    G, P = Hq // Hkv, s.page
+    n_blocks = -(-Lq // P)
+    out = torch.empty(B, Hkv, n_blocks, n_hist)
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(n_blocks):
+                queries = range(j * P, j * P + 1) if options.leak_free else range(j * P, min(Lq, (j + 1) * P))
+                rows = s.q[b, h * G:(h + 1) * G][:, list(queries)].reshape(-1, D)  # (rows, D)
+                for p in range(n_hist):
+                    if options.score == "minmax":
+                        lo, hi = s.summaries["key_min"][b, p, h], s.summaries["key_max"][b, p, h]
+                        per_row = torch.maximum(rows * lo, rows * hi).sum(-1)
+                    else:
+                        per_row = rows @ s.summaries["key_mean"][b, p, h]
+                    out[b, h, j, p] = per_row.max()
+    if options.selection == "shared":
+        out = out.amax(1, keepdim=True).expand_as(out)
+    return out
+
+
+@pytest.mark.parametrize("selection", ["kv_head", "shared"])
+@pytest.mark.parametrize("leak_free", [False, True], ids=["block", "leak_free"])
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+def test_block_scores_match_the_definition(score, leak_free, selection):
+    s = _scoring()
+    options = _options(score=score, leak_free=leak_free, selection=selection)
+    torch.testing.assert_close(block_scores(s.q, s.summaries, s.page, options), _brute_force_scores(s, options),
+                               **TOL)
+
+
+def test_scores_are_computed_in_tiles(monkeypatch):
+    """Tiling the blocks (to bound memory) does not change the scores."""
+    s = _scoring(Lq=23)
+    options = _options()
+    whole = block_scores(s.q, s.summaries, s.page, options)
+    monkeypatch.setattr(oomb.sparse, "SCORE_TILE_ELEMENTS", 1)  # one block per tile
+    torch.testing.assert_close(block_scores(s.q, s.summaries, s.page, options), whole, rtol=0, atol=0)
+
+
+def test_minmax_score_bounds_every_key_of_the_page():
+    """Quest: the min/max score of a query row is >= q . k for every key of the page."""
+    s = _scoring(G=1, Lq=4, P=4)  # one block; every query is a row
+    options = _options(score="minmax")
+    for i in range(s.q.shape[2]):
+        q_row = s.q[:, :, i:i + 1]
+        bound = block_scores(q_row, s.summaries, s.page, options)[:, :, 0]  # (B, Hkv, n_hist)
+        exact = torch.einsum("bhd,bphtd->bhpt", q_row[:, :, 0], s.keys).amax(-1)
+        assert (bound >= exact - 1e-5).all()
+
+
+@pytest.mark.parametrize(("budget", "sinks"), [(3, 1), (0, 2), (4, 0), (8, 1), (20, 3)])
+def test_top_pages_are_sinks_plus_the_best_scores_sorted(budget, sinks):
+    s = _scoring(n_hist=9)
+    options = _options(budget=budget, sink_pages=sinks)
+    scores = block_scores(s.q, s.summaries, s.page, options)
+    selection = top_pages(scores, options)
+    n_hist = scores.shape[-1]
+    K = min(n_hist, budget + sinks)
+    assert selection.dtype == torch.int32 and selection.shape == (*scores.shape[:3], K)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in scores.shape[:3])):
+        row = selection[tuple(index)].tolist()
+        assert row == sorted(set(row)), "ascending and distinct"
+        assert row[:min(sinks, n_hist)] == list(range(min(sinks, n_hist))), "sinks always in"
+        page_scores = scores[tuple(index)]
+        best = sorted(range(sinks, n_hist), key=lambda p: -float(page_scores[p]))[:K - min(sinks, n_hist)]
+        assert set(row[min(sinks, n_hist):]) == set(best)
+
+
+def test_leak_free_selection_ignores_later_queries_of_the_block():
+    """Leak-free: changing queries 1..P-1 of a block cannot change its selection. The default
+    (every query votes) can: a later query that matches one page strongly pulls it in."""
+    s = _scoring(Lq=8, P=4, n_hist=9)
+    target_page = 5
+    changed = s.q.clone()
+    changed[:, :, 1:4] = 0.0
+    changed[:, :, 3] = 50.0 * s.keys[:, target_page].mean(dim=2).repeat_interleave(3, dim=1)  # wants page 5
+    for leak_free in (True, False):
+        options = _options(budget=2, sink_pages=1, leak_free=leak_free)
+        before = top_pages(block_scores(s.q, s.summaries, s.page, options), options)
+        after = top_pages(block_scores(changed, s.summaries, s.page, options), options)
+        assert torch.equal(before[:, :, 1], after[:, :, 1])  # block 1 (queries 4..7) is untouched
+        if leak_free:
+            assert torch.equal(before, after)
+        else:
+            assert not torch.equal(before[:, :, 0], after[:, :, 0])
+            assert (after[:, :, 0] == target_page).any(-1).all()
+
+
+def test_shared_selection_is_the_same_for_every_kv_head():
+    s = _scoring()
+    options = _options(selection="shared")
+    selection = top_pages(block_scores(s.q, s.summaries, s.page, options), options)
+    assert torch.equal(selection, selection[:, :1].expand_as(selection))
+
+
+def test_a_budget_covering_the_history_selects_nothing():
+    """Sinks + budget >= history pages: no selection (None), i.e. the dense path."""
+    P = 4
+    store = PagedKVStore(num_layers=1, batch_size=1, num_tokens=32, num_kv_heads=1, head_dim=8, page_size=P,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_min", "key_max"))
+    chunks = [ChunkSpan(0, 0, 16), ChunkSpan(1, 16, 32)]  # chunk 1 has 4 history pages
+    for chunk in chunks:
+        store.allocate(chunk)
+        k = torch.randn(1, 1, 16, 8)
+        store.write(0, chunk, k, k)
+    q = torch.randn(1, 2, 16, 8)
+    assert select_pages(q, store, 0, chunks[1], _options(budget=3, sink_pages=1)) is None
+    assert select_pages(q, store, 0, chunks[0], _options(budget=0, sink_pages=0)) is None  # no history
+    selection = select_pages(q, store, 0, chunks[1], _options(budget=2, sink_pages=1))
+    assert selection.shape == (1, 1, 4, 3)
+    store.free_all()
+    assert store.is_empty
+
+
+# --------------------------------------------------------------------------------------------
+# The sparse reference backend against autograd on dense attention masked by the selection
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    groups: int
+    kv_heads: int
+    head_dim: int
+    page: int
+    history_pages: int
+    chunk: int
+    selected: int  # K
+    batch: int = 2
+
+
+CASES = [
+    Case(groups=2, kv_heads=2, head_dim=16, page=8, history_pages=6, chunk=20, selected=3),  # last block partial
+    Case(groups=1, kv_heads=1, head_dim=8, page=4, history_pages=5, chunk=4, selected=0),  # chunk-local only
+    Case(groups=4, kv_heads=2, head_dim=16, page=16, history_pages=4, chunk=17, selected=4, batch=1),  # all
+    Case(groups=3, kv_heads=1, head_dim=8, page=4, history_pages=9, chunk=1, selected=2),
+    Case(groups=1, kv_heads=2, head_dim=8, page=4, history_pages=7, chunk=12, selected=1),
+]
+
+
+def _case_id(case: Case) -> str:
+    return (f"g{case.groups}-hkv{case.kv_heads}-d{case.head_dim}-p{case.page}-hist{case.history_pages}-"
+            f"l{case.chunk}-k{case.selected}-b{case.batch}")
+
+
+@dataclass
+class Sparse:
+    q: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    page_table: torch.Tensor
+    selection: torch.Tensor
+    query_start: int
+    num_pages: int
+    scale: float
+
+
+def _sparse_inputs(case: Case, seed: int = 0) -> Sparse:
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D, P = case.batch, case.kv_heads, case.head_dim, case.page
+    num_pages = case.history_pages + -(-case.chunk // P)
+    pool_pages = B * (num_pages + 1) + 2  # spare pages: never named by a read column
+    k_pool = torch.randn(pool_pages, Hkv, P, D, generator=g)
+    v_pool = torch.randn(pool_pages, Hkv, P, D, generator=g)
+    table = torch.randperm(pool_pages, generator=g)[:B * (num_pages + 1)].reshape(B, num_pages + 1).to(torch.int32)
+    n_blocks = -(-case.chunk // P)
+    selection = torch.stack([
+        torch.randperm(case.history_pages, generator=g)[:case.selected].sort().values
+        for _ in range(B * Hkv * n_blocks)
+    ]).reshape(B, Hkv, n_blocks, case.selected).to(torch.int32)
+    q = torch.randn(B, case.chunk, Hkv * case.groups, D, generator=g).transpose(1, 2)  # HF's layout
+    return Sparse(q, k_pool, v_pool, table, selection, case.history_pages * P, num_pages, 1 / math.sqrt(D))
+
+
+def _visible(x: Sparse) -> torch.Tensor:
+    """(B, Hkv, Lq, num_keys) bool: what each query reads, per KV head, by the contract."""
+    B, Hkv, n_blocks, K = x.selection.shape
+    Lq, P = x.q.shape[2], x.k_pool.shape[2]
+    num_keys = x.query_start + Lq
+    mask = torch.zeros(B, Hkv, Lq, num_keys, dtype=torch.bool)
+    q_pos = torch.arange(x.query_start, num_keys)
+    mask[..., x.query_start:] = torch.arange(x.query_start, num_keys)[None, :] <= q_pos[:, None]
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(n_blocks):
+                for page in x.selection[b, h, j].tolist():
+                    mask[b, h, j * P:(j + 1) * P, page * P:(page + 1) * P] = True
+    return mask
+
+
+def _oracle(x: Sparse, dout: torch.Tensor):
+    """Float64 out, lse, dQ, dK, dV (contiguous keys) by autograd on masked dense attention."""
+    B, Hq, Lq, D = x.q.shape
+    Hkv = x.k_pool.shape[1]
+    G = Hq // Hkv
+    num_keys = x.query_start + Lq
+
+    def contiguous(pool):
+        pages = pool[x.page_table[:, :x.num_pages].long()]  # (B, n, Hkv, P, D)
+        return pages.permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :num_keys].double().requires_grad_()
+
+    q = x.q.double().requires_grad_()
+    k, v = contiguous(x.k_pool), contiguous(x.v_pool)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(G, 1)) * x.scale
+    scores = scores.masked_fill(~_visible(x).repeat_interleave(G, 1), float("-inf"))
+    out = torch.softmax(scores, -1) @ v.repeat_interleave(G, 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.double())
+    return out.detach(), torch.logsumexp(scores, -1).detach(), dq, dk, dv
+
+
+def _to_pool(grad: torch.Tensor, x: Sparse, like: torch.Tensor) -> torch.Tensor:
+    B, Hkv, num_keys, D = grad.shape
+    P = like.shape[2]
+    padded = torch.nn.functional.pad(grad, (0, 0, 0, x.num_pages * P - num_keys))
+    per_page = padded.reshape(B, Hkv, x.num_pages, P, D).permute(0, 2, 1, 3, 4).reshape(-1, Hkv, P, D)
+    pool = torch.zeros_like(like, dtype=grad.dtype)
+    pool[x.page_table[:, :x.num_pages].reshape(-1).long()] = per_page
+    return pool
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_sparse_reference_matches_masked_dense_attention(case):
+    x = _sparse_inputs(case)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(x.q.shape, generator=g)
+    want_out, want_lse, want_dq, want_dk, want_dv = _oracle(x, dout)
+    args = (x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale, x.selection)
+    out, lse = reference_sparse.sparse_attention_forward(*args)
+    torch.testing.assert_close(out.double(), want_out, **TOL)
+    torch.testing.assert_close(lse.double(), want_lse, **TOL)
+    dk_start = torch.randn(x.k_pool.shape, generator=g)
+    dv_start = torch.randn(x.v_pool.shape, generator=g)
+    dk_pool, dv_pool = dk_start.clone(), dv_start.clone()
+    dq = reference_sparse.sparse_attention_backward(*args, out, dout, lse, dk_pool, dv_pool)
+    torch.testing.assert_close(dq.double(), want_dq, **TOL)
+    torch.testing.assert_close(dk_pool.double(), dk_start.double() + _to_pool(want_dk, x, dk_pool), **TOL)
+    torch.testing.assert_close(dv_pool.double(), dv_start.double() + _to_pool(want_dv, x, dv_pool), **TOL)
+
+    # Exactly the selected (page, KV head) pairs and the chunk's own pages change.
+    P = case.page
+    touched = torch.zeros(x.k_pool.shape[:2], dtype=torch.bool)
+    own = x.page_table[:, case.history_pages:x.num_pages].long()
+    touched[own] = True
+    for b in range(case.batch):
+        for h in range(case.kv_heads):
+            for page in x.selection[b, h].unique().tolist():
+                touched[x.page_table[b, page], h] = True
+    assert torch.equal(dk_pool[~touched], dk_start[~touched])
+    assert torch.equal(dv_pool[~touched], dv_start[~touched])
+    assert (dv_pool[touched] != dv_start[touched]).flatten(1).any(1).all()
+    assert P * case.history_pages == x.query_start
+
+
+def test_sparse_reference_with_every_page_equals_the_dense_reference():
+    case = Case(groups=2, kv_heads=2, head_dim=16, page=8, history_pages=5, chunk=21, selected=5)
+    x = _sparse_inputs(case, seed=3)
+    dout = torch.randn(x.q.shape, generator=torch.Generator().manual_seed(4))
+    sparse_out, sparse_lse = reference_sparse.sparse_attention_forward(
+        x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale, x.selection)
+    dense_out, dense_lse = reference.paged_attention_forward(
+        x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale)
+    torch.testing.assert_close(sparse_out, dense_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sparse_lse, dense_lse, rtol=1e-6, atol=1e-6)
+    pools = [torch.zeros_like(x.k_pool) for _ in range(4)]
+    dq_sparse = reference_sparse.sparse_attention_backward(
+        x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale, x.selection,
+        dense_out, dout, dense_lse, pools[0], pools[1])
+    dq_dense = reference.paged_attention_backward(
+        x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale, dense_out, dout, dense_lse, pools[2], pools[3])
+    torch.testing.assert_close(dq_sparse, dq_dense, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pools[1], pools[3], rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_backward_is_bitwise_repeatable():
+    x = _sparse_inputs(CASES[0], seed=5)
+    args = (x.q, x.k_pool, x.v_pool, x.page_table, x.query_start, x.scale, x.selection)
+    out, lse = reference_sparse.sparse_attention_forward(*args)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    results = []
+    for _ in range(2):
+        dk_pool, dv_pool = torch.zeros_like(x.k_pool), torch.zeros_like(x.v_pool)
+        dq = reference_sparse.sparse_attention_backward(*args, out, dout, lse, dk_pool, dv_pool)
+        results.append((dq, dk_pool, dv_pool))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine in sparse mode
+# --------------------------------------------------------------------------------------------
+TOKENS, CHUNK, PAGE = 333, 64, 16  # 6 chunks, the last 13 tokens; up to 20 history pages
+
+
+def _config(**sparse) -> OOMBConfig:
+    return OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse", **sparse)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every selection stage 1 keeps, by (layer, chunk index), and every store the engine makes."""
+    selections, stores = {}, []
+    real_save = PagedKVStore.save_selection
+
+    def recording_save(self, layer, chunk, selection):
+        selections[layer, chunk.index] = (chunk, selection)
+        real_save(self, layer, chunk, selection)
+
+    class RecordingStore(PagedKVStore):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            stores.append(self)
+
+    monkeypatch.setattr(PagedKVStore, "save_selection", recording_save)
+    monkeypatch.setattr(oomb.engine, "PagedKVStore", RecordingStore)
+    yield selections, stores
+    for store in stores:
+        assert store.is_empty and store.pool.num_free == store.pool.capacity
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_budget_covering_every_page_is_dense_bitwise(family, recorded):
+    model = build_tiny_model(family, seed=30)
+    ids = random_ids(2, TOKENS, seed=30)
+    ids_labels = ids.clone()
+    ids_labels[1, 100:150] = -100
+    model.zero_grad(set_to_none=True)
+    dense_loss = oomb.forward_backward(model, ids, ids_labels, OOMBConfig(chunk_size=CHUNK, page_size=PAGE,
+                                                                         backend="torch"))
+    dense = grads(model)
+    model.zero_grad(set_to_none=True)
+    history_pages = (TOKENS // CHUNK) * CHUNK // PAGE  # of the last chunk: 20
+    sparse_loss = oomb.forward_backward(model, ids, ids_labels, _config(sparse_budget=history_pages - 1))
+    sparse = grads(model)
+    assert torch.equal(sparse_loss, dense_loss)
+    assert all(torch.equal(sparse[name], dense[name]) for name in dense)
+    selections, _ = recorded
+    assert len(selections) == 6 * model.config.num_hidden_layers
+    assert all(selection is None for _, selection in selections.values())
+
+
+ORACLE_NAME = "oomb_test_sparse_oracle"
+
+
+def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Full-sequence attention restricted to what oomb's sparse step read (a test oracle)."""
+    visible = kwargs["sparse_visible"][module.layer_idx]  # (B, Hkv, T, T)
+    G = query.shape[1] // key.shape[1]
+    scores = query @ key.repeat_interleave(G, 1).transpose(-1, -2) * scaling
+    scores = scores.masked_fill(~visible.repeat_interleave(G, 1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ value.repeat_interleave(G, 1)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ORACLE_NAME, _oracle_attention)
+
+
+def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torch.Tensor:
+    visible = torch.zeros(batch, kv_heads, tokens, tokens, dtype=torch.bool)
+    for (sel_layer, _), (chunk, selection) in selections.items():
+        if sel_layer != layer:
+            continue
+        s, e = chunk.start, chunk.end
+        visible[:, :, s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        if selection is None:
+            visible[:, :, s:e, :s] = True
+            continue
+        for b in range(batch):
+            for h in range(kv_heads):
+                for j, pages in enumerate(selection[b, h].tolist()):
+                    for page in pages:
+                        visible[b, h, s + j * PAGE:min(e, s + (j + 1) * PAGE), page * PAGE:(page + 1) * PAGE] = True
+    return visible
+
+
+@pytest.mark.parametrize(
+    ("family", "sparse"),
+    [
+        ("qwen2", dict(sparse_budget=3, sparse_sink_pages=1)),
+        ("llama", dict(sparse_budget=2, sparse_sink_pages=0, sparse_score="mean", sparse_selection="shared",
+                       sparse_leak_free=True)),
+        ("qwen3", dict(sparse_budget=0, sparse_sink_pages=2, sparse_leak_free=True)),
+        ("mistral", dict(sparse_budget=5, sparse_sink_pages=1, checkpoint_layers=False)),
+    ],
+    ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing"],
+)
+def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
+    """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""
+    model = build_tiny_model(family, seed=31)
+    ids = random_ids(2, TOKENS, seed=31)
+    model.zero_grad(set_to_none=True)
+    loss = oomb.forward_backward(model, ids, None, _config(**sparse))
+    got = grads(model)
+    selections, _ = recorded
+    assert sum(selection is not None for _, selection in selections.values()) > 0
+    Hkv, L = model.config.num_key_value_heads, model.config.num_hidden_layers
+    visible = [_visible_from_selections(selections, layer, 2, Hkv, TOKENS) for layer in range(L)]
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation(ORACLE_NAME)
+    try:
+        want_loss = model(input_ids=ids, labels=ids, sparse_visible=visible).loss
+        want_loss.backward()
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=0)
+    assert relative_error(got, grads(model)) <= GRAD_RTOL
+
+
+def test_sparse_differs_from_dense_with_a_small_budget(recorded):
+    model = build_tiny_model("qwen2", seed=32)
+    ids = random_ids(1, TOKENS, seed=32)
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    dense = grads(model)
+    model.zero_grad(set_to_none=True)
+    oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+    error = relative_error(grads(model), dense)
+    assert 1e-3 < error < 1.0
+
+
+def test_stage_two_reads_stage_one_selection(monkeypatch, recorded):
+    """Selection runs once per (chunk, layer) in stage 1; stage 2 is handed the very same tensors."""
+    model = build_tiny_model("llama", seed=33)
+    ids = random_ids(1, TOKENS, seed=33)
+    select_calls, stage_two = [], []
+    real_select, real_attention = oomb.attention.function.select_pages, oomb.models.paged_attention
+
+    def counting_select(q, store, layer, chunk, options):
+        select_calls.append((layer, chunk.index))
+        return real_select(q, store, layer, chunk, options)
+
+    def recording_attention(q, k, v, call, recompute_cache=None):
+        stage_two.append((call.layer, call.chunk.index, call.selection))
+        return real_attention(q, k, v, call, recompute_cache)
+
+    monkeypatch.setattr(oomb.attention.function, "select_pages", counting_select)
+    monkeypatch.setattr(oomb.models, "paged_attention", recording_attention)
+    oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+    selections, stores = recorded
+    L = model.config.num_hidden_layers
+    assert sorted(select_calls) == sorted((layer, c) for c in range(6) for layer in range(L))
+    assert len(stage_two) == 2 * 6 * L  # forward + checkpoint replay
+    for layer, chunk, selection in stage_two:
+        assert selection is selections[layer, chunk][1]
+    assert sum(s is not None for _, s in selections.values()) == 5 * L  # chunks 1..5: > 1 + 2 history pages
+    assert stores[0]._selections == {}
+
+
+def test_failure_in_stage_two_frees_selections(monkeypatch, recorded):
+    model = build_tiny_model("qwen2", seed=34)
+    ids = random_ids(1, TOKENS, seed=34)
+    real_loss = oomb.engine.chunked_cross_entropy
+    calls = []
+
+    def failing_loss(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure in stage 2")
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.engine, "chunked_cross_entropy", failing_loss)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+    _, stores = recorded
+    assert stores[0].is_empty and stores[0]._selections == {}
+
+
+def test_forward_hidden_matches_the_model_and_frees_its_pages(recorded):
+    """Forward only (stage 1): dense equals HF's hidden states; a budget covering everything is dense."""
+    model = build_tiny_model("qwen2", seed=35)
+    ids = random_ids(2, TOKENS, seed=35)
+    with torch.no_grad():
+        want = model.model(input_ids=ids).last_hidden_state
+    dense = forward_hidden(model, ids, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(forward_hidden(model, ids, _config(sparse_budget=100)), dense)
+    sparse = forward_hidden(model, ids, _config(sparse_budget=1))
+    assert sparse.shape == dense.shape and not torch.equal(sparse, dense)
+    assert torch.equal(sparse[:, :CHUNK], dense[:, :CHUNK])  # chunk 0 has no history
