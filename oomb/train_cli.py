@@ -84,10 +84,13 @@ def _header(trainer: Trainer) -> str:
     data = ", ".join(cfg.data.paths) if cfg.data.paths else "embedded corpus (oomb's source)"
     mode = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
     start = f", resuming at step {trainer.step} from {trainer.resumed_from}" if trainer.resumed_from else ""
+    o = cfg.oomb
+    attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
+                 f"{o.sparse_score}{', leak-free' if o.sparse_leak_free else ''})" if o.attention == "sparse" else "")
     return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
             f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}\n"
             f"  data: {data}; {cfg.train.max_steps} steps x {cfg.train.grad_accum} sequence(s) x "
-            f"{cfg.data.seq_len:,} tokens, chunk {cfg.oomb.chunk_size}, page {cfg.oomb.page_size}, "
+            f"{cfg.data.seq_len:,} tokens, chunk {o.chunk_size}, page {o.page_size}{attention}, "
             f"lr {trainer.lr:g}{start}\n  output: {cfg.train.output_dir}")
 
 

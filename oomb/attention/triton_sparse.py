@@ -28,6 +28,9 @@ Supported: as triton_paged.py (bf16/fp16/fp32, head dims up to 256, any group si
 sizes that make chunks start on page boundaries (query_start % P == 0, as the engine guarantees).
 
 Caveats:
+* Verified under the interpreter only: these kernels have not run on a GPU yet (tests/test_triton_sparse.py
+  has the GPU tests) and nothing is tuned. ``OOMBConfig(backend="torch")`` runs the sparse
+  reference on a GPU if they fail there.
 * The number of work items of the dK/dV launch is data-dependent: building them costs one device
   synchronisation per backward call (``unique_consecutive``).
 * Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to float32 before ``tl.dot`` and one
@@ -446,8 +449,8 @@ def _history_work_items(selection: torch.Tensor, num_history: int):
     the ascending list of blocks that read it.
 
     Returns:
-        items (N,) int64 keys (b * Hkv + h) * num_history + position, starts (N,), counts (N,) into
-        blocks (B * Hkv * n_blocks * K,) int32 block indices; all on selection's device.
+        items (N,) int64 keys (b * Hkv + h) * num_history + position, int32 starts (N,) and counts (N,)
+        into blocks (B * Hkv * n_blocks * K,) int32 block indices; all on selection's device.
     """
     B, Hkv, n_blocks, K = selection.shape
     bh = torch.arange(B * Hkv, device=selection.device).reshape(B, Hkv, 1, 1)
@@ -455,7 +458,7 @@ def _history_work_items(selection: torch.Tensor, num_history: int):
     pairs = ((bh * num_history + selection.long()) * n_blocks + block).reshape(-1).sort().values
     items, counts = torch.unique_consecutive(pairs // n_blocks, return_counts=True)  # one device sync
     starts = torch.cumsum(counts, 0) - counts
-    return items, starts, counts, (pairs % n_blocks).to(torch.int32)
+    return items, starts.to(torch.int32), counts.to(torch.int32), (pairs % n_blocks).to(torch.int32)
 
 
 def sparse_attention_backward(
