@@ -2,8 +2,9 @@
 
 from .config import OOMBConfig
 from .engine import forward_backward
+from .kv.offload import HostSlabs
 from .train_config import TrainerConfig
 from .trainer import Trainer, TrainResult
 
 __version__ = "0.1.0"
-__all__ = ["OOMBConfig", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "__version__"]
+__all__ = ["HostSlabs", "OOMBConfig", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "__version__"]

@@ -41,6 +41,7 @@ from . import machine, presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .config import OOMBConfig, resolve_dtype
 from .memory import GIB, MODES, ModelShape, TrainingSetup, predict
+from .models import unwrap_causal_lm
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,23 @@ def make_step(mode: str, options: BenchOptions):
     from .engine import forward_backward
 
     config = oomb_config_for(mode, options.oomb_config())
-    return lambda model, ids: float(forward_backward(model, ids, config=config))
+    if not config.offload:
+        return lambda model, ids: float(forward_backward(model, ids, config=config))
+    from .engine import store_options
+    from .kv.offload import HostSlabs, reserve_host_slabs
+
+    slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
+
+    def offload_step(model, ids):
+        return float(forward_backward(model, ids, config=config, host_slabs=slabs))
+
+    def prepare(model, ids):
+        """Pin the host memory of a step of this length before it is timed."""
+        options = store_options(unwrap_causal_lm(model), ids.shape[0], ids.shape[1], config, ids.device)
+        reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers, **options)
+
+    offload_step.prepare = prepare
+    return offload_step
 
 
 def token_ids(vocab: int, tokens: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -240,6 +257,8 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
         ids = token_ids(vocab, tokens, options.seed, device)
         emit({"event": "start", "tokens": tokens})
         try:
+            if hasattr(step, "prepare"):
+                step.prepare(model, ids)
             row = {**measure(step, model, ids, device), "status": "ok"}
             last = (tokens, row["seconds"])
         except Exception as err:

@@ -39,7 +39,7 @@ class OOMBConfig:
     chunk_size: int = 4096
     """Tokens per chunk: the unit of recomputation. A multiple of page_size."""
     page_size: int = 128
-    """Tokens per KV page: the unit of allocation, of sparse selection (and later of offload)."""
+    """Tokens per KV page: the unit of allocation, of sparse selection and of offload transfers."""
     attention: Literal["dense", "sparse"] = "dense"
     """Attention over the history: "dense" (exact) or "sparse" (each query block reads the
     sparse_sink_pages first pages, its top sparse_budget earlier pages and its own chunk;
@@ -63,6 +63,18 @@ class OOMBConfig:
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton"] = "auto"
     """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA)."""
+    offload: bool = False
+    """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode):
+    GPU memory stops growing with context; gradients are bit-identical to offload=False."""
+    offload_resident_layers: int = 0
+    """Offload: the first this many layers keep their pages on the GPU (no transfers for them)."""
+    stream_block_pages: int = 256
+    """Dense attention reads a chunk's history in blocks of this many pages (per sequence), merged
+    exactly; with offload each block is one transfer. Used with and without offload alike, so that
+    both compute the same float operations."""
+    stream_buffers: int = 3
+    """Offload: GPU staging buffers of one block each: one computes while the next loads and the
+    previous one's gradients are written back."""
     checkpoint_layers: bool = True
     """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
     loss_chunk_tokens: int = 1024
@@ -73,7 +85,7 @@ class OOMBConfig:
     Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
 
     def __post_init__(self) -> None:
-        for name in ("chunk_size", "page_size", "loss_chunk_tokens"):
+        for name in ("chunk_size", "page_size", "loss_chunk_tokens", "stream_block_pages", "stream_buffers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -96,7 +108,16 @@ class OOMBConfig:
             raise ValueError(
                 f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"
             )
-        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free"):
+        if isinstance(self.offload_resident_layers, bool) or not isinstance(self.offload_resident_layers, int) \
+                or self.offload_resident_layers < 0:
+            raise ValueError(f"offload_resident_layers={self.offload_resident_layers!r} must be an integer >= 0")
+        if self.stream_buffers < 2:
+            raise ValueError(f"stream_buffers={self.stream_buffers} must be at least 2 (one computes, one loads)")
+        if self.offload and self.attention == "sparse":
+            raise NotImplementedError(
+                "offload=True with attention='sparse' is not implemented yet: use dense attention with offload, "
+                "or sparse attention with pages on the GPU")
+        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")

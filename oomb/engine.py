@@ -29,7 +29,10 @@ from .attention.backend import select_backend
 from .config import OOMBConfig
 from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
+from .kv.capacity import PageShape, check_pages_fit
+from .kv.offload import HostSlabs, OffloadedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
+from .machine import host_available_bytes
 from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
 from .sparse import SparseOptions
 
@@ -44,6 +47,7 @@ def forward_backward(
     *,
     progress: bool = False,
     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+    host_slabs: HostSlabs | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -60,6 +64,8 @@ def forward_backward(
         grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
             is added into the tensor chunk by chunk (the sum is never rounded) instead of into ``.grad``.
             A trainer with fp32 master weights passes the masters' gradient buffers.
+        host_slabs: with ``config.offload``, the pinned host memory to keep the pages in; pass the
+            same object every step to reuse it (pinning tens of GiB takes seconds). None: a new one.
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
@@ -81,7 +87,7 @@ def forward_backward(
         )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
-    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse)
+    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
     backend = select_backend(config.backend, device)
     decoder = causal_lm.get_decoder()
     lm_head = causal_lm.get_output_embeddings()
@@ -184,22 +190,51 @@ def _validated_inputs(
 
 
 def _make_store(
-    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None
+    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None,
+    host_slabs: HostSlabs | None = None,
 ) -> PagedKVStore:
     cfg = causal_lm.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return PagedKVStore(
+    kv_dtype = causal_lm.get_input_embeddings().weight.dtype
+    shape = PageShape(cfg.num_hidden_layers, batch, num_tokens, cfg.num_key_value_heads, head_dim, kv_dtype)
+    _check_pages(shape, config, device, host_slabs)
+    options = store_options(causal_lm, batch, num_tokens, config, device, sparse)
+    if not config.offload:
+        return PagedKVStore(**options)
+    return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
+                            resident_layers=config.offload_resident_layers, stream_buffers=config.stream_buffers,
+                            chunk_size=config.chunk_size, **options)
+
+
+def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device,
+                  sparse: SparseOptions | None = None) -> dict:
+    """The PagedKVStore arguments of a step of ``causal_lm`` (also used to reserve host slabs ahead)."""
+    cfg = causal_lm.config
+    return dict(
         num_layers=cfg.num_hidden_layers,
         batch_size=batch,
         num_tokens=num_tokens,
         num_kv_heads=cfg.num_key_value_heads,
-        head_dim=head_dim,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         page_size=config.page_size,
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
         grad_dtype=config.grad_dtype,
         device=device,
         summaries=sparse.summaries if sparse is not None else (),
+        stream_block_pages=config.stream_block_pages,
     )
+
+
+def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, host_slabs: HostSlabs | None) -> None:
+    """Stop before allocating when the pages cannot fit (CUDA only: on CPU the pools are host RAM
+    the operating system may page out)."""
+    if device.type != "cuda":
+        return
+    gpu_free = torch.cuda.mem_get_info(device)[0]
+    host_free = host_available_bytes() if config.offload else None
+    if host_free is not None and host_slabs is not None:
+        host_free += host_slabs.nbytes  # slabs kept from earlier steps are reused
+    check_pages_fit(shape, config, gpu_free, host_free)
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -185,10 +185,11 @@ def estimate_step_memory(
     dtype: torch.dtype = torch.bfloat16,
     trainable_params: int = 0,
 ) -> StepMemory:
-    """Predicted GPU bytes of one oomb dense step (no offload) above weights and optimizer state.
+    """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
     ``trainable_params`` (of ``dtype``) get gradients, plus fp32 sums when
-    ``config.fp32_grad_accumulation`` is on and ``dtype`` is low precision.
+    ``config.fp32_grad_accumulation`` is on and ``dtype`` is low precision. With ``config.offload``
+    the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
     kv = PagedKVStore.bytes_needed(
@@ -196,6 +197,12 @@ def estimate_step_memory(
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=config.page_size,
         kv_dtype=dtype, grad_dtype=config.grad_dtype,
     )
+    if config.offload:
+        page_bytes = _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
+        pages = _num_pages(num_tokens, config.page_size, batch_size)
+        chunk_pages = _num_pages(min(config.chunk_size, num_tokens), config.page_size, batch_size)
+        slots = config.stream_buffers * batch_size * max(config.stream_block_pages, chunk_pages // batch_size)
+        kv = (min(config.offload_resident_layers, shape.num_layers) * pages + slots + 2 * chunk_pages) * page_bytes
     grads = trainable_params * dtype.itemsize
     if config.fp32_grad_accumulation and dtype.itemsize < FP32_BYTES:
         grads += trainable_params * FP32_BYTES
@@ -252,16 +259,15 @@ class TrainingSetup:
 
 @dataclass(frozen=True)
 class OffloadAssumptions:
-    """The GPU working set of host offload (DESIGN.md section 2, "Host offload")."""
+    """The GPU working set of host offload (kv/offload.py; the OOMBConfig fields of the same names)."""
 
-    resident_layers: int = 2
-    """Layers whose chunk pages (K, V, dK, dV) are on the GPU at once: the one being computed and the
-    next one being prefetched."""
-    stream_block_pages: int = 64
-    """History pages per streamed block (dense offload): each layer's earlier pages pass through the
-    GPU in blocks of this many pages, K, V in and dK, dV out."""
-    stream_buffers: int = 2
-    """Blocks in flight: double buffering overlaps the copy of one block with compute on the other."""
+    resident_layers: int = 0
+    """Layers whose pages stay on the GPU (OOMBConfig.offload_resident_layers)."""
+    stream_block_pages: int = 256
+    """History pages per streamed block (OOMBConfig.stream_block_pages): each layer's earlier pages pass
+    through the GPU in blocks of this many pages per sequence, K, V (and dK, dV) in, dK, dV out."""
+    stream_buffers: int = 3
+    """GPU staging buffers of one block each (OOMBConfig.stream_buffers)."""
 
 
 @dataclass(frozen=True)
@@ -411,15 +417,18 @@ def predict(
 
     if mode.offload:
         # GPU: the chunk's pages of the resident layers + the streamed blocks of earlier pages.
+        # GPU: pools of the resident layers, the staging buffers (a block or a chunk per sequence
+        # each), and one chunk's own K, V (stage 1) or dK, dV (stage 2).
         chunk_pages = _num_pages(chunk_len, P, B)
+        resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
-            block = min(offload.stream_block_pages, pages)
+            slots = offload.stream_buffers * B * max(offload.stream_block_pages, chunk_pages // B)
         else:
-            block = min(sparse.top_k_pages + sparse.sink_pages, pages // B) * B
-        gpu["KV working set"] = (offload.resident_layers * chunk_pages + offload.stream_buffers * block) * page_bytes
-        # Host: K, V, dK, dV of every token, pinned.
-        host["KV pages"] = L * pages * 2 * shape.kv_dim * P * b
-        host["KV grad pages"] = L * pages * 2 * shape.kv_dim * P * config.grad_dtype.itemsize
+            slots = offload.stream_buffers * min(sparse.top_k_pages + sparse.sink_pages, pages // B) * B
+        gpu["KV working set"] = (resident * pages + slots + 2 * chunk_pages) * page_bytes
+        # Host: K, V, dK, dV of every token of the offloaded layers, pinned.
+        host["KV pages"] = (L - resident) * pages * 2 * shape.kv_dim * P * b
+        host["KV grad pages"] = (L - resident) * pages * 2 * shape.kv_dim * P * config.grad_dtype.itemsize
     else:
         gpu["KV working set"] = L * pages * page_bytes
 

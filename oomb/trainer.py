@@ -38,6 +38,7 @@ from .checkpoint import Checkpoint, atomic_directory, capture_rng, latest_checkp
 from .checkpoint import save_checkpoint as write_checkpoint
 from .data import DataPosition, PackedSequences, resolve_files
 from .engine import forward_backward
+from .kv.offload import HostSlabs
 from .memory import GIB, ModelShape, estimate_step_memory
 from .models import unwrap_causal_lm
 from .presets import (
@@ -155,6 +156,7 @@ class Trainer:
         self._num_masters = MasterWeights.count(self.model, cfg.optim.master_weights, cfg.optim.offload)
         self._check_memory(causal_lm)  # before the masters and optimizer state exist
         self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
+        self.host_slabs = HostSlabs() if cfg.oomb.offload else None  # pinned pages, reused by every step
         self.lr = cfg.optim.lr or self._default_lr()
         self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
@@ -373,7 +375,7 @@ class Trainer:
             sample = next(self.data)
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
                                     progress=cfg.logging.progress and cfg.logging.chunk_progress,
-                                    grad_targets=self.masters.grad_targets())
+                                    grad_targets=self.masters.grad_targets(), host_slabs=self.host_slabs)
             self.masters.collect()
             losses.append(float(loss))
             tokens += sample.input_ids.numel()

@@ -450,10 +450,12 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
     calls = {"forward": 0}
 
     def counting_forward(*args, **kwargs):
-        calls["forward"] += 1
+        key_range, query_start = kwargs.get("key_range"), args[4]
+        calls["forward"] += key_range is None or key_range[0] == query_start  # one local window per call
         return reference.paged_attention_forward(*args, **kwargs)
 
-    backend = AttentionBackend("counting", counting_forward, reference.paged_attention_backward)
+    backend = AttentionBackend("counting", counting_forward, reference.paged_attention_backward,
+                               reference.backward_delta)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
     model = models["qwen2"]
     ids = random_ids(1, 200, seed=21)

@@ -22,12 +22,13 @@ class AttentionBackend:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., torch.Tensor]
+    backward_delta: Callable[..., torch.Tensor]
     sparse_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_sparse.sparse_attention_forward
     sparse_backward: Callable[..., torch.Tensor] = reference_sparse.sparse_attention_backward
 
 
 TORCH_BACKEND = AttentionBackend(
-    "torch", reference.paged_attention_forward, reference.paged_attention_backward
+    "torch", reference.paged_attention_forward, reference.paged_attention_backward, reference.backward_delta
 )
 
 
@@ -35,7 +36,8 @@ def _triton_backend() -> AttentionBackend:
     from . import triton_paged, triton_sparse  # imported lazily: triton is an optional dependency
 
     return AttentionBackend("triton", triton_paged.paged_attention_forward, triton_paged.paged_attention_backward,
-                            triton_sparse.sparse_attention_forward, triton_sparse.sparse_attention_backward)
+                            triton_paged.backward_delta, triton_sparse.sparse_attention_forward,
+                            triton_sparse.sparse_attention_backward)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -7,6 +7,12 @@ returns the chunk's own accumulated page gradients as the gradients of k and v. 
 buffers hold the contributions of every later chunk (processed earlier in the reverse pass) plus
 the chunk's own, so summed over chunks the result is the exact full-sequence gradient.
 
+Dense attention reads the chunk's keys window by window (kv/store.py ``attention_windows``):
+blocks of history pages, then the chunk itself. Forward merges the windows' partial results by
+their log-sum-exp; backward runs each window with the merged statistics. The windows are the same
+whether pages live on the GPU or stream from host memory (kv/offload.py), so both compute the same
+float operations in the same order.
+
 In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
 selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
 makes the selection after writing the chunk's pages and keeps it in the store; stage 2 is handed
@@ -40,11 +46,42 @@ class PagedAttentionCall:
 
 
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-    pages = call.store.layers[call.layer]
-    args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
-    if call.selection is None:
-        return call.backend.forward(*args)
-    return call.backend.sparse_forward(*args, call.selection)
+    if call.selection is not None:
+        pages = call.store.layers[call.layer]
+        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
+        return call.backend.sparse_forward(*args, call.selection)
+    # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
+    # With several windows the partial outputs stay float32 until the merge is complete.
+    several = len(call.store.windows(call.chunk)) > 1
+    out_dtype = torch.float32 if several else None
+    out = lse = None
+    for view in call.store.stream(call.layer, call.chunk, grads=False):
+        out_w, lse_w = call.backend.forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                            key_range=view.key_range, out_dtype=out_dtype)
+        out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
+    return out.to(q.dtype), lse
+
+
+def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_w: torch.Tensor):
+    """Fold the attention over one more disjoint key window into a running (out, lse), in float32."""
+    merged = torch.logaddexp(lse, lse_w)
+    out = out * torch.exp(lse - merged)[..., None] + out_w * torch.exp(lse_w - merged)[..., None]
+    return out, merged
+
+
+def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Tensor:
+    """dQ; dK, dV of every page read are added into the page gradients (of the tier holding them)."""
+    if call.selection is not None:
+        pages = call.store.layers[call.layer]
+        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
+        return call.backend.sparse_backward(*args, call.selection, out, dout, lse, pages.dk, pages.dv)
+    dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
+    delta = call.backend.backward_delta(out, dout)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for view in call.store.stream(call.layer, call.chunk, grads=True):
+        call.backend.backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale, out, dout, lse,
+                              view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq)
+    return dq.to(q.dtype)
 
 
 class _PagedAttention(torch.autograd.Function):
@@ -68,12 +105,7 @@ class _PagedAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, out, lse = ctx.saved_tensors
         call: PagedAttentionCall = ctx.call
-        pages = call.store.layers[call.layer]
-        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
-        if call.selection is None:
-            dq = call.backend.backward(*args, out, dout, lse, pages.dk, pages.dv)
-        else:
-            dq = call.backend.sparse_backward(*args, call.selection, out, dout, lse, pages.dk, pages.dv)
+        dq = _attention_backward(q, out, dout, lse, call)
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
         return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
 

@@ -2,8 +2,10 @@
 
 The contract every backend implements (see ``oomb.attention.backend``):
 
-    forward(q, k_pool, v_pool, page_table, query_start, scale) -> (out, lse)
-    backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool, dv_pool) -> dq
+    forward(q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None, out_dtype=None) -> (out, lse)
+    backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool, dv_pool,
+             *, key_range=None, delta=None, dq_accumulator=None) -> dq
+    backward_delta(out, dout) -> delta   rowsum(dO * O), (B, Hq, Lq) float32
 
     q          (B, Hq, Lq, D)         queries of one chunk, any strides, model dtype
     k_pool     (num_pages, Hkv, P, D) post-RoPE keys of one layer, addressed by page id
@@ -18,12 +20,34 @@ The contract every backend implements (see ``oomb.attention.backend``):
 Query i (absolute position query_start + i) sees keys 0..query_start + i. Query head h reads KV
 head h // (Hq // Hkv) (grouped-query attention); K and V are never repeated.
 
+Key windows (host offload streams a layer's history through the GPU a few pages at a time, so a
+chunk's attention must be a merge of partial attentions over disjoint key ranges):
+
+    key_range  (lo, hi): only keys at absolute positions lo <= j < hi, either a history window
+               (0 <= lo < hi <= query_start, both multiples of P: every query sees all of it) or
+               the local window (query_start, query_start + Lq): the chunk itself, causal.
+               None: all keys, as without windows. Only the table entries of the window's pages
+               are read (entries outside may be garbage, pages outside may hold NaN), and the table
+               need only be ceil(hi / P) columns wide.
+    forward    returns the attention normalised within the window and the window's lse; the
+               windows' results combine with merge_partials into the full attention. out_dtype
+               (default q's dtype) lets partial outputs stay float32 until the merge.
+    backward   takes the GLOBAL (merged) out and lse, adds dK, dV of the window's keys only into
+               dk_pool, dv_pool (which may be small staging pools: page_table addresses them) and
+               returns the window's share of dQ. delta: optional precomputed backward_delta(out,
+               dout), so that a caller streaming many windows computes it once (out may then be
+               None). dq_accumulator: optional float32 (B, Hq, Lq, D); the window's dQ is added into
+               it in place (no rounding to q's dtype between windows) and it is returned.
+    Summed over windows covering [0, query_start + Lq), backward gives the full dQ, dK, dV.
+
 Queries are processed in tiles and keys in blocks with an online softmax, so no score matrix over
 the whole context ever exists; key blocks wholly in a tile's future are skipped. All arithmetic is
 float32.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -49,27 +73,121 @@ def _causal_mask(first_query: int, num_queries: int, first_key: int, num_keys: i
     return k_pos[None, :] <= q_pos[:, None]
 
 
-def _tiles(query_start: int, num_queries: int, page_size: int, query_block: int, key_block: int):
+def _visible(
+    first_query: int, num_queries: int, first_key: int, num_keys: int, window: tuple[int, int] | None, device
+) -> torch.Tensor:
+    """The causal mask, further restricted to the key window when there is one."""
+    visible = _causal_mask(first_query, num_queries, first_key, num_keys, device)
+    if window is not None:
+        k_pos = torch.arange(first_key, first_key + num_keys, device=device)
+        visible &= ((k_pos >= window[0]) & (k_pos < window[1]))[None, :]
+    return visible
+
+
+def _tiles(
+    query_start: int, num_queries: int, page_size: int, query_block: int, key_block: int,
+    window: tuple[int, int] | None = None,
+):
     """Yield (q0, q1, first_page, last_page, needs_mask) for every (query tile, key block) pair
-    with at least one visible key; key blocks entirely in a tile's future are skipped."""
+    with at least one visible key; key blocks entirely in a tile's future are skipped. With a
+    window (lo, hi) the blocks start at lo's page and stop at hi: no other page is gathered."""
+    lo, hi = window if window is not None else (0, query_start + num_queries)
     pages_per_block = max(1, key_block // page_size)
     for q0 in range(0, num_queries, query_block):
         q1 = min(q0 + query_block, num_queries)
-        first_masked_key = query_start + q0 + 1  # keys from here on are hidden from the tile's first query
-        n_pages = -(-(query_start + q1) // page_size)
-        for first in range(0, n_pages, pages_per_block):
+        # Keys from here on are hidden from the tile's first query (causality or the window's end).
+        first_masked_key = min(query_start + q0 + 1, hi)
+        n_pages = -(-min(query_start + q1, hi) // page_size)
+        for first in range(lo // page_size, n_pages, pages_per_block):
             last = min(first + pages_per_block, n_pages)
-            yield q0, q1, first, last, last * page_size > first_masked_key
+            yield q0, q1, first, last, first * page_size < lo or last * page_size > first_masked_key
 
 
-def _check(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int) -> None:
+def _check(
+    q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int, key_end: int | None = None
+) -> None:
+    """``key_end``: keys the call reads (default: the whole chunk); the table must cover them."""
     B, Hq, Lq, D = q.shape
     num_pages, Hkv, P, Dk = k_pool.shape
     assert Dk == D, f"head_dim of q ({D}) and pages ({Dk}) differ"
     assert Hq % Hkv == 0, f"{Hq} query heads are not a multiple of {Hkv} KV heads"
     assert query_start % P == 0, f"query_start={query_start} is not on a page boundary (page size {P})"
     assert page_table.dtype == torch.int32 and page_table.shape[0] == B
-    assert page_table.shape[1] * P >= query_start + Lq, "page table too short for the chunk"
+    key_end = query_start + Lq if key_end is None else key_end
+    assert page_table.shape[1] * P >= key_end, "page table too short for the chunk"
+
+
+def check_key_range(
+    key_range: tuple[int, int] | None, query_start: int, num_queries: int, page_size: int
+) -> tuple[int, int] | None:
+    """Validate a key window (module docstring) and return it as a pair of ints (None: all keys).
+
+    Only whole-page history windows and the chunk itself are allowed: they are what offload
+    streams, and they need no causal mask (history) or exactly today's (local)."""
+    if key_range is None:
+        return None
+    try:
+        if any(isinstance(x, bool) for x in key_range):
+            raise TypeError
+        lo, hi = (operator.index(x) for x in key_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"key_range must be a pair (lo, hi) of ints; got {key_range!r}") from None
+    if lo == query_start and hi == query_start + num_queries:
+        return lo, hi  # the local window
+    if not 0 <= lo < hi <= query_start:
+        raise ValueError(
+            f"key_range={key_range!r} is neither a history window (0 <= lo < hi <= query_start={query_start}) "
+            f"nor the local window ({query_start}, {query_start + num_queries})"
+        )
+    if lo % page_size or hi % page_size:
+        raise ValueError(f"history window key_range={key_range!r} must start and end on page boundaries "
+                         f"(page size {page_size})")
+    return lo, hi
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine the (out, lse) of disjoint key windows into the attention over their union.
+
+    lse = logsumexp_w(lse_w), out = sum_w exp(lse_w - lse) * out_w, in float32 and in list order
+    (deterministic). out is returned in outs[0]'s dtype, lse in float32; one window comes back as is.
+    """
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"need one lse per output and at least one window; got {len(outs)} and {len(lses)}")
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    for out, lse in zip(outs, lses, strict=True):
+        if out.shape != outs[0].shape or lse.shape != out.shape[:-1]:
+            raise ValueError(f"window shapes differ: out {tuple(out.shape)}, lse {tuple(lse.shape)} "
+                             f"(first window: out {tuple(outs[0].shape)})")
+    lse = torch.logsumexp(torch.stack([x.float() for x in lses]), dim=0)
+    merged = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
+    for out, part_lse in zip(outs, lses, strict=True):
+        merged.addcmul_(out.float(), (part_lse.float() - lse).exp_()[..., None])
+    return merged.to(outs[0].dtype), lse
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) as float32 (B, Hq, Lq): computed once per chunk when backward runs per window."""
+    if out.shape != dout.shape or out.dim() != 4:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be one (B, Hq, Lq, D) shape")
+    return (dout.float() * out.float()).sum(-1)
+
+
+def _check_backward_extras(
+    q: torch.Tensor, out: torch.Tensor | None, delta: torch.Tensor | None, dq_accumulator: torch.Tensor | None
+) -> None:
+    """Validate the optional backward arguments shared by both backends."""
+    B, Hq, Lq, D = q.shape
+    if delta is None and out is None:
+        raise ValueError("backward needs out (to compute delta) when no delta is given")
+    if delta is not None and (delta.shape != (B, Hq, Lq) or delta.dtype != torch.float32 or delta.device != q.device):
+        raise ValueError(f"delta must be float32 {(B, Hq, Lq)} on {q.device}; "
+                         f"got {delta.dtype} {tuple(delta.shape)} on {delta.device}")
+    if dq_accumulator is not None and (
+        dq_accumulator.shape != q.shape or dq_accumulator.dtype != torch.float32 or dq_accumulator.device != q.device
+    ):
+        raise ValueError(f"dq_accumulator must be float32 {tuple(q.shape)} on {q.device}; got "
+                         f"{dq_accumulator.dtype} {tuple(dq_accumulator.shape)} on {dq_accumulator.device}")
 
 
 def paged_attention_forward(
@@ -81,24 +199,31 @@ def paged_attention_forward(
     scale: float,
     key_block_tokens: int = KEY_BLOCK_TOKENS,
     query_block_tokens: int = QUERY_BLOCK_TOKENS,
+    *,
+    key_range: tuple[int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of a chunk's queries over its paged history and itself."""
-    _check(q, k_pool, page_table, query_start)
+    """Causal attention of a chunk's queries over its paged history and itself (or one key window).
+
+    ``out_dtype`` (default q's dtype): float32 keeps a window's partial output unrounded until the merge."""
     B, Hq, Lq, D = q.shape
     Hkv, P = k_pool.shape[1], k_pool.shape[2]
+    window = check_key_range(key_range, query_start, Lq, P)
+    _check(q, k_pool, page_table, query_start, None if window is None else window[1])
     G = Hq // Hkv
     qf = q.float().reshape(B, Hkv, G, Lq, D) * scale
     row_max = torch.full((B, Hkv, G, Lq), float("-inf"), device=q.device)
     row_sum = torch.zeros((B, Hkv, G, Lq), device=q.device)
     acc = torch.zeros((B, Hkv, G, Lq, D), device=q.device)
-    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens):
+    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window):
         k = _gather_block(k_pool, page_table, first, last)  # (B, Hkv, n, D)
         v = _gather_block(v_pool, page_table, first, last)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., q0:q1, :], k)
         if needs_mask:
-            visible = _causal_mask(query_start + q0, q1 - q0, first * P, k.shape[2], q.device)
+            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device)
             scores.masked_fill_(~visible, float("-inf"))
-        # Key 0 is in every tile's first block and visible to all queries: row_max is finite after it.
+        # The window's first key (key 0 without a window) is in every tile's first block and visible
+        # to all queries: row_max is finite after it.
         tile_max = row_max[..., q0:q1]
         new_max = torch.maximum(tile_max, scores.amax(-1))
         probs = scores.sub_(new_max[..., None]).exp_()
@@ -106,7 +231,7 @@ def paged_attention_forward(
         row_sum[..., q0:q1].mul_(correction).add_(probs.sum(-1))
         acc[..., q0:q1, :].mul_(correction[..., None]).add_(torch.einsum("bhgqk,bhkd->bhgqd", probs, v))
         row_max[..., q0:q1] = new_max
-    out = (acc / row_sum[..., None]).reshape(B, Hq, Lq, D).to(q.dtype)
+    out = (acc / row_sum[..., None]).reshape(B, Hq, Lq, D).to(out_dtype or q.dtype)
     lse = (row_max + torch.log(row_sum)).reshape(B, Hq, Lq)
     return out, lse
 
@@ -125,25 +250,37 @@ def paged_attention_backward(
     dv_pool: torch.Tensor,
     key_block_tokens: int = KEY_BLOCK_TOKENS,
     query_block_tokens: int = QUERY_BLOCK_TOKENS,
+    *,
+    key_range: tuple[int, int] | None = None,
+    delta: torch.Tensor | None = None,
+    dq_accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return dQ and add dK, dV of every page the chunk read into dk_pool, dv_pool in place."""
-    _check(q, k_pool, page_table, query_start)
+    """Return dQ and add dK, dV of every page the chunk read into dk_pool, dv_pool in place.
+
+    With a key window: the window's share of dQ (added into dq_accumulator when given), and dK, dV of
+    the window's keys only; lse and out (or delta) are those of the full attention."""
     B, Hq, Lq, D = q.shape
     Hkv, P = k_pool.shape[1], k_pool.shape[2]
+    window = check_key_range(key_range, query_start, Lq, P)
+    _check(q, k_pool, page_table, query_start, None if window is None else window[1])
+    _check_backward_extras(q, out, delta, dq_accumulator)
     G = Hq // Hkv
     qf = q.float().reshape(B, Hkv, G, Lq, D)
     do = dout.float().reshape(B, Hkv, G, Lq, D)
-    delta = (do * out.float().reshape(B, Hkv, G, Lq, D)).sum(-1)  # rowsum(dO * O)
+    if delta is None:
+        delta = (do * out.float().reshape(B, Hkv, G, Lq, D)).sum(-1)  # rowsum(dO * O)
+    else:
+        delta = delta.reshape(B, Hkv, G, Lq)
     lse = lse.reshape(B, Hkv, G, Lq)
     dq = torch.zeros_like(qf)
-    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens):
+    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window):
         k = _gather_block(k_pool, page_table, first, last)
         v = _gather_block(v_pool, page_table, first, last)
         q_t, do_t = qf[..., q0:q1, :], do[..., q0:q1, :]
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).mul_(scale)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         if needs_mask:
-            visible = _causal_mask(query_start + q0, q1 - q0, first * P, k.shape[2], q.device)
+            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device)
             probs.masked_fill_(~visible, 0.0)
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
         dprobs = torch.einsum("bhgqd,bhkd->bhgqk", do_t, v)
@@ -152,6 +289,8 @@ def paged_attention_backward(
         dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, q_t).mul_(scale)
         _scatter_add_block(dk_pool, page_table, first, last, dk)
         _scatter_add_block(dv_pool, page_table, first, last, dv)
+    if dq_accumulator is not None:
+        return dq_accumulator.add_(dq.reshape(B, Hq, Lq, D))
     return dq.reshape(B, Hq, Lq, D).to(q.dtype)
 
 

@@ -2,9 +2,12 @@
 
 Implements the contract of ``oomb/attention/reference.py`` (read it first):
 
-    paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale) -> (out, lse)
+    paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale,
+                            *, key_range=None, out_dtype=None) -> (out, lse)
     paged_attention_backward(q, k_pool, v_pool, page_table, query_start, scale,
-                             out, dout, lse, dk_pool, dv_pool) -> dq   (dK, dV added into the pools)
+                             out, dout, lse, dk_pool, dv_pool,
+                             *, key_range=None, delta=None, dq_accumulator=None) -> dq   (dK, dV added into the pools)
+    backward_delta(out, dout) -> delta
 
 Design (details and diagrams in docs/kernels.md):
 
@@ -19,6 +22,12 @@ Design (details and diagrams in docs/kernels.md):
 * Causality is bottom-right aligned: query i (absolute position query_start + i) sees keys
   0 .. query_start + i. Key tiles visible to every row of a tile run without masks; only the
   few tiles on the diagonal are masked; fully masked tiles are never visited.
+* Key windows (``key_range``, for host offload streaming history through the GPU): the kernels
+  take the window [key_lo, key_hi) as runtime ints. Forward and dQ run the unmasked loop over the
+  tiles wholly inside the window and visible to every row, and masked tiles at its edges (which
+  need not be tile-aligned); only masked tiles look keys up one by one, with loads masked to the
+  window, so no table entry or page outside it is read. dK/dV launch only the window's key tiles.
+  Without a window the compiled code is today's (``WINDOW`` and ``ACCUMULATE_DQ`` are constexpr).
 * Backward without atomics: ``_dkdv_kernel`` owns one key tile of one (batch, KV head), loops
   over all query row tiles (all G heads of the group), keeps dK, dV in registers and adds them
   once into the page gradient buffers (read-modify-write: it is the only writer of those slots
@@ -50,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import _check_backward_extras, check_key_range
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once at import, like triton.jit does: the interpreter must be chosen before importing."""
 AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
@@ -67,7 +78,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Integer arguments that change with every chunk (lengths, and strides of the page table and the
 # (B, Hq, Lq) statistics): not specialized, so that a new chunk does not compile a new kernel.
-_DYNAMIC_INTS = ["num_kv_heads", "seq_len", "query_start", "stride_tb", "stride_lb", "stride_lh"]
+_DYNAMIC_INTS = ["num_kv_heads", "seq_len", "query_start", "key_lo", "key_hi", "stride_tb", "stride_lb", "stride_lh"]
 _TUNING_KEY = ["HEAD_DIM", "PAGE_SIZE", "GROUP"]  # pointer dtypes are added to the key by Triton
 
 # --------------------------------------------------------------------------------------------
@@ -100,18 +111,20 @@ _DELTA_BLOCK_M = 64  # rows per program of the elementwise rowsum(dO * O)
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _key_offsets(
-    table_row_ptr, start_n, offs_n, num_keys, stride_page, stride_slot,
+    table_row_ptr, start_n, offs_n, key_ok, stride_page, stride_slot,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr,
 ):
-    """int64 (BLOCK_N,) offsets into a pool of keys start_n + offs_n of one sequence."""
+    """int64 (BLOCK_N,) offsets into a pool of keys start_n + offs_n of one sequence.
+
+    A one-page tile always holds a key the caller reads, so its page id is one the caller may read."""
     if PAGE_SIZE % BLOCK_N == 0:
         # The tile lies in one page (start_n is a multiple of BLOCK_N): one page-id load.
         page = tl.load(table_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
         slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
     else:
         keys = start_n + offs_n
-        if MASK_KEYS:  # keys past the end would index past the table's used entries
-            page = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=keys < num_keys, other=0).to(tl.int64)
+        if MASK_KEYS:  # keys past the end or outside the window: their table entries may be garbage
+            page = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         else:
             page = tl.load(table_row_ptr + keys // PAGE_SIZE).to(tl.int64)
         slot = (keys % PAGE_SIZE).to(tl.int64)
@@ -139,19 +152,23 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, hi, num_keys, qk_scale,
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, hi, key_hi, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
 ):
-    """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and the key count."""
+    """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
+    key count), and with WINDOW also keys >= key_lo."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
-        key_ok = keys < num_keys
-        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+        if WINDOW:
+            key_ok = (keys >= key_lo) & (keys < key_hi)
+        else:
+            key_ok = keys < key_hi
+        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt,
                               PAGE_SIZE, BLOCK_N, MASKED)
-        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt,
                               PAGE_SIZE, BLOCK_N, MASKED)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
@@ -160,11 +177,21 @@ def _fwd_inner(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if MASKED:
-            qk = tl.where(keys[None, :] <= q_pos[:, None], qk, float("-inf"))
-        # The first tile visited holds a key every row sees, so m_new is finite from then on.
+            if WINDOW:
+                qk = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            else:
+                qk = tl.where(keys[None, :] <= q_pos[:, None], qk, float("-inf"))
+        # The first tile visited holds a key every row sees (key 0, or a window's first key), so
+        # m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if WINDOW:
+            if MASKED:
+                # Guard anyway in window edge tiles, which may hide every key of some rows: a row
+                # with m_new = -inf gets p = alpha = 0 instead of exp2(-inf + inf) = NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -181,12 +208,13 @@ def _fwd_kernel(
     stride_tb,
     stride_ob, stride_oh, stride_ol, stride_od,
     stride_lb, stride_lh, stride_ll,
-    num_kv_heads, seq_len, query_start, scale,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys."""
+    """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
+    (with WINDOW: its keys in [key_lo, key_hi))."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -222,16 +250,33 @@ def _fwd_kernel(
     # Keys [0, full_end) are visible to every row of the tile; [full_end, last_q] is the diagonal.
     first_q = query_start + first_row // GROUP
     last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
-    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        # [full_lo, full_end): tiles inside the window and visible to every row. A tile straddling
+        # key_lo runs masked first: it holds key_lo, which every row sees. Tiles from full_end to
+        # the last key a row may see (the window's end or the diagonal) run masked.
+        full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
+            key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+            offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+        )
+        full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(key_hi, last_q + 1)
+        key_end = key_hi
+    else:
+        full_lo = 0
+        full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+        end = last_q + 1
+        key_end = num_keys
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, 0, full_end, num_keys, qk_scale,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
         PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, last_q + 1, num_keys, qk_scale,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
     )
 
     out = acc / l_i[:, None]
@@ -322,8 +367,11 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    key_lo=0, key_hi=2**31 - 1,
 ):
-    """Grid (key tiles, B * Hkv): dK, dV of one key tile from every row that sees it, added once."""
+    """Grid (key tiles of [key_lo, key_hi), B * Hkv): dK, dV of one key tile from every row that sees
+    it, added once. key_lo, key_hi come last, with defaults meaning all keys (key_hi is clipped to the
+    key count), so that triton_sparse's launch of this kernel (without them) keeps working."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_n = tl.program_id(0)
@@ -332,19 +380,21 @@ def _dkdv_kernel(
     kvh = pid_bh % num_kv_heads
     num_rows = seq_len * GROUP
     num_keys = query_start + seq_len
+    key_hi = tl.minimum(key_hi, num_keys)
 
-    start_n = pid_n * BLOCK_N
+    start_n = (key_lo // BLOCK_N + pid_n) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     keys = start_n + offs_n
-    key_ok = keys < num_keys
+    # Keys outside the window are loaded as 0 and never stored: their table entries are not read.
+    key_ok = (keys >= key_lo) & (keys < key_hi)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     table_row_ptr = table_ptr + b * stride_tb
     kv64 = kvh.to(tl.int64)
 
-    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt,
                           PAGE_SIZE, BLOCK_N, True)
-    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt,
                           PAGE_SIZE, BLOCK_N, True)
     k = _load_tile(k_ptr + kv64 * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd,
                    key_ok, d_ok, True, EVEN_D)
@@ -358,9 +408,11 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Rows r >= row_lo see part of the tile (query_start + r // G >= start_n); rows >= row_mid see
-    # all of it (query_start + r // G >= start_n + BLOCK_N - 1). Earlier rows see none of it.
+    # all of it (query_start + r // G >= start_n + BLOCK_N - 1). Earlier rows see none of it. A
+    # history window's keys precede every query, so every row sees all of them: no masked rows
+    # (the tile's keys outside the window are never stored, whatever rows compute for them).
     row_lo = tl.maximum(start_n - query_start, 0) * GROUP // BLOCK_M * BLOCK_M
-    row_full = tl.maximum(start_n + BLOCK_N - 1 - query_start, 0) * GROUP
+    row_full = tl.where(key_hi <= query_start, 0, tl.maximum(start_n + BLOCK_N - 1 - query_start, 0) * GROUP)
     row_mid = tl.minimum((row_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, num_rows)
     dk, dv = _dkdv_inner(
         dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_lo, row_mid,
@@ -380,12 +432,12 @@ def _dkdv_kernel(
 
     # This program is the only one touching these slots in the launch: plain read-modify-write.
     tile_mask = key_ok[:, None] & d_ok[None, :]
-    dk_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_dkp, stride_dkt,
+    dk_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_dkp, stride_dkt,
                            PAGE_SIZE, BLOCK_N, True)
     dk_ptrs = dk_ptr + kv64 * stride_dkh + dk_rows[:, None] + offs_d[None, :] * stride_dkd
     old = tl.load(dk_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     tl.store(dk_ptrs, (old + dk).to(dk_ptr.dtype.element_ty), mask=tile_mask)
-    dv_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_dvp, stride_dvt,
+    dv_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_dvp, stride_dvt,
                            PAGE_SIZE, BLOCK_N, True)
     dv_ptrs = dv_ptr + kv64 * stride_dvh + dv_rows[:, None] + offs_d[None, :] * stride_dvd
     old = tl.load(dv_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
@@ -394,19 +446,22 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, lo, hi, num_keys, qk_scale,
+    dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, lo, hi, key_hi, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
 ):
-    """Accumulate dQ of one row tile over key tiles [lo, hi)."""
+    """Accumulate dQ of one row tile over key tiles [lo, hi); masks as in _fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
-        key_ok = keys < num_keys
-        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_kp, stride_kt,
+        if WINDOW:
+            key_ok = (keys >= key_lo) & (keys < key_hi)
+        else:
+            key_ok = keys < key_hi
+        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt,
                               PAGE_SIZE, BLOCK_N, MASKED)
-        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, num_keys, stride_vp, stride_vt,
+        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt,
                               PAGE_SIZE, BLOCK_N, MASKED)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
@@ -416,14 +471,18 @@ def _dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
-            p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
+            if WINDOW:
+                p = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), p, 0.0)
+            else:
+                p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY)
+# restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"])
 @triton.jit(do_not_specialize=_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -434,12 +493,14 @@ def _dq_kernel(
     stride_gb, stride_gh, stride_gl, stride_gd,
     stride_lb, stride_lh, stride_ll,
     stride_dqb, stride_dqh, stride_dql, stride_dqd,
-    num_kv_heads, seq_len, query_start, scale,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward."""
+    """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward.
+    ACCUMULATE_DQ: add into a float32 dq (one window's share of a streamed backward) instead of
+    storing in q's dtype; each element has one writer per launch, so no atomics."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -477,30 +538,48 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first_q = query_start + first_row // GROUP
     last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
-    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+    if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
+        full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
+            key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+            offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+        )
+        full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(key_hi, last_q + 1)
+        key_end = key_hi
+    else:
+        full_lo = 0
+        full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+        end = last_q + 1
+        key_end = num_keys
     dq = _dq_inner(
-        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, 0, full_end, num_keys, qk_scale,
+        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
         PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
     )
     dq = _dq_inner(
-        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, last_q + 1, num_keys,
+        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
         qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
     )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
-    tl.store(dq_ptr + dq_rows[:, None] + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    dq_ptrs = dq_ptr + dq_rows[:, None] + offs_d[None, :] * stride_dqd
+    dq_mask = row_ok[:, None] & d_ok[None, :]
+    if ACCUMULATE_DQ:
+        dq += tl.load(dq_ptrs, mask=dq_mask, other=0.0)
+    tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
 def _check_inputs(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor, query_start: int
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
+    key_range: tuple[int, int] | None = None,
 ) -> tuple[int, int, int, int, int, int]:
-    """Validate the forward inputs; return (B, Hq, Lq, D, Hkv, P)."""
+    """Validate the forward inputs (and the key window, if any); return (B, Hq, Lq, D, Hkv, P)."""
     if q.dim() != 4 or k_pool.dim() != 4:
         raise ValueError(f"q must be (B, Hq, Lq, D) and k_pool (num_pages, Hkv, P, D); "
                          f"got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}")
@@ -526,10 +605,12 @@ def _check_inputs(
         raise ValueError("page_table rows must be contiguous (stride(1) == 1)")
     if isinstance(query_start, bool) or not isinstance(query_start, int) or query_start < 0:
         raise ValueError(f"query_start must be an int >= 0; got {query_start!r}")
-    n_pages = -(-(query_start + Lq) // P)
+    window = check_key_range(key_range, query_start, Lq, P)
+    key_end = query_start + Lq if window is None else window[1]  # a window reads no entry past its end
+    n_pages = -(-key_end // P)
     if page_table.shape[1] < n_pages:
-        raise ValueError(f"page_table has {page_table.shape[1]} columns but query_start + Lq = "
-                         f"{query_start + Lq} keys need {n_pages} pages of {P}")
+        raise ValueError(f"page_table has {page_table.shape[1]} columns but {key_end} keys "
+                         f"need {n_pages} pages of {P}")
     devices = {t.device for t in (q, k_pool, v_pool, page_table)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -553,22 +634,34 @@ def paged_attention_forward(
     page_table: torch.Tensor,
     query_start: int,
     scale: float,
+    *,
+    key_range: tuple[int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of a chunk's queries over its paged history and itself.
+    """Causal attention of a chunk's queries over its paged history and itself (or one key window).
 
     Args:
         q: (B, Hq, Lq, D), any strides. k_pool, v_pool: (num_pages, Hkv, P, D), q's dtype.
         page_table: int32 (B, >= ceil((query_start + Lq) / P)). query_start: absolute position of
             query 0. scale: softmax scale.
+        key_range: optional key window (lo, hi) (reference.py's contract); the table need only
+            cover it, and only its entries are read. out_dtype: dtype of out (default q's); float32
+            keeps a window's partial output unrounded until the merge.
     Returns:
-        out (B, Hq, Lq, D) in q's dtype and layout, lse (B, Hq, Lq) float32 natural log.
+        out (B, Hq, Lq, D) in out_dtype and q's layout, lse (B, Hq, Lq) float32 natural log, both
+        normalised within the window when there is one.
     """
-    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
-    out = torch.empty_like(q)  # keeps q's strides when q is dense: the kernel takes them explicitly
+    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start, key_range)
+    window = check_key_range(key_range, query_start, Lq, P)
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    # Keeps q's strides when q is dense: the kernel takes them explicitly.
+    out = torch.empty_like(q) if out_dtype is None else torch.empty_like(q, dtype=out_dtype)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     if B * Lq == 0:
         return out, lse
     G = Hq // Hkv
+    key_lo, key_hi = (0, query_start + Lq) if window is None else window
 
     def grid(meta):
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
@@ -576,10 +669,30 @@ def paged_attention_forward(
     _fwd_kernel[grid](
         q, k_pool, v_pool, page_table, out, lse,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
-        Hkv, Lq, query_start, float(scale),
-        **_meta(q, Hq, Hkv, D, P),
+        Hkv, Lq, query_start, key_lo, key_hi, float(scale),
+        WINDOW=window is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out, lse
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) as contiguous float32 (B, Hq, Lq), computed once per chunk and shared by the
+    windows of a streamed backward. (backward itself rounds dout to q's dtype first: pass dout in
+    q's dtype for the very same delta.)"""
+    if out.dim() != 4 or out.shape != dout.shape or out.device != dout.device:
+        raise ValueError(f"out {tuple(out.shape)} on {out.device} and dout {tuple(dout.shape)} on {dout.device} "
+                         f"must be one (B, Hq, Lq, D) shape on one device")
+    if dout.dtype not in SUPPORTED_DTYPES or out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out/dout dtypes {out.dtype}/{dout.dtype} are not supported; use {SUPPORTED_DTYPES}")
+    B, Hq, Lq, D = out.shape
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    _delta_kernel[(triton.cdiv(Lq, _DELTA_BLOCK_M), B * Hq)](
+        out, dout, delta, *out.stride(), *dout.stride(), Hq, Lq,
+        HEAD_DIM=D, BLOCK_D=max(MIN_BLOCK_D, triton.next_power_of_2(D)), BLOCK_M=_DELTA_BLOCK_M,
+    )
+    return delta
 
 
 def paged_attention_backward(
@@ -594,20 +707,33 @@ def paged_attention_backward(
     lse: torch.Tensor,
     dk_pool: torch.Tensor,
     dv_pool: torch.Tensor,
+    *,
+    key_range: tuple[int, int] | None = None,
+    delta: torch.Tensor | None = None,
+    dq_accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return dQ (q's dtype, q's layout) and add dK, dV of every page the chunk read into the pools.
 
     ``out`` and ``lse`` are the forward's results; ``dout`` the gradient of ``out`` (any strides).
     ``dk_pool``/``dv_pool`` have k_pool's shape, any floating dtype; each touched slot is rounded
     once to that dtype after a float32 accumulation. Deterministic: no atomics.
+
+    With ``key_range`` (reference.py's contract): dQ is the window's share and only the window's
+    keys get dK, dV; ``out``/``lse`` are the merged ones (``out`` may be None when ``delta``, the
+    float32 ``backward_delta``, is given). ``dq_accumulator``: float32 (B, Hq, Lq, D), any
+    non-overlapping strides; dQ is added into it in place and it is returned.
     """
-    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
+    B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start, key_range)
+    window = check_key_range(key_range, query_start, Lq, P)
+    _check_backward_extras(q, out, delta, dq_accumulator)
     for name, t in (("out", out), ("dout", dout)):
+        if t is None:
+            continue
         if t.shape != q.shape or t.device != q.device:
             raise ValueError(f"{name} {tuple(t.shape)} on {t.device} must match "
                              f"q {tuple(q.shape)} on {q.device}")
-    if dout.dtype not in SUPPORTED_DTYPES or out.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out/dout dtypes {out.dtype}/{dout.dtype} are not supported; use {SUPPORTED_DTYPES}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not supported; use {SUPPORTED_DTYPES}")
     if lse.shape != (B, Hq, Lq) or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be float32 {(B, Hq, Lq)} on {q.device}; "
                          f"got {lse.dtype} {tuple(lse.shape)}")
@@ -616,29 +742,27 @@ def paged_attention_backward(
             raise ValueError(f"{name} {tuple(t.shape)} on {t.device} must match k_pool {tuple(k_pool.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype {t.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q) if dq_accumulator is None else dq_accumulator
     if B * Lq == 0:
         return dq
     G = Hq // Hkv
     meta = _meta(q, Hq, Hkv, D, P)
+    key_lo, key_hi = (0, query_start + Lq) if window is None else window
     # dO must have q's dtype for the dots (autograd may hand over another float dtype).
     dout = dout.to(q.dtype)
 
     lse = lse.contiguous()  # the kernels index lse and delta with the same strides
-    delta = torch.empty_like(lse)  # (B, Hq, Lq) float32 rowsum(dO * O)
-    _delta_kernel[(triton.cdiv(Lq, _DELTA_BLOCK_M), B * Hq)](
-        out, dout, delta, *out.stride(), *dout.stride(), Hq, Lq,
-        HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=_DELTA_BLOCK_M,
-    )
+    # (B, Hq, Lq) float32 rowsum(dO * O)
+    delta = backward_delta(out, dout) if delta is None else delta.contiguous()
 
     def key_grid(meta):
-        return (triton.cdiv(query_start + Lq, meta["BLOCK_N"]), B * Hkv)
+        return (triton.cdiv(key_hi, meta["BLOCK_N"]) - key_lo // meta["BLOCK_N"], B * Hkv)
 
     _dkdv_kernel[key_grid](
         q, k_pool, v_pool, page_table, dout, lse, delta, dk_pool, dv_pool,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
         *lse.stride(), *dk_pool.stride(), *dv_pool.stride(),
-        Hkv, Lq, query_start, float(scale), **meta,
+        Hkv, Lq, query_start, float(scale), **meta, key_lo=key_lo, key_hi=key_hi,
     )
 
     def row_grid(meta):
@@ -648,6 +772,7 @@ def paged_attention_backward(
         q, k_pool, v_pool, page_table, dout, lse, delta, dq,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
         *lse.stride(), *dq.stride(),
-        Hkv, Lq, query_start, float(scale), **meta,
+        Hkv, Lq, query_start, key_lo, key_hi, float(scale),
+        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, **meta,
     )
     return dq

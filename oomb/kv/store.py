@@ -19,6 +19,7 @@ that stage 2 reads exactly the same pages; it is freed with the chunk.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,28 @@ def split_into_chunks(num_tokens: int, chunk_size: int) -> list[ChunkSpan]:
         ChunkSpan(i, start, min(start + chunk_size, num_tokens))
         for i, start in enumerate(range(0, num_tokens, chunk_size))
     ]
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """Where a dense attention call finds the keys [key_range[0], key_range[1]) of its chunk: pools
+    (num_pages, Hkv, P, D) and a (B, >= n_pages) int32 page table valid inside the window. On the
+    GPU tier these are the layer's own pools; with offload, a staging buffer's."""
+
+    key_range: tuple[int, int]
+    k: torch.Tensor
+    v: torch.Tensor
+    page_table: torch.Tensor
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+
+def attention_windows(chunk: ChunkSpan, page_size: int, block_pages: int) -> list[tuple[int, int]]:
+    """Key windows of a chunk's dense attention: its history [0, chunk.start) in blocks aligned to
+    multiples of block_pages pages, then the chunk itself. Every tier streams the same windows."""
+    block = block_pages * page_size
+    history = [(lo, min(lo + block, chunk.start)) for lo in range(0, chunk.start, block)]
+    return history + [(chunk.start, chunk.end)]
 
 
 @dataclass
@@ -75,11 +98,18 @@ class PagedKVStore:
         grad_dtype: torch.dtype,
         device: torch.device,
         summaries: tuple[str, ...] = (),
+        stream_block_pages: int = 256,
+        gpu_layers: int | None = None,
     ) -> None:
+        """``gpu_layers``: allocate pools for only the first this many layers (the rest live in a
+        host tier, kv/offload.py); None: all."""
         unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
         assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
         self.batch_size = batch_size
+        self.num_layers = num_layers
+        self.stream_block_pages = stream_block_pages
+        self.device = torch.device(device)
         self.max_pages_per_seq = -(-num_tokens // page_size)
         self.pool = PagePool(batch_size * self.max_pages_per_seq)
         shape = (self.pool.capacity, num_kv_heads, page_size, head_dim)
@@ -93,7 +123,7 @@ class PagedKVStore:
                     name: torch.empty(shape[:2] + shape[3:], dtype=kv_dtype, device=device) for name in summaries
                 },
             )
-            for _ in range(num_layers)
+            for _ in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))
         ]
         self.summary_kinds = tuple(summaries)
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
@@ -179,6 +209,17 @@ class PagedKVStore:
         if (chunk.index, layer) not in self._selections:
             raise RuntimeError(f"no page selection for chunk {chunk.index}, layer {layer}: stage 1 makes it")
         return self._selections[chunk.index, layer]
+
+    def windows(self, chunk: ChunkSpan) -> list[tuple[int, int]]:
+        return attention_windows(chunk, self.page_size, self.stream_block_pages)
+
+    def stream(self, layer: int, chunk: ChunkSpan, grads: bool) -> Iterator[WindowView]:
+        """The chunk's key windows in order, ready to read (and, with grads, to add dK/dV into);
+        the caller launches its work on the window before asking for the next one."""
+        pages = self.layers[layer]
+        for key_range in self.windows(chunk):
+            yield WindowView(key_range, pages.k, pages.v, self.page_table,
+                             pages.dk if grads else None, pages.dv if grads else None)
 
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk."""

@@ -1,0 +1,84 @@
+"""Will a step's pages fit? Checked before anything is allocated, and reused by the planner.
+
+A step's pages (K, V, dK, dV of every token and layer) go to the GPU, or with offload to pinned
+host memory. When they do not fit, the step stops before allocating with the bytes needed and
+available and the options that would fit (bf16 page gradients, offload, both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import OOMBConfig
+
+GIB = 1024**3
+HEADROOM = 0.95
+"""Fraction of the free memory the pages may take: the rest is for activations and fragmentation."""
+
+
+class PagesDoNotFitError(MemoryError):
+    """The KV pages of a step need more GPU or host memory than is available."""
+
+
+@dataclass(frozen=True)
+class PageFootprint:
+    """Bytes of one step's pages on the GPU and on the host for one configuration."""
+
+    gpu: int
+    host: int
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """What the page bytes depend on besides the config."""
+
+    num_layers: int
+    batch_size: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+
+
+def page_footprint(shape: PageShape, config: OOMBConfig) -> PageFootprint:
+    """Pool bytes of a step (not the GPU staging buffers of offload, which do not grow with context)."""
+    pages = shape.batch_size * -(-shape.num_tokens // config.page_size)
+    per_layer = 2 * pages * shape.num_kv_heads * config.page_size * shape.head_dim * (
+        shape.kv_dtype.itemsize + config.grad_dtype.itemsize)
+    if not config.offload:
+        return PageFootprint(gpu=shape.num_layers * per_layer, host=0)
+    resident = min(config.offload_resident_layers, shape.num_layers)
+    return PageFootprint(gpu=resident * per_layer, host=(shape.num_layers - resident) * per_layer)
+
+
+def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, host_free: int | None) -> None:
+    """Raise PagesDoNotFitError naming bytes needed/available and the options that would fit.
+
+    ``gpu_free``/``host_free``: available bytes, None when unknown (that side is not checked).
+    """
+    problems = _problems(page_footprint(shape, config), gpu_free, host_free)
+    if not problems:
+        return
+    alternatives = []
+    for name, option in (("kv_grad_dtype='bfloat16'", dict(kv_grad_dtype="bfloat16")),
+                         ("offload=True", dict(offload=True, offload_resident_layers=0)),
+                         ("offload=True, kv_grad_dtype='bfloat16'",
+                          dict(offload=True, offload_resident_layers=0, kv_grad_dtype="bfloat16"))):
+        candidate = replace(config, **option)
+        if candidate != config and not _problems(page_footprint(shape, candidate), gpu_free, host_free):
+            alternatives.append(name)
+    advice = (f"options that would fit: {'; '.join(alternatives)}" if alternatives else
+              "no page option fits: use fewer tokens per step (or a machine with more memory)")
+    raise PagesDoNotFitError(
+        f"the KV pages of {shape.batch_size} x {shape.num_tokens:,} tokens do not fit: " + "; ".join(problems)
+        + f"\n  {advice}")
+
+
+def _problems(need: PageFootprint, gpu_free: int | None, host_free: int | None) -> list[str]:
+    problems = []
+    for where, bytes_needed, free in (("GPU", need.gpu, gpu_free), ("host RAM", need.host, host_free)):
+        if free is not None and bytes_needed > HEADROOM * free:
+            problems.append(f"{where} needs {bytes_needed / GIB:.2f} GiB, {free / GIB:.2f} GiB available")
+    return problems

@@ -1,0 +1,298 @@
+"""Host offload of the paged store: K, V, dK, dV in pinned host memory, streamed through the GPU.
+
+With ``OOMBConfig(offload=True)`` the first ``offload_resident_layers`` layers keep their pools on
+the GPU (kv/store.py); every other layer's pages live in the host tier below, addressed by token
+position, not page id::
+
+    host k, v, dk, dv   (layers, B, max_pages, Hkv, P, D)   four pinned slabs, reused across steps
+    GPU staging slots   stream_buffers x (B * slot_pages, Hkv, P, D) for k, v, dk, dv
+
+A dense attention call reads its chunk's key windows (kv/store.py ``attention_windows``: history
+blocks of ``stream_block_pages`` pages, then the chunk) one slot at a time. All copies run in issue
+order on one side stream and are ordered with the compute stream by CUDA events:
+
+    copy stream:     load w0 | load w1 | load w2 |  wait(computed w0) store dK,dV w0 | load w3 ...
+    compute stream:  wait(loaded w0) attend w0 | wait(loaded w1) attend w1 | ...
+
+* Stage 1 writes a chunk's K, V to the host once (device -> host after the layer computed them) and
+  attends to its own pages straight from the GPU tensors.
+* K and V are never written back; only gradients return, after the backward that produced them.
+* Gradient pages are zeroed where accumulation begins: a window whose gradients were never written
+  back is zero-filled on the GPU instead of loaded, so the host slabs are never cleared.
+* No stale data: every page records whether its K/V and its gradients are on the host for this
+  step; reading a page that was never written raises.
+
+In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
+reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
+On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .store import ChunkSpan, PagedKVStore, WindowView
+
+KINDS = ("k", "v", "dk", "dv")
+
+
+class HostSlabs:
+    """Pinned host memory for the offloaded pages: one slab per kind (k, v, dk, dv), kept across
+    steps and grown only when a step needs more, never one allocation per page."""
+
+    def __init__(self, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._slabs: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+        """How many slabs were allocated so far (reuse across steps keeps it at 4)."""
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` viewing slab ``name``; contents are whatever the last step left."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        slab = self._slabs.get(name)
+        if slab is None or slab.numel() < nbytes:
+            self._slabs.pop(name, None)
+            del slab  # free the old slab before pinning a larger one
+            self._slabs[name] = slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.allocations += 1
+        return slab[:nbytes].view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slab.numel() for slab in self._slabs.values())
+
+    def release(self) -> None:
+        self._slabs.clear()
+
+
+@dataclass
+class _Slot:
+    """One GPU staging buffer of ``capacity`` pages per sequence and its events."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    loaded: torch.cuda.Event | None = None  # the copy stream filled it
+    released: torch.cuda.Event | None = None  # compute (and write-back) finished with it
+
+
+class OffloadedKVStore(PagedKVStore):
+    """A PagedKVStore whose layers from ``resident_layers`` on live in pinned host memory."""
+
+    def __init__(self, *, slabs: HostSlabs, resident_layers: int, stream_buffers: int, chunk_size: int,
+                 **store_options) -> None:
+        super().__init__(gpu_layers=resident_layers, **store_options)
+        if store_options.get("summaries"):
+            raise NotImplementedError("sparse attention with offload is not implemented yet")
+        self.resident = len(self.layers)
+        num_offloaded = self.num_layers - self.resident
+        template = store_options
+        B, P = self.batch_size, self.page_size
+        Hkv, D = template["num_kv_heads"], template["head_dim"]
+        dtypes = {"k": template["kv_dtype"], "v": template["kv_dtype"],
+                  "dk": template["grad_dtype"], "dv": template["grad_dtype"]}
+        self.host = reserve_host_slabs(slabs, resident_layers=resident_layers, **store_options)
+        # Where each page position is, per offloaded layer (all sequences move together).
+        self.kv_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
+        self.grad_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.slot_pages = max(self.stream_block_pages, -(-chunk_size // P))
+        self.slots = []
+        if num_offloaded:
+            shape = (B * self.slot_pages, Hkv, P, D)
+            for _ in range(stream_buffers):
+                tensors = {kind: torch.zeros(shape, dtype=dtypes[kind], device=self.device) for kind in KINDS}
+                events = dict(loaded=torch.cuda.Event(), released=torch.cuda.Event()) if cuda else {}
+                self.slots.append(_Slot(**tensors, **events))
+        self._fresh_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this chunk's pages (stage 1)
+        self._own_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> chunk's dK, dV pages
+        self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
+
+    @staticmethod
+    def host_bytes_needed(*, num_layers: int, resident_layers: int, batch_size: int, num_tokens: int,
+                          num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
+                          grad_dtype: torch.dtype) -> int:
+        """Bytes of the four host slabs (K, V, dK, dV of every offloaded layer)."""
+        offloaded = max(0, num_layers - resident_layers)
+        pages = batch_size * -(-num_tokens // page_size)
+        return 2 * offloaded * pages * num_kv_heads * page_size * head_dim * (kv_dtype.itemsize + grad_dtype.itemsize)
+
+    def _offloaded(self, layer: int) -> int | None:
+        return layer - self.resident if layer >= self.resident else None
+
+    # --- page lifetime --------------------------------------------------------------------------
+    def allocate(self, chunk: ChunkSpan) -> None:
+        super().allocate(chunk)
+        first, last = self._page_range(chunk)
+        self.kv_on_host[:, first:last] = False
+        self.grad_on_host[:, first:last] = False
+
+    def free_all(self) -> None:
+        super().free_all()
+        self._fresh_kv.clear()
+        self._own_grads.clear()
+        if self.copy_stream is not None:  # nothing of this step may still be in flight
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    # --- stage 1: K, V of a chunk to the host -------------------------------------------------
+    def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
+        index = self._offloaded(layer)
+        if index is None:
+            return super().write(layer, chunk, k, v)
+        first, last = self._page_range(chunk)
+        n = last - first
+        k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
+        v_pages = self._to_pages(v).to(self.host["v"].dtype)
+        self._fresh_kv[layer] = (k_pages, v_pages)
+        with self._on_copy_stream(after_compute=True):
+            for b in range(self.batch_size):
+                self.host["k"][index, b, first:last].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
+                self.host["v"][index, b, first:last].copy_(v_pages[b * n:(b + 1) * n], non_blocking=True)
+        self._keep_alive(k_pages, v_pages)
+        self.kv_on_host[index, first:last] = True
+
+    # --- streaming windows ----------------------------------------------------------------------
+    def stream(self, layer: int, chunk: ChunkSpan, grads: bool) -> Iterator[WindowView]:
+        index = self._offloaded(layer)
+        if index is None:
+            yield from super().stream(layer, chunk, grads)
+            return
+        windows = self.windows(chunk)
+        fresh = self._fresh_kv.pop(layer, None) if not grads else None
+        if fresh is not None:  # stage 1: the chunk's own pages are still on the GPU
+            windows = windows[:-1]
+        loads = [self._load(index, key_range, self.slots[i % len(self.slots)], grads)
+                 for i, key_range in enumerate(windows[:len(self.slots) - 1])]
+        for i, key_range in enumerate(windows):
+            ahead = i + len(self.slots) - 1
+            if ahead < len(windows):  # its slot was released at the end of iteration i - 1
+                loads.append(self._load(index, windows[ahead], self.slots[ahead % len(self.slots)], grads))
+            slot, table = loads[i]
+            if slot.loaded is not None:
+                torch.cuda.current_stream(self.device).wait_event(slot.loaded)
+            yield WindowView(key_range, slot.k, slot.v, table, slot.dk if grads else None,
+                             slot.dv if grads else None)
+            # The caller has launched its work on this window.
+            if grads:
+                self._finish_backward_window(index, key_range, slot, chunk)
+            elif slot.released is not None:
+                slot.released.record(torch.cuda.current_stream(self.device))
+        if fresh is not None:
+            k_pages, v_pages = fresh
+            first, last = self._page_range(chunk)
+            yield WindowView((chunk.start, chunk.end), k_pages, v_pages, self._window_table(first, last))
+
+    def _window_table(self, first: int, last: int, capacity: int | None = None) -> torch.Tensor:
+        """(B, last) int32: position p of sequence b in [first, last) -> slot page b * capacity + p - first."""
+        capacity = capacity or (last - first)
+        key = (first, last, capacity)
+        if key not in self._tables:
+            table = torch.zeros((self.batch_size, last), dtype=torch.int32)
+            table[:, first:last] = (torch.arange(self.batch_size)[:, None] * capacity
+                                    + torch.arange(last - first)[None, :]).to(torch.int32)
+            self._tables[key] = table.to(self.device)
+        return self._tables[key]
+
+    def _load(self, index: int, key_range: tuple[int, int], slot: _Slot, grads: bool):
+        """Start copying a window's pages (and, for backward, gradients or zeros) into ``slot``."""
+        first, last = key_range[0] // self.page_size, -(-key_range[1] // self.page_size)
+        n = last - first
+        if not bool(self.kv_on_host[index, first:last].all()):
+            raise RuntimeError(f"pages {first}..{last - 1} of offloaded layer {index + self.resident} were never "
+                               "written: stage 1 must store a chunk before any attention reads it")
+        grad_valid = self.grad_on_host[index, first:last]
+        with self._on_copy_stream(after_compute=False, wait=slot.released):
+            for b in range(self.batch_size):
+                rows = slice(b * self.slot_pages, b * self.slot_pages + n)
+                slot.k[rows].copy_(self.host["k"][index, b, first:last], non_blocking=True)
+                slot.v[rows].copy_(self.host["v"][index, b, first:last], non_blocking=True)
+                if grads:
+                    for kind in ("dk", "dv"):
+                        staged = getattr(slot, kind)[rows]
+                        if bool(grad_valid.all()):
+                            staged.copy_(self.host[kind][index, b, first:last], non_blocking=True)
+                        elif not bool(grad_valid.any()):  # accumulation begins here: start from zero
+                            staged.zero_()
+                        else:
+                            staged.copy_(self.host[kind][index, b, first:last], non_blocking=True)
+                            fresh = torch.nonzero(~grad_valid).flatten().to(staged.device, non_blocking=True)
+                            staged.index_fill_(0, fresh, 0)
+            if slot.loaded is not None:
+                slot.loaded.record(self.copy_stream)
+        return slot, self._window_table(first, last, self.slot_pages)
+
+    def _finish_backward_window(self, index: int, key_range: tuple[int, int], slot: _Slot, chunk: ChunkSpan) -> None:
+        """After a window's backward: history gradients go back to the host; the chunk's own are kept."""
+        first, last = key_range[0] // self.page_size, -(-key_range[1] // self.page_size)
+        n = last - first
+        if key_range[0] >= chunk.start:  # the chunk's own pages: nobody reads their gradients later
+            rows = (torch.arange(self.batch_size)[:, None] * self.slot_pages + torch.arange(n)).flatten()
+            rows = rows.to(self.device, non_blocking=True)
+            self._own_grads[index] = (slot.dk.index_select(0, rows), slot.dv.index_select(0, rows))
+            if slot.released is not None:
+                slot.released.record(torch.cuda.current_stream(self.device))
+            return
+        with self._on_copy_stream(after_compute=True):
+            for b in range(self.batch_size):
+                rows = slice(b * self.slot_pages, b * self.slot_pages + n)
+                self.host["dk"][index, b, first:last].copy_(slot.dk[rows], non_blocking=True)
+                self.host["dv"][index, b, first:last].copy_(slot.dv[rows], non_blocking=True)
+            if slot.released is not None:
+                slot.released.record(self.copy_stream)
+        self.grad_on_host[index, first:last] = True
+
+    def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self._offloaded(layer)
+        if index is None:
+            return super().chunk_grads(layer, chunk)
+        if index not in self._own_grads:
+            raise RuntimeError(f"no gradients of chunk {chunk.index} in layer {layer}: its backward did not run")
+        dk, dv = self._own_grads.pop(index)
+        return self._from_pages(dk, chunk.length), self._from_pages(dv, chunk.length)
+
+    # --- streams ------------------------------------------------------------------------------------
+    def _on_copy_stream(self, after_compute: bool, wait: torch.cuda.Event | None = None):
+        """Context for work on the copy stream, ordered after the compute stream's work so far
+        (``after_compute``) and after ``wait``; a no-op on CPU."""
+        if self.copy_stream is None:
+            return _NullContext()
+        if after_compute:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if wait is not None:
+            self.copy_stream.wait_event(wait)
+        return torch.cuda.stream(self.copy_stream)
+
+    def _keep_alive(self, *tensors: torch.Tensor) -> None:
+        """Tensors made on the compute stream and read by the copy stream: tell the allocator."""
+        if self.copy_stream is not None:
+            for t in tensors:
+                t.record_stream(self.copy_stream)
+
+    # --- sparse mode is not offloaded yet -------------------------------------------------------
+    def history_summaries(self, layer: int, num_pages: int):
+        raise NotImplementedError("sparse attention with offload is not implemented yet")
+
+
+def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: int, batch_size: int,
+                       num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
+                       grad_dtype: torch.dtype, **_) -> dict[str, torch.Tensor]:
+    """The host tensors (layers, B, max_pages, Hkv, P, D) of a step, taken from ``slabs``. Calling it
+    ahead of a step pins the memory outside the step (as a benchmark does before timing)."""
+    offloaded = max(0, num_layers - resident_layers)
+    shape = (offloaded, batch_size, -(-num_tokens // page_size), num_kv_heads, page_size, head_dim)
+    dtypes = {"k": kv_dtype, "v": kv_dtype, "dk": grad_dtype, "dv": grad_dtype}
+    return {kind: slabs.take(kind, shape, dtypes[kind]) for kind in KINDS}
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,229 @@
+"""Host offload (oomb/kv/offload.py): the tier's bookkeeping with CPU tensors, and whole steps with
+offload equal, bit for bit, to steps without. The same equality on a GPU (side streams, pinned
+memory) is test_gpu_offload_* below, marked gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import build_tiny_model, grads, random_ids
+
+import oomb
+import oomb.engine
+from oomb.kv import ChunkSpan, PagedKVStore
+from oomb.kv.capacity import PagesDoNotFitError, PageShape, check_pages_fit, page_footprint
+from oomb.kv.offload import HostSlabs, OffloadedKVStore
+
+P = 4  # page size of the bookkeeping tests
+
+
+def _store(slabs: HostSlabs, tokens: int = 40, batch: int = 2, resident: int = 0, block_pages: int = 2,
+           chunk: int = 8) -> OffloadedKVStore:
+    return OffloadedKVStore(
+        slabs=slabs, resident_layers=resident, stream_buffers=2, chunk_size=chunk,
+        num_layers=2, batch_size=batch, num_tokens=tokens, num_kv_heads=2, head_dim=3, page_size=P,
+        kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"), stream_block_pages=block_pages,
+    )
+
+
+def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 2, length, 3, generator=g), torch.randn(batch, 2, length, 3, generator=g)
+
+
+def test_slabs_are_reused_across_steps_and_grow_only_when_needed():
+    slabs = HostSlabs(pin=False)
+    a = slabs.take("k", (4, 8), torch.float32)
+    b = slabs.take("k", (2, 8), torch.bfloat16)  # smaller: same memory
+    assert slabs.allocations == 1 and a.data_ptr() == b.data_ptr()
+    slabs.take("k", (100, 8), torch.float32)  # larger: replaced
+    assert slabs.allocations == 2 and slabs.nbytes == 100 * 8 * 4
+    _store(slabs), _store(slabs)  # the first regrows "k" and adds v, dk, dv; the second reuses all four
+    assert slabs.allocations == 2 + 4
+    slabs.release()
+    assert slabs.nbytes == 0
+
+
+def test_pages_go_to_the_host_by_position_and_unwritten_pages_are_never_read():
+    store = _store(HostSlabs(pin=False))
+    c0, c1 = ChunkSpan(0, 0, 8), ChunkSpan(1, 8, 16)
+    store.allocate(c0)
+    k, v = _kv(2, 8, 0)
+    store.write(1, c0, k, v)
+    assert store.kv_on_host[1, :2].all() and not store.kv_on_host[0].any() and not store.kv_on_host[1, 2:].any()
+    # sequence b, position p -> host[layer - resident, b, p]
+    torch.testing.assert_close(store.host["k"][1, 1, 1], k[1, :, 4:8], rtol=0, atol=0)
+    store.allocate(c1)
+    with pytest.raises(RuntimeError, match="never written"):  # layer 0 of chunk 0 was not stored
+        list(store.stream(0, c1, grads=False))
+    views = list(store.stream(1, c1, grads=False))
+    assert [view.key_range for view in views] == [(0, 8), (8, 16)]
+    history = views[0]  # staged: read through the window's own page table
+    ids = history.page_table[1, :2].long()
+    torch.testing.assert_close(history.k[ids].transpose(0, 1).reshape(2, 8, 3), k[1], rtol=0, atol=0)
+    store.free_all()
+
+
+def test_gradients_start_from_zero_then_accumulate_on_the_host():
+    slabs = HostSlabs(pin=False)
+    store = _store(slabs)
+    for kind in ("dk", "dv"):  # whatever an earlier step left must never be read
+        store.host[kind].fill_(float("nan"))
+    chunks = [ChunkSpan(i, 8 * i, 8 * i + 8) for i in range(3)]
+    for chunk in chunks:
+        store.allocate(chunk)
+        for layer in range(2):
+            store.write(layer, chunk, *_kv(2, 8, chunk.index))
+    # Backward of chunk 2 (history windows [0, 8), [8, 16), then itself): gradients start at zero.
+    seen = []
+    for view in store.stream(1, chunks[2], grads=True):
+        ids = view.page_table[:, view.key_range[0] // P:view.key_range[1] // P].reshape(-1).long()
+        seen.append(view.dk[ids].clone())
+        view.dk[ids] += 1.0  # what an attention backward adds
+        view.dv[ids] += 2.0
+    assert all(torch.equal(s, torch.zeros_like(s)) for s in seen)
+    assert store.grad_on_host[1, :4].all() and not store.grad_on_host[1, 4:].any()
+    assert torch.equal(store.host["dk"][1, :, :4], torch.ones_like(store.host["dk"][1, :, :4]))
+    dk, dv = store.chunk_grads(1, chunks[2])  # the chunk's own pages: kept on the GPU, returned
+    assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, 2 * torch.ones_like(dv))
+    store.free(chunks[2])
+    # Chunk 1 continues from what chunk 2 wrote back, for its history and its own pages.
+    for view in store.stream(1, chunks[1], grads=True):
+        ids = view.page_table[:, view.key_range[0] // P:view.key_range[1] // P].reshape(-1).long()
+        assert torch.equal(view.dk[ids], torch.ones_like(view.dk[ids]))
+        view.dk[ids] += 1.0
+    dk, _ = store.chunk_grads(1, chunks[1])
+    assert torch.equal(dk, 2 * torch.ones_like(dk))
+    with pytest.raises(RuntimeError, match="no gradients"):
+        store.chunk_grads(1, chunks[1])
+    store.free_all()
+    assert store.is_empty
+
+
+def test_resident_layers_keep_gpu_pools():
+    store = _store(HostSlabs(pin=False), resident=1)
+    assert len(store.layers) == 1 and store.host["k"].shape[0] == 1
+    chunk = ChunkSpan(0, 0, 8)
+    store.allocate(chunk)
+    store.write(0, chunk, *_kv(2, 8, 1))
+    assert not store.kv_on_host.any()  # layer 0 went to its GPU pool
+    view = next(iter(store.stream(0, chunk, grads=True)))
+    assert view.k is store.layers[0].k and view.dk is store.layers[0].dk
+    store.free_all()
+
+
+def _steps(model, config, lengths, slabs=None):
+    out = []
+    for i, tokens in enumerate(lengths):
+        model.zero_grad(set_to_none=True)
+        ids = random_ids(1, tokens, seed=10 + i)
+        loss = oomb.forward_backward(model, ids, None, config, host_slabs=slabs)
+        out.append((loss, grads(model)))
+    return out
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_offload_steps_equal_steps_without_bitwise(resident):
+    """Three steps of different lengths in one process, slabs reused; several history windows."""
+    model = build_tiny_model("qwen2", seed=3)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2)
+    lengths = (150, 97, 200)
+    want = _steps(model, base, lengths)
+    slabs = HostSlabs(pin=False)
+    offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+    got = _steps(model, offload, lengths, slabs)
+    assert slabs.allocations == 4 * 2  # one slab per kind, regrown once for the longest step
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_engine_uses_the_host_tier_and_leaves_it_empty(monkeypatch):
+    created = []
+
+    class Recording(OffloadedKVStore):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+    model = build_tiny_model("llama", seed=1)
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True)
+    oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)
+    assert len(created) == 1 and created[0].is_empty and created[0].kv_on_host.all()
+
+
+def test_config_refuses_bad_offload_options():
+    with pytest.raises(NotImplementedError, match="sparse"):
+        oomb.OOMBConfig(offload=True, attention="sparse")
+    with pytest.raises(ValueError, match="stream_buffers"):
+        oomb.OOMBConfig(stream_buffers=1)
+    with pytest.raises(ValueError, match="offload_resident_layers"):
+        oomb.OOMBConfig(offload_resident_layers=-1)
+
+
+SHAPE_7B_1M = PageShape(num_layers=28, batch_size=1, num_tokens=1 << 20, num_kv_heads=4, head_dim=128,
+                        kv_dtype=torch.bfloat16)
+GIB = 1024**3
+
+
+def test_page_footprint_of_the_7b_shape():
+    dense = page_footprint(SHAPE_7B_1M, oomb.OOMBConfig())
+    assert dense == type(dense)(gpu=28 * (1 << 20) * 2 * 4 * 128 * (2 + 4), host=0)
+    offload = page_footprint(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bfloat16"))
+    assert offload.gpu == 0 and offload.host == 28 * (1 << 20) * 2 * 4 * 128 * 4  # 112 GiB
+
+
+def test_pages_that_do_not_fit_fail_early_naming_bytes_and_options():
+    with pytest.raises(PagesDoNotFitError) as err:
+        check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(), gpu_free=120 * GIB, host_free=125 * GIB)
+    message = str(err.value)
+    assert "GPU needs 168.00 GiB, 120.00 GiB available" in message
+    assert "offload=True, kv_grad_dtype='bfloat16'" in message and "options that would fit" in message
+    with pytest.raises(PagesDoNotFitError, match="no page option fits"):
+        check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=True), gpu_free=10 * GIB, host_free=50 * GIB)
+    check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), 10 * GIB, 125 * GIB)
+
+
+def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 140 * GIB))
+    monkeypatch.setattr(oomb.engine, "host_available_bytes", lambda: 115 * GIB)
+    cuda = torch.device("cuda")
+    with pytest.raises(PagesDoNotFitError, match="GPU needs 168.00 GiB, 100.00 GiB available"):
+        oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(), cuda, None)
+    with pytest.raises(PagesDoNotFitError, match="host RAM needs 112.00 GiB, 115.00 GiB available"):
+        oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), cuda, None)
+    slabs = HostSlabs(pin=False)
+    slabs.take("k", (20 * 1024**2,), torch.float32)  # 80 MiB held from an earlier step count as available
+    monkeypatch.setattr(oomb.engine, "host_available_bytes", lambda: int(117.85 * GIB))
+    oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), cuda, slabs)
+    oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(), torch.device("cpu"), None)  # not checked on CPU
+
+
+@pytest.mark.gpu
+def test_gpu_offload_steps_equal_steps_without_bitwise():
+    """On the GPU (Triton kernels, side streams, pinned slabs): 3 steps of different lengths."""
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=3).to("cuda", torch.bfloat16)
+    base = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4)
+    lengths = (1500, 900, 2100)
+    want = _steps(model, base, lengths)
+    slabs = HostSlabs()
+    for resident in (0, 1):
+        offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+        got = _steps(model, offload, lengths, slabs)
+        for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+            assert torch.equal(loss_a, loss_b)
+            for name in grads_a:
+                assert torch.equal(grads_a[name], grads_b[name]), (resident, name)
+    assert slabs.pin
+
+
+def test_page_store_without_offload_streams_the_same_windows():
+    store = PagedKVStore(num_layers=1, batch_size=1, num_tokens=40, num_kv_heads=1, head_dim=2, page_size=P,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         stream_block_pages=3)
+    assert store.windows(ChunkSpan(3, 24, 32)) == [(0, 12), (12, 24), (24, 32)]
+    assert store.windows(ChunkSpan(0, 0, 8)) == [(0, 8)]
