@@ -31,6 +31,7 @@ from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
+from .parallel import ParallelSetup, check_setup
 from .sparse import SparseOptions
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def forward_backward(
     *,
     progress: bool = False,
     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+    parallel: ParallelSetup | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -60,11 +62,16 @@ def forward_backward(
         grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
             is added into the tensor chunk by chunk (the sum is never rounded) instead of into ``.grad``.
             A trainer with fp32 master weights passes the masters' gradient buffers.
+        parallel: the ``oomb.parallel.setup_parallel`` result of a tensor/data-parallel model (each rank
+            calls this with its own sequences; the gradients are reduced over data-parallel ranks
+            once, in the last chunk's backward). Not with grad_targets under data parallel: FSDP sums
+            the chunks' gradients in fp32 itself.
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
+    parallel = check_setup(model, parallel, grad_targets)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
     targets = shift_labels(labels)
@@ -81,7 +88,7 @@ def forward_backward(
         )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
-    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse)
+    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, parallel)
     backend = select_backend(config.backend, device)
     decoder = causal_lm.get_decoder()
     lm_head = causal_lm.get_output_embeddings()
@@ -115,9 +122,12 @@ def forward_backward(
             rng_after_step = _rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
-            accumulator = Fp32GradAccumulator(model.parameters(), config.fp32_grad_accumulation, grad_targets)
-            with layer_checkpointing(decoder, config.checkpoint_layers):
+            # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
+            params = [] if parallel.fsdp else model.parameters()
+            accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
+            with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context():
                 for chunk in reversed(chunks):
+                    parallel.set_gradient_sync(model, chunk.index == 0)  # reduce once, in the last backward
                     _set_rng_state(device, rng_states[chunk.index])
                     hidden = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(
@@ -140,6 +150,8 @@ def forward_backward(
         _set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
+        parallel.set_gradient_sync(model, True)
+        parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
 
@@ -184,7 +196,8 @@ def _validated_inputs(
 
 
 def _make_store(
-    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None
+    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None,
+    parallel: ParallelSetup,
 ) -> PagedKVStore:
     cfg = causal_lm.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -192,7 +205,7 @@ def _make_store(
         num_layers=cfg.num_hidden_layers,
         batch_size=batch,
         num_tokens=num_tokens,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=parallel.local_kv_heads(cfg.num_key_value_heads),  # tensor parallel: this rank's heads
         head_dim=head_dim,
         page_size=config.page_size,
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
