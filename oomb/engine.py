@@ -197,9 +197,10 @@ def _validated_inputs(
 
 def _make_store(
     causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None,
-    parallel: ParallelSetup,
+    parallel: ParallelSetup | None = None,
 ) -> PagedKVStore:
     cfg = causal_lm.config
+    parallel = parallel or ParallelSetup()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return PagedKVStore(
         num_layers=cfg.num_hidden_layers,
