@@ -148,6 +148,11 @@ class ParallelSetup:
     def fsdp(self) -> bool:
         return self.dp > 1
 
+    def barrier(self) -> None:
+        """Wait for every rank (e.g. until rank 0 has written a checkpoint)."""
+        if self.mesh is not None:
+            dist.barrier()
+
     def all_mean(self, value: float) -> float:
         """Mean of a per-rank number over the data-parallel ranks (for logging a loss)."""
         if self.dp == 1:
