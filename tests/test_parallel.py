@@ -6,6 +6,7 @@ import json
 import socket
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from helpers import build_tiny_model
 from parallel_worker import SCENARIOS, run
@@ -80,3 +81,44 @@ def test_parallel_config_validation():
 def test_parallel_run_needs_a_process_group():
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
         setup_parallel(build_tiny_model("llama"), tp=2)
+
+
+def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
+    """`oomb train --tp 2` under torchrun (2 CPU processes) ends with the weights of a one-process run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from oomb.cli import main as oomb_main
+
+    common = ["--steps", "2", "--seq-len", "1024", "--set", "logging.progress=false", "--set", "oomb.chunk_size=256"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "oomb.cli", "train", "--tp", "2", "--output-dir", str(tmp_path / "tp"), *common]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("oomb train: done") == 1  # rank 0 alone prints
+    assert oomb_main(["train", "--output-dir", str(tmp_path / "one"), *common]) == 0
+    parallel, single = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("tp", "one"))
+    assert parallel.keys() == single.keys()
+    for name, weight in single.items():  # two AdamW steps at lr 3e-3: equal up to float reordering
+        assert (parallel[name] - weight).abs().max() <= 1e-5, name
+
+
+def test_plan_divides_by_tp():
+    from oomb.memory import ModelShape
+    from oomb.plan import preset_config
+
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
+    half = shape.per_rank(2)
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (14, 2, 9472)
+    assert half.kv_bytes_per_token(torch.bfloat16) * 2 == shape.kv_bytes_per_token(torch.bfloat16)
+    embeddings = shape.vocab_size * shape.hidden_size
+    assert half.num_params() == (shape.num_params() - 2 * embeddings - shape.hidden_size) // 2 + embeddings \
+        + embeddings // 2 + shape.hidden_size + shape.num_layers * shape.hidden_size  # norms stay whole
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        shape.per_rank(3)
