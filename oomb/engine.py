@@ -34,6 +34,7 @@ from .kv.offload import HostSlabs, OffloadedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from .machine import host_available_bytes
 from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
+from .parallel import ParallelSetup, check_setup
 from .sparse import SparseOptions
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def forward_backward(
     progress: bool = False,
     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
     host_slabs: HostSlabs | None = None,
+    parallel: ParallelSetup | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -66,11 +68,16 @@ def forward_backward(
             A trainer with fp32 master weights passes the masters' gradient buffers.
         host_slabs: with ``config.offload``, the pinned host memory to keep the pages in; pass the
             same object every step to reuse it (pinning tens of GiB takes seconds). None: a new one.
+        parallel: the ``oomb.parallel.setup_parallel`` result of a tensor/data-parallel model (each rank
+            calls this with its own sequences; the gradients are reduced over data-parallel ranks
+            once, in the last chunk's backward). Not with grad_targets under data parallel: FSDP sums
+            the chunks' gradients in fp32 itself.
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
+    parallel = check_setup(model, parallel, grad_targets)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
     targets = shift_labels(labels)
@@ -87,7 +94,7 @@ def forward_backward(
         )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
-    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
+    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
     backend = select_backend(config.backend, device)
     decoder = causal_lm.get_decoder()
     lm_head = causal_lm.get_output_embeddings()
@@ -121,9 +128,12 @@ def forward_backward(
             rng_after_step = _rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
-            accumulator = Fp32GradAccumulator(model.parameters(), config.fp32_grad_accumulation, grad_targets)
-            with layer_checkpointing(decoder, config.checkpoint_layers):
+            # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
+            params = [] if parallel.fsdp else model.parameters()
+            accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
+            with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context():
                 for chunk in reversed(chunks):
+                    parallel.set_gradient_sync(model, chunk.index == 0)  # reduce once, in the last backward
                     _set_rng_state(device, rng_states[chunk.index])
                     hidden = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(
@@ -146,6 +156,8 @@ def forward_backward(
         _set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
+        parallel.set_gradient_sync(model, True)
+        parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
 
@@ -192,13 +204,12 @@ def _validated_inputs(
 def _make_store(
     causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None,
     host_slabs: HostSlabs | None = None,
+    parallel: ParallelSetup | None = None,
 ) -> PagedKVStore:
-    cfg = causal_lm.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_dtype = causal_lm.get_input_embeddings().weight.dtype
-    shape = PageShape(cfg.num_hidden_layers, batch, num_tokens, cfg.num_key_value_heads, head_dim, kv_dtype)
+    options = store_options(causal_lm, batch, num_tokens, config, device, sparse, parallel)
+    shape = PageShape(options["num_layers"], batch, num_tokens, options["num_kv_heads"], options["head_dim"],
+                      options["kv_dtype"])
     _check_pages(shape, config, device, host_slabs)
-    options = store_options(causal_lm, batch, num_tokens, config, device, sparse)
     if not config.offload:
         return PagedKVStore(**options)
     return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
@@ -207,14 +218,15 @@ def _make_store(
 
 
 def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device,
-                  sparse: SparseOptions | None = None) -> dict:
+                  sparse: SparseOptions | None = None, parallel: ParallelSetup | None = None) -> dict:
     """The PagedKVStore arguments of a step of ``causal_lm`` (also used to reserve host slabs ahead)."""
     cfg = causal_lm.config
+    parallel = parallel or ParallelSetup()
     return dict(
         num_layers=cfg.num_hidden_layers,
         batch_size=batch,
         num_tokens=num_tokens,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=parallel.local_kv_heads(cfg.num_key_value_heads),  # tensor parallel: this rank's heads
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         page_size=config.page_size,
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,

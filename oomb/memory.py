@@ -18,7 +18,7 @@ shape at 8K / 16K: dense 3.5 / 3.8 GiB vs 3.6 / 3.9, hf 2.3 / 2.7 GiB vs 2.4 / 2
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -66,6 +66,8 @@ class ModelShape:
     """LM head shares the embedding matrix (one V x hidden matrix instead of two)."""
     attention_bias: bool = False
     """q, k, v projections have biases (Qwen2)."""
+    tp: int = 1
+    """Tensor-parallel degree: the shape is one rank's share (see per_rank)."""
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
@@ -74,6 +76,22 @@ class ModelShape:
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                    cfg.num_key_value_heads, head_dim, cfg.vocab_size,
                    bool(getattr(cfg, "tie_word_embeddings", False)), bias)
+
+    def per_rank(self, tp: int) -> ModelShape:
+        """One tensor-parallel rank's share (oomb/parallel.py): heads, KV heads and MLP columns split
+        tp ways, an untied LM head split by vocabulary; embeddings and norms stay whole."""
+        if tp == 1:
+            return self
+        if self.num_heads % tp or self.num_kv_heads % tp or self.intermediate_size % tp:
+            raise ValueError(f"tp={tp} must divide num_attention_heads={self.num_heads}, num_key_value_heads="
+                             f"{self.num_kv_heads} and intermediate_size={self.intermediate_size}")
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,
+                       intermediate_size=self.intermediate_size // tp, tp=self.tp * tp)
+
+    @property
+    def head_vocab(self) -> int:
+        """LM-head rows (logit columns) on this rank: the vocabulary, split when the head is sharded."""
+        return self.vocab_size if self.tie_word_embeddings else self.vocab_size // self.tp
 
     @property
     def q_dim(self) -> int:
@@ -92,7 +110,8 @@ class ModelShape:
         return attention + 3 * h * i + 2 * h
 
     def num_params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        embeddings = self.vocab_size * self.hidden_size + (0 if self.tie_word_embeddings else
+                                                           self.head_vocab * self.hidden_size)
         return self.num_layers * self.layer_params() + embeddings + self.hidden_size  # + final norm
 
     def lora_params(self, rank: int) -> int:
@@ -160,7 +179,7 @@ def recompute_cache_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> in
 
 def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chunk_tokens: int) -> int:
     """fp32 logits (and their gradients) of one slice of the chunked LM-head loss."""
-    return LOGITS_FP32_COPIES * min(loss_chunk_tokens, tokens) * batch_size * shape.vocab_size * FP32_BYTES
+    return LOGITS_FP32_COPIES * min(loss_chunk_tokens, tokens) * batch_size * shape.head_vocab * FP32_BYTES
 
 
 def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype) -> int:
@@ -389,7 +408,7 @@ def predict(
         weights = trainable * b
         grad_bytes, trainable_low_precision = b, low_precision
         layer_grad = shape.layer_params() * b
-        head_grad = shape.vocab_size * shape.hidden_size * b
+        head_grad = shape.head_vocab * shape.hidden_size * b
     grads = trainable * grad_bytes
     optimizer = 0
     if setup.optimizer == "adamw":

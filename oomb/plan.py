@@ -303,7 +303,8 @@ def format_plan(plan: Plan) -> str:
     optimizer = {"adamw": "AdamW (fp32 moments)", "none": "no optimizer"}[st.optimizer]
     lines = [
         f"oomb plan: {plan.model}: {s.num_params() / 1e9:.2f} B parameters, {s.num_layers} layers, "
-        f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}",
+        f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}"
+        + (f", per GPU of tp={s.tp}" if s.tp > 1 else ""),
         f"step: {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) x batch {st.batch_size}, {_dtype(st.dtype)}, "
         f"{training}, {optimizer}{', fp32 master weights' if st.master_weights else ''}",
         f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.grad_dtype)}, fp32 grad sums "
@@ -417,6 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="bfloat16", help="weights, activations and K/V pages")
     group.add_argument("--optimizer", choices=["adamw", "none"], default=setup.optimizer)
     group.add_argument("--master-weights", action="store_true", help="fp32 master copy of trainable weights")
+    group.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel degree: predict one GPU's share of weights, KV heads and activations")
     group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
     group = parser.add_argument_group("oomb step (OOMBConfig)")
     group.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
@@ -442,7 +445,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     offload = OffloadAssumptions(resident_layers=args.resident_layers, stream_block_pages=args.stream_block_pages)
     sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
-    return make_plan(args.model, load_model_shape(args.model), args.context, budget, config, setup, offload, sparse,
+    shape = load_model_shape(args.model).per_rank(args.tp)
+    return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
                      args.modes)
 
 

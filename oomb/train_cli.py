@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="tokens per training sequence (data.seq_len)")
     parser.add_argument("--steps", type=int, help="optimizer steps (train.max_steps)")
     parser.add_argument("--output-dir", help="where checkpoints, metrics and the final model go (train.output_dir)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel degree under torchrun (parallel.tp)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (lora.enabled=true)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                         help="continue from the latest checkpoint in the output dir, or from CHECKPOINT")
@@ -44,7 +45,7 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
     pairs = [("model.path", args.model), ("data.paths", args.data), ("data.seq_len", args.seq_len),
              ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
-             ("checkpoint.resume", args.resume)]
+             ("checkpoint.resume", args.resume), ("parallel.tp", args.tp)]
     if args.lora:
         pairs.append(("lora.enabled", True))
     if args.overwrite:
@@ -62,7 +63,9 @@ def main(args: argparse.Namespace) -> int:
     trainer = Trainer(config)
     try:
         trainer.setup()
-        print(_header(trainer), flush=True)
+        main_rank = trainer.parallel.is_main  # with several processes, rank 0 alone prints
+        if main_rank:
+            print(_header(trainer), flush=True)
         result = trainer.train()
     except NotEnoughMemoryError as err:
         print(f"oomb train: {err}", file=sys.stderr)
@@ -74,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"oomb train: interrupted; complete checkpoints in {trainer.checkpoint_dir} (if any) are intact",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(_summary(result, trainer), flush=True)
+    if trainer.parallel.is_main:
+        print(_summary(result, trainer), flush=True)
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
@@ -84,11 +88,13 @@ def _header(trainer: Trainer) -> str:
     data = ", ".join(cfg.data.paths) if cfg.data.paths else "embedded corpus (oomb's source)"
     mode = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
     start = f", resuming at step {trainer.step} from {trainer.resumed_from}" if trainer.resumed_from else ""
+    p = trainer.parallel
+    ranks = f" x {p.tp * p.dp} processes (tp={p.tp}, dp={p.dp})" if p.mesh is not None else ""
     o = cfg.oomb
     attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
                  f"{o.sparse_score}{', leak-free' if o.sparse_leak_free else ''})" if o.attention == "sparse" else "")
     return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
-            f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}\n"
+            f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}{ranks}\n"
             f"  data: {data}; {cfg.train.max_steps} steps x {cfg.train.grad_accum} sequence(s) x "
             f"{cfg.data.seq_len:,} tokens, chunk {o.chunk_size}, page {o.page_size}{attention}, "
             f"lr {trainer.lr:g}{start}\n  output: {cfg.train.output_dir}")

@@ -8,6 +8,7 @@
       train       steps, accumulation, seed, device, output directory
       checkpoint  how often, how many kept, resume, final export
       logging     progress bar, metrics.jsonl, TensorBoard
+      parallel    tensor- and data-parallel degrees (several GPUs under torchrun)
       oomb        the chunk-recurrent step (oomb.config.OOMBConfig)
 
 Precedence: dataclass defaults < YAML file < command-line overrides (``--set section.key=value``,
@@ -162,6 +163,16 @@ class LoggingSection:
     """Also write TensorBoard scalars to output_dir/tensorboard (needs the tensorboard package)."""
 
 
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    """Tensor-parallel degree: GPUs that split every layer's heads and MLP (and each GPU's page store
+    holds num_key_value_heads / tp heads). Must divide num_attention_heads and num_key_value_heads."""
+    dp: int | None = None
+    """Data-parallel degree: groups of tp GPUs that train on different sequences (FSDP2).
+    Empty: the number of processes (torchrun --nproc-per-node) / tp."""
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "lora": LoraSection,
@@ -170,6 +181,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "parallel": ParallelSection,
     "oomb": OOMBConfig,
 }
 
@@ -186,6 +198,7 @@ class TrainerConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     oomb: OOMBConfig = field(default_factory=OOMBConfig)
 
     def __post_init__(self) -> None:
@@ -401,4 +414,5 @@ _RULES = {
               _train_rules),
     "checkpoint": (_positive("checkpoint.every", True), _positive("checkpoint.keep_last", True), _checkpoint_rules),
     "logging": (),
+    "parallel": (_positive("parallel.tp"), _positive("parallel.dp")),
 }

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .train_config import OptimSection
 
@@ -139,6 +140,9 @@ def build_optimizer(masters: MasterWeights, options: OptimSection, lr: float) ->
         raise ValueError("the model has no trainable parameter: enable LoRA or unfreeze parameters")
     on_cuda = all(t.is_cuda for t in params)
     fused = options.fused if options.fused is not None else on_cuda
+    kinds = {isinstance(t, DTensor) for t in params}
+    if len(kinds) > 1:  # tensor parallel: sharded DTensors next to replicated plain tensors (norms, embeddings)
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(options.betas), eps=options.eps, foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(options.betas), eps=options.eps, fused=fused or None)
 
 

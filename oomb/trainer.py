@@ -41,6 +41,7 @@ from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .memory import GIB, ModelShape, estimate_step_memory
 from .models import unwrap_causal_lm
+from .parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from .presets import (
     TINY_PRESET,
     apply_lora,
@@ -114,6 +115,7 @@ class Trainer:
         self._ready = False
         self._last_metrics: dict | None = None
         self._peak_gpu = 0.0
+        self.parallel = ParallelSetup()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -123,8 +125,14 @@ class Trainer:
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
+        world = init_distributed(self.device.type)  # torchrun: one process per GPU
+        if world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
         resume_from, stale = self._prepare_output_dir()
+        if world > 1 and (resume_from is not None or cfg.optim.offload):
+            raise NotImplementedError("with several processes, checkpoint.resume and optim.offload are not "
+                                      "supported yet: start a fresh run (checkpoints are still written)")
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 
@@ -144,12 +152,16 @@ class Trainer:
             self.model = apply_lora(self.model, cfg.lora)
         self.model.train()
         causal_lm = unwrap_causal_lm(self.model)
+        self.trainable, self.total_params = count_parameters(self.model)  # before sharding: whole-model counts
+        tp = cfg.parallel.tp
+        if world % tp:
+            raise ValueError(f"parallel.tp={tp} must divide the number of processes ({world})")
+        self.parallel = setup_parallel(self.model, tp=tp, dp=cfg.parallel.dp or world // tp)
         self.device = causal_lm.get_input_embeddings().weight.device
         vocab = causal_lm.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model embeds only {vocab}: "
                              "use the model's own tokenizer (model.tokenizer) or resize its embeddings")
-        self.trainable, self.total_params = count_parameters(self.model)
         logger.info("model: %s, %.2f M parameters (%.2f M trainable), %s on %s", type(causal_lm).__name__,
                     self.total_params / 1e6, self.trainable / 1e6, self.dtype, self.device)
 
@@ -160,13 +172,15 @@ class Trainer:
         self.lr = cfg.optim.lr or self._default_lr()
         self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
-        for path in stale:  # --overwrite: deleted only now that the new run is known to start
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        if self.parallel.is_main:
+            for path in stale:  # --overwrite: deleted only now that the new run is known to start
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        self.parallel.barrier()
         if resume_from is not None:
             self._restore(resume_from)
         self._data_position = self.data.position  # where the step after the last complete one starts
@@ -237,7 +251,7 @@ class Trainer:
     def predicted_memory(self, causal_lm) -> dict[str, int]:
         """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
         cfg = self.config
-        shape = ModelShape.from_hf_config(causal_lm.config)
+        shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         oomb_config = cfg.oomb
         if cfg.optim.master_weights and not cfg.optim.offload:
             # Chunk gradients go straight into the masters' fp32 .grad (counted with the optimizer):
@@ -283,18 +297,23 @@ class Trainer:
             "data_files": [str(f.path) for f in self.data.files],
             "losses": self.losses,
         }
+        # Several processes: DTensor shards are gathered (every rank takes part), rank 0 writes.
         checkpoint = Checkpoint(
             step=self.step,
-            weights={n: params[n] for n in self.masters.unmastered_names},  # the rest: exact in the masters
+            weights=_gathered({n: params[n] for n in self.masters.unmastered_names}),  # the rest: in the masters
             adapter=self.config.lora.enabled,
-            master=self.masters.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            master=_gathered(self.masters.state_dict()),
+            optimizer=_gathered(self.optimizer.state_dict()),
             scheduler=self.scheduler.state_dict(),
             rng=capture_rng(),
             state=state,
             config_yaml=self.config.to_yaml(),
         )
-        self._last_saved = write_checkpoint(checkpoint, self.checkpoint_dir, self.config.checkpoint.keep_last)
+        if self.parallel.is_main:
+            self._last_saved = write_checkpoint(checkpoint, self.checkpoint_dir, self.config.checkpoint.keep_last)
+        else:
+            self._last_saved = self.checkpoint_dir  # rank 0 knows the directory's name
+        self.parallel.barrier()
         self._saved_step = self.step
         return self._last_saved
 
@@ -337,7 +356,7 @@ class Trainer:
         """Run setup, then steps up to train.max_steps; checkpoint, export and summarize."""
         self.setup()
         cfg = self.config
-        reporter = _Reporter(cfg, self.output_dir, self.step)
+        reporter = _Reporter(cfg, self.output_dir, self.step, enabled=self.parallel.is_main)
         interrupted = False
         try:
             while self.step < cfg.train.max_steps:
@@ -360,7 +379,8 @@ class Trainer:
         if not interrupted and cfg.checkpoint.export:
             export_dir, merged_dir = self.export()
         result = self._result(interrupted, export_dir, merged_dir)
-        (self.output_dir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+        if self.parallel.is_main:
+            (self.output_dir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
         self.data.close()
         return result
 
@@ -371,15 +391,20 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, tokens, documents, epoch = [], 0, 0, 0
+        parallel = self.parallel
         for _ in range(cfg.train.grad_accum):
-            sample = next(self.data)
+            # Data parallel: every rank reads the same stream (so positions agree for checkpoints) and
+            # trains on every dp-th sequence; tensor-parallel ranks of a group share theirs.
+            samples = [next(self.data) for _ in range(parallel.dp)]
+            sample = samples[parallel.dp_rank]
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
-                                    progress=cfg.logging.progress and cfg.logging.chunk_progress,
-                                    grad_targets=self.masters.grad_targets(), host_slabs=self.host_slabs)
+                                    progress=cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main,
+                                    grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
+                                    parallel=parallel, host_slabs=self.host_slabs)
             self.masters.collect()
-            losses.append(float(loss))
-            tokens += sample.input_ids.numel()
-            documents, epoch = documents + sample.documents, sample.epoch
+            losses.append(parallel.all_mean(float(loss)))
+            tokens += sum(s.input_ids.numel() for s in samples)
+            documents, epoch = documents + sum(s.documents for s in samples), sample.epoch
         loss = sum(losses) / len(losses)
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} at step {self.step + 1}: lower optim.lr (now "
@@ -387,7 +412,10 @@ class Trainer:
         with _sigint_deferred():  # an update is applied whole or not at all
             self.masters.scale_grads(1 / cfg.train.grad_accum)  # the mean over sequences
             clip = cfg.optim.max_grad_norm or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.optimizer_params, clip))
+            if parallel.mesh is None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.optimizer_params, clip))
+            else:  # DTensor gradients (and plain replicated ones under tensor parallel)
+                grad_norm = clip_grad_norm(self.masters.optimizer_params, clip)
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
@@ -413,6 +441,17 @@ class Trainer:
         """save_pretrained the model (LoRA: the adapter) and tokenizer to output_dir/final; with
         lora.merge_on_export also the merged model to output_dir/final-merged."""
         final = self.output_dir / "final"
+        if self.parallel.mesh is not None:
+            # Whole tensors gathered from the shards on every rank; rank 0 writes them.
+            state = _gathered(self.model.state_dict())
+            if self.parallel.is_main:
+                with atomic_directory(final) as tmp:
+                    self.model.save_pretrained(tmp, state_dict=state)
+                    self.tokenizer.save_pretrained(tmp)
+            self.parallel.barrier()
+            if self.config.lora.enabled and self.config.lora.merge_on_export:
+                logger.warning("lora.merge_on_export is not supported with several processes: merge %s later", final)
+            return final, None
         with atomic_directory(final) as tmp:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
@@ -438,16 +477,20 @@ class Trainer:
 
 
 class _Reporter:
-    """Progress bar, metrics.jsonl and (optional) TensorBoard for one session of a run."""
+    """Progress bar, metrics.jsonl and (optional) TensorBoard for one session of a run; with several
+    processes only rank 0's is enabled (the others only track the last step)."""
 
-    def __init__(self, config: TrainerConfig, output_dir: Path, start_step: int) -> None:
+    def __init__(self, config: TrainerConfig, output_dir: Path, start_step: int, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.bar = tqdm(total=config.train.max_steps, initial=start_step, desc="oomb train", unit="step",
-                        disable=not config.logging.progress, dynamic_ncols=True)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
+                        disable=not (config.logging.progress and enabled), dynamic_ncols=True)
+        self.metrics = None
+        if enabled:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
         self.last_step = start_step
         self.writer = None
-        if config.logging.tensorboard:
+        if config.logging.tensorboard and enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -458,6 +501,8 @@ class _Reporter:
 
     def log(self, metrics: dict) -> None:
         self.last_step = metrics["step"]
+        if not self.enabled:
+            return
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
         postfix = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
@@ -475,7 +520,8 @@ class _Reporter:
 
     def close(self) -> None:
         self.bar.close()
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -518,6 +564,15 @@ def _truncate_metrics(path: Path, step: int) -> None:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def _gathered(obj):
+    """``obj`` (nested dicts/lists of tensors) with every DTensor replaced by its whole tensor (a collective)."""
+    if isinstance(obj, dict):
+        return {k: _gathered(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_gathered(v) for v in obj)
+    return full_tensor(obj) if isinstance(obj, torch.Tensor) else obj
 
 
 def _resolve_device(name: str) -> torch.device:

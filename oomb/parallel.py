@@ -1,0 +1,295 @@
+"""Several GPUs through torch.distributed: tensor parallel (DTensor plans) and data parallel (FSDP2).
+
+    mesh (dp, tp)        ranks r = dp_rank * tp + tp_rank; a TP group shares its sequences
+    tensor parallel      per decoder layer: q/k/v, gate/up column-wise, o/down row-wise
+                         (parallelize_module); an untied LM head column-wise (vocabulary-sharded), its
+                         cross-entropy through loss_parallel: full-vocabulary logits never exist on
+                         one rank. Each rank's attention sees Hq/tp query and Hkv/tp KV heads, so its
+                         page store holds only those.
+    data parallel        fully_shard per decoder layer, over the decoder and over the LM head, with
+                         reshard_after_forward=False and reshard_after_backward=False: parameters are
+                         all-gathered at the step's first chunk and stay gathered over all chunks;
+                         gradient sync is off for every chunk but the last backward of the step, so
+                         the chunks' gradients sum in fp32 inside FSDP (reduce_dtype=float32) and are
+                         reduce-scattered (averaged over dp) once.
+
+Why the engine needs hooks: it runs one backward per chunk (DESIGN.md section 2), which FSDP would
+otherwise treat as separate steps, and it sizes the page store before any attention call.
+``ParallelSetup`` carries the degrees and answers those questions; ``forward_backward(parallel=)``
+takes it. Backward correctness of column-parallel layers (the all-reduce of their input gradient)
+is DTensor's Replicate -> Partial handling, not a collective written here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+logger = logging.getLogger(__name__)
+
+MESH_DIMS = ("dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism; tp * dp must equal the number of processes."""
+
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split every layer's heads and MLP columns."""
+    dp: int = 1
+    """Data-parallel degree: ranks that train on different sequences (FSDP2 shards weights over them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel {name}={value!r} must be an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+def layer_plan() -> dict[str, object]:
+    """Tensor-parallel plan of one decoder layer (names shared by Llama, Mistral, Qwen2/3).
+
+    The attention and MLP inputs become replicated DTensors once per module, so the three (two)
+    column-parallel projections add their input gradients before one all-reduce, not three (two).
+    """
+    return {
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def check_tp_degree(model_config, tp: int) -> None:
+    """Refuse a TP degree that does not split the heads evenly (before any process group exists)."""
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    bad = [f"{name}={value}" for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+           if value % tp]
+    if bad:
+        divisors = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        raise ValueError(f"tensor-parallel degree tp={tp} must divide the model's {' and '.join(bad)}: each rank "
+                         f"holds whole heads; valid tp for this model: {divisors}")
+
+
+@dataclass
+class ParallelSetup:
+    """What a parallel step and the trainer need: degrees, ranks and the device mesh.
+
+    ``mesh`` is None for a single process; its dimension names are MESH_DIMS.
+    """
+
+    config: ParallelConfig = field(default_factory=ParallelConfig)
+    mesh: DeviceMesh | None = None
+    rank: int = 0
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def dp(self) -> int:
+        return self.config.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, prints and writes checkpoints."""
+        return self.rank == 0
+
+    def local_kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads this rank's attention sees (and its page store holds)."""
+        assert num_kv_heads % self.tp == 0, f"num_key_value_heads={num_kv_heads} not divisible by tp={self.tp}"
+        return num_kv_heads // self.tp
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Forward and backward of a vocabulary-sharded LM head's cross-entropy must run inside this."""
+        return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
+
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        """Data parallel: reduce gradients in the coming backward (True) or keep summing them locally."""
+        for module in _fsdp_modules(model):
+            module.set_requires_gradient_sync(sync, recurse=False)
+
+    def finish_step(self, model: nn.Module) -> None:
+        """Data parallel: release the gathered parameters (an optimizer may change the shards next)."""
+        for module in _fsdp_modules(model):
+            module.reshard()
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp > 1
+
+    def barrier(self) -> None:
+        """Wait for every rank (e.g. until rank 0 has written a checkpoint)."""
+        if self.mesh is not None:
+            dist.barrier()
+
+    def all_mean(self, value: float) -> float:
+        """Mean of a per-rank number over the data-parallel ranks (for logging a loss)."""
+        if self.dp == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.mesh.device_type)
+        dist.all_reduce(tensor, group=self.mesh.get_group("dp"))
+        return float(tensor) / self.dp
+
+
+def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets) -> ParallelSetup:
+    """The step's ParallelSetup (a single-process one for None), refusing a parallelized model without it."""
+    if parallel is None:
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError("the model has DTensor (tensor- or data-parallel) parameters: pass the ParallelSetup "
+                             "that oomb.parallel.setup_parallel returned as forward_backward(parallel=...)")
+        return ParallelSetup()
+    if parallel.fsdp and grad_targets:
+        raise ValueError("grad_targets cannot be used with data parallel (FSDP): FSDP sums the chunks' gradients "
+                         "in fp32 and leaves them in the sharded parameters' .grad")
+    return parallel
+
+
+def _fsdp_modules(model: nn.Module) -> Iterator[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return (m for m in model.modules() if isinstance(m, FSDPModule))
+
+
+def init_distributed(device_type: str) -> int:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...);
+    returns the world size (1 without torchrun). NCCL on CUDA, gloo on the CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return dist.get_world_size() if dist.is_initialized() else 1
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return world
+
+
+def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, device_type: str | None = None) -> ParallelSetup:
+    """Parallelize ``model`` in place: tensor parallel over ``tp`` ranks, then FSDP2 over ``dp``.
+
+    Args:
+        model: a supported *ForCausalLM (PEFT-wrapped only with tp=1), on this rank's device.
+        tp, dp: degrees; tp * dp must be the world size of the initialized process group.
+        device_type: "cuda" or "cpu"; default: the device of the model's parameters.
+    Returns:
+        The ParallelSetup to pass to ``forward_backward(parallel=)`` and the trainer.
+    """
+    from .models import unwrap_causal_lm
+
+    config = ParallelConfig(tp=tp, dp=dp)
+    causal_lm = unwrap_causal_lm(model)
+    check_tp_degree(causal_lm.config, tp)
+    if config.world_size == 1:
+        return ParallelSetup(config)
+    if tp > 1 and causal_lm is not model:
+        raise NotImplementedError("tensor parallel with a PEFT (LoRA) model is not supported; use dp only, "
+                                  "or full fine-tuning with tp")
+    if not dist.is_initialized():
+        raise RuntimeError(f"tp={tp} x dp={dp} needs torch.distributed: start with torchrun --nproc-per-node "
+                           f"{config.world_size} (or call init_distributed first)")
+    world = dist.get_world_size()
+    if world != config.world_size:
+        raise ValueError(f"tp={tp} x dp={dp} = {config.world_size} ranks, but the process group has {world}: "
+                         f"start {config.world_size} processes or change tp/dp")
+    device_type = device_type or next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    if tp > 1:
+        apply_tensor_parallel(causal_lm, mesh["tp"])
+    if dp > 1:
+        apply_data_parallel(model, causal_lm, mesh["dp"])
+    return ParallelSetup(config, mesh, dist.get_rank())
+
+
+def apply_tensor_parallel(causal_lm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard every decoder layer by ``layer_plan`` and the LM head by vocabulary (untied heads only)."""
+    decoder = causal_lm.get_decoder()
+    for layer in decoder.layers:
+        parallelize_module(layer, tp_mesh, layer_plan())
+    head, embeddings = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
+    if head.weight is embeddings.weight:
+        # Sharding a tied head would untie it from the (replicated) embedding.
+        logger.warning("tied input/output embeddings: the LM head stays replicated (full logits per slice)")
+    else:
+        # Vocabulary-sharded logits stay a DTensor for loss_parallel's cross-entropy.
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    logger.info("tensor parallel over %d ranks: %d decoder layers and %s", tp_mesh.size(), len(decoder.layers),
+                "a replicated LM head" if head.weight is embeddings.weight else "a vocabulary-sharded LM head")
+
+
+def apply_data_parallel(model: nn.Module, causal_lm: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """FSDP2 per decoder layer, over the decoder (the root: the engine calls its forward per chunk)
+    and over the LM head, keeping parameters gathered between forward and backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    if head.weight is causal_lm.get_input_embeddings().weight:
+        # The engine calls the decoder and the head separately, so they are separate FSDP roots, and
+        # one parameter cannot belong to two of them.
+        raise NotImplementedError("data parallel (dp > 1) with tied input/output embeddings "
+                                  "(tie_word_embeddings=True) is not supported yet; use tp only")
+    # reduce_dtype=float32: gradients summed over chunks without sync are kept in fp32 (FSDP upcasts
+    # the unsharded gradient to reduce_dtype when it accumulates), the role Fp32GradAccumulator has
+    # on a single GPU.
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for module in (*decoder.layers, decoder, head):
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    for module in _fsdp_modules(model):
+        module.set_reshard_after_backward(False, recurse=False)
+    logger.info("FSDP2 over %d data-parallel ranks: %d layers, the decoder's own weights, the LM head",
+                dp_mesh.size(), len(decoder.layers))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (a collective: every rank must call it); plain tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grad_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients of a mix of DTensor and plain (replicated) tensors."""
+    total = None
+    for t in tensors:
+        if t.grad is None:
+            continue
+        norm = full_tensor(t.grad.detach().float().norm()) ** 2  # DTensor: its reduction over the shards
+        total = norm if total is None else total + norm.to(total.device)
+    return torch.zeros(()) if total is None else total.sqrt()
+
+
+def clip_grad_norm(tensors: list[torch.Tensor], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor and plain gradients together; returns the norm."""
+    norm = grad_norm(tensors)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1:
+        for t in tensors:
+            if t.grad is not None:
+                t.grad.mul_(coef)
+    return float(norm)

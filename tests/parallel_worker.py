@@ -1,0 +1,107 @@
+"""Worker of tests/test_parallel.py: one process of a 2-rank gloo group on the CPU.
+
+Each scenario builds the same tiny model on every rank, computes the single-process reference (a
+full-sequence Hugging Face backward), parallelizes a copy, runs oomb's step and reports the
+relative error of the gathered gradients. Rank 0's results go to a JSON file the test reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error
+
+from oomb import OOMBConfig, forward_backward
+from oomb.parallel import full_tensor, setup_parallel
+
+TOKENS = 80  # 3 chunks of 32 (the last one partial), pages of 16
+CONFIG = OOMBConfig(chunk_size=32, page_size=16, backend="torch")
+
+
+def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
+
+
+def tensor_parallel(rank: int, family: str, **overrides) -> dict:
+    """TP=2: gradients of every parameter (gathered) against the full-sequence HF backward."""
+    reference = build_tiny_model(family, **overrides)
+    ids = random_ids(1, TOKENS, seed=3)
+    want_loss = float(hf_step(reference, ids, ids))
+    model = build_tiny_model(family, **overrides)
+    setup = setup_parallel(model, tp=2)
+    loss = forward_backward(model, ids, config=CONFIG, parallel=setup)
+    got, want = _gathered_grads(model), grads(reference)
+    probe = model.lm_head(torch.zeros(1, 3, model.config.hidden_size))  # (1, 3, V) logits of this rank
+    embed = "model.embed_tokens.weight"
+    return {
+        "error": relative_error(got, want),
+        # Wrong without the all-reduce of column-parallel layers' input gradients.
+        "embedding_error": relative_error({embed: got[embed]}, {embed: want[embed]}),
+        "loss": float(loss), "want_loss": want_loss,
+        "local_kv_heads": setup.local_kv_heads(model.config.num_key_value_heads),
+        "k_proj_local_rows": model.model.layers[0].self_attn.k_proj.weight.to_local().shape[0],
+        "logits_local_vocab": probe.to_local().shape[-1] if hasattr(probe, "to_local") else probe.shape[-1],
+    }
+
+
+def data_parallel(rank: int, family: str, **overrides) -> dict:
+    """DP=2: rank r trains on sequence r; the reduced gradients equal one backward over both."""
+    reference = build_tiny_model(family, **overrides)
+    ids = random_ids(2, TOKENS, seed=4)
+    want_loss = float(hf_step(reference, ids, ids))  # mean over both sequences' tokens (equal counts)
+    model = build_tiny_model(family, **overrides)
+    setup = setup_parallel(model, dp=2)
+    with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
+        loss = forward_backward(model, ids[rank:rank + 1], config=CONFIG, parallel=setup)
+    got = _gathered_grads(model)
+    return {"error": relative_error(got, grads(reference)), "loss": setup.all_mean(float(loss)),
+            "want_loss": want_loss, "param_type": type(model.lm_head.weight).__name__, "collectives": calls,
+            "fsdp_groups": model.config.num_hidden_layers + 2}  # layers, the decoder's own weights, the head
+
+
+@contextlib.contextmanager
+def _counting(module, names: tuple[str, ...]):
+    """Count calls of ``module``'s functions ``names`` (FSDP2 looks them up on torch.distributed per call)."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(module, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(module, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+SCENARIOS = {
+    "tp_llama_gqa": lambda rank: tensor_parallel(rank, "llama"),  # 4 heads, 2 KV heads
+    "tp_qwen2_tied": lambda rank: tensor_parallel(rank, "qwen2", tie_word_embeddings=True),  # biases, tied head
+    "dp_llama": lambda rank: data_parallel(rank, "llama"),
+    "dp_qwen3": lambda rank: data_parallel(rank, "qwen3"),  # q/k norms, head_dim 32
+}
+
+
+def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+    """Entry point of torch.multiprocessing.spawn."""
+    torch.set_num_threads(1)  # two ranks on a two-core machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name](rank)
+        except Exception:  # reported by the test, which then fails with the traceback
+            results[name] = {"traceback": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()

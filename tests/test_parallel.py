@@ -1,0 +1,124 @@
+"""Tensor and data parallel (oomb/parallel.py) on the CPU: 2 gloo ranks, gradients vs one process."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import build_tiny_model
+from parallel_worker import SCENARIOS, run
+
+from oomb.parallel import ParallelConfig, check_tp_degree, setup_parallel
+
+GRAD_RTOL = 1e-5
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    """Every scenario of tests/parallel_worker.py, run once by two spawned ranks (rank 0's view)."""
+    out = tmp_path_factory.mktemp("parallel")
+    mp.spawn(run, args=(WORLD, _free_port(), str(out), list(SCENARIOS)), nprocs=WORLD, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for name in SCENARIOS:
+        for r, rank in enumerate(ranks):
+            assert "traceback" not in rank[name], f"rank {r}, {name}:\n{rank[name].get('traceback')}"
+    assert ranks[0] == ranks[1] or all(ranks[0][n]["error"] == ranks[1][n]["error"] for n in SCENARIOS)
+    return ranks[0]
+
+
+def test_tensor_parallel_gqa_gradients(results):
+    r = results["tp_llama_gqa"]
+    assert r["error"] <= GRAD_RTOL
+    assert r["embedding_error"] <= GRAD_RTOL  # the input gradients of column-parallel layers were all-reduced
+    assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
+    assert r["local_kv_heads"] == 1 and r["k_proj_local_rows"] == 16  # 2 KV heads of dim 16 over 2 ranks
+    assert r["logits_local_vocab"] == 80  # vocabulary-sharded head: 160 / 2, no full logits
+
+
+def test_tensor_parallel_tied_head_with_biases(results):
+    r = results["tp_qwen2_tied"]
+    assert r["error"] <= GRAD_RTOL
+    assert r["logits_local_vocab"] == 160  # a tied head stays replicated
+    assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
+
+
+@pytest.mark.parametrize("name", ["dp_llama", "dp_qwen3"])
+def test_data_parallel_gradients(results, name):
+    r = results[name]
+    assert r["error"] <= GRAD_RTOL
+    assert r["param_type"] == "DTensor"  # FSDP2-sharded
+    # 3 chunks per step, but each FSDP group gathers its weights once and reduces its gradients once.
+    assert r["collectives"] == {"all_gather_single": r["fsdp_groups"], "reduce_scatter_single": r["fsdp_groups"]}
+    assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
+
+
+@pytest.mark.parametrize("tp, bad", [(3, "num_attention_heads=4 and num_key_value_heads=2"),
+                                     (4, "num_key_value_heads=2")])
+def test_bad_tp_degree_is_refused(tp, bad):
+    model = build_tiny_model("llama")
+    with pytest.raises(ValueError, match=f"tp={tp} must divide the model's {bad}.*valid tp for this model: \\[1, 2\\]"):
+        setup_parallel(model, tp=tp)
+    with pytest.raises(ValueError, match="must divide"):
+        check_tp_degree(model.config, tp)
+
+
+def test_parallel_config_validation():
+    with pytest.raises(ValueError, match="tp=0 must be an integer >= 1"):
+        ParallelConfig(tp=0)
+    assert ParallelConfig(tp=2, dp=3).world_size == 6
+
+
+def test_parallel_run_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        setup_parallel(build_tiny_model("llama"), tp=2)
+
+
+def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
+    """`oomb train --tp 2` under torchrun (2 CPU processes) ends with the weights of a one-process run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from oomb.cli import main as oomb_main
+
+    common = ["--steps", "2", "--seq-len", "1024", "--set", "logging.progress=false", "--set", "oomb.chunk_size=256"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "oomb.cli", "train", "--tp", "2", "--output-dir", str(tmp_path / "tp"), *common]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("oomb train: done") == 1  # rank 0 alone prints
+    assert oomb_main(["train", "--output-dir", str(tmp_path / "one"), *common]) == 0
+    parallel, single = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("tp", "one"))
+    assert parallel.keys() == single.keys()
+    for name, weight in single.items():  # two AdamW steps at lr 3e-3: equal up to float reordering
+        assert (parallel[name] - weight).abs().max() <= 1e-5, name
+
+
+def test_plan_divides_by_tp():
+    from oomb.memory import ModelShape
+    from oomb.plan import preset_config
+
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
+    half = shape.per_rank(2)
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (14, 2, 9472)
+    assert half.kv_bytes_per_token(torch.bfloat16) * 2 == shape.kv_bytes_per_token(torch.bfloat16)
+    embeddings = shape.vocab_size * shape.hidden_size
+    assert half.num_params() == (shape.num_params() - 2 * embeddings - shape.hidden_size) // 2 + embeddings \
+        + embeddings // 2 + shape.hidden_size + shape.num_layers * shape.hidden_size  # norms stay whole
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        shape.per_rank(3)
