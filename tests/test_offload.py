@@ -10,6 +10,7 @@ from helpers import build_tiny_model, grads, random_ids
 
 import oomb
 import oomb.engine
+import oomb.kv.offload
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.capacity import PagesDoNotFitError, PageShape, check_pages_fit, page_footprint
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
@@ -42,6 +43,18 @@ def test_slabs_are_reused_across_steps_and_grow_only_when_needed():
     assert slabs.allocations == 2 + 4
     slabs.release()
     assert slabs.nbytes == 0
+
+
+def test_pinned_slabs_are_registered_exactly_and_unregistered_when_replaced(monkeypatch):
+    calls = []
+    monkeypatch.setattr(oomb.kv.offload, "_register", lambda t: calls.append(("pin", t.numel())))
+    monkeypatch.setattr(oomb.kv.offload, "_unregister", lambda t: calls.append(("unpin", t.numel())))
+    slabs = HostSlabs(pin=True)
+    slabs.take("dk", (3, 1000), torch.float32)  # 12,000 bytes exactly, no rounding up
+    slabs.take("dk", (2, 1000), torch.float32)  # reused
+    slabs.take("dk", (5, 1000), torch.float32)  # replaced: the old one is unpinned first
+    slabs.release()
+    assert calls == [("pin", 12000), ("unpin", 12000), ("pin", 20000), ("unpin", 20000)]
 
 
 def test_pages_go_to_the_host_by_position_and_unwritten_pages_are_never_read():
@@ -218,7 +231,7 @@ def test_gpu_offload_steps_equal_steps_without_bitwise():
             assert torch.equal(loss_a, loss_b)
             for name in grads_a:
                 assert torch.equal(grads_a[name], grads_b[name]), (resident, name)
-    assert slabs.pin
+    assert slabs.pin and all(slab.is_pinned() for slab in slabs._slabs.values())
 
 
 def test_page_store_without_offload_streams_the_same_windows():

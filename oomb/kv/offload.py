@@ -42,7 +42,13 @@ KINDS = ("k", "v", "dk", "dv")
 
 class HostSlabs:
     """Pinned host memory for the offloaded pages: one slab per kind (k, v, dk, dv), kept across
-    steps and grown only when a step needs more, never one allocation per page."""
+    steps and grown only when a step needs more, never one allocation per page.
+
+    Slabs are ordinary CPU tensors page-locked with ``cudaHostRegister``: exactly the bytes needed.
+    (``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up
+    to a power of two and keeps freed blocks: 28 GiB slabs would take 32 GiB each, and 1M tokens of
+    the 7B shape would no longer fit 125 GiB of RAM.)
+    """
 
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -55,9 +61,13 @@ class HostSlabs:
         nbytes = math.prod(shape) * dtype.itemsize
         slab = self._slabs.get(name)
         if slab is None or slab.numel() < nbytes:
-            self._slabs.pop(name, None)
-            del slab  # free the old slab before pinning a larger one
-            self._slabs[name] = slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            if slab is not None:  # free the old slab before pinning a larger one
+                self._drop(name)
+            del slab
+            slab = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if self.pin:
+                _register(slab)
+            self._slabs[name] = slab
             self.allocations += 1
         return slab[:nbytes].view(dtype).view(shape)
 
@@ -65,8 +75,36 @@ class HostSlabs:
     def nbytes(self) -> int:
         return sum(slab.numel() for slab in self._slabs.values())
 
+    def _drop(self, name: str) -> None:
+        slab = self._slabs.pop(name)
+        if self.pin:
+            _unregister(slab)
+
     def release(self) -> None:
-        self._slabs.clear()
+        """Unpin and free every slab (also done when the object is garbage collected)."""
+        for name in list(self._slabs):
+            self._drop(name)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may already be gone, and the process with it
+            pass
+
+
+def _register(slab: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's memory so that copies to and from the GPU are asynchronous DMA."""
+    error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0))
+    if error != 0:
+        raise RuntimeError(f"pinning {slab.numel() / 2**30:.2f} GiB of host memory failed (cudaError {error}); "
+                           "is the memory limit (ulimit -l, container) too low?")
+
+
+def _unregister(slab: torch.Tensor) -> None:
+    torch.cuda.synchronize()  # no copy may still read or write it
+    error = int(torch.cuda.cudart().cudaHostUnregister(slab.data_ptr()))
+    if error != 0:
+        raise RuntimeError(f"unpinning host memory failed (cudaError {error})")
 
 
 @dataclass
