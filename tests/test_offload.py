@@ -69,8 +69,11 @@ def test_pages_go_to_the_host_by_position_and_unwritten_pages_are_never_read():
     store.allocate(c1)
     with pytest.raises(RuntimeError, match="never written"):  # layer 0 of chunk 0 was not stored
         list(store.stream(0, c1, grads=False))
+    k1, v1 = _kv(2, 8, 1)
+    store.write(1, c1, k1, v1)  # stage 1: the chunk's pages are written, then attention reads them
     views = list(store.stream(1, c1, grads=False))
     assert [view.key_range for view in views] == [(0, 8), (8, 16)]
+    assert views[1].k.data_ptr() != store.slots[0].k.data_ptr()  # its own pages come straight from the GPU
     history = views[0]  # staged: read through the window's own page table
     ids = history.page_table[1, :2].long()
     torch.testing.assert_close(history.k[ids].transpose(0, 1).reshape(2, 8, 3), k[1], rtol=0, atol=0)
@@ -150,6 +153,25 @@ def test_offload_steps_equal_steps_without_bitwise(resident):
         assert torch.equal(loss_a, loss_b)
         for name in grads_a:
             assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_next_calls_are_predicted_and_prefetched(monkeypatch):
+    created = []
+
+    class Recording(OffloadedKVStore):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+    model = build_tiny_model("llama", seed=1)  # 2 layers
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, stream_block_pages=1)
+    oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)  # 4 chunks
+    # Calls that read history: stage 1, chunks 1-3 x 2 layers (6); stage 2, chunks 3-1 x 2 layers x
+    # (forward, backward) (12). Each is prefetched by the call before it, except the first call of
+    # stage 2, which is not predicted.
+    store = created[0]
+    assert store.prefetch_hits == 6 + 12 - 1
 
 
 def test_engine_uses_the_host_tier_and_leaves_it_empty(monkeypatch):

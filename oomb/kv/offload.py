@@ -148,9 +148,13 @@ class OffloadedKVStore(PagedKVStore):
                 tensors = {kind: torch.zeros(shape, dtype=dtypes[kind], device=self.device) for kind in KINDS}
                 events = dict(loaded=torch.cuda.Event(), released=torch.cuda.Event()) if cuda else {}
                 self.slots.append(_Slot(**tensors, **events))
-        self._fresh_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this chunk's pages (stage 1)
+        self._fresh_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, chunk) -> pages
         self._own_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> chunk's dK, dV pages
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
+        self.chunk_size, self.num_tokens = chunk_size, store_options["num_tokens"]
+        self._prefetched = None  # ((layer, chunk index, grads), loads) started ahead of that call
+        self.prefetch_hits = 0
+        """Attention calls whose first windows were loaded during the previous call (diagnostics)."""
 
     @staticmethod
     def host_bytes_needed(*, num_layers: int, resident_layers: int, batch_size: int, num_tokens: int,
@@ -173,6 +177,7 @@ class OffloadedKVStore(PagedKVStore):
 
     def free_all(self) -> None:
         super().free_all()
+        self._prefetched = None
         self._fresh_kv.clear()
         self._own_grads.clear()
         if self.copy_stream is not None:  # nothing of this step may still be in flight
@@ -187,7 +192,7 @@ class OffloadedKVStore(PagedKVStore):
         n = last - first
         k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
-        self._fresh_kv[layer] = (k_pages, v_pages)
+        self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
         with self._on_copy_stream(after_compute=True):
             for b in range(self.batch_size):
                 self.host["k"][index, b, first:last].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
@@ -202,11 +207,16 @@ class OffloadedKVStore(PagedKVStore):
             yield from super().stream(layer, chunk, grads)
             return
         windows = self.windows(chunk)
-        fresh = self._fresh_kv.pop(layer, None) if not grads else None
+        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
         if fresh is not None:  # stage 1: the chunk's own pages are still on the GPU
             windows = windows[:-1]
-        loads = [self._load(index, key_range, self.slots[i % len(self.slots)], grads)
-                 for i, key_range in enumerate(windows[:len(self.slots) - 1])]
+        loads = []
+        if self._prefetched is not None and self._prefetched[0] == (layer, chunk.index, grads):
+            loads = list(self._prefetched[1])  # started while the previous layer computed
+            self.prefetch_hits += 1
+        self._prefetched = None
+        for i in range(len(loads), min(len(self.slots) - 1, len(windows))):
+            loads.append(self._load(index, windows[i], self.slots[i % len(self.slots)], grads))
         for i, key_range in enumerate(windows):
             ahead = i + len(self.slots) - 1
             if ahead < len(windows):  # its slot was released at the end of iteration i - 1
@@ -225,6 +235,38 @@ class OffloadedKVStore(PagedKVStore):
             k_pages, v_pages = fresh
             first, last = self._page_range(chunk)
             yield WindowView((chunk.start, chunk.end), k_pages, v_pages, self._window_table(first, last))
+        self._prefetch(self._next_call(layer, chunk, grads, stage_one=fresh is not None))
+
+    def _next_call(self, layer: int, chunk: ChunkSpan, grads: bool, stage_one: bool):
+        """(layer, chunk, grads) of the attention call that follows this one in a step, or None.
+
+        Stage 1 runs layers 0..L-1 of chunks 0..N-1; stage 2 runs, per chunk N-1..0, the forward of
+        layers 0..L-1, then their backward L-1..0 (a checkpoint replay reuses the forward's result)."""
+        if not grads:
+            if layer + 1 < self.num_layers:
+                return layer + 1, chunk, False
+            if not stage_one:
+                return layer, chunk, True
+            if chunk.end >= self.num_tokens:
+                return None  # the first call of stage 2 is not predicted
+            return 0, ChunkSpan(chunk.index + 1, chunk.end, min(chunk.end + self.chunk_size, self.num_tokens)), False
+        if layer > 0:
+            return layer - 1, chunk, True
+        if chunk.index == 0:
+            return None
+        return 0, ChunkSpan(chunk.index - 1, chunk.start - self.chunk_size, chunk.start), False
+
+    def _prefetch(self, call) -> None:
+        """Start loading the first history windows of the next call into the slots it will use, so
+        the copies overlap the rest of this layer (MLP, next projections) instead of waiting."""
+        if call is None or self._offloaded(call[0]) is None:
+            return
+        layer, chunk, grads = call
+        history = [w for w in self.windows(chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
+        index = self._offloaded(layer)
+        if history and bool(self.kv_on_host[index, :history[-1][1] // self.page_size].all()):
+            loads = [self._load(index, w, self.slots[i % len(self.slots)], grads) for i, w in enumerate(history)]
+            self._prefetched = ((layer, chunk.index, grads), loads)
 
     def _window_table(self, first: int, last: int, capacity: int | None = None) -> torch.Tensor:
         """(B, last) int32: position p of sequence b in [first, last) -> slot page b * capacity + p - first."""
