@@ -128,6 +128,20 @@ def test_resident_layers_keep_gpu_pools():
     store.free_all()
 
 
+@pytest.fixture
+def offload_stores(monkeypatch):
+    """Every OffloadedKVStore the engine creates during the test."""
+    created = []
+
+    class Recording(OffloadedKVStore):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+    return created
+
+
 def _steps(model, config, lengths, slabs=None):
     out = []
     for i, tokens in enumerate(lengths):
@@ -155,38 +169,22 @@ def test_offload_steps_equal_steps_without_bitwise(resident):
             assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-def test_next_calls_are_predicted_and_prefetched(monkeypatch):
-    created = []
-
-    class Recording(OffloadedKVStore):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            created.append(self)
-
-    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+def test_next_calls_are_predicted_and_prefetched(offload_stores):
     model = build_tiny_model("llama", seed=1)  # 2 layers
     config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, stream_block_pages=1)
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)  # 4 chunks
     # Calls that read history: stage 1, chunks 1-3 x 2 layers (6); stage 2, chunks 3-1 x 2 layers x
     # (forward, backward) (12). Each is prefetched by the call before it, except the first call of
     # stage 2, which is not predicted.
-    store = created[0]
+    store = offload_stores[0]
     assert store.prefetch_hits == 6 + 12 - 1
 
 
-def test_engine_uses_the_host_tier_and_leaves_it_empty(monkeypatch):
-    created = []
-
-    class Recording(OffloadedKVStore):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            created.append(self)
-
-    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+def test_engine_uses_the_host_tier_and_leaves_it_empty(offload_stores):
     model = build_tiny_model("llama", seed=1)
     config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True)
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)
-    assert len(created) == 1 and created[0].is_empty and created[0].kv_on_host.all()
+    assert len(offload_stores) == 1 and offload_stores[0].is_empty and offload_stores[0].kv_on_host.all()
 
 
 def test_config_refuses_bad_offload_options():
