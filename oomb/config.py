@@ -113,10 +113,6 @@ class OOMBConfig:
             raise ValueError(f"offload_resident_layers={self.offload_resident_layers!r} must be an integer >= 0")
         if self.stream_buffers < 2:
             raise ValueError(f"stream_buffers={self.stream_buffers} must be at least 2 (one computes, one loads)")
-        if self.offload and self.attention == "sparse":
-            raise NotImplementedError(
-                "offload=True with attention='sparse' is not implemented yet: use dense attention with offload, "
-                "or sparse attention with pages on the GPU")
         for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

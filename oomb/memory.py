@@ -442,8 +442,9 @@ def predict(
         resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
             slots = offload.stream_buffers * B * max(offload.stream_block_pages, chunk_pages // B)
-        else:
-            slots = offload.stream_buffers * min(sparse.top_k_pages + sparse.sink_pages, pages // B) * B
+        else:  # the union of every block's and KV head's selection, staged at once (an upper bound)
+            union = (chunk_pages // B) * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
+            slots = B * min(pages // B, union)
         gpu["KV working set"] = (resident * pages + slots + 2 * chunk_pages) * page_bytes
         # Host: K, V, dK, dV of every token of the offloaded layers, pinned.
         host["KV pages"] = (L - resident) * pages * 2 * shape.kv_dim * P * b

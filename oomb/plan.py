@@ -97,8 +97,6 @@ def is_implemented(mode: str | Mode) -> bool:
     if mode.attention == "hf":
         return True
     config_fields = {f.name for f in dataclasses.fields(OOMBConfig)}
-    if mode.offload and mode.attention == "sparse":
-        return False  # sparse attention over offloaded pages is planned, not implemented
     return mode.attention in ATTENTION_MODES and (not mode.offload or "offload" in config_fields)
 
 

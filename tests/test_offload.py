@@ -152,6 +152,35 @@ def _steps(model, config, lengths, slabs=None):
     return out
 
 
+SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("selection", ["kv_head", "shared"])
+def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, offload_stores):
+    """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier."""
+    model = build_tiny_model("qwen2", seed=4)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
+                           sparse_selection=selection, **SPARSE)
+    lengths = (150, 97, 200)
+    want = _steps(model, base, lengths)
+    offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+    got = _steps(model, offload, lengths, HostSlabs(pin=False))
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+    assert all(store.is_empty for store in offload_stores)
+
+
+def test_sparse_runs_split_by_gradient_state():
+    from oomb.kv.offload import _runs
+
+    on_host = torch.tensor([True, True, False, False, True, True, True, False])
+    assert _runs([0, 1, 2, 4, 5, 7], on_host) == [(0, 2, 0), (2, 3, 2), (4, 6, 3), (7, 8, 5)]
+    assert _runs([3, 4], on_host, offset=6) == [(3, 4, 6), (4, 5, 7)]
+
+
 @pytest.mark.parametrize("resident", [0, 1])
 def test_offload_steps_equal_steps_without_bitwise(resident):
     """Three steps of different lengths in one process, slabs reused; several history windows."""
@@ -188,8 +217,6 @@ def test_engine_uses_the_host_tier_and_leaves_it_empty(offload_stores):
 
 
 def test_config_refuses_bad_offload_options():
-    with pytest.raises(NotImplementedError, match="sparse"):
-        oomb.OOMBConfig(offload=True, attention="sparse")
     with pytest.raises(ValueError, match="stream_buffers"):
         oomb.OOMBConfig(stream_buffers=1)
     with pytest.raises(ValueError, match="offload_resident_layers"):
@@ -252,6 +279,13 @@ def test_gpu_offload_steps_equal_steps_without_bitwise():
             for name in grads_a:
                 assert torch.equal(grads_a[name], grads_b[name]), (resident, name)
     assert slabs.pin and all(slab.is_pinned() for slab in slabs._slabs.values())
+    sparse = oomb.OOMBConfig(**{**base.__dict__, **SPARSE})
+    want = _steps(model, sparse, lengths)
+    got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, slabs)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), ("sparse", name)
 
 
 def test_page_store_without_offload_streams_the_same_windows():

@@ -47,9 +47,9 @@ class PagedAttentionCall:
 
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     if call.selection is not None:
-        pages = call.store.layers[call.layer]
-        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
-        return call.backend.sparse_forward(*args, call.selection)
+        with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=False) as view:
+            return call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                               call.selection)
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
     # With several windows the partial outputs stay float32 until the merge is complete.
     several = len(call.store.windows(call.chunk)) > 1
@@ -72,9 +72,9 @@ def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_
 def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Tensor:
     """dQ; dK, dV of every page read are added into the page gradients (of the tier holding them)."""
     if call.selection is not None:
-        pages = call.store.layers[call.layer]
-        args = (q, pages.k, pages.v, call.store.page_table, call.chunk.start, call.scale)
-        return call.backend.sparse_backward(*args, call.selection, out, dout, lse, pages.dk, pages.dv)
+        with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=True) as view:
+            return call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                                call.selection, out, dout, lse, view.dk, view.dv)
     dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
     delta = call.backend.backward_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

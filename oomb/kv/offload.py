@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,6 @@ class OffloadedKVStore(PagedKVStore):
     def __init__(self, *, slabs: HostSlabs, resident_layers: int, stream_buffers: int, chunk_size: int,
                  **store_options) -> None:
         super().__init__(gpu_layers=resident_layers, **store_options)
-        if store_options.get("summaries"):
-            raise NotImplementedError("sparse attention with offload is not implemented yet")
         self.resident = len(self.layers)
         num_offloaded = self.num_layers - self.resident
         template = store_options
@@ -148,6 +147,11 @@ class OffloadedKVStore(PagedKVStore):
                 tensors = {kind: torch.zeros(shape, dtype=dtypes[kind], device=self.device) for kind in KINDS}
                 events = dict(loaded=torch.cuda.Event(), released=torch.cuda.Event()) if cuda else {}
                 self.slots.append(_Slot(**tensors, **events))
+        # Sparse mode: page summaries of the offloaded layers stay on the GPU (what grows with context).
+        summary_shape = (self.pool.capacity, Hkv, D)
+        self.offloaded_summaries = [
+            {name: torch.empty(summary_shape, dtype=template["kv_dtype"], device=self.device)
+             for name in self.summary_kinds} for _ in range(num_offloaded)]
         self._fresh_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, chunk) -> pages
         self._own_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> chunk's dK, dV pages
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
@@ -193,6 +197,7 @@ class OffloadedKVStore(PagedKVStore):
         k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
         self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
+        self._write_summaries(self.offloaded_summaries[index], chunk, k_pages)
         with self._on_copy_stream(after_compute=True):
             for b in range(self.batch_size):
                 self.host["k"][index, b, first:last].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
@@ -354,9 +359,87 @@ class OffloadedKVStore(PagedKVStore):
             for t in tensors:
                 t.record_stream(self.copy_stream)
 
-    # --- sparse mode is not offloaded yet -------------------------------------------------------
-    def history_summaries(self, layer: int, num_pages: int):
-        raise NotImplementedError("sparse attention with offload is not implemented yet")
+    # --- sparse mode: only the selected pages move --------------------------------------------------
+    def _layer_summaries(self, layer: int) -> dict[str, torch.Tensor]:
+        index = self._offloaded(layer)
+        return super()._layer_summaries(layer) if index is None else self.offloaded_summaries[index]
+
+    @contextmanager
+    def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
+        """Stage the union of the pages any query block selected plus the chunk's own pages (one
+        host-to-GPU copy per contiguous run), with a page table of the staged layout; after a
+        backward, the history pages' gradients go back to the host and the chunk's own are kept."""
+        index = self._offloaded(layer)
+        if index is None:
+            with super().selected_pages(layer, chunk, selection, grads) as view:
+                yield view
+            return
+        first, last = self._page_range(chunk)
+        columns = torch.unique(selection).tolist() + list(range(first, last))  # one device sync
+        n, B = len(columns), self.batch_size
+        table = torch.zeros((B, last), dtype=torch.int32)
+        table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
+        table = table.to(self.device, non_blocking=True)
+        kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
+        staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype,
+                                    device=self.device) for kind in kinds}
+        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
+        # Runs of consecutive positions with one gradient state; history and own pages apart.
+        history = columns[:n - (last - first)]
+        runs = _runs(history, self.grad_on_host[index]) + _runs(columns[len(history):], self.grad_on_host[index],
+                                                                 offset=len(history))
+        with self._on_copy_stream(after_compute=True):
+            for start, stop, column in runs:
+                rows = [slice(b * n + column, b * n + column + stop - start) for b in range(B)]
+                if fresh is not None and start >= first:  # stage 1: the chunk's pages are on the GPU
+                    own = last - first
+                    for b in range(B):
+                        staged["k"][rows[b]].copy_(fresh[0][b * own + start - first:b * own + stop - first])
+                        staged["v"][rows[b]].copy_(fresh[1][b * own + start - first:b * own + stop - first])
+                    continue
+                if not bool(self.kv_on_host[index, start:stop].all()):
+                    raise RuntimeError(f"pages {start}..{stop - 1} of offloaded layer {layer} were never written")
+                valid = bool(self.grad_on_host[index, start])  # the same for the whole run
+                for b in range(B):
+                    for kind in kinds:
+                        target = staged[kind][rows[b]]
+                        if kind in ("dk", "dv") and not valid:
+                            target.zero_()  # accumulation begins here
+                        else:
+                            target.copy_(self.host[kind][index, b, start:stop], non_blocking=True)
+            ready = torch.cuda.Event() if self.copy_stream is not None else None
+            if ready is not None:
+                ready.record(self.copy_stream)
+        self._keep_alive(*staged.values())
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        yield WindowView((0, chunk.end), staged["k"], staged["v"], table, staged.get("dk"), staged.get("dv"))
+        if not grads:
+            return
+        own_rows = (torch.arange(B)[:, None] * n + torch.arange(n - (last - first), n)[None, :]).flatten()
+        own_rows = own_rows.to(self.device, non_blocking=True)
+        self._own_grads[index] = (staged["dk"].index_select(0, own_rows), staged["dv"].index_select(0, own_rows))
+        with self._on_copy_stream(after_compute=True):
+            for start, stop, column in runs:
+                if start >= first:
+                    continue
+                for b in range(B):
+                    rows = slice(b * n + column, b * n + column + stop - start)
+                    self.host["dk"][index, b, start:stop].copy_(staged["dk"][rows], non_blocking=True)
+                    self.host["dv"][index, b, start:stop].copy_(staged["dv"][rows], non_blocking=True)
+                self.grad_on_host[index, start:stop] = True
+
+
+def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
+    """Runs of consecutive sorted positions whose gradients are all on the host or all not:
+    (start, stop, index of start in the staged layout)."""
+    runs = []
+    for i, position in enumerate(columns):
+        if runs and runs[-1][1] == position and bool(grad_on_host[position]) == bool(grad_on_host[runs[-1][0]]):
+            runs[-1] = (runs[-1][0], position + 1, runs[-1][2])
+        else:
+            runs.append((position, position + 1, offset + i))
+    return runs
 
 
 def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: int, batch_size: int,

@@ -20,6 +20,7 @@ that stage 2 reads exactly the same pages; it is freed with the chunk.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -187,16 +188,32 @@ class PagedKVStore:
         k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
         pages.k.index_copy_(0, index, k_pages)
         pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
-        if self.summary_kinds:
-            valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
-            by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
-            for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds).items():
-                pages.summaries[name].index_copy_(0, index, summary.flatten(0, 1))
+        self._write_summaries(pages.summaries, chunk, k_pages)
+
+    def _write_summaries(self, summaries: dict[str, torch.Tensor], chunk: ChunkSpan, k_pages: torch.Tensor) -> None:
+        """Sparse mode: the key summaries of the chunk's (B * n, Hkv, P, D) pages, by page id."""
+        if not self.summary_kinds:
+            return
+        valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
+        by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
+        for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds).items():
+            summaries[name].index_copy_(0, self._chunk_ids(chunk), summary.flatten(0, 1).to(summaries[name].dtype))
+
+    def _layer_summaries(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.layers[layer].summaries
 
     def history_summaries(self, layer: int, num_pages: int) -> dict[str, torch.Tensor]:
         """Summaries of the first ``num_pages`` pages of every sequence: name -> (B, num_pages, Hkv, D)."""
         ids = self.page_table[:, :num_pages].long()  # (B, num_pages)
-        return {name: summary[ids] for name, summary in self.layers[layer].summaries.items()}
+        return {name: summary[ids] for name, summary in self._layer_summaries(layer).items()}
+
+    @contextmanager
+    def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
+        """Sparse mode: where the pages ``selection`` names and the chunk's own pages can be read
+        (and, with grads, their gradients added), as a WindowView over all keys up to the chunk's end."""
+        pages = self.layers[layer]
+        yield WindowView((0, chunk.end), pages.k, pages.v, self.page_table,
+                         pages.dk if grads else None, pages.dv if grads else None)
 
     def save_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor | None) -> None:
         """Keep stage 1's page selection of (chunk, layer) for stage 2; freed with the chunk."""
