@@ -4,6 +4,8 @@ memory) is test_gpu_offload_* below, marked gpu."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from helpers import build_tiny_model, grads, random_ids
@@ -45,16 +47,23 @@ def test_slabs_are_reused_across_steps_and_grow_only_when_needed():
     assert slabs.nbytes == 0
 
 
-def test_pinned_slabs_are_registered_exactly_and_unregistered_when_replaced(monkeypatch):
+def test_pinned_slabs_are_whole_pages_and_unregistered_when_replaced(monkeypatch):
     calls = []
-    monkeypatch.setattr(oomb.kv.offload, "_register", lambda t: calls.append(("pin", t.numel())))
+
+    def register(t):
+        assert t.data_ptr() % mmap.PAGESIZE == 0  # no page shared with another allocation
+        calls.append(("pin", t.numel()))
+
+    monkeypatch.setattr(oomb.kv.offload, "_register", register)
     monkeypatch.setattr(oomb.kv.offload, "_unregister", lambda t: calls.append(("unpin", t.numel())))
     slabs = HostSlabs(pin=True)
-    slabs.take("dk", (3, 1000), torch.float32)  # 12,000 bytes exactly, no rounding up
+    slabs.take("dk", (3, 1000), torch.float32)  # 12,000 bytes: three 4 KiB pages, not a power of two
     slabs.take("dk", (2, 1000), torch.float32)  # reused
     slabs.take("dk", (5, 1000), torch.float32)  # replaced: the old one is unpinned first
     slabs.release()
-    assert calls == [("pin", 12000), ("unpin", 12000), ("pin", 20000), ("unpin", 20000)]
+    page = mmap.PAGESIZE
+    assert calls == [("pin", -(-12000 // page) * page), ("unpin", -(-12000 // page) * page),
+                     ("pin", -(-20000 // page) * page), ("unpin", -(-20000 // page) * page)]
 
 
 def test_pages_go_to_the_host_by_position_and_unwritten_pages_are_never_read():
@@ -214,6 +223,8 @@ def test_engine_uses_the_host_tier_and_leaves_it_empty(offload_stores):
     config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True)
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)
     assert len(offload_stores) == 1 and offload_stores[0].is_empty and offload_stores[0].kv_on_host.all()
+    # host_slabs=None: the store owns the slabs it viewed, so they stay pinned for the whole step
+    assert offload_stores[0].slabs.nbytes > 0
 
 
 def test_config_refuses_bad_offload_options():

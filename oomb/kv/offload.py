@@ -30,6 +30,7 @@ On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous c
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ class HostSlabs:
     """Pinned host memory for the offloaded pages: one slab per kind (k, v, dk, dv), kept across
     steps and grown only when a step needs more, never one allocation per page.
 
-    Slabs are ordinary CPU tensors page-locked with ``cudaHostRegister``: exactly the bytes needed.
+    Slabs are page-aligned CPU tensors page-locked with ``cudaHostRegister``: the bytes needed,
+    rounded up to whole pages.
     (``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up
     to a power of two and keeps freed blocks: 28 GiB slabs would take 32 GiB each, and 1M tokens of
     the 7B shape would no longer fit 125 GiB of RAM.)
@@ -65,7 +67,7 @@ class HostSlabs:
             if slab is not None:  # free the old slab before pinning a larger one
                 self._drop(name)
             del slab
-            slab = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            slab = _page_aligned(nbytes) if self.pin else torch.empty(max(nbytes, 1), dtype=torch.uint8)
             if self.pin:
                 _register(slab)
             self._slabs[name] = slab
@@ -93,16 +95,29 @@ class HostSlabs:
             pass
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """A CPU byte tensor that starts on a page boundary and spans whole pages: registering it pins
+    no page shared with another allocation (the driver pins whole pages, and registering a page
+    twice fails)."""
+    page = mmap.PAGESIZE
+    size = max(page, -(-nbytes // page) * page)
+    raw = torch.empty(size + page, dtype=torch.uint8)
+    offset = -raw.data_ptr() % page
+    return raw[offset:offset + size]  # a view: keeps ``raw`` alive
+
+
 def _register(slab: torch.Tensor) -> None:
-    """Page-lock a CPU tensor's memory so that copies to and from the GPU are asynchronous DMA."""
-    error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0))
+    """Page-lock a CPU tensor's memory so that copies to and from the GPU are asynchronous DMA
+    (portable: pinned for every device)."""
+    error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 1))
     if error != 0:
         raise RuntimeError(f"pinning {slab.numel() / 2**30:.2f} GiB of host memory failed (cudaError {error}); "
                            "is the memory limit (ulimit -l, container) too low?")
 
 
 def _unregister(slab: torch.Tensor) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write it
+    for device in range(torch.cuda.device_count()):  # no copy may still read or write it
+        torch.cuda.synchronize(device)
     error = int(torch.cuda.cudart().cudaHostUnregister(slab.data_ptr()))
     if error != 0:
         raise RuntimeError(f"unpinning host memory failed (cudaError {error})")
@@ -127,6 +142,7 @@ class OffloadedKVStore(PagedKVStore):
                  **store_options) -> None:
         super().__init__(gpu_layers=resident_layers, **store_options)
         self.resident = len(self.layers)
+        self.slabs = slabs  # the host tensors are views: the slabs must outlive the store
         num_offloaded = self.num_layers - self.resident
         template = store_options
         B, P = self.batch_size, self.page_size
@@ -147,6 +163,8 @@ class OffloadedKVStore(PagedKVStore):
                 tensors = {kind: torch.zeros(shape, dtype=dtypes[kind], device=self.device) for kind in KINDS}
                 events = dict(loaded=torch.cuda.Event(), released=torch.cuda.Event()) if cuda else {}
                 self.slots.append(_Slot(**tensors, **events))
+        if self.copy_stream is not None:  # the slots were zeroed on the compute stream
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         # Sparse mode: page summaries of the offloaded layers stay on the GPU (what grows with context).
         summary_shape = (self.pool.capacity, Hkv, D)
         self.offloaded_summaries = [
@@ -267,6 +285,8 @@ class OffloadedKVStore(PagedKVStore):
         if call is None or self._offloaded(call[0]) is None:
             return
         layer, chunk, grads = call
+        if self.summary_kinds and self._selections.get((chunk.index, layer), "unknown") is not None:
+            return  # sparse: the call will stage its selected pages (or its selection is not made yet)
         history = [w for w in self.windows(chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
         index = self._offloaded(layer)
         if history and bool(self.kv_on_host[index, :history[-1][1] // self.page_size].all()):
@@ -374,6 +394,7 @@ class OffloadedKVStore(PagedKVStore):
             with super().selected_pages(layer, chunk, selection, grads) as view:
                 yield view
             return
+        self._prefetched = None
         first, last = self._page_range(chunk)
         columns = torch.unique(selection).tolist() + list(range(first, last))  # one device sync
         n, B = len(columns), self.batch_size
