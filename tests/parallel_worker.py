@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,20 +22,21 @@ from oomb.parallel import full_tensor, setup_parallel
 
 TOKENS = 80  # 3 chunks of 32 (the last one partial), pages of 16
 CONFIG = OOMBConfig(chunk_size=32, page_size=16, backend="torch")
+OFFLOAD = replace(CONFIG, offload=True, stream_block_pages=1)
 
 
 def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
 
 
-def tensor_parallel(rank: int, family: str, **overrides) -> dict:
+def tensor_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrides) -> dict:
     """TP=2: gradients of every parameter (gathered) against the full-sequence HF backward."""
     reference = build_tiny_model(family, **overrides)
     ids = random_ids(1, TOKENS, seed=3)
     want_loss = float(hf_step(reference, ids, ids))
     model = build_tiny_model(family, **overrides)
     setup = setup_parallel(model, tp=2)
-    loss = forward_backward(model, ids, config=CONFIG, parallel=setup)
+    loss = forward_backward(model, ids, config=config, parallel=setup)
     got, want = _gathered_grads(model), grads(reference)
     probe = model.lm_head(torch.zeros(1, 3, model.config.hidden_size))  # (1, 3, V) logits of this rank
     embed = "model.embed_tokens.weight"
@@ -49,7 +51,7 @@ def tensor_parallel(rank: int, family: str, **overrides) -> dict:
     }
 
 
-def data_parallel(rank: int, family: str, **overrides) -> dict:
+def data_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrides) -> dict:
     """DP=2: rank r trains on sequence r; the reduced gradients equal one backward over both."""
     reference = build_tiny_model(family, **overrides)
     ids = random_ids(2, TOKENS, seed=4)
@@ -57,7 +59,7 @@ def data_parallel(rank: int, family: str, **overrides) -> dict:
     model = build_tiny_model(family, **overrides)
     setup = setup_parallel(model, dp=2)
     with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
-        loss = forward_backward(model, ids[rank:rank + 1], config=CONFIG, parallel=setup)
+        loss = forward_backward(model, ids[rank:rank + 1], config=config, parallel=setup)
     got = _gathered_grads(model)
     return {"error": relative_error(got, grads(reference)), "loss": setup.all_mean(float(loss)),
             "want_loss": want_loss, "param_type": type(model.lm_head.weight).__name__, "collectives": calls,
@@ -90,6 +92,9 @@ SCENARIOS = {
     "tp_qwen2_tied": lambda rank: tensor_parallel(rank, "qwen2", tie_word_embeddings=True),  # biases, tied head
     "dp_llama": lambda rank: data_parallel(rank, "llama"),
     "dp_qwen3": lambda rank: data_parallel(rank, "qwen3"),  # q/k norms, head_dim 32
+    # Host offload with each rank's own KV heads (TP) or its own sequence (DP).
+    "tp_llama_offload": lambda rank: tensor_parallel(rank, "llama", OFFLOAD),
+    "dp_llama_offload": lambda rank: data_parallel(rank, "llama", OFFLOAD),
 }
 
 

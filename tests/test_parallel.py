@@ -52,6 +52,13 @@ def test_tensor_parallel_tied_head_with_biases(results):
     assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
 
 
+@pytest.mark.parametrize("name", ["tp_llama_offload", "dp_llama_offload"])
+def test_parallel_with_host_offload(results, name):
+    r = results[name]
+    assert r["error"] <= GRAD_RTOL
+    assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
+
+
 @pytest.mark.parametrize("name", ["dp_llama", "dp_qwen3"])
 def test_data_parallel_gradients(results, name):
     r = results[name]
