@@ -50,6 +50,7 @@ def forward_backward(
     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
     host_slabs: HostSlabs | None = None,
     parallel: ParallelSetup | None = None,
+    sync_gradients: bool = True,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -72,6 +73,8 @@ def forward_backward(
             calls this with its own sequences; the gradients are reduced over data-parallel ranks
             once, in the last chunk's backward). Not with grad_targets under data parallel: FSDP sums
             the chunks' gradients in fp32 itself.
+        sync_gradients: data parallel: reduce the gradients over ranks in this step's last backward
+            (True), or keep summing them locally for a later step that syncs (gradient accumulation).
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
@@ -133,7 +136,8 @@ def forward_backward(
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context():
                 for chunk in reversed(chunks):
-                    parallel.set_gradient_sync(model, chunk.index == 0)  # reduce once, in the last backward
+                    # Reduce once, in the last backward (of the last step of an accumulation).
+                    parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
                     _set_rng_state(device, rng_states[chunk.index])
                     hidden = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(

@@ -392,7 +392,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, tokens, documents, epoch = [], 0, 0, 0
         parallel = self.parallel
-        for _ in range(cfg.train.grad_accum):
+        for micro in range(cfg.train.grad_accum):
             # Data parallel: every rank reads the same stream (so positions agree for checkpoints) and
             # trains on every dp-th sequence; tensor-parallel ranks of a group share theirs.
             samples = [next(self.data) for _ in range(parallel.dp)]
@@ -400,7 +400,8 @@ class Trainer:
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
                                     progress=cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main,
                                     grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
-                                    parallel=parallel, host_slabs=self.host_slabs)
+                                    parallel=parallel, host_slabs=self.host_slabs,
+                                    sync_gradients=micro == cfg.train.grad_accum - 1)
             self.masters.collect()
             losses.append(parallel.all_mean(float(loss)))
             tokens += sum(s.input_ids.numel() for s in samples)

@@ -66,6 +66,23 @@ def data_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrid
             "fsdp_groups": model.config.num_hidden_layers + 2}  # layers, the decoder's own weights, the head
 
 
+def data_parallel_accumulation(rank: int, family: str) -> dict:
+    """DP=2 with 2 accumulated steps per rank: one reduction for both; gradients of all 4 sequences."""
+    reference = build_tiny_model(family)
+    ids = random_ids(4, TOKENS, seed=5)
+    for i in range(4):  # each sequence's mean loss, summed: what 2 ranks x 2 accumulated steps give x 2
+        loss = reference(input_ids=ids[i:i + 1], labels=ids[i:i + 1]).loss / 2
+        loss.backward()
+    model = build_tiny_model(family)
+    setup = setup_parallel(model, dp=2)
+    with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
+        for micro in range(2):
+            row = 2 * rank + micro
+            forward_backward(model, ids[row:row + 1], config=CONFIG, parallel=setup, sync_gradients=micro == 1)
+    return {"error": relative_error(_gathered_grads(model), grads(reference)), "collectives": calls,
+            "fsdp_groups": model.config.num_hidden_layers + 2}
+
+
 @contextlib.contextmanager
 def _counting(module, names: tuple[str, ...]):
     """Count calls of ``module``'s functions ``names`` (FSDP2 looks them up on torch.distributed per call)."""
@@ -92,6 +109,7 @@ SCENARIOS = {
     "tp_qwen2_tied": lambda rank: tensor_parallel(rank, "qwen2", tie_word_embeddings=True),  # biases, tied head
     "dp_llama": lambda rank: data_parallel(rank, "llama"),
     "dp_qwen3": lambda rank: data_parallel(rank, "qwen3"),  # q/k norms, head_dim 32
+    "dp_llama_accumulation": lambda rank: data_parallel_accumulation(rank, "llama"),
     # Host offload with each rank's own KV heads (TP) or its own sequence (DP).
     "tp_llama_offload": lambda rank: tensor_parallel(rank, "llama", OFFLOAD),
     "dp_llama_offload": lambda rank: data_parallel(rank, "llama", OFFLOAD),

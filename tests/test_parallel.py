@@ -52,6 +52,13 @@ def test_tensor_parallel_tied_head_with_biases(results):
     assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
 
 
+def test_data_parallel_gradient_accumulation_reduces_once(results):
+    r = results["dp_llama_accumulation"]
+    assert r["error"] <= GRAD_RTOL
+    # Each FSDP group gathers its weights once per step (2 steps) and reduces once for both.
+    assert r["collectives"] == {"all_gather_single": 2 * r["fsdp_groups"], "reduce_scatter_single": r["fsdp_groups"]}
+
+
 @pytest.mark.parametrize("name", ["tp_llama_offload", "dp_llama_offload"])
 def test_parallel_with_host_offload(results, name):
     r = results[name]
