@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from .config import OOMBConfig
-from .kv import PagedKVStore
+from .kv import PagedKVStore, capacity
 
 GIB = 1024**3
 MIB = 1024**2
@@ -446,9 +446,12 @@ def predict(
             union = (chunk_pages // B) * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
             slots = B * min(pages // B, union)
         gpu["KV working set"] = (resident * pages + slots + 2 * chunk_pages) * page_bytes
-        # Host: K, V, dK, dV of every token of the offloaded layers, pinned.
-        host["KV pages"] = (L - resident) * pages * 2 * shape.kv_dim * P * b
-        host["KV grad pages"] = (L - resident) * pages * 2 * shape.kv_dim * P * config.grad_dtype.itemsize
+        # Host: K, V, dK, dV of every token of the offloaded layers, pinned: the footprint the
+        # engine checks before allocating (kv/capacity.py).
+        page_shape = capacity.PageShape(L, B, tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)
+        offload_config = replace(config, offload=True, offload_resident_layers=resident)
+        host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
+            page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
     else:
         gpu["KV working set"] = L * pages * page_bytes
 

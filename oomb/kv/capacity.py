@@ -42,15 +42,23 @@ class PageShape:
     kv_dtype: torch.dtype
 
 
+def page_bytes(shape: PageShape, config: OOMBConfig, num_layers: int) -> tuple[int, int]:
+    """(K + V bytes, dK + dV bytes) of every page of ``num_layers`` layers."""
+    elements = num_layers * 2 * shape.batch_size * -(-shape.num_tokens // config.page_size) * (
+        shape.num_kv_heads * config.page_size * shape.head_dim)
+    return elements * shape.kv_dtype.itemsize, elements * config.grad_dtype.itemsize
+
+
+def offloaded_layers(shape: PageShape, config: OOMBConfig) -> int:
+    """Layers whose pages live in host memory."""
+    return shape.num_layers - min(config.offload_resident_layers, shape.num_layers) if config.offload else 0
+
+
 def page_footprint(shape: PageShape, config: OOMBConfig) -> PageFootprint:
     """Pool bytes of a step (not the GPU staging buffers of offload, which do not grow with context)."""
-    pages = shape.batch_size * -(-shape.num_tokens // config.page_size)
-    per_layer = 2 * pages * shape.num_kv_heads * config.page_size * shape.head_dim * (
-        shape.kv_dtype.itemsize + config.grad_dtype.itemsize)
-    if not config.offload:
-        return PageFootprint(gpu=shape.num_layers * per_layer, host=0)
-    resident = min(config.offload_resident_layers, shape.num_layers)
-    return PageFootprint(gpu=resident * per_layer, host=(shape.num_layers - resident) * per_layer)
+    host_layers = offloaded_layers(shape, config)
+    return PageFootprint(gpu=sum(page_bytes(shape, config, shape.num_layers - host_layers)),
+                         host=sum(page_bytes(shape, config, host_layers)))
 
 
 def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, host_free: int | None) -> None:
