@@ -1,4 +1,4 @@
-"""Worker of tests/test_parallel.py: one process of a 2-rank gloo group on the CPU.
+"""Worker of tests/test_parallel.py: one process of a 2-rank group (gloo on the CPU, NCCL on GPUs).
 
 Each scenario builds the same tiny model on every rank, computes the single-process reference (a
 full-sequence Hugging Face backward), parallelizes a copy, runs oomb's step and reports the
@@ -29,16 +29,17 @@ def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
 
 
-def tensor_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrides) -> dict:
+def tensor_parallel(rank: int, device: torch.device, family: str, config: OOMBConfig = CONFIG,
+                    **overrides) -> dict:
     """TP=2: gradients of every parameter (gathered) against the full-sequence HF backward."""
-    reference = build_tiny_model(family, **overrides)
-    ids = random_ids(1, TOKENS, seed=3)
+    reference = build_tiny_model(family, **overrides).to(device)
+    ids = random_ids(1, TOKENS, seed=3).to(device)
     want_loss = float(hf_step(reference, ids, ids))
-    model = build_tiny_model(family, **overrides)
+    model = build_tiny_model(family, **overrides).to(device)
     setup = setup_parallel(model, tp=2)
     loss = forward_backward(model, ids, config=config, parallel=setup)
     got, want = _gathered_grads(model), grads(reference)
-    probe = model.lm_head(torch.zeros(1, 3, model.config.hidden_size))  # (1, 3, V) logits of this rank
+    probe = model.lm_head(torch.zeros(1, 3, model.config.hidden_size, device=device))  # (1, 3, V) logits of this rank
     embed = "model.embed_tokens.weight"
     return {
         "error": relative_error(got, want),
@@ -51,12 +52,13 @@ def tensor_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overr
     }
 
 
-def data_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrides) -> dict:
+def data_parallel(rank: int, device: torch.device, family: str, config: OOMBConfig = CONFIG,
+                  **overrides) -> dict:
     """DP=2: rank r trains on sequence r; the reduced gradients equal one backward over both."""
-    reference = build_tiny_model(family, **overrides)
-    ids = random_ids(2, TOKENS, seed=4)
+    reference = build_tiny_model(family, **overrides).to(device)
+    ids = random_ids(2, TOKENS, seed=4).to(device)
     want_loss = float(hf_step(reference, ids, ids))  # mean over both sequences' tokens (equal counts)
-    model = build_tiny_model(family, **overrides)
+    model = build_tiny_model(family, **overrides).to(device)
     setup = setup_parallel(model, dp=2)
     with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
         loss = forward_backward(model, ids[rank:rank + 1], config=config, parallel=setup)
@@ -66,14 +68,14 @@ def data_parallel(rank: int, family: str, config: OOMBConfig = CONFIG, **overrid
             "fsdp_groups": model.config.num_hidden_layers + 2}  # layers, the decoder's own weights, the head
 
 
-def data_parallel_accumulation(rank: int, family: str) -> dict:
+def data_parallel_accumulation(rank: int, device: torch.device, family: str) -> dict:
     """DP=2 with 2 accumulated steps per rank: one reduction for both; gradients of all 4 sequences."""
-    reference = build_tiny_model(family)
-    ids = random_ids(4, TOKENS, seed=5)
+    reference = build_tiny_model(family).to(device)
+    ids = random_ids(4, TOKENS, seed=5).to(device)
     for i in range(4):  # each sequence's mean loss, summed: what 2 ranks x 2 accumulated steps give x 2
         loss = reference(input_ids=ids[i:i + 1], labels=ids[i:i + 1]).loss / 2
         loss.backward()
-    model = build_tiny_model(family)
+    model = build_tiny_model(family).to(device)
     setup = setup_parallel(model, dp=2)
     with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
         for micro in range(2):
@@ -105,25 +107,30 @@ def _counting(module, names: tuple[str, ...]):
 
 
 SCENARIOS = {
-    "tp_llama_gqa": lambda rank: tensor_parallel(rank, "llama"),  # 4 heads, 2 KV heads
-    "tp_qwen2_tied": lambda rank: tensor_parallel(rank, "qwen2", tie_word_embeddings=True),  # biases, tied head
-    "dp_llama": lambda rank: data_parallel(rank, "llama"),
-    "dp_qwen3": lambda rank: data_parallel(rank, "qwen3"),  # q/k norms, head_dim 32
-    "dp_llama_accumulation": lambda rank: data_parallel_accumulation(rank, "llama"),
+    "tp_llama_gqa": lambda rank, device: tensor_parallel(rank, device, "llama"),  # 4 heads, 2 KV heads
+    # q/k/v biases and a tied head:
+    "tp_qwen2_tied": lambda rank, device: tensor_parallel(rank, device, "qwen2", tie_word_embeddings=True),
+    "dp_llama": lambda rank, device: data_parallel(rank, device, "llama"),
+    "dp_qwen3": lambda rank, device: data_parallel(rank, device, "qwen3"),  # q/k norms, head_dim 32
+    "dp_llama_accumulation": lambda rank, device: data_parallel_accumulation(rank, device, "llama"),
     # Host offload with each rank's own KV heads (TP) or its own sequence (DP).
-    "tp_llama_offload": lambda rank: tensor_parallel(rank, "llama", OFFLOAD),
-    "dp_llama_offload": lambda rank: data_parallel(rank, "llama", OFFLOAD),
+    "tp_llama_offload": lambda rank, device: tensor_parallel(rank, device, "llama", OFFLOAD),
+    "dp_llama_offload": lambda rank, device: data_parallel(rank, device, "llama", OFFLOAD),
 }
 
 
-def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
     """Entry point of torch.multiprocessing.spawn."""
     torch.set_num_threads(1)  # two ranks on a two-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     results = {}
     for name in names:
         try:
-            results[name] = SCENARIOS[name](rank)
+            results[name] = SCENARIOS[name](rank, device)
         except Exception:  # reported by the test, which then fails with the traceback
             results[name] = {"traceback": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

@@ -36,6 +36,18 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return ranks[0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_nccl_tensor_and_data_parallel(tmp_path):
+    """The same scenarios on two GPUs with NCCL (fp32, torch backend): gradients within 1e-5."""
+    names = ["tp_llama_gqa", "dp_llama", "dp_llama_accumulation", "tp_llama_offload", "dp_llama_offload"]
+    mp.spawn(run, args=(WORLD, _free_port(), str(tmp_path), names, "cuda"), nprocs=WORLD, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    for name in names:
+        assert "traceback" not in rank0[name], rank0[name].get("traceback")
+        assert rank0[name]["error"] <= GRAD_RTOL, (name, rank0[name]["error"])
+
+
 def test_tensor_parallel_gqa_gradients(results):
     r = results["tp_llama_gqa"]
     assert r["error"] <= GRAD_RTOL
