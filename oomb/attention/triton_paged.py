@@ -45,8 +45,11 @@ Caveats:
   dK/dV kernel writing the same page slot would race. Not checked (a check costs a device sync).
 * Autotuning runs on the first call per (head dim, page size, group, dtypes) and benchmarks the
   dK/dV kernel on clones of the gradient pools (``restore_value``): a one-off copy of both pools.
-  Two processes may pick different configs and so differ in the last bits; one process is
-  deterministic. ``OOMB_TRITON_AUTOTUNE=0`` pins the first config of each list instead.
+  The choice is kept in Triton's on-disk cache (``cache_results``; ``OOMB_TRITON_AUTOTUNE_CACHE=0``
+  turns that off), so later processes on the machine reuse it: without the cache two processes
+  may pick different configs and differ in the last bits (bf16 gradient error 0.0106 vs 0.0114
+  measured on the H200, docs/results.md). ``OOMB_TRITON_AUTOTUNE=0`` pins the first config of
+  each list instead.
 * Under ``TRITON_INTERPRET=1`` (CPU tests) every tile is upcast to float32 before ``tl.dot``
   (the interpreter computes bfloat16 dots wrongly) and a single small config is used.
 """
@@ -66,6 +69,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
 """OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
 the same config, hence bit-identical results, in every process."""
+CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
+"""Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
+one's choice (same configs, hence the same bits, and no tuning in their warm-up).
+OOMB_TRITON_AUTOTUNE_CACHE=0 tunes afresh in every process."""
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # = 1 / ln(2): softmax runs in base 2 (exp2 is native)
 _LN2 = tl.constexpr(0.6931471805599453)  # = ln(2): turns the base-2 log-sum-exp into natural log
@@ -198,7 +205,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr,
@@ -351,7 +358,8 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"])
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"],
+                 cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_DYNAMIC_INTS)
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -482,7 +490,7 @@ def _dq_inner(
 
 
 # restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"])
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"], cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,

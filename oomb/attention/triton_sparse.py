@@ -52,6 +52,7 @@ from .triton_paged import (
     _LN2,
     _LOG2E,
     _TUNING_KEY,
+    CACHE_TUNING,
     _check_inputs,
     _delta_kernel,
     _dkdv_inner,
@@ -166,7 +167,7 @@ def _dq_pages_inner(
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, out_ptr, lse_ptr,
@@ -239,7 +240,7 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -310,7 +311,8 @@ def _dq_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"])
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"],
+                 cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_ITEM_DYNAMIC_INTS)
 def _history_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
