@@ -106,7 +106,7 @@ def forward_backward(
     def run_chunk(chunk: ChunkSpan, stage: Stage) -> torch.Tensor:
         positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
         recompute_cache = {} if stage is Stage.GRAD and config.checkpoint_layers else None
-        out = decoder(
+        out = parallel.decoder_entry(decoder)(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
             use_cache=False,

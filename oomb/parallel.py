@@ -107,6 +107,12 @@ class ParallelSetup:
     config: ParallelConfig = field(default_factory=ParallelConfig)
     mesh: DeviceMesh | None = None
     rank: int = 0
+    decoder_root: nn.Module | None = None
+    """Data parallel with tied embeddings: the FSDP root the decoder is called through."""
+
+    def decoder_entry(self, decoder: nn.Module) -> nn.Module:
+        """The module to call for the decoder's forward (the FSDP root when there is a wrapper)."""
+        return self.decoder_root if self.decoder_root is not None else decoder
 
     @property
     def tp(self) -> int:
@@ -136,12 +142,12 @@ class ParallelSetup:
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
         """Data parallel: reduce gradients in the coming backward (True) or keep summing them locally."""
-        for module in _fsdp_modules(model):
+        for module in _fsdp_modules(model, self.decoder_root):
             module.set_requires_gradient_sync(sync, recurse=False)
 
     def finish_step(self, model: nn.Module) -> None:
         """Data parallel: release the gathered parameters (an optimizer may change the shards next)."""
-        for module in _fsdp_modules(model):
+        for module in _fsdp_modules(model, self.decoder_root):
             module.reshard()
 
     @property
@@ -175,10 +181,12 @@ def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets) 
     return parallel
 
 
-def _fsdp_modules(model: nn.Module) -> Iterator[nn.Module]:
+def _fsdp_modules(model: nn.Module, root: nn.Module | None = None) -> Iterator[nn.Module]:
+    """The FSDP units of ``model`` (and ``root``, the DecoderRoot outside the model's tree, if any)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return (m for m in model.modules() if isinstance(m, FSDPModule))
+    modules = [*model.modules(), *([root] if root is not None else [])]
+    return (m for m in modules if isinstance(m, FSDPModule))
 
 
 def init_distributed(device_type: str) -> int:
@@ -224,9 +232,8 @@ def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, device_type: s
     mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
     if tp > 1:
         apply_tensor_parallel(causal_lm, mesh["tp"])
-    if dp > 1:
-        apply_data_parallel(model, causal_lm, mesh["dp"])
-    return ParallelSetup(config, mesh, dist.get_rank())
+    root = apply_data_parallel(model, causal_lm, mesh["dp"]) if dp > 1 else None
+    return ParallelSetup(config, mesh, dist.get_rank(), decoder_root=root)
 
 
 def apply_tensor_parallel(causal_lm: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -245,27 +252,46 @@ def apply_tensor_parallel(causal_lm: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "a replicated LM head" if head.weight is embeddings.weight else "a vocabulary-sharded LM head")
 
 
-def apply_data_parallel(model: nn.Module, causal_lm: nn.Module, dp_mesh: DeviceMesh) -> None:
+class DecoderRoot(nn.Module):
+    """The FSDP root of a model with tied embeddings: the decoder and the LM head under one module,
+    whose forward is the decoder's (the engine computes the loss with the head separately)."""
+
+    def __init__(self, decoder: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.head = head
+
+    def forward(self, *args, **kwargs):
+        return self.decoder(*args, **kwargs)
+
+
+def apply_data_parallel(model: nn.Module, causal_lm: nn.Module, dp_mesh: DeviceMesh) -> nn.Module | None:
     """FSDP2 per decoder layer, over the decoder (the root: the engine calls its forward per chunk)
     and over the LM head, keeping parameters gathered between forward and backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
-    if head.weight is causal_lm.get_input_embeddings().weight:
-        # The engine calls the decoder and the head separately, so they are separate FSDP roots, and
-        # one parameter cannot belong to two of them.
-        raise NotImplementedError("data parallel (dp > 1) with tied input/output embeddings "
-                                  "(tie_word_embeddings=True) is not supported yet; use tp only")
     # reduce_dtype=float32: gradients summed over chunks without sync are kept in fp32 (FSDP upcasts
     # the unsharded gradient to reduce_dtype when it accumulates), the role Fp32GradAccumulator has
     # on a single GPU.
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for module in (*decoder.layers, decoder, head):
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
-    for module in _fsdp_modules(model):
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    root = None
+    if head.weight is causal_lm.get_input_embeddings().weight:
+        # Tied embeddings: one parameter cannot belong to two FSDP units, and FSDP wants one root
+        # module. A wrapper holding the decoder and the head is that root; the engine calls the
+        # decoder through it (ParallelSetup.decoder_entry), the head's weight stays gathered with it.
+        root = DecoderRoot(decoder, head)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    else:
+        for module in (decoder, head):
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    for module in _fsdp_modules(model, root):
         module.set_reshard_after_backward(False, recurse=False)
-    logger.info("FSDP2 over %d data-parallel ranks: %d layers, the decoder's own weights, the LM head",
-                dp_mesh.size(), len(decoder.layers))
+    logger.info("FSDP2 over %d data-parallel ranks: %d layers, the decoder's own weights, the LM head%s",
+                dp_mesh.size(), len(decoder.layers), " (tied: one unit)" if root is not None else "")
+    return root
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,8 @@ def data_parallel(rank: int, device: torch.device, family: str, config: OOMBConf
     got = _gathered_grads(model)
     return {"error": relative_error(got, grads(reference)), "loss": setup.all_mean(float(loss)),
             "want_loss": want_loss, "param_type": type(model.lm_head.weight).__name__, "collectives": calls,
-            "fsdp_groups": model.config.num_hidden_layers + 2}  # layers, the decoder's own weights, the head
+            # layers, the decoder's own weights, the head (one unit with the decoder's when tied)
+            "fsdp_groups": model.config.num_hidden_layers + (1 if model.config.tie_word_embeddings else 2)}
 
 
 def data_parallel_accumulation(rank: int, device: torch.device, family: str) -> dict:
@@ -112,6 +113,7 @@ SCENARIOS = {
     "tp_qwen2_tied": lambda rank, device: tensor_parallel(rank, device, "qwen2", tie_word_embeddings=True),
     "dp_llama": lambda rank, device: data_parallel(rank, device, "llama"),
     "dp_qwen3": lambda rank, device: data_parallel(rank, device, "qwen3"),  # q/k norms, head_dim 32
+    "dp_qwen2_tied": lambda rank, device: data_parallel(rank, device, "qwen2", tie_word_embeddings=True),
     "dp_llama_accumulation": lambda rank, device: data_parallel_accumulation(rank, device, "llama"),
     # Host offload with each rank's own KV heads (TP) or its own sequence (DP).
     "tp_llama_offload": lambda rank, device: tensor_parallel(rank, device, "llama", OFFLOAD),

@@ -78,7 +78,7 @@ def test_parallel_with_host_offload(results, name):
     assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
 
 
-@pytest.mark.parametrize("name", ["dp_llama", "dp_qwen3"])
+@pytest.mark.parametrize("name", ["dp_llama", "dp_qwen3", "dp_qwen2_tied"])
 def test_data_parallel_gradients(results, name):
     r = results[name]
     assert r["error"] <= GRAD_RTOL
