@@ -217,11 +217,11 @@ def estimate_step_memory(
         kv_dtype=dtype, grad_dtype=config.grad_dtype,
     )
     if config.offload:
-        page_bytes = _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
         pages = _num_pages(num_tokens, config.page_size, batch_size)
         chunk_pages = _num_pages(min(config.chunk_size, num_tokens), config.page_size, batch_size)
-        slots = config.stream_buffers * batch_size * max(config.stream_block_pages, chunk_pages // batch_size)
-        kv = (min(config.offload_resident_layers, shape.num_layers) * pages + slots + 2 * chunk_pages) * page_bytes
+        kv = _dense_offload_gpu_pages(shape.num_layers, pages, chunk_pages, batch_size, OffloadAssumptions(
+            config.offload_resident_layers, config.stream_block_pages, config.stream_buffers))
+        kv *= _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
     grads = trainable_params * dtype.itemsize
     if config.fp32_grad_accumulation and dtype.itemsize < FP32_BYTES:
         grads += trainable_params * FP32_BYTES
@@ -335,6 +335,14 @@ def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
     return batch_size * -(-tokens // page_size)
 
 
+def _dense_offload_gpu_pages(num_layers: int, pages: int, chunk_pages: int, batch_size: int,
+                             offload: OffloadAssumptions) -> int:
+    """Pages dense offload keeps on the GPU (kv/offload.py): the resident layers' pools, the staging
+    slots (a block or a chunk per sequence each) and one chunk's own K, V (stage 1) or dK, dV (stage 2)."""
+    slots = offload.stream_buffers * batch_size * max(offload.stream_block_pages, chunk_pages // batch_size)
+    return min(offload.resident_layers, num_layers) * pages + slots + 2 * chunk_pages
+
+
 def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
     """K, V, dK, dV of one page in one layer."""
     return 2 * shape.kv_dim * page_size * (dtype.itemsize + grad_dtype.itemsize)
@@ -435,17 +443,13 @@ def predict(
     gpu["page tables"] = pages * INT32_BYTES
 
     if mode.offload:
-        # GPU: the chunk's pages of the resident layers + the streamed blocks of earlier pages.
-        # GPU: pools of the resident layers, the staging buffers (a block or a chunk per sequence
-        # each), and one chunk's own K, V (stage 1) or dK, dV (stage 2).
         chunk_pages = _num_pages(chunk_len, P, B)
         resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
-            slots = offload.stream_buffers * B * max(offload.stream_block_pages, chunk_pages // B)
+            gpu["KV working set"] = _dense_offload_gpu_pages(L, pages, chunk_pages, B, offload) * page_bytes
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound)
             union = (chunk_pages // B) * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
-            slots = B * min(pages // B, union)
-        gpu["KV working set"] = (resident * pages + slots + 2 * chunk_pages) * page_bytes
+            gpu["KV working set"] = (resident * pages + B * min(pages // B, union) + 2 * chunk_pages) * page_bytes
         # Host: K, V, dK, dV of every token of the offloaded layers, pinned: the footprint the
         # engine checks before allocating (kv/capacity.py).
         page_shape = capacity.PageShape(L, B, tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)

@@ -147,8 +147,6 @@ class OffloadedKVStore(PagedKVStore):
         template = store_options
         B, P = self.batch_size, self.page_size
         Hkv, D = template["num_kv_heads"], template["head_dim"]
-        dtypes = {"k": template["kv_dtype"], "v": template["kv_dtype"],
-                  "dk": template["grad_dtype"], "dv": template["grad_dtype"]}
         self.host = reserve_host_slabs(slabs, resident_layers=resident_layers, **store_options)
         # Where each page position is, per offloaded layer (all sequences move together).
         self.kv_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
@@ -160,7 +158,8 @@ class OffloadedKVStore(PagedKVStore):
         if num_offloaded:
             shape = (B * self.slot_pages, Hkv, P, D)
             for _ in range(stream_buffers):
-                tensors = {kind: torch.zeros(shape, dtype=dtypes[kind], device=self.device) for kind in KINDS}
+                tensors = {kind: torch.zeros(shape, dtype=self.host[kind].dtype, device=self.device)
+                           for kind in KINDS}
                 events = dict(loaded=torch.cuda.Event(), released=torch.cuda.Event()) if cuda else {}
                 self.slots.append(_Slot(**tensors, **events))
         if self.copy_stream is not None:  # the slots were zeroed on the compute stream
@@ -177,15 +176,6 @@ class OffloadedKVStore(PagedKVStore):
         self._prefetched = None  # ((layer, chunk index, grads), loads) started ahead of that call
         self.prefetch_hits = 0
         """Attention calls whose first windows were loaded during the previous call (diagnostics)."""
-
-    @staticmethod
-    def host_bytes_needed(*, num_layers: int, resident_layers: int, batch_size: int, num_tokens: int,
-                          num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
-                          grad_dtype: torch.dtype) -> int:
-        """Bytes of the four host slabs (K, V, dK, dV of every offloaded layer)."""
-        offloaded = max(0, num_layers - resident_layers)
-        pages = batch_size * -(-num_tokens // page_size)
-        return 2 * offloaded * pages * num_kv_heads * page_size * head_dim * (kv_dtype.itemsize + grad_dtype.itemsize)
 
     def _offloaded(self, layer: int) -> int | None:
         return layer - self.resident if layer >= self.resident else None
