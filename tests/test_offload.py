@@ -8,7 +8,7 @@ import mmap
 
 import pytest
 import torch
-from helpers import build_tiny_model, grads, random_ids
+from helpers import build_tiny_model, grads, page_locked, random_ids
 
 import oomb
 import oomb.engine
@@ -289,7 +289,8 @@ def test_gpu_offload_steps_equal_steps_without_bitwise():
             assert torch.equal(loss_a, loss_b)
             for name in grads_a:
                 assert torch.equal(grads_a[name], grads_b[name]), (resident, name)
-    assert slabs.pin and all(slab.is_pinned() for slab in slabs._slabs.values())
+    assert slabs.pin and all(page_locked(slab) for slab in slabs._slabs.values())
+    assert page_locked(torch.empty(64, pin_memory=True)) and not page_locked(torch.empty(64))  # the probe itself
     sparse = oomb.OOMBConfig(**{**base.__dict__, **SPARSE})
     want = _steps(model, sparse, lengths)
     got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, slabs)
