@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from oomb import machine  # noqa: E402
-from oomb.bench import BenchOptions, build_model, make_step, token_ids  # noqa: E402
-from oomb.plan import parse_tokens  # noqa: E402
+from oomb.bench import BenchOptions, build_model, make_step, token_ids, warmup_tokens  # noqa: E402
+from oomb.plan import MODES, parse_tokens  # noqa: E402
 from oomb.presets import PRESETS  # noqa: E402
 
 GROUPS = (  # first match wins; names as the profiler reports kernels and ops
@@ -46,10 +46,11 @@ def group_of(name: str) -> str:
 
 def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
     device = torch.device(options.device)
-    model = build_model(options.preset, max(tokens, options.warmup_tokens), device, options.dtype, options.seed)
+    warmup = warmup_tokens(mode, options)
+    model = build_model(options.preset, max(tokens, warmup), device, options.dtype, options.seed)
     step = make_step(mode, options)
     vocab = model.config.vocab_size
-    step(model, token_ids(vocab, options.warmup_tokens, options.seed, device))  # compile, autotune
+    step(model, token_ids(vocab, warmup, options.seed, device))  # compile, autotune
     ids = token_ids(vocab, tokens, options.seed, device)
     if hasattr(step, "prepare"):
         step.prepare(model, ids)
@@ -86,7 +87,7 @@ def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-7b")
-    parser.add_argument("--modes", nargs="+", default=["dense", "hf"], choices=["hf", "dense", "dense+offload"])
+    parser.add_argument("--modes", nargs="+", default=["dense", "hf"], choices=list(MODES))
     parser.add_argument("--contexts", type=parse_tokens, nargs="+", default=[32768])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--warmup-tokens", type=parse_tokens, default=8192)

@@ -169,6 +169,18 @@ def make_step(mode: str, options: BenchOptions):
     return offload_step
 
 
+def warmup_tokens(mode: str, options: BenchOptions) -> int:
+    """The warm-up step's length: options.warmup_tokens, and in sparse modes long enough that a chunk's
+    history outgrows the sinks and the budget, so the sparse kernels compile and tune before timing
+    (on a GPU, when some context is that long)."""
+    config = oomb_config_for(mode, options.oomb_config()) if mode.startswith("sparse") else None
+    if config is None or torch.device(options.device).type != "cuda":
+        return options.warmup_tokens
+    selecting = (config.sparse_sink_pages + config.sparse_budget + 1) * config.page_size  # history that selects
+    tokens = (-(-selecting // config.chunk_size) + 1) * config.chunk_size
+    return max(options.warmup_tokens, tokens) if max(options.contexts) >= tokens else options.warmup_tokens
+
+
 def token_ids(vocab: int, tokens: int, seed: int, device: torch.device) -> torch.Tensor:
     """The same random sequence for every mode (drawn on the CPU, then moved)."""
     generator = torch.Generator().manual_seed(seed + tokens)
@@ -231,16 +243,16 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
         gpu = machine.detect_gpu(device)
         emit({"event": "device", "gpu": gpu.name, "total_bytes": gpu.total_bytes, "count": torch.cuda.device_count()})
     start = time.perf_counter()
-    model = build_model(options.preset, max(options.contexts + [options.warmup_tokens]), device, options.dtype,
-                        options.seed)
+    warmup = warmup_tokens(mode, options)
+    model = build_model(options.preset, max(options.contexts + [warmup]), device, options.dtype, options.seed)
     _sync(device)
     emit({"event": "init", "seconds": round(time.perf_counter() - start, 2)})
     step = make_step(mode, options)
     vocab = model.config.vocab_size
     start = time.perf_counter()
-    step(model, token_ids(vocab, options.warmup_tokens, options.seed, device))
+    step(model, token_ids(vocab, warmup, options.seed, device))
     _sync(device)
-    emit({"event": "warmup", "tokens": options.warmup_tokens, "seconds": round(time.perf_counter() - start, 2)})
+    emit({"event": "warmup", "tokens": warmup, "seconds": round(time.perf_counter() - start, 2)})
     last = None  # (tokens, seconds) of the last completed step
     stopped = None
     for tokens in options.contexts:

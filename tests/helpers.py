@@ -113,7 +113,8 @@ def page_locked(tensor: torch.Tensor) -> bool:
 
     class PointerAttributes(ctypes.Structure):
         _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                    ("device_pointer", ctypes.c_void_p), ("host_pointer", ctypes.c_void_p)]
+                    ("device_pointer", ctypes.c_void_p), ("host_pointer", ctypes.c_void_p),
+                    ("reserved", ctypes.c_long * 16)]  # room for fields newer CUDA versions add
 
     attributes = PointerAttributes()
     error = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(tensor.data_ptr()))
