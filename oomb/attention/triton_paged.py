@@ -106,12 +106,10 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 # Chosen for H100/H200 (wgmma wants >= 64 rows per warpgroup); the autotuner picks per shape key.
-_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4),
-                        (64, 128, 4, 3)])
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 # dK/dV: BLOCK_N keys stay resident (two BLOCK_N x BLOCK_D float32 accumulators), BLOCK_M rows stream.
-_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3),
-                          (128, 64, 8, 3), (64, 128, 4, 3)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 _DELTA_BLOCK_M = 64  # rows per program of the elementwise rowsum(dO * O)
 
 
