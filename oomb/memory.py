@@ -4,6 +4,7 @@
                          + one chunk's activations (+ one logits slice) + KV working set
                          + page summaries + page tables
     host RAM             = the process itself + (with offload) K, V and dK, dV pages of every token
+                           (+ sparse: the stored page selections of the offloaded layers)
 
 Five modes are modelled: plain Hugging Face ("hf": SDPA + gradient checkpointing + chunked loss, for
 comparison) and oomb's dense/sparse attention with host offload off/on. Only the pages (and, in sparse
@@ -328,7 +329,7 @@ class MemoryPrediction:
 
 GPU_TERMS = ("weights", "param grads", "fp32 grad sums", "optimizer", "activations", "KV working set",
              "page summaries", "page tables")
-HOST_TERMS = ("process", "KV pages", "KV grad pages")
+HOST_TERMS = ("process", "KV pages", "KV grad pages", "selections")
 
 
 def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
@@ -464,5 +465,9 @@ def predict(
         selection = 0
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head
             selection = L * pages * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages) * INT32_BYTES
+        if mode.offload:  # offloaded layers keep their selections in host memory until stage 2
+            offloaded = L - min(offload.resident_layers, L)
+            host["selections"] = selection * offloaded // L
+            selection -= host["selections"]
         gpu["page summaries"] = summaries + selection
     return MemoryPrediction(mode.name, tokens, gpu, host)

@@ -342,6 +342,23 @@ class OffloadedKVStore(PagedKVStore):
                 slot.released.record(self.copy_stream)
         self.grad_on_host[index, first:last] = True
 
+    # --- sparse mode: stage 1's selections wait in host memory --------------------------------
+    def save_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor | None) -> None:
+        """Keep an offloaded layer's selection on the host until stage 2 needs it: then only the page
+        summaries of the store grow with the context on the GPU (about 1/3 of the growth otherwise,
+        e.g. 2.3 of 6.8 MB per 10K tokens of the 7B shape at budget 64)."""
+        if selection is not None and self._offloaded(layer) is not None and selection.device.type == "cuda":
+            host = torch.empty(selection.shape, dtype=selection.dtype, pin_memory=True)
+            host.copy_(selection, non_blocking=True)  # ordered before stage 2's copy back: same stream
+            selection = host
+        super().save_selection(layer, chunk, selection)
+
+    def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
+        selection = super().selection(layer, chunk)
+        if selection is not None and selection.device != self.device:
+            selection = selection.to(self.device, non_blocking=True)
+        return selection
+
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
         index = self._offloaded(layer)
         if index is None:
