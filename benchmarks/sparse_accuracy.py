@@ -55,6 +55,7 @@ class Arm:
     budget: int = 0
     score: str = "minmax"
     leak_free: bool = False
+    query_block_pages: int = 1  # query blocks sharing one selection
 
 
 ARMS = {
@@ -66,6 +67,8 @@ ARMS = {
         Arm("sparse k=0", "sparse", 0),
         Arm("sparse k=8 mean", "sparse", 8, score="mean"),
         Arm("sparse k=8 leak-free", "sparse", 8, leak_free=True),
+        Arm("sparse k=8 per chunk", "sparse", 8, query_block_pages=8),  # chunk 256 = 8 pages of 32
+        Arm("sparse k=2 per chunk", "sparse", 2, query_block_pages=8),
     )
 }
 
@@ -89,7 +92,8 @@ def make_batch(generator: torch.Generator, batch: int, tokens: int):
 def oomb_config(arm: Arm, args) -> oomb.OOMBConfig:
     return oomb.OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, backend="torch",
                            attention=arm.attention, sparse_budget=arm.budget, sparse_sink_pages=args.sink_pages,
-                           sparse_score=arm.score, sparse_leak_free=arm.leak_free, loss_chunk_tokens=args.chunk_size)
+                           sparse_score=arm.score, sparse_leak_free=arm.leak_free,
+                           sparse_query_block_pages=arm.query_block_pages, loss_chunk_tokens=args.chunk_size)
 
 
 def evaluate(model, config: oomb.OOMBConfig, eval_set, args) -> dict:

@@ -40,7 +40,7 @@ import torch
 from . import machine, presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .config import OOMBConfig, resolve_dtype
-from .memory import GIB, MODES, ModelShape, TrainingSetup, predict
+from .memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
 from .models import unwrap_causal_lm
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 
@@ -70,6 +70,8 @@ class BenchOptions:
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
     loss_chunk_tokens: int = 1024
+    sparse_query_block_pages: int = 1
+    """Sparse modes: query blocks sharing one selection (OOMBConfig.sparse_query_block_pages)."""
     warmup_tokens: int = 8192
     max_seconds: float = math.inf
     """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
@@ -97,7 +99,14 @@ class BenchOptions:
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           checkpoint_layers=self.checkpoint_layers, loss_chunk_tokens=self.loss_chunk_tokens,
-                          fp32_grad_accumulation=self.fp32_grad_accumulation)
+                          fp32_grad_accumulation=self.fp32_grad_accumulation,
+                          sparse_query_block_pages=self.sparse_query_block_pages)
+
+    def sparse_assumptions(self) -> SparseAssumptions:
+        """The planner's view of the sparse options (for the predicted column)."""
+        config = self.oomb_config()
+        return SparseAssumptions(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
+                                 query_block_pages=config.sparse_query_block_pages)
 
 
 QUICK = dict(preset=presets.TINY_PRESET, contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,
@@ -300,7 +309,8 @@ def _mp_context():
 
 
 def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> dict:
-    p = predict(mode, shape, tokens, options.oomb_config(), TrainingSetup(options.dtype, 1, "none"))
+    p = predict(mode, shape, tokens, options.oomb_config(), TrainingSetup(options.dtype, 1, "none"),
+                sparse=options.sparse_assumptions())
     return {"predicted_gpu_above_weights_gib": round(p.gpu_above_weights / GIB, 3),
             "predicted_host_gib": round(p.host_total / GIB, 3)}
 
@@ -342,7 +352,7 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
     setup = TrainingSetup(options.dtype, 1, "none")
 
     def fits(mode: str, tokens: int) -> bool:
-        p = predict(mode, shape, tokens, options.oomb_config(), setup)
+        p = predict(mode, shape, tokens, options.oomb_config(), setup, sparse=options.sparse_assumptions())
         return p.gpu_total <= budget.gpu_limit and p.host_total <= budget.host_limit
 
     report["planner"] = {
@@ -480,6 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
                         help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
+    parser.add_argument("--query-block-pages", dest="sparse_query_block_pages", type=int,
+                        help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
     parser.add_argument("--seed", type=int)
@@ -491,7 +503,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
-                 "fp32_grad_accumulation", "warmup_tokens", "max_seconds", "seed", "threads", "out_dir", "name"):
+                 "fp32_grad_accumulation", "sparse_query_block_pages", "warmup_tokens", "max_seconds", "seed",
+                 "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.no_checkpoint_layers:

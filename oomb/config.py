@@ -59,6 +59,11 @@ class OOMBConfig:
     """Sparse: score a block's pages with its first query only, so no query influences which pages an
     earlier query reads. False (default): every query of the block votes (better recall; a later
     query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
+    sparse_query_block_pages: int = 1
+    """Sparse: consecutive query blocks (pages of queries) that share one selection. 1: every page of
+    queries chooses its own pages. Larger groups read the same compute budget but select fewer
+    distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
+    Hkv x (sinks + budget) pages per chunk)."""
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton"] = "auto"
@@ -102,6 +107,9 @@ class OOMBConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0 (a number of pages)")
+        if isinstance(self.sparse_query_block_pages, bool) or not isinstance(self.sparse_query_block_pages, int) \
+                or self.sparse_query_block_pages < 1:
+            raise ValueError(f"sparse_query_block_pages={self.sparse_query_block_pages!r} must be an integer >= 1")
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
         if self.sparse_selection not in SPARSE_SELECTIONS:

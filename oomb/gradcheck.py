@@ -57,6 +57,7 @@ class GradcheckOptions:
     sink_pages: int = 1
     selection: str = "kv_head"
     leak_free: bool = False
+    query_block_pages: int = 1
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -175,7 +176,8 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
         for budget in options.budgets:
             config = OOMBConfig(**{**asdict(base), "attention": "sparse", "sparse_budget": budget,
                                    "sparse_sink_pages": options.sink_pages, "sparse_score": score,
-                                   "sparse_selection": options.selection, "sparse_leak_free": options.leak_free})
+                                   "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
+                                   "sparse_query_block_pages": options.query_block_pages})
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             loss = float(forward_backward(model, ids, config=config))
@@ -189,10 +191,12 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
 
 def format_report(report: dict) -> str:
     opts = report["options"]
+    group = opts.get("query_block_pages", 1)
     lines = [
         f"oomb gradcheck: {report['model']}, {report['tokens']} tokens of {report['sequence']}, "
         f"chunk {opts['chunk_size']}, page {opts['page_size']}, {opts['sink_pages']} sink page(s), "
-        f"selection {opts['selection']}{', leak-free' if opts['leak_free'] else ''}",
+        f"selection {opts['selection']}{', leak-free' if opts['leak_free'] else ''}"
+        f"{f', one selection per {group} query blocks' if group > 1 else ''}",
         f"dense oomb loss {report['dense']['loss']:.6f} ({report['dense']['seconds']:.1f} s)",
     ]
     hf = report.get("hf")
@@ -233,6 +237,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
     parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
     parser.add_argument("--leak-free", action="store_true", help="score each block with its first query only")
+    parser.add_argument("--query-block-pages", type=int, default=d.query_block_pages,
+                        help="consecutive query blocks (pages of queries) sharing one selection")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")

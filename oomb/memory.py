@@ -298,6 +298,8 @@ class SparseAssumptions:
     """Earlier pages each query block attends to, chosen by score against the page summaries."""
     sink_pages: int = 1
     """First pages of the sequence every query block attends to, besides the top-k."""
+    query_block_pages: int = 1
+    """Consecutive query blocks sharing one selection (OOMBConfig.sparse_query_block_pages)."""
     summary_vectors: int = 2
     """Vectors summarising a page per KV head and layer: 2 for a Quest-style min/max key bound."""
     store_selection: bool = True
@@ -449,7 +451,8 @@ def predict(
         if mode.attention == "dense":
             gpu["KV working set"] = _dense_offload_gpu_pages(L, pages, chunk_pages, B, offload) * page_bytes
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound)
-            union = (chunk_pages // B) * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
+            selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
+            union = selections * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
             gpu["KV working set"] = (resident * pages + B * min(pages // B, union) + 2 * chunk_pages) * page_bytes
         # Host: K, V, dK, dV of every token of the offloaded layers, pinned: the footprint the
         # engine checks before allocating (kv/capacity.py).

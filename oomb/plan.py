@@ -429,6 +429,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("planned modes (assumptions)")
     group.add_argument("--top-k-pages", type=int, default=sparse.top_k_pages)
     group.add_argument("--sink-pages", type=int, default=sparse.sink_pages)
+    group.add_argument("--query-block-pages", type=int, default=sparse.query_block_pages,
+                       help="sparse: query blocks sharing one selection (fewer pages staged with offload)")
     group.add_argument("--resident-layers", type=int, default=offload.resident_layers)
     group.add_argument("--stream-block-pages", type=int, default=offload.stream_block_pages)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -441,7 +443,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank)
     offload = OffloadAssumptions(resident_layers=args.resident_layers, stream_block_pages=args.stream_block_pages)
-    sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages)
+    sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
+                               query_block_pages=args.query_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,

@@ -12,7 +12,10 @@ pages (page-table positions < c0)::
 * top-k: the ``budget`` other history pages with the highest score of the block against the
   pages' summaries (oomb/kv/summaries.py), per KV head ("kv_head") or one choice for all heads
   ("shared", the best score of any head);
-* the chunk's own pages are not part of the selection: every block reads them, causally.
+* the chunk's own pages are not part of the selection: every block reads them, causally;
+* ``query_block_pages = g > 1``: g consecutive blocks share one selection (the best score of any
+  of them; leak-free: their first query's), so a chunk selects fewer distinct pages (what host
+  offload moves) for the same compute.
 
 Scores (not differentiated; all in float32):
 
@@ -52,6 +55,7 @@ class SparseOptions:
     score: str  # "minmax" | "mean"
     selection: str  # "kv_head" | "shared"
     leak_free: bool
+    query_block_pages: int = 1  # consecutive query blocks sharing one selection
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -59,7 +63,7 @@ class SparseOptions:
         if config.attention != "sparse":
             return None
         return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
-                   config.sparse_leak_free)
+                   config.sparse_leak_free, config.sparse_query_block_pages)
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -157,4 +161,21 @@ def select_pages(
     if options.num_selected(n_hist) == n_hist:
         return None
     scores = block_scores(q, store.history_summaries(layer, n_hist), P, options)
-    return top_pages(scores, options)
+    group = options.query_block_pages
+    if group == 1:
+        return top_pages(scores, options)
+    n_blocks = scores.shape[2]
+    selection = top_pages(group_scores(scores, group, options.leak_free), options)
+    return selection.repeat_interleave(group, dim=2)[:, :, :n_blocks].contiguous()
+
+
+def group_scores(scores: torch.Tensor, group: int, leak_free: bool) -> torch.Tensor:
+    """Scores of groups of ``group`` consecutive query blocks: (B, Hkv, n_blocks, n_hist) ->
+    (B, Hkv, ceil(n_blocks / group), n_hist). A group keeps a page if any of its blocks wants it;
+    leak-free, only its first block (scored with its first query) decides."""
+    if leak_free:
+        return scores[:, :, ::group]
+    pad = -scores.shape[2] % group
+    if pad:  # copies of the last block cannot change a maximum
+        scores = torch.cat([scores, scores[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+    return scores.unflatten(2, (-1, group)).amax(dim=3)

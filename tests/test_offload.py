@@ -165,12 +165,12 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
 
 
 @pytest.mark.parametrize("resident", [0, 1])
-@pytest.mark.parametrize("selection", ["kv_head", "shared"])
-def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, offload_stores):
+@pytest.mark.parametrize(("selection", "group"), [("kv_head", 1), ("shared", 1), ("kv_head", 4)])
+def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, offload_stores):
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier."""
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
-                           sparse_selection=selection, **SPARSE)
+                           sparse_selection=selection, sparse_query_block_pages=group, **SPARSE)
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
     offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
@@ -180,6 +180,19 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
         for name in grads_a:
             assert torch.equal(grads_a[name], grads_b[name]), name
     assert all(store.is_empty for store in offload_stores)
+
+
+def test_query_groups_stage_fewer_pages(offload_stores):
+    """One selection per group of query blocks: a chunk's calls stage fewer distinct history pages."""
+    model = build_tiny_model("qwen2", seed=4)
+    staged = {}
+    for group in (1, 4):  # 4 query blocks per chunk: one selection per chunk
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True,
+                                 sparse_query_block_pages=group, **SPARSE)
+        offload_stores.clear()
+        oomb.forward_backward(model, random_ids(1, 200, seed=12), None, config, host_slabs=HostSlabs(pin=False))
+        staged[group] = sum(store.staged_history_pages for store in offload_stores)
+    assert 0 < staged[4] < staged[1]
 
 
 def test_sparse_runs_split_by_gradient_state():

@@ -19,7 +19,7 @@ from oomb.attention import reference, reference_sparse
 from oomb.evaluate import forward_hidden
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.summaries import summarize_pages
-from oomb.sparse import SparseOptions, block_scores, select_pages, top_pages
+from oomb.sparse import SparseOptions, block_scores, group_scores, select_pages, top_pages
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_RTOL = 1e-5
@@ -177,6 +177,38 @@ def test_shared_selection_is_the_same_for_every_kv_head():
     options = _options(selection="shared")
     selection = top_pages(block_scores(s.q, s.summaries, s.page, options), options)
     assert torch.equal(selection, selection[:, :1].expand_as(selection))
+
+
+@pytest.mark.parametrize("leak_free", [False, True], ids=["block", "leak_free"])
+def test_grouped_blocks_share_their_groups_best_pages(leak_free):
+    """query_block_pages=g: the g blocks of a group read the same pages, the top pages of the
+    group's best score (leak-free: of its first block's first query); a last group may be short."""
+    s = _scoring(Lq=20, P=4, n_hist=9)  # 5 query blocks -> groups (0, 1), (2, 3), (4,)
+    options = _options(budget=2, sink_pages=1, leak_free=leak_free)
+    scores = block_scores(s.q, s.summaries, s.page, options)
+    grouped = group_scores(scores, 2, leak_free)
+    assert grouped.shape == (*scores.shape[:2], 3, scores.shape[3])
+    if leak_free:
+        assert torch.equal(grouped, scores[:, :, [0, 2, 4]])
+    else:
+        assert torch.equal(grouped[:, :, 0], torch.maximum(scores[:, :, 0], scores[:, :, 1]))
+        assert torch.equal(grouped[:, :, 2], scores[:, :, 4])
+    store = PagedKVStore(num_layers=1, batch_size=2, num_tokens=56, num_kv_heads=2, head_dim=8, page_size=4,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_min", "key_max"))
+    history, chunk = ChunkSpan(0, 0, 36), ChunkSpan(1, 36, 56)
+    for span, keys in ((history, s.keys.flatten(1, 2).reshape(2, 9, 2, 4, 8)), (chunk, None)):
+        store.allocate(span)
+        k = (keys.permute(0, 2, 1, 3, 4).reshape(2, 2, 36, 8) if keys is not None
+             else torch.randn(2, 2, span.length, 8))
+        store.write(0, span, k, k)
+    grouped_options = _options(budget=2, sink_pages=1, leak_free=leak_free, query_block_pages=2)
+    selection = select_pages(s.q, store, 0, chunk, grouped_options)
+    want = top_pages(group_scores(block_scores(s.q, store.history_summaries(0, 9), 4, options), 2, leak_free),
+                     options)
+    assert selection.shape == (2, 2, 5, 3)
+    assert torch.equal(selection, want[:, :, [0, 0, 1, 1, 2]])
+    store.free_all()
 
 
 def test_a_budget_covering_the_history_selects_nothing():
@@ -465,8 +497,9 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
                        sparse_leak_free=True)),
         ("qwen3", dict(sparse_budget=0, sparse_sink_pages=2, sparse_leak_free=True)),
         ("mistral", dict(sparse_budget=5, sparse_sink_pages=1, checkpoint_layers=False)),
+        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=3)),
     ],
-    ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing"],
+    ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

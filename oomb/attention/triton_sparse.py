@@ -28,8 +28,8 @@ Supported: as triton_paged.py (bf16/fp16/fp32, head dims up to 256, any group si
 sizes that make chunks start on page boundaries (query_start % P == 0, as the engine guarantees).
 
 Caveats:
-* Verified under the interpreter only: these kernels have not run on a GPU yet (tests/test_triton_sparse.py
-  has the GPU tests) and nothing is tuned. ``OOMBConfig(backend="torch")`` runs the sparse
+* Tested under the interpreter and on an H200 (tests/test_triton_sparse.py, ``-m gpu``); tuned only
+  through the dense kernels' autotune spaces. ``OOMBConfig(backend="torch")`` runs the sparse
   reference on a GPU if they fail there.
 * The number of work items of the dK/dV launch is data-dependent: building them costs one device
   synchronisation per backward call (``unique_consecutive``).

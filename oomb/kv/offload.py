@@ -176,6 +176,9 @@ class OffloadedKVStore(PagedKVStore):
         self._prefetched = None  # ((layer, chunk index, grads), loads) started ahead of that call
         self.prefetch_hits = 0
         """Attention calls whose first windows were loaded during the previous call (diagnostics)."""
+        self.staged_history_pages = 0
+        """Sparse: history pages (per sequence) staged by the calls so far, the union of each call's
+        selections (diagnostics: what the selections cost in transfers)."""
 
     def _offloaded(self, layer: int) -> int | None:
         return layer - self.resident if layer >= self.resident else None
@@ -414,6 +417,7 @@ class OffloadedKVStore(PagedKVStore):
         fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
         # Runs of consecutive positions with one gradient state; history and own pages apart.
         history = columns[:n - (last - first)]
+        self.staged_history_pages += len(history)
         runs = _runs(history, self.grad_on_host[index]) + _runs(columns[len(history):], self.grad_on_host[index],
                                                                  offset=len(history))
         with self._on_copy_stream(after_compute=True):
