@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks still pending (docs/results.md, "Not yet run on a GPU"), most important first, each
+# under its own time limit so that one stuck check does not cost the rest. Results go to $OUT
+# (the device machine sets it; elsewhere ./gpu-out). One H200, about 9 minutes in all.
+#
+#     bash benchmarks/pending_gpu.sh
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+export OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+check() {  # check SECONDS NAME COMMAND...: run, keep the full log, show its tail
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "   exit $? (limit ${limit} s)"
+    tail -n 6 "$OUT/$name.log"
+}
+
+# Correctness first: offload (page-locked slabs, host-kept selections), key windows, sparse kernels.
+check 240 gpu_tests python -m pytest -q -m gpu -p no:cacheprovider --timeout 150 \
+    tests/test_offload.py tests/test_key_windows.py tests/test_triton_sparse.py tests/test_triton_paged.py
+# Sparse with one selection per chunk (32 query blocks): step time vs per-page selections (28.5 s /
+# 47 s at 128K), and sparse+offload's GPU growth with the selections on the host.
+check 300 sparse_groups python -m oomb.cli bench --modes sparse sparse+offload --contexts 32K 128K \
+    --query-block-pages 32 --max-seconds 280 --out-dir "$OUT" --name sparse_groups_h200
