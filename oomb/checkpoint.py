@@ -18,6 +18,15 @@ A directory named ``step-NNNNNN`` exists only once every file in it has been wri
 checkpoints or the new one, never a torn one. Loading is lazy where checkpoints are big: tensors are
 read one at a time from the safetensors files and the optimizer state is memory-mapped, so a 7B
 full fine-tuning state (~100 GB) never needs a second copy in host memory.
+
+Several processes (tensor parallel, FSDP2 data parallel) write the same files with whole tensors:
+``gather_full_state`` collects them on rank 0's CPU through torch.distributed.checkpoint's
+``get_model_state_dict``/``get_optimizer_state_dict`` (full_state_dict, cpu_offload), rank 0 writes;
+``load_full_state`` hands rank 0's whole tensors to every rank's shards (``broadcast_from_rank0``).
+A checkpoint therefore resumes with any number of processes and any tp/dp layout. The optimizer
+file keeps ``Optimizer.state_dict()``'s format (state by parameter index, in the optimizer's
+order); torch.distributed.checkpoint's by-name form is converted on the way
+(``optimizer_state_by_index`` / ``optimizer_state_by_name``).
 """
 
 from __future__ import annotations
@@ -161,11 +170,103 @@ class LazyTensors(Mapping):
             raise KeyError(name)
         return self._file.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it."""
+        return tuple(self._file.get_slice(name).get_shape())
+
     def __iter__(self):
         return iter(self._keys)
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def tensor_shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """Shape of ``tensors[name]`` (read from the file's header for LazyTensors)."""
+    return tensors.shape(name) if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) in ``Optimizer.state_dict()``'s
+    format: parameters numbered in the order of the param groups, as ``Optimizer.state_dict()`` numbers them."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_name(state: dict, names: list[list[str]]) -> dict:
+    """The inverse of ``optimizer_state_by_index`` for an optimizer whose param groups hold parameters
+    named ``names`` (one list per group); refuses a state of other groups or parameters."""
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    if saved != [len(group) for group in names]:
+        raise ValueError(f"the optimizer state has param groups of {saved} parameters, this run's optimizer "
+                         f"{[len(group) for group in names]}: was it written for another model or other "
+                         "lora/optim settings?")
+    by_index = {i: name for saved_group, group in zip(state["param_groups"], names, strict=True)
+                for i, name in zip(saved_group["params"], group, strict=True)}
+    missing = [name for i, name in by_index.items() if i not in state["state"]]
+    if state["state"] and missing:
+        raise ValueError(f"the optimizer state has no entry for {len(missing)} trainable parameter(s) (e.g. "
+                         f"{missing[:2]}), which never had a gradient; resuming such a checkpoint needs one process")
+    groups = [{**saved_group, "params": list(group)} for saved_group, group in zip(state["param_groups"], names,
+                                                                                  strict=True)]
+    return {"state": {by_index[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+"""Param-group keys of an optimizer that choose its kernels for this run's devices and layout (tensor
+parallel mixes DTensor and plain tensors: no foreach), not part of the training state."""
+
+
+def with_implementation_options(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``state`` (``Optimizer.state_dict()``'s format) with ``optimizer``'s kernel choices in its param groups, so
+    a checkpoint of another device or tp/dp layout loads (and its step counters go where these kernels want them)."""
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        return state  # refused by the load, with its own message
+    groups = [{**saved, **{k: group[k] for k in IMPLEMENTATION_OPTIONS if k in group}}
+              for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)]
+    return {**state, "param_groups": groups}
+
+
+def gather_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Whole tensors of ``module``'s parameters (DTensor shards or replicated tensors) and of the
+    optimizer's state, on rank 0's CPU; every rank must call it, the others get two empty dicts. The
+    optimizer state is in ``Optimizer.state_dict()``'s format."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    tensors = get_model_state_dict(module, options=options)
+    if not optimizer.state:  # before the first step: nothing to gather (and get_optimizer_state_dict
+        return tensors, optimizer.state_dict()  # would create the state with a step of zero gradients)
+    state = get_optimizer_state_dict(module, optimizer, options=options)
+    return tensors, optimizer_state_by_index(state) if dist.get_rank() == 0 else {}
+
+
+def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor],
+                    optimizer_state: dict | None) -> None:
+    """Rank 0's whole tensors into every rank's shards of ``module``'s parameters and the optimizer's
+    state (``broadcast_from_rank0``). Every rank must call it. On rank 0, ``tensors`` holds every
+    parameter of ``module`` by name and ``optimizer_state`` is by parameter name
+    (``optimizer_state_by_name``); the other ranks' are not read. ``optimizer_state=None`` on every
+    rank leaves the optimizer alone."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, dict(tensors.items()), options=options)  # LazyTensors: read from disk here
+    if optimizer_state is not None:
+        set_optimizer_state_dict(module, optimizer, optimizer_state, options=options)
 
 
 def capture_rng() -> dict:

@@ -42,6 +42,9 @@ class MasterWeights:
                 master = p.detach().to(device=device, dtype=torch.float32, copy=True)
                 if offload and p.is_cuda:
                     master = master.pin_memory()  # faster copies both ways
+                # A Parameter (of no autograd graph: nothing computes with it) so that module() can
+                # register it; requires_grad marks it trainable for torch.distributed.checkpoint.
+                master = nn.Parameter(master, requires_grad=True)
             self.names.append(name)
             self.params.append(p)
             self.masters.append(master)
@@ -110,6 +113,23 @@ class MasterWeights:
                 p.copy_(m, non_blocking=True)
         if any(p.is_cuda for p in self.params):
             torch.cuda.synchronize()  # pinned sources must not change before the copies finish
+
+    def module(self) -> nn.Module:
+        """The tensors AdamW updates (fp32 masters, else the parameters themselves) as the parameters
+        of a module, under the model's names. With several processes, checkpoints go through
+        torch.distributed.checkpoint's get/set_model_state_dict and get/set_optimizer_state_dict,
+        which find an optimizer's tensors among a module's parameters: given the model, they would
+        miss the masters (and save bf16 weights where fp32 ones are stepped)."""
+        root = nn.Module()
+        for name, tensor in zip(self.names, self.optimizer_params, strict=True):
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:  # plain modules along the model's path (its names are valid attributes)
+                if part not in module._modules:
+                    module.add_module(part, nn.Module())
+                module = module._modules[part]
+            module.register_parameter(leaf, tensor)
+        return root
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: m for n, m in zip(self.names, self.masters, strict=True) if m is not None}

@@ -10,16 +10,22 @@
 
 Ctrl-C during a step drops the partial step, writes a checkpoint of the last complete one and
 returns (``TrainResult.interrupted``); ``checkpoint.resume="latest"`` continues exactly there.
+
+Several processes (torchrun): checkpoints hold whole tensors, gathered on rank 0 (which alone
+writes files), and are resumed by any number of processes, any tp x dp layout
+(oomb/checkpoint.py: gather_full_state, load_full_state).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -29,12 +35,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import nn
 from tqdm.auto import tqdm
 
 from . import machine
-from .checkpoint import Checkpoint, atomic_directory, capture_rng, latest_checkpoint, load_checkpoint, restore_rng
+from .checkpoint import (
+    Checkpoint,
+    atomic_directory,
+    capture_rng,
+    gather_full_state,
+    latest_checkpoint,
+    load_checkpoint,
+    load_full_state,
+    optimizer_state_by_name,
+    restore_rng,
+    tensor_shape,
+    with_implementation_options,
+)
 from .checkpoint import save_checkpoint as write_checkpoint
 from .data import DataPosition, PackedSequences, resolve_files
 from .engine import forward_backward
@@ -129,10 +148,20 @@ class Trainer:
         if world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
+        tp = cfg.parallel.tp
+        dp = cfg.parallel.dp or max(1, world // tp)
+        if tp * dp != world:  # checked before anything is loaded or written, on every rank alike
+            if world == 1:
+                raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} needs {tp * dp} processes: start with "
+                                 f"torchrun --nproc-per-node {tp * dp} -m oomb.cli train ...")
+            raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} processes, but {world} were "
+                             "started: tp must divide the number of processes (leave parallel.dp empty: "
+                             "processes / tp)")
+        if world > 1 and cfg.optim.offload:
+            raise NotImplementedError("optim.offload is not supported with several processes: the optimizer state "
+                                      "stays on the GPUs, sharded over them (set optim.offload=false; more "
+                                      "processes shard it further)")
         resume_from, stale = self._prepare_output_dir()
-        if world > 1 and (resume_from is not None or cfg.optim.offload):
-            raise NotImplementedError("with several processes, checkpoint.resume and optim.offload are not "
-                                      "supported yet: start a fresh run (checkpoints are still written)")
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 
@@ -153,10 +182,7 @@ class Trainer:
         self.model.train()
         causal_lm = unwrap_causal_lm(self.model)
         self.trainable, self.total_params = count_parameters(self.model)  # before sharding: whole-model counts
-        tp = cfg.parallel.tp
-        if world % tp:
-            raise ValueError(f"parallel.tp={tp} must divide the number of processes ({world})")
-        self.parallel = setup_parallel(self.model, tp=tp, dp=cfg.parallel.dp or world // tp)
+        self.parallel = setup_parallel(self.model, tp=tp, dp=dp)
         self.device = causal_lm.get_input_embeddings().weight.device
         vocab = causal_lm.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > vocab:
@@ -288,38 +314,61 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write the state after the last complete step to output_dir/checkpoints/step-NNNNNN."""
-        params = dict(self.model.named_parameters())
+        """Write the state after the last complete step to output_dir/checkpoints/step-NNNNNN.
+
+        Several processes: every rank must call it. The shards are gathered into whole tensors on rank
+        0's CPU (torch.distributed.checkpoint), rank 0 writes the files a single process writes, with
+        every rank's RNG state; every rank returns the path."""
         state = {
             "tokens": self.tokens,
             "elapsed_s": self.elapsed,
             "data_position": self._data_position.to_dict(),
             "data_files": [str(f.path) for f in self.data.files],
             "losses": self.losses,
+            "parallel": {"tp": self.parallel.tp, "dp": self.parallel.dp},
         }
-        # Several processes: DTensor shards are gathered (every rank takes part), rank 0 writes.
-        checkpoint = Checkpoint(
-            step=self.step,
-            weights=_gathered({n: params[n] for n in self.masters.unmastered_names}),  # the rest: in the masters
-            adapter=self.config.lora.enabled,
-            master=_gathered(self.masters.state_dict()),
-            optimizer=_gathered(self.optimizer.state_dict()),
-            scheduler=self.scheduler.state_dict(),
-            rng=capture_rng(),
-            state=state,
-            config_yaml=self.config.to_yaml(),
-        )
-        if self.parallel.is_main:
-            self._last_saved = write_checkpoint(checkpoint, self.checkpoint_dir, self.config.checkpoint.keep_last)
+        mastered = set(self.masters.state_dict())
+        if self.parallel.mesh is None:
+            params = dict(self.model.named_parameters())
+            weights = {n: params[n] for n in self.masters.unmastered_names}  # the rest: in the masters
+            master, optimizer, rng = self.masters.state_dict(), self.optimizer.state_dict(), capture_rng()
         else:
-            self._last_saved = self.checkpoint_dir  # rank 0 knows the directory's name
-        self.parallel.barrier()
+            tensors, optimizer = gather_full_state(self.masters.module(), self.optimizer)  # rank 0; others: {}
+            rngs = [None] * dist.get_world_size() if self.parallel.is_main else None
+            dist.gather_object(capture_rng(), rngs, dst=0)
+            weights = {n: tensors[n] for n in tensors if n not in mastered}
+            master = {n: tensors[n] for n in tensors if n in mastered}
+            rng = {**rngs[0], "ranks": rngs} if self.parallel.is_main else {}  # top level: rank 0's, as one process
+        checkpoint = Checkpoint(step=self.step, weights=weights, adapter=self.config.lora.enabled, master=master,
+                                optimizer=optimizer, scheduler=self.scheduler.state_dict(), rng=rng, state=state,
+                                config_yaml=self.config.to_yaml())
+        self._last_saved = self._on_main(lambda: write_checkpoint(checkpoint, self.checkpoint_dir,
+                                                                  self.config.checkpoint.keep_last))
         self._saved_step = self.step
         return self._last_saved
 
-    def _restore(self, path: Path) -> None:
-        checkpoint = load_checkpoint(path)
-        params = dict(self.model.named_parameters())
+    def _on_main(self, fn):
+        """``fn()`` on rank 0 alone and its result on every rank; an exception it raises is raised on every
+        rank (so none waits for the others forever). One process: just ``fn()``."""
+        if self.parallel.mesh is None:
+            return fn()
+        box, error = [None], None
+        if self.parallel.is_main:
+            try:
+                box[0] = (True, fn())
+            except Exception as err:
+                error = err
+                box[0] = (False, err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}"))
+        dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _check_checkpoint(self, checkpoint: Checkpoint, path: Path) -> None:
+        """Refuse a checkpoint of other trainable parameters than this run's (names, masters, whole shapes)."""
         expected = set(self.masters.unmastered_names)
         if set(checkpoint.weights) != expected or checkpoint.adapter != self.config.lora.enabled:
             missing = sorted(expected - set(checkpoint.weights))
@@ -327,19 +376,56 @@ class Trainer:
                 f"checkpoint {path} does not match this model: {len(missing)} trainable parameter(s) missing "
                 f"(e.g. {missing[:2]}), {len(set(checkpoint.weights) - expected)} unexpected; was it written "
                 "with other model, lora or optim.master_weights/offload settings?")
-        with torch.no_grad():
-            for name in checkpoint.weights:  # one tensor in host memory at a time
-                params[name].copy_(checkpoint.weights[name])
-        if checkpoint.master or self.masters.state_dict():
-            self.masters.load_state_dict(checkpoint.master)
-        self.optimizer.load_state_dict(checkpoint.optimizer)
+        mastered = set(self.masters.state_dict())
+        if set(checkpoint.master) != mastered:
+            missing, extra = sorted(mastered - set(checkpoint.master)), sorted(set(checkpoint.master) - mastered)
+            raise ValueError(f"checkpoint {path}: master weights do not match the model (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}): was it written with other optim.master_weights/offload "
+                             "or model settings?")
+        for name, tensor in zip(self.masters.names, self.masters.optimizer_params, strict=True):
+            saved = tensor_shape(checkpoint.master if name in mastered else checkpoint.weights, name)
+            if saved != tuple(tensor.shape):  # DTensor: the whole shape
+                raise ValueError(f"checkpoint {path} does not match this model: {name} has shape {list(saved)} "
+                                 f"there, {list(tensor.shape)} here")
+
+    def _optimizer_names(self) -> list[list[str]]:
+        """Parameter names of each of the optimizer's param groups, in its order."""
+        name = {id(t): n for n, t in zip(self.masters.names, self.masters.optimizer_params, strict=True)}
+        return [[name[id(t)] for t in group["params"]] for group in self.optimizer.param_groups]
+
+    def _restore(self, path: Path) -> None:
+        if self.parallel.mesh is None:
+            checkpoint = load_checkpoint(path)
+            self._check_checkpoint(checkpoint, path)
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name in checkpoint.weights:  # one tensor in host memory at a time
+                    params[name].copy_(checkpoint.weights[name])
+            if checkpoint.master or self.masters.state_dict():
+                self.masters.load_state_dict(checkpoint.master)
+            self.optimizer.load_state_dict(with_implementation_options(checkpoint.optimizer, self.optimizer))
+            rng = checkpoint.rng
+        else:
+            checkpoint, rng = self._restore_shards(path)
         self.scheduler.load_state_dict(checkpoint.scheduler)
-        restore_rng(checkpoint.rng)
+        restore_rng(rng)
         state = checkpoint.state
-        changed = _changed_keys(yaml.safe_load(checkpoint.config_yaml or "{}") or {}, self.config.to_dict())
+        cfg = self.config
+        old = yaml.safe_load(checkpoint.config_yaml or "{}") or {}
+        changed = _changed_keys(old, cfg.to_dict())
+        saved = state.get("parallel", {"tp": 1, "dp": 1})
+        # Sequences per step: dp x grad_accum; the same sum over other ranks or accumulation steps is the same step.
+        before = int(old.get("train", {}).get("grad_accum", cfg.train.grad_accum)) * saved["dp"]
+        after = cfg.train.grad_accum * self.parallel.dp
+        if before != after:
+            changed.append(f"sequences per step (train.grad_accum x data-parallel processes) {before} -> {after}")
         if changed:
             logger.warning("resuming %s with changed settings %s: the run continues, but not as the "
                            "checkpointed run would have", path, changed)
+        if (saved["tp"], saved["dp"]) != (self.parallel.tp, self.parallel.dp):
+            logger.info("resuming %s, written with tp=%d x dp=%d, with tp=%d x dp=%d: the same steps up to the "
+                        "order of floating-point sums", path, saved["tp"], saved["dp"], self.parallel.tp,
+                        self.parallel.dp)
         if state.get("data_files") != [str(f.path) for f in self.data.files]:
             logger.warning("the data files differ from those of checkpoint %s: the data position may not "
                            "mean the same", path)
@@ -347,8 +433,37 @@ class Trainer:
         self.step, self.tokens = checkpoint.step, int(state["tokens"])
         self.losses, self.elapsed = [float(x) for x in state["losses"]], float(state["elapsed_s"])
         self.resumed_from, self._last_saved, self._saved_step = path, path, checkpoint.step
-        _truncate_metrics(self.output_dir / self.config.logging.metrics_file, self.step)
+        if self.parallel.is_main:
+            _truncate_metrics(self.output_dir / cfg.logging.metrics_file, self.step)
         logger.info("resumed from %s (step %d, %d tokens seen)", path, self.step, self.tokens)
+
+    def _restore_shards(self, path: Path) -> tuple[Checkpoint, dict]:
+        """Several processes: rank 0 reads and checks the checkpoint; its whole tensors go to every rank's
+        shards (torch.distributed.checkpoint, broadcast from rank 0), the rest to every rank as objects.
+        Returns the checkpoint without tensors and this rank's RNG state."""
+        names = self._optimizer_names()
+        local = {}
+
+        def read() -> Checkpoint:
+            checkpoint = load_checkpoint(path)
+            self._check_checkpoint(checkpoint, path)
+            optimizer = with_implementation_options(checkpoint.optimizer, self.optimizer)
+            by_name = optimizer_state_by_name(optimizer, names)  # checks the groups first
+            started = bool(optimizer["state"])
+            local.update(tensors=collections.ChainMap(checkpoint.master, checkpoint.weights),  # read when sent
+                         optimizer=by_name if started else None)
+            return dataclasses.replace(checkpoint, weights={}, master={}, optimizer=None if started else optimizer)
+
+        meta = self._on_main(read)
+        started = meta.optimizer is None
+        load_full_state(self.masters.module(), self.optimizer, local.get("tensors", {}),
+                        (local.get("optimizer") or {}) if started else None)
+        if not started:  # a checkpoint before the first step: only param groups, the same on every rank
+            self.optimizer.load_state_dict(meta.optimizer)
+        self.masters.push()
+        ranks = meta.rng.get("ranks")
+        rng = ranks[self.parallel.rank] if ranks and len(ranks) == dist.get_world_size() else meta.rng
+        return meta, rng
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -543,8 +658,8 @@ def _sigint_deferred():
         raise KeyboardInterrupt
 
 
-RESUME_SENSITIVE = ("model", "lora", "data", "oomb", "train.seed", "train.grad_accum", "optim.master_weights",
-                    "optim.offload")
+RESUME_SENSITIVE = ("model", "lora", "data", "oomb", "train.seed", "optim.master_weights", "optim.offload")
+# train.grad_accum: compared as sequences per step (with the data-parallel degree) in Trainer._restore
 
 
 def _changed_keys(old: dict, new: dict) -> list[str]:
@@ -565,6 +680,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def _picklable(obj) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 def _gathered(obj):

@@ -3,6 +3,7 @@
 Each scenario builds the same tiny model on every rank, computes the single-process reference (a
 full-sequence Hugging Face backward), parallelizes a copy, runs oomb's step and reports the
 relative error of the gathered gradients. Rank 0's results go to a JSON file the test reads.
+``train`` runs whole ``oomb.Trainer`` runs instead (tests/test_parallel_resume.py).
 """
 
 from __future__ import annotations
@@ -119,6 +120,64 @@ SCENARIOS = {
     "tp_llama_offload": lambda rank, device: tensor_parallel(rank, device, "llama", OFFLOAD),
     "dp_llama_offload": lambda rank, device: data_parallel(rank, device, "llama", OFFLOAD),
 }
+
+
+class ProcessKilledError(Exception):
+    """Stands for the processes dying in a step: nothing is saved."""
+
+
+def train_job(job: dict) -> dict:
+    """One ``oomb.Trainer`` run of a parallel resume test. ``job``: ``config`` (TrainerConfig.from_dict),
+    and optionally ``kill_at`` (the forward_backward call, counted from 1, at which every rank dies)
+    or ``interrupt_at`` (... at which every rank gets a KeyboardInterrupt, as from Ctrl-C)."""
+    import logging
+
+    import oomb.trainer
+    from oomb.train_config import TrainerConfig
+    from oomb.trainer import Trainer
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("oomb").addHandler(handler)
+    real, calls = oomb.trainer.forward_backward, []
+
+    def forward_backward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == job.get("kill_at"):
+            raise ProcessKilledError
+        if len(calls) == job.get("interrupt_at"):
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    oomb.trainer.forward_backward = forward_backward
+    trainer = Trainer(TrainerConfig.from_dict(job["config"]))
+    try:
+        result = trainer.train()
+        return {"losses": result.losses, "steps": result.steps, "interrupted": result.interrupted,
+                "resumed_from": result.resumed_from, "checkpoint": result.checkpoint, "warnings": warnings}
+    except ProcessKilledError:
+        return {"killed_at_step": trainer.step + 1, "warnings": warnings}
+    except Exception as err:  # an expected refusal; the test checks the message on every rank
+        return {"raised": f"{type(err).__name__}: {err}", "warnings": warnings}
+    finally:
+        oomb.trainer.forward_backward = real
+        logging.getLogger("oomb").removeHandler(handler)
+
+
+def train(rank: int, world: int, port: int, out_dir: str, jobs: list[dict]) -> None:
+    """Entry point of torch.multiprocessing.spawn: the Trainer runs ``jobs`` in order, in one gloo group."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for job in jobs:
+        try:
+            results[job["name"]] = train_job(job)
+        except BaseException:  # reported by the test, which then fails with the traceback
+            results[job["name"]] = {"traceback": traceback.format_exc()}
+            break  # the ranks may no longer agree on what comes next
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
 
 
 def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
