@@ -165,10 +165,14 @@ def train_job(job: dict) -> dict:
         logging.getLogger("oomb").removeHandler(handler)
 
 
-def train(rank: int, world: int, port: int, out_dir: str, jobs: list[dict]) -> None:
-    """Entry point of torch.multiprocessing.spawn: the Trainer runs ``jobs`` in order, in one gloo group."""
+def train(rank: int, world: int, port: int, out_dir: str, jobs: list[dict], device_type: str = "cpu") -> None:
+    """Entry point of torch.multiprocessing.spawn: the Trainer runs ``jobs`` in order, in one group
+    (gloo on the CPU, NCCL on GPUs: the jobs' configs say train.device=cuda then)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     results = {}
     for job in jobs:
         try:

@@ -37,12 +37,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: Path, name: str, model: dict, **sections) -> dict:
+def _device_config(root: Path, name: str, model: dict, device: str = "cpu", **sections) -> dict:
     options = {
         "model": model,
         "data": {"paths": [str(root / "docs.jsonl")], "seq_len": 128},
         "optim": {"lr": 3e-3, "warmup_steps": 1},
-        "train": {"max_steps": 4, "output_dir": str(root / name), "device": "cpu", "seed": 1, "grad_accum": 2},
+        "train": {"max_steps": 4, "output_dir": str(root / name), "device": device, "seed": 1, "grad_accum": 2},
         "checkpoint": {"every": 2, "keep_last": 0, "export": False},
         "logging": {"progress": False},
         "oomb": {"chunk_size": 64, "page_size": 32, "backend": "torch"},
@@ -55,7 +55,12 @@ def _config(root: Path, name: str, model: dict, **sections) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Every run once; rank 0's and rank 1's results of the 2-process ones, and the paths."""
-    root = tmp_path_factory.mktemp("parallel-resume")
+    return _all_runs(tmp_path_factory.mktemp("parallel-resume"), "cpu")
+
+
+def _all_runs(root: Path, device: str) -> dict:
+    """The runs under ``root``: one process in this one, the others in 2 spawned ranks (device "cpu":
+    gloo; "cuda": NCCL on two GPUs, for a GPU variant of these tests, not written yet)."""
     llama_dir = root / "tiny-llama"  # untied: tp=2 shards the LM head by vocabulary
     build_tiny_model("llama", seed=3, vocab_size=BYTE_VOCAB + 1).save_pretrained(llama_dir)
     byte_tokenizer().save_pretrained(llama_dir)
@@ -65,6 +70,9 @@ def runs(tmp_path_factory) -> dict:
     llama = {"path": str(llama_dir)}
     qwen_bf16 = {"preset": "tiny-qwen2", "dtype": "bfloat16"}  # tied (FSDP root DecoderRoot), fp32 masters
     tp = {"tp": 2}
+
+    def _config(*args, **sections):
+        return _device_config(*args, device=device, **sections)
 
     # One process: its step-2 checkpoint is resumed by 2 processes below (and it is their reference).
     one = {"losses": Trainer(TrainerConfig.from_dict(_config(root, "one", llama))).train().losses}
@@ -96,7 +104,7 @@ def runs(tmp_path_factory) -> dict:
                                                     checkpoint={"resume": tp_step2})},
         {"name": "offload", "config": _config(root, "offload", llama, parallel=tp, optim={"offload": True})},
     ]
-    mp.spawn(train, args=(WORLD, _free_port(), str(root), jobs), nprocs=WORLD, join=True)
+    mp.spawn(train, args=(WORLD, _free_port(), str(root), jobs, device), nprocs=WORLD, join=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for job in jobs:
         for r, rank in enumerate(ranks):
@@ -202,3 +210,4 @@ def test_mismatched_checkpoint_and_offload_are_refused_on_every_rank(runs):
         assert "does not match this model" in runs[rank]["lora-mismatch"]["raised"]
         assert runs[rank]["offload"]["raised"].startswith(
             "NotImplementedError: optim.offload is not supported with several processes")
+
