@@ -53,6 +53,8 @@ def test_sizes_must_be_positive_integers(field, value):
         ({"attention": "flash"}, r"attention='flash' is not supported; use one of: \('dense', 'sparse'\)"),
         ({"sparse_budget": -1}, r"sparse_budget=-1 must be an integer >= 0 \(a number of pages\)"),
         ({"sparse_budget": 4.0}, r"sparse_budget=4\.0 must be an integer >= 0"),
+        ({"sparse_query_block_pages": 0}, r"sparse_query_block_pages=0 must be an integer >= 1"),
+        ({"sparse_query_block_pages": True}, r"sparse_query_block_pages=True must be an integer >= 1"),
         ({"sparse_sink_pages": True}, r"sparse_sink_pages=True must be an integer >= 0"),
         ({"sparse_score": "max"}, r"sparse_score='max' is not supported; use one of: \('minmax', 'mean'\)"),
         ({"sparse_selection": "head"},
