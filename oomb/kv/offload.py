@@ -174,6 +174,7 @@ class OffloadedKVStore(PagedKVStore):
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
         self.chunk_size, self.num_tokens = chunk_size, store_options["num_tokens"]
         self._prefetched = None  # ((layer, chunk index, grads), loads) started ahead of that call
+        self._selection_copied: dict[tuple[int, int], torch.cuda.Event] = {}  # (chunk, layer) -> D2H done
         self.prefetch_hits = 0
         """Attention calls whose first windows were loaded during the previous call (diagnostics)."""
         self.staged_history_pages = 0
@@ -190,8 +191,14 @@ class OffloadedKVStore(PagedKVStore):
         self.kv_on_host[:, first:last] = False
         self.grad_on_host[:, first:last] = False
 
+    def free(self, chunk: ChunkSpan) -> None:
+        super().free(chunk)
+        for key in [key for key in self._selection_copied if key[0] == chunk.index]:
+            del self._selection_copied[key]
+
     def free_all(self) -> None:
         super().free_all()
+        self._selection_copied.clear()
         self._prefetched = None
         self._fresh_kv.clear()
         self._own_grads.clear()
@@ -353,8 +360,22 @@ class OffloadedKVStore(PagedKVStore):
         if selection is not None and self._offloaded(layer) is not None:  # on a CPU device: a copy, as tested
             host = torch.empty(selection.shape, dtype=selection.dtype, pin_memory=self.device.type == "cuda")
             host.copy_(selection, non_blocking=True)  # ordered before stage 2's copy back: same stream
+            if self.device.type == "cuda":
+                self._selection_copied[chunk.index, layer] = torch.cuda.Event()
+                self._selection_copied[chunk.index, layer].record()
             selection = host
         super().save_selection(layer, chunk, selection)
+
+    def _selected_columns(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> list[int]:
+        """The distinct history positions of ``selection`` (the one saved for (chunk, layer)). Read from
+        its host copy when there is one: in stage 2 that copy is long complete, so no device sync."""
+        host = self._selections.get((chunk.index, layer))
+        if host is None or host.shape != selection.shape:
+            return torch.unique(selection).tolist()  # one device sync
+        copied = self._selection_copied.get((chunk.index, layer))
+        if copied is not None:
+            copied.synchronize()  # stage 1: waits for the copy just made (a sync, as unique would be)
+        return torch.unique(host).tolist()
 
     def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
         selection = super().selection(layer, chunk)
@@ -406,7 +427,7 @@ class OffloadedKVStore(PagedKVStore):
             return
         self._prefetched = None
         first, last = self._page_range(chunk)
-        columns = torch.unique(selection).tolist() + list(range(first, last))  # one device sync
+        columns = self._selected_columns(layer, chunk, selection) + list(range(first, last))
         n, B = len(columns), self.batch_size
         table = torch.zeros((B, last), dtype=torch.int32)
         table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
