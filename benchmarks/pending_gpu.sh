@@ -20,7 +20,8 @@ check() {  # check SECONDS NAME COMMAND...: run, keep the full log, show its tai
 }
 
 # Correctness first: offload (page-locked slabs, host-kept selections), key windows, sparse kernels.
-check 240 gpu_tests python -m pytest -q -m gpu -p no:cacheprovider --timeout 150 \
+per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=150")  # pytest-timeout, if there
+check 240 gpu_tests python -m pytest -q -m gpu -p no:cacheprovider $per_test_limit \
     tests/test_offload.py tests/test_key_windows.py tests/test_triton_sparse.py tests/test_triton_paged.py
 # Sparse with one selection per chunk (32 query blocks): step time vs per-page selections (28.5 s /
 # 47 s at 128K), and sparse+offload's GPU growth with the selections on the host.
