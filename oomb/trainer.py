@@ -558,8 +558,9 @@ class Trainer:
         lora.merge_on_export also the merged model to output_dir/final-merged."""
         final = self.output_dir / "final"
         if self.parallel.mesh is not None:
-            # Whole tensors gathered from the shards on every rank; rank 0 writes them.
-            state = _gathered(self.model.state_dict())
+            # Whole tensors gathered from the shards one at a time (every rank takes part), kept in
+            # rank 0's host memory: the GPUs never hold the whole model at once; rank 0 writes them.
+            state = _gathered_on_host(self.model.state_dict(), keep=self.parallel.is_main)
             if self.parallel.is_main:
                 with atomic_directory(final) as tmp:
                     self.model.save_pretrained(tmp, state_dict=state)
@@ -690,13 +691,15 @@ def _picklable(obj) -> bool:
     return True
 
 
-def _gathered(obj):
-    """``obj`` (nested dicts/lists of tensors) with every DTensor replaced by its whole tensor (a collective)."""
-    if isinstance(obj, dict):
-        return {k: _gathered(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_gathered(v) for v in obj)
-    return full_tensor(obj) if isinstance(obj, torch.Tensor) else obj
+def _gathered_on_host(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor | None]:
+    """Every tensor of ``state`` whole (DTensors gathered: a collective each, in order on every rank) in
+    host memory where ``keep``, else None; one whole tensor on the GPU at a time."""
+    out = {}
+    for name, tensor in state.items():
+        whole = full_tensor(tensor)
+        out[name] = whole.cpu() if keep else None
+        del whole
+    return out
 
 
 def _resolve_device(name: str) -> torch.device:
