@@ -304,13 +304,14 @@ def test_gpu_offload_steps_equal_steps_without_bitwise():
                 assert torch.equal(grads_a[name], grads_b[name]), (resident, name)
     assert slabs.pin and all(page_locked(slab) for slab in slabs._slabs.values())
     assert page_locked(torch.empty(64, pin_memory=True)) and not page_locked(torch.empty(64))  # the probe itself
-    sparse = oomb.OOMBConfig(**{**base.__dict__, **SPARSE})
-    want = _steps(model, sparse, lengths)
-    got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, slabs)
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
-        assert torch.equal(loss_a, loss_b)
-        for name in grads_a:
-            assert torch.equal(grads_a[name], grads_b[name]), ("sparse", name)
+    for group in (1, 4):  # one selection per page of queries, or per 4 of them
+        sparse = oomb.OOMBConfig(**{**base.__dict__, **SPARSE, "sparse_query_block_pages": group})
+        want = _steps(model, sparse, lengths)
+        got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, slabs)
+        for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+            assert torch.equal(loss_a, loss_b)
+            for name in grads_a:
+                assert torch.equal(grads_a[name], grads_b[name]), ("sparse", group, name)
 
 
 def test_page_store_without_offload_streams_the_same_windows():
