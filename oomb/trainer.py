@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from tqdm.auto import tqdm
 
 from . import machine
 from .checkpoint import (
@@ -72,6 +71,7 @@ from .presets import (
 )
 from .train_config import TrainerConfig
 from .train_optim import MasterWeights, build_optimizer, build_scheduler
+from .train_report import Reporter, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ class Trainer:
         self.losses, self.elapsed = [float(x) for x in state["losses"]], float(state["elapsed_s"])
         self.resumed_from, self._last_saved, self._saved_step = path, path, checkpoint.step
         if self.parallel.is_main:
-            _truncate_metrics(self.output_dir / cfg.logging.metrics_file, self.step)
+            truncate_metrics(self.output_dir / cfg.logging.metrics_file, self.step)
         logger.info("resumed from %s (step %d, %d tokens seen)", path, self.step, self.tokens)
 
     def _restore_shards(self, path: Path) -> tuple[Checkpoint, dict]:
@@ -471,7 +471,7 @@ class Trainer:
         """Run setup, then steps up to train.max_steps; checkpoint, export and summarize."""
         self.setup()
         cfg = self.config
-        reporter = _Reporter(cfg, self.output_dir, self.step, enabled=self.parallel.is_main)
+        reporter = Reporter(cfg, self.output_dir, self.step, enabled=self.parallel.is_main)
         interrupted = False
         try:
             while self.step < cfg.train.max_steps:
@@ -593,56 +593,6 @@ class Trainer:
             peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB)
 
 
-class _Reporter:
-    """Progress bar, metrics.jsonl and (optional) TensorBoard for one session of a run; with several
-    processes only rank 0's is enabled (the others only track the last step)."""
-
-    def __init__(self, config: TrainerConfig, output_dir: Path, start_step: int, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.bar = tqdm(total=config.train.max_steps, initial=start_step, desc="oomb train", unit="step",
-                        disable=not (config.logging.progress and enabled), dynamic_ncols=True)
-        self.metrics = None
-        if enabled:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
-        self.last_step = start_step
-        self.writer = None
-        if config.logging.tensorboard and enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                logger.warning("logging.tensorboard=true but the tensorboard package is not installed "
-                               "(pip install tensorboard): metrics go to %s only", config.logging.metrics_file)
-
-    def log(self, metrics: dict) -> None:
-        self.last_step = metrics["step"]
-        if not self.enabled:
-            return
-        self.metrics.write(json.dumps(metrics) + "\n")
-        self.metrics.flush()
-        postfix = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
-                   "host": f"{metrics['host_rss_gib']:.1f}G"}
-        if "gpu_peak_gib" in metrics:
-            postfix["gpu"] = f"{metrics['gpu_peak_gib']:.1f}G"
-        self.bar.set_postfix(postfix, refresh=False)
-        self.bar.update(1)
-        if self.writer is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "gpu_peak_gib"):
-                if key in metrics:
-                    self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
-        logger.info("step %d loss %.4f lr %.3g grad_norm %.3g %.0f tokens/s", metrics["step"], metrics["loss"],
-                    metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
 @contextlib.contextmanager
 def _sigint_deferred():
     """Hold Ctrl-C until the block is done (main thread only), then raise it."""
@@ -672,15 +622,6 @@ def _changed_keys(old: dict, new: dict) -> list[str]:
         names = [name] if name else sorted(set(before) | set(after))
         changed += [f"{section}.{n}" for n in names if before.get(n) != after.get(n)]
     return changed
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines of steps after ``step`` (written after the checkpoint a run resumes from)."""
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _picklable(obj) -> bool:
