@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks still pending (docs/results.md, "Not yet run on a GPU"), most important first, each
 # under its own time limit so that one stuck check does not cost the rest. Results go to $OUT
-# (the device machine sets it; elsewhere ./gpu-out). One H200, about 9 minutes in all.
+# (the device machine sets it; elsewhere ./gpu-out). One H200, about 10 minutes in all (fresh machine: first compiles and autotuning included).
 #
 #     bash benchmarks/pending_gpu.sh
 set -u
@@ -27,3 +27,7 @@ check 240 gpu_tests python -m pytest -q -m gpu -p no:cacheprovider $per_test_lim
 # 47 s at 128K), and sparse+offload's GPU growth with the selections on the host.
 check 300 sparse_groups python -m oomb.cli bench --modes sparse sparse+offload --contexts 32K 128K \
     --query-block-pages 32 --max-seconds 280 --out-dir "$OUT" --name sparse_groups_h200
+# Sparse without the layer-checkpoint replay (one forward of the linear layers less), same groups:
+# how close the sparse step gets to issue 5's 0.5x HF (20.96 s at 128K).
+check 200 sparse_groups_no_replay python -m oomb.cli bench --modes sparse --contexts 128K --query-block-pages 32 \
+    --no-checkpoint-layers --max-seconds 180 --out-dir "$OUT" --name sparse_groups_no_replay_h200
