@@ -120,7 +120,12 @@ def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
 
     from oomb.cli import main as oomb_main
 
-    common = ["--steps", "2", "--seq-len", "1024", "--set", "logging.progress=false", "--set", "oomb.chunk_size=256"]
+    # optim.eps=1e-3: AdamW's update lr * m / (sqrt(v) + eps) with the default eps of 1e-8 turns float
+    # noise of ~1e-10 in gradients that nearly cancel (tp sums in another order) into weight changes
+    # of up to ~lr * 1e-2 = 3e-5 (seen once every ~15 runs). With eps far above that noise, the update
+    # is continuous in the gradient, and the comparison below tests the training, not that noise.
+    common = ["--steps", "2", "--seq-len", "1024", "--set", "logging.progress=false", "--set", "oomb.chunk_size=256",
+              "--set", "optim.eps=1e-3"]
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -131,8 +136,10 @@ def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
     assert oomb_main(["train", "--output-dir", str(tmp_path / "one"), *common]) == 0
     parallel, single = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("tp", "one"))
     assert parallel.keys() == single.keys()
-    for name, weight in single.items():  # two AdamW steps at lr 3e-3: equal up to float reordering
-        assert (parallel[name] - weight).abs().max() <= 1e-5, name
+    diffs = {name: (parallel[name] - weight).abs().max().item() for name, weight in single.items()}
+    worst = max(diffs, key=diffs.get)
+    print(f"largest difference: {diffs[worst]:.3g} ({worst})")
+    assert diffs[worst] <= 1e-5, worst  # two AdamW steps at lr 3e-3: equal up to float reordering
 
 
 def test_plan_divides_by_tp():
