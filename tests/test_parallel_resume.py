@@ -28,7 +28,8 @@ LAYOUT_ATOL = 1e-5
 ranks): the two AdamW steps at lr 3e-3 after the checkpoint stay this close to the run that wrote it
 (seen: <= 1.2e-7). Compared from step 1 instead, one process and tp=2 differ by up to 3e-5 after two
 steps: AdamW's first update, lr * g / (|g| + eps), turns float noise of ~1e-10 in gradients that
-cancel to ~1e-9 into weight changes of lr * 1e-2; so each reference run wrote the checkpoint."""
+cancel to ~1e-9 into weight changes of lr * 1e-2; so each reference run wrote the checkpoint, and
+eps is 1e-3, far above that noise, so that later updates stay continuous in the gradient too."""
 
 
 def _free_port() -> int:
@@ -41,7 +42,7 @@ def _device_config(root: Path, name: str, model: dict, device: str = "cpu", **se
     options = {
         "model": model,
         "data": {"paths": [str(root / "docs.jsonl")], "seq_len": 128},
-        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1, "eps": 1e-3},  # eps: see LAYOUT_ATOL
         "train": {"max_steps": 4, "output_dir": str(root / name), "device": device, "seed": 1, "grad_accum": 2},
         "checkpoint": {"every": 2, "keep_last": 0, "export": False},
         "logging": {"progress": False},
