@@ -319,15 +319,7 @@ class OffloadedKVStore(PagedKVStore):
                 slot.v[rows].copy_(self.host["v"][index, b, first:last], non_blocking=True)
                 if grads:
                     for kind in ("dk", "dv"):
-                        staged = getattr(slot, kind)[rows]
-                        if bool(grad_valid.all()):
-                            staged.copy_(self.host[kind][index, b, first:last], non_blocking=True)
-                        elif not bool(grad_valid.any()):  # accumulation begins here: start from zero
-                            staged.zero_()
-                        else:
-                            staged.copy_(self.host[kind][index, b, first:last], non_blocking=True)
-                            fresh = torch.nonzero(~grad_valid).flatten().to(staged.device, non_blocking=True)
-                            staged.index_fill_(0, fresh, 0)
+                        _load_grads(getattr(slot, kind)[rows], self.host[kind][index, b, first:last], grad_valid)
             if slot.loaded is not None:
                 slot.loaded.record(self.copy_stream)
         return slot, self._window_table(first, last, self.slot_pages)
@@ -452,14 +444,13 @@ class OffloadedKVStore(PagedKVStore):
                     continue
                 if not bool(self.kv_on_host[index, start:stop].all()):
                     raise RuntimeError(f"pages {start}..{stop - 1} of offloaded layer {layer} were never written")
-                valid = bool(self.grad_on_host[index, start])  # the same for the whole run
                 for b in range(B):
                     for kind in kinds:
-                        target = staged[kind][rows[b]]
-                        if kind in ("dk", "dv") and not valid:
-                            target.zero_()  # accumulation begins here
+                        source = self.host[kind][index, b, start:stop]
+                        if kind in ("dk", "dv"):
+                            _load_grads(staged[kind][rows[b]], source, self.grad_on_host[index, start:stop])
                         else:
-                            target.copy_(self.host[kind][index, b, start:stop], non_blocking=True)
+                            staged[kind][rows[b]].copy_(source, non_blocking=True)
             ready = torch.cuda.Event() if self.copy_stream is not None else None
             if ready is not None:
                 ready.record(self.copy_stream)
@@ -481,6 +472,18 @@ class OffloadedKVStore(PagedKVStore):
                     self.host["dk"][index, b, start:stop].copy_(staged["dk"][rows], non_blocking=True)
                     self.host["dv"][index, b, start:stop].copy_(staged["dv"][rows], non_blocking=True)
                 self.grad_on_host[index, start:stop] = True
+
+
+def _load_grads(target: torch.Tensor, source: torch.Tensor, on_host: torch.Tensor) -> None:
+    """Stage gradient pages: copy those written back this step, zeros where accumulation begins
+    (``on_host`` False), so the host slabs are never cleared and stale values are never read."""
+    if not bool(on_host.any()):
+        target.zero_()
+        return
+    target.copy_(source, non_blocking=True)
+    if not bool(on_host.all()):
+        fresh = torch.nonzero(~on_host).flatten().to(target.device, non_blocking=True)
+        target.index_fill_(0, fresh, 0)
 
 
 def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:
