@@ -469,8 +469,7 @@ def predict(
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head
             selection = L * pages * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages) * INT32_BYTES
         if mode.offload:  # offloaded layers keep their selections in host memory until stage 2
-            offloaded = L - min(offload.resident_layers, L)
-            host["selections"] = selection * offloaded // L
+            host["selections"] = selection * (L - resident) // L
             selection -= host["selections"]
         gpu["page summaries"] = summaries + selection
     return MemoryPrediction(mode.name, tokens, gpu, host)
