@@ -28,6 +28,7 @@ import torch
 from ..kv import ChunkSpan, PagedKVStore
 from ..sparse import SparseOptions, select_pages
 from .backend import AttentionBackend
+from .reference import merge_window
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,6 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
                                             key_range=view.key_range, out_dtype=out_dtype)
         out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
     return out.to(q.dtype), lse
-
-
-def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_w: torch.Tensor):
-    """Fold the attention over one more disjoint key window into a running (out, lse), in float32."""
-    merged = torch.logaddexp(lse, lse_w)
-    out = out * torch.exp(lse - merged)[..., None] + out_w * torch.exp(lse_w - merged)[..., None]
-    return out, merged
 
 
 def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Tensor:

@@ -148,8 +148,9 @@ def check_key_range(
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine the (out, lse) of disjoint key windows into the attention over their union.
 
-    lse = logsumexp_w(lse_w), out = sum_w exp(lse_w - lse) * out_w, in float32 and in list order
-    (deterministic). out is returned in outs[0]'s dtype, lse in float32; one window comes back as is.
+    lse = logsumexp_w(lse_w), out = sum_w exp(lse_w - lse) * out_w, in float32, folded window by
+    window in list order (deterministic). out is returned in outs[0]'s dtype, lse in float32; one
+    window comes back as is.
     """
     if not outs or len(outs) != len(lses):
         raise ValueError(f"need one lse per output and at least one window; got {len(outs)} and {len(lses)}")
@@ -159,11 +160,18 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
         if out.shape != outs[0].shape or lse.shape != out.shape[:-1]:
             raise ValueError(f"window shapes differ: out {tuple(out.shape)}, lse {tuple(lse.shape)} "
                              f"(first window: out {tuple(outs[0].shape)})")
-    lse = torch.logsumexp(torch.stack([x.float() for x in lses]), dim=0)
-    merged = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
-    for out, part_lse in zip(outs, lses, strict=True):
-        merged.addcmul_(out.float(), (part_lse.float() - lse).exp_()[..., None])
-    return merged.to(outs[0].dtype), lse
+    out, lse = outs[0].float(), lses[0].float()
+    for out_w, lse_w in zip(outs[1:], lses[1:], strict=True):
+        out, lse = merge_window(out, lse, out_w.float(), lse_w.float())
+    return out.to(outs[0].dtype), lse
+
+
+def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_w: torch.Tensor):
+    """Fold the attention over one more disjoint key window into a running (out, lse), in float32:
+    the step of merge_partials, and what the engine runs as windows stream in one at a time."""
+    merged = torch.logaddexp(lse, lse_w)
+    out = out * torch.exp(lse - merged)[..., None] + out_w * torch.exp(lse_w - merged)[..., None]
+    return out, merged
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
