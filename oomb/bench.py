@@ -72,6 +72,8 @@ class BenchOptions:
     loss_chunk_tokens: int = 1024
     sparse_query_block_pages: int = 1
     """Sparse modes: query blocks sharing one selection (OOMBConfig.sparse_query_block_pages)."""
+    sparse_budget: int = OOMBConfig.sparse_budget
+    """Sparse modes: history pages each query block reads besides the sinks (OOMBConfig.sparse_budget)."""
     warmup_tokens: int = 8192
     max_seconds: float = math.inf
     """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
@@ -100,7 +102,7 @@ class BenchOptions:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           checkpoint_layers=self.checkpoint_layers, loss_chunk_tokens=self.loss_chunk_tokens,
                           fp32_grad_accumulation=self.fp32_grad_accumulation,
-                          sparse_query_block_pages=self.sparse_query_block_pages)
+                          sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget)
 
     def sparse_assumptions(self) -> SparseAssumptions:
         """The planner's view of the sparse options (for the predicted column)."""
@@ -492,6 +494,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-checkpoint-layers", action="store_true")
     parser.add_argument("--query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
+    parser.add_argument("--sparse-budget", type=int,
+                        help=f"sparse modes: history pages per query block besides the sinks (default {d.sparse_budget})")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
     parser.add_argument("--seed", type=int)
@@ -503,7 +507,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
-                 "fp32_grad_accumulation", "sparse_query_block_pages", "warmup_tokens", "max_seconds", "seed",
+                 "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens", "max_seconds", "seed",
                  "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

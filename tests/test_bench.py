@@ -186,3 +186,14 @@ def test_bench_options_validation():
         bench.BenchOptions(chunk_size=1000)
     assert bench.BenchOptions(contexts=[4096, 1024, 4096]).contexts == [1024, 4096]
     assert set(bench.BENCH_MODES) <= set(MODES)
+
+
+def test_sparse_options_reach_the_step_config_and_the_prediction():
+    args = cli.build_parser().parse_args(["bench", "--quick", "--sparse-budget", "5", "--query-block-pages", "4"])
+    options = bench.options_from_args(args)
+    config = options.oomb_config()
+    assert (config.sparse_budget, config.sparse_query_block_pages) == (5, 4)
+    assumptions = options.sparse_assumptions()
+    assert (assumptions.top_k_pages, assumptions.query_block_pages) == (5, 4)
+    with pytest.raises(ValueError, match="sparse_budget=-1"):
+        bench.BenchOptions(sparse_budget=-1)
