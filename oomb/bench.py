@@ -246,6 +246,13 @@ def _worker(mode: str, options: BenchOptions, deadline: float, out) -> None:
         out.join_thread()
 
 
+def expected_seconds(mode: str, last: tuple[int, float], tokens: int) -> float:
+    """A step's time extrapolated from the mode's last one: dense attention makes it quadratic in the
+    context; sparse attention reads a fixed budget per query, so past the budget it grows linearly."""
+    growth = 1 if MODES[mode].attention == "sparse" else 2
+    return last[1] * (tokens / last[0]) ** growth
+
+
 def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
     device = torch.device(options.device)
     if options.threads:
@@ -271,7 +278,7 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
             emit({"event": "row", "tokens": tokens, "status": f"skipped: {stopped}"})
             continue
         if last is not None:
-            expected = last[1] * (tokens / last[0]) ** 2  # attention dominates: quadratic in the context
+            expected = expected_seconds(mode, last, tokens)
             if time.time() + expected > deadline:
                 emit({"event": "row", "tokens": tokens,
                       "status": f"skipped: predicted {expected:.0f} s exceeds the time left (--max-seconds)"})
@@ -495,7 +502,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
-                        help=f"sparse modes: history pages per query block besides the sinks (default {d.sparse_budget})")
+                        help=f"sparse modes: history pages per query block, besides the sinks "
+                             f"(default {d.sparse_budget})")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
     parser.add_argument("--seed", type=int)
@@ -507,8 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
-                 "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens", "max_seconds", "seed",
-                 "threads", "out_dir", "name"):
+                 "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens",
+                 "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.no_checkpoint_layers:

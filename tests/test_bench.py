@@ -197,3 +197,9 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
     assert (assumptions.top_k_pages, assumptions.query_block_pages) == (5, 4)
     with pytest.raises(ValueError, match="sparse_budget=-1"):
         bench.BenchOptions(sparse_budget=-1)
+
+
+def test_time_limit_extrapolates_dense_quadratically_and_sparse_linearly():
+    assert bench.expected_seconds("dense", (32768, 10.0), 131072) == pytest.approx(160.0)
+    assert bench.expected_seconds("hf", (32768, 10.0), 65536) == pytest.approx(40.0)
+    assert bench.expected_seconds("sparse+offload", (32768, 10.0), 131072) == pytest.approx(40.0)
