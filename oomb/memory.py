@@ -450,10 +450,12 @@ def predict(
         resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
             gpu["KV working set"] = _dense_offload_gpu_pages(L, pages, chunk_pages, B, offload) * page_bytes
-        else:  # the union of every block's and KV head's selection, staged at once (an upper bound)
+        else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
+            # for this call and, in stage 2, the next one (prefetched); plus the chunk's own gradients
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
             union = selections * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
-            gpu["KV working set"] = (resident * pages + B * min(pages // B, union) + 2 * chunk_pages) * page_bytes
+            staged = B * min(pages // B, union) + chunk_pages
+            gpu["KV working set"] = (resident * pages + 2 * staged + chunk_pages) * page_bytes
         # Host: K, V, dK, dV of every token of the offloaded layers, pinned: the footprint the
         # engine checks before allocating (kv/capacity.py).
         page_shape = capacity.PageShape(L, B, tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)

@@ -99,25 +99,8 @@ def random_ids(batch: int, tokens: int, seed: int, vocab: int = VOCAB) -> torch.
 
 
 def page_locked(tensor: torch.Tensor) -> bool:
-    """Whether the CUDA driver holds a CPU tensor's memory page-locked (registered or pinned).
+    """Whether the CUDA driver holds a CPU tensor's memory page-locked (registered or pinned);
+    ``Tensor.is_pinned`` says False for memory registered with ``cudaHostRegister``."""
+    from oomb.kv.mapped import pointer_attributes
 
-    ``Tensor.is_pinned`` knows only torch's own pinned allocator and says False for memory pinned
-    with ``cudaHostRegister``, so ask the runtime torch loaded: ``cudaPointerGetAttributes``."""
-    import ctypes
-
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    if not paths:
-        raise RuntimeError("libcudart is not loaded as a shared library in this process")
-    cudart = ctypes.CDLL(paths.pop())
-
-    class PointerAttributes(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                    ("device_pointer", ctypes.c_void_p), ("host_pointer", ctypes.c_void_p),
-                    ("reserved", ctypes.c_long * 16)]  # room for fields newer CUDA versions add
-
-    attributes = PointerAttributes()
-    error = cudart.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(tensor.data_ptr()))
-    if error != 0:
-        raise RuntimeError(f"cudaPointerGetAttributes failed (cudaError {error})")
-    return attributes.type == 1  # cudaMemoryTypeHost; 0 is unregistered host memory
+    return pointer_attributes(tensor)[0] == 1  # cudaMemoryTypeHost; 0 is unregistered host memory

@@ -166,8 +166,13 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
 
 @pytest.mark.parametrize("resident", [0, 1])
 @pytest.mark.parametrize(("selection", "group"), [("kv_head", 1), ("shared", 1), ("kv_head", 4)])
-def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, offload_stores):
-    """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier."""
+@pytest.mark.parametrize("staging", ["gather", "copy per run"])
+def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, staging,
+                                                                 offload_stores, monkeypatch):
+    """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
+    Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies."""
+    if staging == "copy per run":
+        monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
                            sparse_selection=selection, sparse_query_block_pages=group, **SPARSE)
@@ -180,6 +185,7 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
         for name in grads_a:
             assert torch.equal(grads_a[name], grads_b[name]), name
     assert all(store.is_empty for store in offload_stores)
+    assert all((store.mapped_host is None) == (staging == "copy per run") for store in offload_stores)
 
 
 def test_query_groups_stage_fewer_pages(offload_stores):
@@ -193,6 +199,17 @@ def test_query_groups_stage_fewer_pages(offload_stores):
         oomb.forward_backward(model, random_ids(1, 200, seed=12), None, config, host_slabs=HostSlabs(pin=False))
         staged[group] = sum(store.staged_history_pages for store in offload_stores)
     assert 0 < staged[4] < staged[1]
+
+
+def test_sparse_stage_two_calls_are_prefetched(offload_stores):
+    """Stage 2 knows every call's selection (kept on the host since stage 1): each sparse call but
+    the first of stage 2 finds its pages staged by the call before it."""
+    model = build_tiny_model("llama", seed=1)  # 2 layers
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, **SPARSE)
+    oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)  # 4 chunks
+    # Chunks 1-3 select pages (chunk 0 has no history); stage 1 cannot stage them ahead (a selection
+    # is made by its own call). Stage 2: 3 chunks x 2 layers x (forward, backward), the first unpredicted.
+    assert offload_stores[0].prefetch_hits == 3 * 2 * 2 - 1
 
 
 def test_sparse_runs_split_by_gradient_state():
@@ -286,7 +303,7 @@ def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_offload_steps_equal_steps_without_bitwise():
+def test_gpu_offload_steps_equal_steps_without_bitwise(offload_stores):
     """On the GPU (Triton kernels, side streams, pinned slabs): 3 steps of different lengths."""
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -312,6 +329,8 @@ def test_gpu_offload_steps_equal_steps_without_bitwise():
             assert torch.equal(loss_a, loss_b)
             for name in grads_a:
                 assert torch.equal(grads_a[name], grads_b[name]), ("sparse", group, name)
+    # Sparse staging ran through kernels over the mapped slabs, not copies per run (kv/mapped.py).
+    assert offload_stores and all(store.mapped_host is not None for store in offload_stores)
 
 
 def test_page_store_without_offload_streams_the_same_windows():

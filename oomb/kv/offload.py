@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .mapped import index_tensor, mapped_view, rows_of
 from .store import ChunkSpan, PagedKVStore, WindowView
 
 KINDS = ("k", "v", "dk", "dv")
@@ -56,6 +57,7 @@ class HostSlabs:
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._slabs: dict[str, torch.Tensor] = {}
+        self._mapped: dict[str, torch.Tensor | None] = {}  # name -> CUDA alias of the slab (kv/mapped.py)
         self.allocations = 0
         """How many slabs were allocated so far (reuse across steps keeps it at 4)."""
 
@@ -74,11 +76,27 @@ class HostSlabs:
             self.allocations += 1
         return slab[:nbytes].view(dtype).view(shape)
 
+    def mapped(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+        """What ``take`` returned, as a tensor kernels on ``device`` read and write in place: on a CPU
+        device the host tensor itself; on a GPU an alias of the registered slab (kv/mapped.py), or
+        None where the device cannot address it. Call after ``take``."""
+        view = self._slabs[name][:math.prod(shape) * dtype.itemsize]
+        if device.type != "cuda":
+            return view.view(dtype).view(shape)
+        if not self.pin:
+            return None
+        if name not in self._mapped:  # probed once per slab, before the slab holds any page
+            self._mapped[name] = mapped_view(self._slabs[name], device)
+        alias = self._mapped[name]
+        return None if alias is None else alias[:view.numel()].view(dtype).view(shape)
+
     @property
     def nbytes(self) -> int:
         return sum(slab.numel() for slab in self._slabs.values())
 
     def _drop(self, name: str) -> None:
+        self._mapped.pop(name, None)
         slab = self._slabs.pop(name)
         if self.pin:
             _unregister(slab)
@@ -108,8 +126,9 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
 
 def _register(slab: torch.Tensor) -> None:
     """Page-lock a CPU tensor's memory so that copies to and from the GPU are asynchronous DMA
-    (portable: pinned for every device)."""
-    error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 1))
+    (portable: pinned for every device; mapped: kernels may address it, kv/mapped.py)."""
+    portable, mapped = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
+    error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), portable | mapped))
     if error != 0:
         raise RuntimeError(f"pinning {slab.numel() / 2**30:.2f} GiB of host memory failed (cudaError {error}); "
                            "is the memory limit (ulimit -l, container) too low?")
@@ -148,6 +167,10 @@ class OffloadedKVStore(PagedKVStore):
         B, P = self.batch_size, self.page_size
         Hkv, D = template["num_kv_heads"], template["head_dim"]
         self.host = reserve_host_slabs(slabs, resident_layers=resident_layers, **store_options)
+        # Sparse mode gathers selected pages with kernels that read the host tensors in place (None:
+        # the device cannot address them; copies per run of pages instead, kv/mapped.py).
+        mapped = {kind: slabs.mapped(kind, tuple(t.shape), t.dtype, self.device) for kind, t in self.host.items()}
+        self.mapped_host = mapped if all(t is not None for t in mapped.values()) else None
         # Where each page position is, per offloaded layer (all sequences move together).
         self.kv_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
         self.grad_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
@@ -285,8 +308,14 @@ class OffloadedKVStore(PagedKVStore):
         if call is None or self._offloaded(call[0]) is None:
             return
         layer, chunk, grads = call
-        if self.summary_kinds and self._selections.get((chunk.index, layer), "unknown") is not None:
-            return  # sparse: the call will stage its selected pages (or its selection is not made yet)
+        if self.summary_kinds:
+            selection = self._selections.get((chunk.index, layer), "unknown")
+            if isinstance(selection, torch.Tensor):
+                # Sparse, stage 2: the selection waits on the host since stage 1; stage its pages now.
+                staged = self._stage_selection(self._offloaded(layer), layer, chunk, selection, grads)
+                self._prefetched = ((layer, chunk.index, grads), staged)
+            if selection is not None:
+                return  # a sparse call; stage 1 makes its selection only when the call comes
         history = [w for w in self.windows(chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
         index = self._offloaded(layer)
         if history and bool(self.kv_on_host[index, :history[-1][1] // self.page_size].all()):
@@ -411,67 +440,143 @@ class OffloadedKVStore(PagedKVStore):
     def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
         """Stage the union of the pages any query block selected plus the chunk's own pages (one
         host-to-GPU copy per contiguous run), with a page table of the staged layout; after a
-        backward, the history pages' gradients go back to the host and the chunk's own are kept."""
+        backward, the history pages' gradients go back to the host and the chunk's own are kept.
+        In stage 2 the next call's pages are known (its selection waits on the host), so they are
+        staged while this call and the rest of its layer compute."""
         index = self._offloaded(layer)
         if index is None:
             with super().selected_pages(layer, chunk, selection, grads) as view:
                 yield view
             return
+        staged = None
+        if self._prefetched is not None and self._prefetched[0] == (layer, chunk.index, grads):
+            staged = self._prefetched[1]  # started during the previous call
+            self.prefetch_hits += 1
         self._prefetched = None
+        if staged is None:
+            staged = self._stage_selection(index, layer, chunk, selection, grads)
+        if staged.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(staged.ready)
+        pages = staged.pages
+        yield WindowView((0, chunk.end), pages["k"], pages["v"], staged.table, pages.get("dk"), pages.get("dv"))
+        if grads:
+            self._finish_selected_backward(index, chunk, staged)
+        self._prefetch(self._next_call(layer, chunk, grads, stage_one=staged.stage_one))
+
+    def _stage_selection(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor,
+                         grads: bool) -> _StagedSelection:
+        """Start moving a sparse call's pages (and, for backward, gradients or zeros) to the GPU: the
+        union of its selections, then the chunk's own pages."""
         first, last = self._page_range(chunk)
-        columns = self._selected_columns(layer, chunk, selection) + list(range(first, last))
+        history = self._selected_columns(layer, chunk, selection)
+        columns = history + list(range(first, last))
         n, B = len(columns), self.batch_size
         table = torch.zeros((B, last), dtype=torch.int32)
         table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
         table = table.to(self.device, non_blocking=True)
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
+        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
+        self.staged_history_pages += len(history)
+        # Stage 1 attends to the chunk's own pages straight from the GPU; otherwise all come from the host.
+        from_host = history if fresh is not None else columns
+        if not bool(self.kv_on_host[index, from_host].all()):
+            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
+        # Allocated on the compute stream, which reads them; filled on the copy stream.
         staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype,
                                     device=self.device) for kind in kinds}
-        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
-        # Runs of consecutive positions with one gradient state; history and own pages apart.
-        history = columns[:n - (last - first)]
-        self.staged_history_pages += len(history)
-        runs = _runs(history, self.grad_on_host[index]) + _runs(columns[len(history):], self.grad_on_host[index],
-                                                                 offset=len(history))
         with self._on_copy_stream(after_compute=True):
-            for start, stop, column in runs:
-                rows = [slice(b * n + column, b * n + column + stop - start) for b in range(B)]
-                if fresh is not None and start >= first:  # stage 1: the chunk's pages are on the GPU
-                    own = last - first
-                    for b in range(B):
-                        staged["k"][rows[b]].copy_(fresh[0][b * own + start - first:b * own + stop - first])
-                        staged["v"][rows[b]].copy_(fresh[1][b * own + start - first:b * own + stop - first])
-                    continue
-                if not bool(self.kv_on_host[index, start:stop].all()):
-                    raise RuntimeError(f"pages {start}..{stop - 1} of offloaded layer {layer} were never written")
+            if self.mapped_host is not None:
+                self._gather_pages(index, from_host, staged)
+                runs = None
+            else:
+                runs = _runs(history, self.grad_on_host[index]) + _runs(
+                    columns[len(history):], self.grad_on_host[index], offset=len(history))
+                self._copy_runs(index, [r for r in runs if fresh is None or r[0] < first], staged)
+            if fresh is not None:  # the chunk's own pages, after the history ones
+                own = last - first
                 for b in range(B):
-                    for kind in kinds:
-                        source = self.host[kind][index, b, start:stop]
-                        if kind in ("dk", "dv"):
-                            _load_grads(staged[kind][rows[b]], source, self.grad_on_host[index, start:stop])
-                        else:
-                            staged[kind][rows[b]].copy_(source, non_blocking=True)
+                    for kind, pages in zip(("k", "v"), fresh, strict=True):
+                        staged[kind][b * n + len(history):(b + 1) * n].copy_(pages[b * own:(b + 1) * own])
             ready = torch.cuda.Event() if self.copy_stream is not None else None
             if ready is not None:
                 ready.record(self.copy_stream)
         self._keep_alive(*staged.values())
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        yield WindowView((0, chunk.end), staged["k"], staged["v"], table, staged.get("dk"), staged.get("dv"))
-        if not grads:
-            return
+        return _StagedSelection(staged, table, history, runs, n, ready, stage_one=fresh is not None)
+
+    def _gather_pages(self, index: int, positions: list[int], staged: dict[str, torch.Tensor]) -> None:
+        """One kernel per kind reads the pages at ``positions`` of every sequence from host memory into
+        the first len(positions) of each sequence's rows of ``staged`` (gradients that were never
+        written back this step read as zeros)."""
+        B, count, max_pages = self.batch_size, len(positions), self.max_pages_per_seq
+        n = staged["k"].shape[0] // B
+        source = index_tensor([b * max_pages + p for b in range(B) for p in positions], self.device)
+        target = None if count == n else index_tensor([b * n + j for b in range(B) for j in range(count)],
+                                                      self.device)
+        on_host = self.grad_on_host[index, positions]
+        stale = [b * n + j for b in range(B) for j in torch.nonzero(~on_host).flatten().tolist()]
+        for kind, pages in staged.items():
+            host = rows_of(self.mapped_host[kind][index].flatten(0, 1))  # a row per (sequence, position)
+            if kind in ("dk", "dv") and not bool(on_host.any()):
+                pages.zero_()  # accumulation begins here: nothing to read
+                continue
+            if target is None:
+                torch.index_select(host, 0, source, out=rows_of(pages))
+            else:
+                rows_of(pages).index_copy_(0, target, host.index_select(0, source))
+            if kind in ("dk", "dv") and stale:
+                pages.index_fill_(0, index_tensor(stale, self.device), 0)
+
+    def _copy_runs(self, index: int, runs: list[tuple[int, int, int]], staged: dict) -> None:
+        """One copy per run of consecutive pages, sequence and kind (devices without mapped memory)."""
+        n = staged["k"].shape[0] // self.batch_size
+        for start, stop, column in runs:
+            for b in range(self.batch_size):
+                rows = slice(b * n + column, b * n + column + stop - start)
+                for kind, pages in staged.items():
+                    source = self.host[kind][index, b, start:stop]
+                    if kind in ("dk", "dv"):
+                        _load_grads(pages[rows], source, self.grad_on_host[index, start:stop])
+                    else:
+                        pages[rows].copy_(source, non_blocking=True)
+
+    def _finish_selected_backward(self, index: int, chunk: ChunkSpan, staged: _StagedSelection) -> None:
+        """Keep the chunk's own page gradients; send the history pages' back to the host."""
+        first, last = self._page_range(chunk)
+        B, n, pages, history = self.batch_size, staged.num_pages, staged.pages, staged.history
         own_rows = (torch.arange(B)[:, None] * n + torch.arange(n - (last - first), n)[None, :]).flatten()
         own_rows = own_rows.to(self.device, non_blocking=True)
-        self._own_grads[index] = (staged["dk"].index_select(0, own_rows), staged["dv"].index_select(0, own_rows))
+        self._own_grads[index] = (pages["dk"].index_select(0, own_rows), pages["dv"].index_select(0, own_rows))
         with self._on_copy_stream(after_compute=True):
-            for start, stop, column in runs:
-                if start >= first:
-                    continue
-                for b in range(B):
-                    rows = slice(b * n + column, b * n + column + stop - start)
-                    self.host["dk"][index, b, start:stop].copy_(staged["dk"][rows], non_blocking=True)
-                    self.host["dv"][index, b, start:stop].copy_(staged["dv"][rows], non_blocking=True)
-                self.grad_on_host[index, start:stop] = True
+            if self.mapped_host is not None and history:
+                target = index_tensor([b * self.max_pages_per_seq + p for b in range(B) for p in history],
+                                      self.device)
+                source = index_tensor([b * n + j for b in range(B) for j in range(len(history))], self.device)
+                for kind in ("dk", "dv"):
+                    host = self.mapped_host[kind][index].flatten(0, 1)
+                    rows_of(host).index_copy_(0, target, rows_of(pages[kind]).index_select(0, source))
+            elif staged.runs is not None:
+                for start, stop, column in staged.runs:
+                    if start >= first:
+                        continue
+                    for b in range(B):
+                        rows = slice(b * n + column, b * n + column + stop - start)
+                        self.host["dk"][index, b, start:stop].copy_(pages["dk"][rows], non_blocking=True)
+                        self.host["dv"][index, b, start:stop].copy_(pages["dv"][rows], non_blocking=True)
+        self.grad_on_host[index, history] = True
+
+
+@dataclass
+class _StagedSelection:
+    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union, then the
+    chunk's own) and the page table of that layout."""
+
+    pages: dict[str, torch.Tensor]
+    table: torch.Tensor
+    history: list[int]  # the selections' union: positions of the first rows
+    runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
+    num_pages: int
+    ready: torch.cuda.Event | None  # the copy stream has filled them
+    stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
 
 
 def _load_grads(target: torch.Tensor, source: torch.Tensor, on_host: torch.Tensor) -> None:
