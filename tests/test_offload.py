@@ -12,7 +12,7 @@ from helpers import build_tiny_model, grads, page_locked, random_ids
 
 import oomb
 import oomb.engine
-import oomb.kv.offload
+import oomb.kv.host_slabs
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.capacity import PagesDoNotFitError, PageShape, check_pages_fit, page_footprint
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
@@ -54,8 +54,8 @@ def test_pinned_slabs_are_whole_pages_and_unregistered_when_replaced(monkeypatch
         assert t.data_ptr() % mmap.PAGESIZE == 0  # no page shared with another allocation
         calls.append(("pin", t.numel()))
 
-    monkeypatch.setattr(oomb.kv.offload, "_register", register)
-    monkeypatch.setattr(oomb.kv.offload, "_unregister", lambda t: calls.append(("unpin", t.numel())))
+    monkeypatch.setattr(oomb.kv.host_slabs, "_register", register)
+    monkeypatch.setattr(oomb.kv.host_slabs, "_unregister", lambda t: calls.append(("unpin", t.numel())))
     slabs = HostSlabs(pin=True)
     slabs.take("dk", (3, 1000), torch.float32)  # 12,000 bytes: three 4 KiB pages, not a power of two
     slabs.take("dk", (2, 1000), torch.float32)  # reused
