@@ -339,3 +339,28 @@ def test_page_store_without_offload_streams_the_same_windows():
                          stream_block_pages=3)
     assert store.windows(ChunkSpan(3, 24, 32)) == [(0, 12), (12, 24), (24, 32)]
     assert store.windows(ChunkSpan(0, 0, 8)) == [(0, 8)]
+
+
+def test_mapped_views_only_where_kernels_can_address_the_slabs(monkeypatch):
+    """On a CPU device the host tensors are used in place; on a GPU only registered slabs are
+    aliased, and OOMB_OFFLOAD_GATHER=copy (read at import) turns the aliases off."""
+    import oomb.kv.mapped as mapped
+
+    slabs = HostSlabs(pin=False)
+    taken = slabs.take("k", (3, 4, 8), torch.bfloat16)
+    in_place = slabs.mapped("k", (3, 4, 8), torch.bfloat16, torch.device("cpu"))
+    assert in_place.data_ptr() == taken.data_ptr() and in_place.shape == taken.shape
+    assert slabs.mapped("k", (3, 4, 8), torch.bfloat16, torch.device("cuda")) is None  # not registered
+    assert mapped.mapped_view(taken.view(torch.uint8).flatten(), torch.device("cpu")) is None
+    monkeypatch.setattr(mapped, "ENABLED", False)
+    assert mapped.mapped_view(torch.empty(1 << 16, dtype=torch.uint8), torch.device("cuda")) is None
+
+
+def test_pages_move_as_rows_of_8_byte_words_where_they_divide():
+    from oomb.kv.mapped import rows_of
+
+    pages = torch.arange(3 * 2 * 8, dtype=torch.float32).view(3, 2, 8).to(torch.bfloat16)
+    rows = rows_of(pages)
+    assert rows.dtype == torch.int64 and rows.shape == (3, 4) and rows.data_ptr() == pages.data_ptr()
+    odd = torch.zeros(3, 1, 3, dtype=torch.bfloat16)  # 6 bytes per page: elements as they are
+    assert rows_of(odd).dtype == torch.bfloat16 and rows_of(odd).shape == (3, 3)
