@@ -62,12 +62,16 @@ def mapped_view(slab: torch.Tensor, device: torch.device) -> torch.Tensor | None
     None when kernels on ``device`` cannot address it. The caller keeps ``slab`` alive."""
     if not ENABLED or device.type != "cuda" or slab.numel() < 2 * _PROBE_BYTES:
         return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     try:
         memory_type, device_pointer = pointer_attributes(slab)
         if memory_type != 1 or not device_pointer:
             raise RuntimeError(f"the slab is not mapped (memory type {memory_type})")
         with torch.cuda.device(device):
-            alias = torch.as_tensor(_CudaArray(device_pointer, slab.numel()), device=device)
+            alias = torch.as_tensor(_CudaArray(device_pointer, slab.numel()))  # no device=: never a copy
+            if alias.device != device:
+                raise RuntimeError(f"the slab is mapped for {alias.device}, not {device}")
             if not _kernels_reach(slab, alias):
                 raise RuntimeError("a kernel read or wrote other bytes than the host's")
     except Exception as err:  # e.g. a device without host-pointer access to registered memory
