@@ -104,10 +104,11 @@ def block_scores(
             qf = torch.cat([qf, qf[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
         rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
     if options.score == "minmax":
-        k_max = summaries["key_max"].float().permute(0, 2, 1, 3)  # (B, Hkv, n_hist, D)
-        k_min = summaries["key_min"].float().permute(0, 2, 1, 3)
+        # One matmul over 2D: [relu(q), min(q, 0)] . [max; min], so each tile's scores are written once.
+        keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)  # (B, n_hist, Hkv, 2D)
     else:
-        k_mean = summaries["key_mean"].float().permute(0, 2, 1, 3)
+        keys = summaries["key_mean"]
+    keys_t = keys.float().permute(0, 2, 3, 1).contiguous()  # (B, Hkv, D or 2D, n_hist), once for all tiles
 
     rows_per_block = G * rows.shape[4]
     blocks_per_tile = max(1, SCORE_TILE_ELEMENTS // max(1, B * Hkv * rows_per_block * n_hist))
@@ -115,11 +116,9 @@ def block_scores(
     for b0 in range(0, n_blocks, blocks_per_tile):
         b1 = min(b0 + blocks_per_tile, n_blocks)
         r = rows[:, :, :, b0:b1].permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, (b1 - b0) * rows_per_block, D)
-        if options.score == "minmax":
-            # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
-            s = r.clamp(min=0) @ k_max.transpose(-1, -2) + r.clamp(max=0) @ k_min.transpose(-1, -2)
-        else:
-            s = r @ k_mean.transpose(-1, -2)
+        if options.score == "minmax":  # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
+            r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
+        s = r @ keys_t
         out[:, :, b0:b1] = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist).amax(dim=3)
     if options.selection == "shared":
         out = out.amax(dim=1, keepdim=True).expand(B, Hkv, n_blocks, n_hist)
