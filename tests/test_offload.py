@@ -188,6 +188,24 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
     assert all((store.mapped_host is None) == (staging == "copy per run") for store in offload_stores)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("staging", ["gather", "copy per run"])
+def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, monkeypatch):
+    """Two sequences: each one's pages are gathered into its own rows and written back to its own slots."""
+    if staging == "copy per run":
+        monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
+    model = build_tiny_model("qwen2", seed=4)
+    ids = random_ids(2, 150, seed=3)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=group, **SPARSE)
+    results = []
+    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
+        model.zero_grad(set_to_none=True)
+        results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+
+
 def test_query_groups_stage_fewer_pages(offload_stores):
     """One selection per group of query blocks: a chunk's calls stage fewer distinct history pages."""
     model = build_tiny_model("qwen2", seed=4)
