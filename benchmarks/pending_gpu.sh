@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks still pending (docs/results.md, "Not yet run on a GPU"), most important first, each
-# under its own time limit so that one stuck check does not cost the rest. Results go to $OUT
-# (the device machine sets it; elsewhere ./gpu-out). One H200, under 10 minutes in all (fresh machine: first compiles and autotuning included).
+# The GPU checks still pending (docs/results.md, "Not yet run on a GPU"), each under its own time
+# limit so that one stuck check does not cost the rest. Results go to $OUT (the device machine sets
+# it; elsewhere ./gpu-out). Two calls of under 10 minutes each on one H200 (fresh machine: first
+# compiles and autotuning included):
 #
-#     bash benchmarks/pending_gpu.sh
+#     bash benchmarks/pending_gpu.sh 1m      # sparse+offload at 1M
+#     bash benchmarks/pending_gpu.sh tests   # kernel GPU tests, then sparse with 2K chunks
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -19,12 +21,22 @@ check() {  # check SECONDS NAME COMMAND...: run, keep the full log, show its tai
     tail -n 6 "$OUT/$name.log"
 }
 
-# Issue 5 item 5: sparse+offload at 1M (one selection per chunk; bf16 page gradients so that the
-# pages fit the 125.9 GiB host). About 360 s by the 512K step, plus a fresh machine's tuning.
-check 450 sparse_offload_1m python -m oomb.cli bench --modes sparse+offload --contexts 1M \
-    --query-block-pages 32 --kv-grad-dtype bf16 --max-seconds 440 --out-dir "$OUT" --name sparse_offload_1m_h200
-# The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
-per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
-check 130 gpu_kernel_tests env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
-    $per_test_limit tests/test_triton_sparse.py tests/test_triton_paged.py tests/test_key_windows.py
+part=${1:-1m}
+if [ "$part" = 1m ]; then
+    # Issue 5 item 5: sparse+offload at 1M (one selection per chunk; bf16 page gradients so that the
+    # pages fit the 125.9 GiB host). About 360 s by the 512K step, plus pinning 112 GiB and, on a
+    # fresh machine, about 70 s of compiling and tuning: the whole call.
+    check 565 sparse_offload_1m python -m oomb.cli bench --modes sparse+offload --contexts 1M \
+        --query-block-pages 32 --kv-grad-dtype bf16 --max-seconds 555 --out-dir "$OUT" --name sparse_offload_1m_h200
+else
+    # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
+    per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
+    check 200 gpu_kernel_tests env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
+        $per_test_limit tests/test_triton_sparse.py tests/test_triton_paged.py tests/test_key_windows.py
+    # Toward 0.5x hf at 128K: half the chunk (half the replay-free activations, half the causal
+    # in-chunk keys per query), one selection per chunk, no replay.
+    check 200 sparse_chunk2k_no_replay python -m oomb.cli bench --modes sparse --contexts 128K --chunk-size 2048 \
+        --query-block-pages 16 --no-checkpoint-layers --max-seconds 190 --out-dir "$OUT" \
+        --name sparse_chunk2k_no_replay_h200
+fi
 rm -f "$OUT"/*.png "$OUT"/*.md  # at most 8 files come back: the JSONs and logs carry everything
