@@ -22,6 +22,10 @@ order on one side stream and are ordered with the compute stream by CUDA events:
 * No stale data: every page records whether its K/V and its gradients are on the host for this
   step; reading a page that was never written raises.
 
+A sparse call (docs/sparse.md) stages only the pages its query blocks selected plus its own, gathered
+from the mapped slabs by one kernel per kind (kv/mapped.py); in stage 2 each call stages the next
+call's pages while it computes.
+
 In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
 reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
 On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous copies.
@@ -340,11 +344,11 @@ class OffloadedKVStore(PagedKVStore):
 
     @contextmanager
     def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
-        """Stage the union of the pages any query block selected plus the chunk's own pages (one
-        host-to-GPU copy per contiguous run), with a page table of the staged layout; after a
-        backward, the history pages' gradients go back to the host and the chunk's own are kept.
-        In stage 2 the next call's pages are known (its selection waits on the host), so they are
-        staged while this call and the rest of its layer compute."""
+        """Stage the union of the pages any query block selected plus the chunk's own pages (gathered
+        by kernels from the mapped host slabs, or copied run by run), with a page table of the staged
+        layout; after a backward, the history pages' gradients go back to the host and the chunk's
+        own are kept. In stage 2 the next call's pages are known (its selection waits on the host),
+        so they are staged while this call and the rest of its layer compute."""
         index = self._offloaded(layer)
         if index is None:
             with super().selected_pages(layer, chunk, selection, grads) as view:
