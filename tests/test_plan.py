@@ -203,3 +203,19 @@ def test_cli_errors(capsys):
     if not torch.cuda.is_available():
         assert cli.main(["plan", "--model", "tiny-qwen2", "--host-gib", "8"]) == 2
         assert "--gpu-gib" in capsys.readouterr().err
+
+
+def test_hint_names_the_faster_setting_only_where_it_fits():
+    """Without layer checkpointing a chunk keeps every layer's activations: on a large GPU sparse+offload
+    fits that way too at 1M (and the plan says so); on a small one it does not."""
+    config = OOMBConfig(kv_grad_dtype="bfloat16")
+    large = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), config, BENCH,
+                      modes=["sparse+offload"])
+    assert any(h.startswith("sparse+offload also fits with --no-checkpoint-layers") for h in large.hints)
+    small = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=48 * GIB, host_bytes=125 * GIB), config,
+                      TrainingSetup(optimizer="none", lora_rank=16), modes=["sparse+offload"])
+    assert small.reports[0].fits and not any("no-checkpoint-layers" in h for h in small.hints)
+    no_replay = OOMBConfig(kv_grad_dtype="bfloat16", checkpoint_layers=False)
+    no_replay = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), no_replay, BENCH,
+                          modes=["sparse+offload"])
+    assert not any("no-checkpoint-layers" in h for h in no_replay.hints)
