@@ -32,7 +32,7 @@ else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
     check 200 gpu_kernel_tests env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
-        $per_test_limit tests/test_triton_sparse.py tests/test_triton_paged.py tests/test_key_windows.py
+        $per_test_limit tests/test_sparse.py tests/test_triton_sparse.py tests/test_triton_paged.py tests/test_key_windows.py
     # Toward 0.5x hf at 128K: half the chunk (half the replay-free activations, half the causal
     # in-chunk keys per query), one selection per chunk, no replay.
     check 200 sparse_chunk2k_no_replay python -m oomb.cli bench --modes sparse --contexts 128K --chunk-size 2048 \

@@ -114,6 +114,20 @@ def test_block_scores_match_the_definition(score, leak_free, selection):
                                **TOL)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+def test_gpu_low_precision_scores_equal_float32_scores_up_to_summation_order(score):
+    """bf16 queries and summaries on a GPU are scored by tensor cores with a float32 result: their
+    products are exact, so only the order of the float32 sums differs from scoring float32 copies."""
+    s = _scoring(B=1, Hkv=4, G=7, Lq=300, D=128, P=128, n_hist=50)
+    q = s.q.to("cuda", torch.bfloat16)
+    summaries = {name: t.to("cuda", torch.bfloat16) for name, t in s.summaries.items()}
+    options = SparseOptions(4, 1, score, "kv_head", False)
+    fast = block_scores(q, summaries, s.page, options)
+    exact = block_scores(q.float(), {name: t.float() for name, t in summaries.items()}, s.page, options)
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-4)
+
+
 def test_scores_are_computed_in_tiles(monkeypatch):
     """Tiling the blocks (to bound memory) does not change the scores."""
     s = _scoring(Lq=23)
