@@ -17,7 +17,8 @@ pages (page-table positions < c0)::
   of them; leak-free: their first query's), so a chunk selects fewer distinct pages (what host
   offload moves) for the same compute.
 
-Scores (not differentiated; all in float32):
+Scores (not differentiated; float32 results, from float32 matmuls or, for bf16/fp16 queries on a
+GPU, from tensor cores with exact products and float32 sums):
 
 * "minmax" (Quest): for a query row q and a page with elementwise key bounds [min_d, max_d],
   ``sum_d max(q_d min_d, q_d max_d)`` is an upper bound of q . k over the page's keys. It is
