@@ -27,7 +27,8 @@ if [ "$part" = 1m ]; then
     # pages fit the 125.9 GiB host). About 360 s by the 512K step, plus pinning 112 GiB and, on a
     # fresh machine, about 70 s of compiling and tuning: the whole call.
     check 565 sparse_offload_1m python -m oomb.cli bench --modes sparse+offload --contexts 1M \
-        --query-block-pages 32 --kv-grad-dtype bf16 --max-seconds 555 --out-dir "$OUT" --name sparse_offload_1m_h200
+        --query-block-pages 32 --kv-grad-dtype bf16 --progress --max-seconds 555 --out-dir "$OUT" \
+        --name sparse_offload_1m_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there

@@ -75,6 +75,9 @@ class BenchOptions:
     sparse_budget: int = OOMBConfig.sparse_budget
     """Sparse modes: history pages each query block reads besides the sinks (OOMBConfig.sparse_budget)."""
     warmup_tokens: int = 8192
+    progress: bool = False
+    """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
+    then still tells how far it got."""
     max_seconds: float = math.inf
     """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
     this many seconds from the start; stop a worker still running then."""
@@ -161,15 +164,16 @@ def make_step(mode: str, options: BenchOptions):
     from .engine import forward_backward
 
     config = oomb_config_for(mode, options.oomb_config())
+    progress = options.progress
     if not config.offload:
-        return lambda model, ids: float(forward_backward(model, ids, config=config))
+        return lambda model, ids: float(forward_backward(model, ids, config=config, progress=progress))
     from .engine import store_options
     from .kv.offload import HostSlabs, reserve_host_slabs
 
     slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
 
     def offload_step(model, ids):
-        return float(forward_backward(model, ids, config=config, host_slabs=slabs))
+        return float(forward_backward(model, ids, config=config, host_slabs=slabs, progress=progress))
 
     def prepare(model, ids):
         """Pin the host memory of a step of this length before it is timed."""
@@ -505,6 +509,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sparse modes: history pages per query block, besides the sinks "
                              f"(default {d.sparse_budget})")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
+    parser.add_argument("--progress", action="store_true", default=None,
+                        help="show each oomb step's progress over its chunks (stderr)")
     parser.add_argument("--max-seconds", type=float, help="time budget of the whole sweep (default: none)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, help="CPU threads per worker (default: torch's; 1 with --quick)")
@@ -515,7 +521,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
-                 "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens",
+                 "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

@@ -189,8 +189,11 @@ def test_bench_options_validation():
 
 
 def test_sparse_options_reach_the_step_config_and_the_prediction():
-    args = cli.build_parser().parse_args(["bench", "--quick", "--sparse-budget", "5", "--query-block-pages", "4"])
+    args = cli.build_parser().parse_args(["bench", "--quick", "--sparse-budget", "5", "--query-block-pages", "4",
+                                          "--progress"])
     options = bench.options_from_args(args)
+    default = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick"]))
+    assert options.progress and not default.progress
     config = options.oomb_config()
     assert (config.sparse_budget, config.sparse_query_block_pages) == (5, 4)
     assumptions = options.sparse_assumptions()
