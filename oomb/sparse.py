@@ -35,6 +35,7 @@ is ``None`` and the chunk runs the dense code path (so a large budget is dense a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,7 @@ def block_scores(
         if options.score == "minmax":  # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
             r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
         r = r.reshape(B * Hkv, -1, r.shape[-1])
-        s = torch.bmm(r, keys_t, out_dtype=torch.float32) if exact_low_precision else torch.bmm(r, keys_t)
+        s = _float32_scores(r, keys_t) if exact_low_precision else torch.bmm(r, keys_t)
         out[:, :, b0:b1] = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist).amax(dim=3)
     if options.selection == "shared":
         out = out.amax(dim=1, keepdim=True).expand(B, Hkv, n_blocks, n_hist)
@@ -136,6 +137,15 @@ def _fp32_products_of(q: torch.Tensor, summary: torch.Tensor) -> bool:
     tensor cores instead of float32 matmuls (at 1M tokens the difference is tens of seconds a step)."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and summary.dtype == q.dtype
             and torch.__version__ >= (2, 8))
+
+
+def _float32_scores(rows: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 rows x keys with float32 results; float32 matmuls where the GPU library refuses."""
+    try:
+        return torch.bmm(rows, keys_t, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        warnings.warn(f"scoring in float32: bmm with float32 results failed ({err})", stacklevel=2)
+        return torch.bmm(rows.float(), keys_t.float())
 
 
 def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:
