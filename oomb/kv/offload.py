@@ -102,10 +102,11 @@ class OffloadedKVStore(PagedKVStore):
         self._own_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> chunk's dK, dV pages
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
         self.chunk_size, self.num_tokens = chunk_size, store_options["num_tokens"]
-        self._prefetched = None  # ((layer, chunk index, grads), loads) started ahead of that call
+        self._prefetched = None  # ((layer, chunk index, grads), window loads or staged selection) started ahead
         self._selection_copied: dict[tuple[int, int], torch.cuda.Event] = {}  # (chunk, layer) -> D2H done
         self.prefetch_hits = 0
-        """Attention calls whose first windows were loaded during the previous call (diagnostics)."""
+        """Attention calls whose first windows (sparse: selected pages) were loaded during the previous
+        call (diagnostics)."""
         self.staged_history_pages = 0
         """Sparse: history pages (per sequence) staged by the calls so far, the union of each call's
         selections (diagnostics: what the selections cost in transfers)."""
@@ -413,11 +414,10 @@ class OffloadedKVStore(PagedKVStore):
         """One kernel per kind reads the pages at ``positions`` of every sequence from host memory into
         the first len(positions) of each sequence's rows of ``staged`` (gradients that were never
         written back this step read as zeros)."""
-        B, count, max_pages = self.batch_size, len(positions), self.max_pages_per_seq
+        B, count = self.batch_size, len(positions)
         n = staged["k"].shape[0] // B
-        source = index_tensor([b * max_pages + p for b in range(B) for p in positions], self.device)
-        target = None if count == n else index_tensor([b * n + j for b in range(B) for j in range(count)],
-                                                      self.device)
+        source = self._rows(self.max_pages_per_seq, positions)
+        target = None if count == n else self._rows(n, range(count))
         on_host = self.grad_on_host[index, positions]
         stale = [b * n + j for b in range(B) for j in torch.nonzero(~on_host).flatten().tolist()]
         for kind, pages in staged.items():
@@ -431,6 +431,11 @@ class OffloadedKVStore(PagedKVStore):
                 rows_of(pages).index_copy_(0, target, host.index_select(0, source))
             if kind in ("dk", "dv") and stale:
                 pages.index_fill_(0, index_tensor(stale, self.device), 0)
+
+    def _rows(self, stride: int, positions) -> torch.Tensor:
+        """Indices of ``positions`` in every sequence's block of ``stride`` rows (host slabs flattened
+        over (sequence, position), or staged pages), on the device."""
+        return index_tensor([b * stride + p for b in range(self.batch_size) for p in positions], self.device)
 
     def _copy_runs(self, index: int, runs: list[tuple[int, int, int]], staged: dict) -> None:
         """One copy per run of consecutive pages, sequence and kind (devices without mapped memory)."""
@@ -454,9 +459,7 @@ class OffloadedKVStore(PagedKVStore):
         self._own_grads[index] = (pages["dk"].index_select(0, own_rows), pages["dv"].index_select(0, own_rows))
         with self._on_copy_stream(after_compute=True):
             if self.mapped_host is not None and history:
-                target = index_tensor([b * self.max_pages_per_seq + p for b in range(B) for p in history],
-                                      self.device)
-                source = index_tensor([b * n + j for b in range(B) for j in range(len(history))], self.device)
+                target, source = self._rows(self.max_pages_per_seq, history), self._rows(n, range(len(history)))
                 for kind in ("dk", "dv"):
                     host = self.mapped_host[kind][index].flatten(0, 1)
                     rows_of(host).index_copy_(0, target, rows_of(pages[kind]).index_select(0, source))
