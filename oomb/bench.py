@@ -79,8 +79,8 @@ class BenchOptions:
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
     then still tells how far it got."""
     max_seconds: float = math.inf
-    """Skip a context whose step, extrapolated quadratically from the mode's last one, would end past
-    this many seconds from the start; stop a worker still running then."""
+    """Skip a context whose step, extrapolated from the mode's last one (``expected_seconds``), would end
+    past this many seconds from the start; stop a worker still running then."""
     seed: int = 0
     threads: int | None = None
     """CPU threads of a worker (torch.set_num_threads); None: torch's default."""
