@@ -39,7 +39,7 @@ import torch
 
 from . import machine, presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
-from .config import OOMBConfig, resolve_dtype
+from .config import BACKENDS, OOMBConfig, resolve_dtype
 from .memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
 from .models import unwrap_causal_lm
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
@@ -66,6 +66,8 @@ class BenchOptions:
     chunk_size: int = 4096
     page_size: int = 128
     kv_grad_dtype: str = "float32"
+    backend: str = OOMBConfig.backend
+    """Attention kernels of the oomb modes (OOMBConfig.backend)."""
     checkpoint_layers: bool = True
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
@@ -103,8 +105,8 @@ class BenchOptions:
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
-                          checkpoint_layers=self.checkpoint_layers, loss_chunk_tokens=self.loss_chunk_tokens,
-                          fp32_grad_accumulation=self.fp32_grad_accumulation,
+                          backend=self.backend, checkpoint_layers=self.checkpoint_layers,
+                          loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget)
 
     def sparse_assumptions(self) -> SparseAssumptions:
@@ -502,6 +504,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-grad-dtype", help=f"default {d.kv_grad_dtype}")
     parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
                         help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
+    parser.add_argument("--backend", choices=BACKENDS, help=f"attention kernels (default {d.backend})")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
     parser.add_argument("--query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
@@ -520,7 +523,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
-    for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype",
+    for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
                  "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:

@@ -16,7 +16,7 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 ATTENTION_MODES = ("dense", "sparse")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("minmax", "mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 
@@ -66,8 +66,10 @@ class OOMBConfig:
     Hkv x (sinks + budget) pages per chunk)."""
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
-    backend: Literal["auto", "torch", "triton"] = "auto"
-    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA)."""
+    backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA),
+    "cudnn" (CUDA, bf16/fp16: dense windows on cuDNN's fused attention, as HF's SDPA uses; faster
+    on Hopper, not bitwise deterministic; sparse mode keeps Triton)."""
     offload: bool = False
     """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode):
     GPU memory stops growing with context; gradients are bit-identical to offload=False."""

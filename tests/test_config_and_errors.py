@@ -49,7 +49,7 @@ def test_sizes_must_be_positive_integers(field, value):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"backend": "cuda"}, r"backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton'\)"),
+        ({"backend": "cuda"}, r"backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton', 'cudnn'\)"),
         ({"attention": "flash"}, r"attention='flash' is not supported; use one of: \('dense', 'sparse'\)"),
         ({"sparse_budget": -1}, r"sparse_budget=-1 must be an integer >= 0 \(a number of pages\)"),
         ({"sparse_budget": 4.0}, r"sparse_budget=4\.0 must be an integer >= 0"),

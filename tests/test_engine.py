@@ -464,3 +464,20 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
     num_chunks, num_layers = 4, model.config.num_hidden_layers
     assert calls["forward"] == 2 * num_chunks * num_layers  # stage 1 + stage 2, no replay
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("stream_block_pages", [256, 2], ids=["one-history-window", "many-windows"])
+def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypatch, stream_block_pages):
+    """The cudnn backend's windowing (cudnn_paged.py) on a plain-torch stand-in for cuDNN, through the
+    whole engine: gradients equal a full-sequence backward as with the reference backend."""
+    from test_cudnn_paged import MATH
+
+    from oomb.attention import reference
+    from oomb.attention.backend import AttentionBackend
+
+    backend = AttentionBackend("windowed-math", MATH.paged_attention_forward, MATH.paged_attention_backward,
+                               reference.backward_delta)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
+    ids, labels = CASES["batch2"].inputs(seed=200)
+    config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages)
+    _assert_matches_hf(models["qwen2"], ids, labels, config)

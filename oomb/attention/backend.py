@@ -40,12 +40,26 @@ def _triton_backend() -> AttentionBackend:
                             triton_sparse.sparse_attention_backward)
 
 
+def _cudnn_backend() -> AttentionBackend:
+    """Dense windows on cuDNN's fused attention (cudnn_paged.py); sparse mode keeps the Triton kernels."""
+    from . import cudnn_paged
+
+    windowed = cudnn_paged.WindowedAttention()
+    triton = _triton_backend()
+    return AttentionBackend("cudnn", windowed.paged_attention_forward, windowed.paged_attention_backward,
+                            reference.backward_delta, triton.sparse_forward, triton.sparse_backward)
+
+
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve "auto" | "torch" | "triton" for tensors on ``device``."""
+    """Resolve "auto" | "torch" | "triton" | "cudnn" for tensors on ``device``."""
     if name == "torch":
         return TORCH_BACKEND
     if name == "triton":
         return _triton_backend()
+    if name == "cudnn":
+        if device.type != "cuda":
+            raise ValueError(f"backend='cudnn' needs a CUDA device; got {device}")
+        return _cudnn_backend()
     if name == "auto":
         if device.type == "cuda":
             try:
@@ -53,4 +67,4 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             except ImportError as err:
                 logger.warning("triton backend unavailable (%s); using the torch reference backend", err)
         return TORCH_BACKEND
-    raise ValueError(f"backend={name!r} is not supported; use 'auto', 'torch' or 'triton'")
+    raise ValueError(f"backend={name!r} is not supported; use 'auto', 'torch', 'triton' or 'cudnn'")

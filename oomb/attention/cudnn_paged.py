@@ -1,0 +1,190 @@
+"""Dense paged attention on a fused attention kernel: cuDNN's, the one plain HF's SDPA runs on Hopper.
+
+It follows reference.py's contract (key windows included), so the engine, the checkpoint replay and
+host offload use it unchanged. Each key window is one kernel call:
+
+* a window's pages are gathered from the pools into one contiguous (B, Hkv, S, D) block (a copy of
+  S tokens of K and V: bandwidth, not compute);
+* a history window is seen whole by every query, so a KV head's G query heads fold into one query
+  sequence of G * Lq rows: grouped-query attention without repeating K or V;
+* the local window (the chunk itself) is causal, so it cannot fold; the chunk's K and V (Lq tokens)
+  are repeated per query head instead, and its dK, dV summed over the group.
+
+Backward hands the kernel the merged out and lse of the whole chunk (not the window's own), so each
+window's dQ, dK, dV is its exact share of the full gradient; dK, dV are added into the page buffers
+and dQ into a float32 accumulator.
+
+Unlike the Triton kernels this is not bitwise deterministic (cuDNN's backward accumulates dQ with
+atomics), its window outputs are rounded to q's dtype before the merge, and each window's dK, dV
+reach the page buffers rounded to q's dtype. It takes bf16/fp16 CUDA tensors only. Sparse mode keeps
+the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .reference import _check, _check_backward_extras, check_key_range, merge_window
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """Plain (B, H, S, D) attention with equal head counts for q, k, v, contiguous inputs.
+
+    forward(q, k, v, causal, scale) -> (out in q's dtype, lse (B, H, Sq) float32 natural log)
+    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv); out and lse may be the merged
+        ones of several windows: the result is then that window's share.
+    causal means square, top-left aligned (only the local window uses it: Sq == Sk).
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+    """Input dtypes the kernel takes."""
+
+
+@functools.cache
+def _cudnn_stats_rank(device: torch.device) -> int:
+    """Rank of the log-sum-exp tensor torch's cuDNN attention returns here ((B, H, S) or
+    (B, H, S, 1), depending on the torch version); its backward wants the same shape back."""
+    x = torch.zeros((1, 1, 8, 64), dtype=torch.bfloat16, device=device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)[1].dim()
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=scale)
+    return out, lse.reshape(q.shape[:-1])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    stats = lse.reshape(lse.shape + (1,) * (_cudnn_stats_rank(q.device) - 3)).contiguous()
+    rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset: unused at p=0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, stats, rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
+    )
+    return dq, dk, dv
+
+
+CUDNN_KERNEL = FusedKernel(_cudnn_forward, _cudnn_backward)
+
+
+def _window_pages(page_table: torch.Tensor, lo: int, hi: int, page_size: int) -> torch.Tensor:
+    """(B, n) int64 ids of the pages holding keys [lo, hi)."""
+    return page_table[:, lo // page_size: -(-hi // page_size)].long()
+
+
+def _gather(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of ``pages`` as one contiguous (B, Hkv, length, D) block."""
+    B, n = pages.shape
+    _, H, P, D = pool.shape
+    block = pool[pages.reshape(-1)].view(B, n, H, P, D).transpose(1, 2).reshape(B, H, n * P, D)
+    return block[:, :, :length].contiguous()
+
+
+def _add_into_pages(pool: torch.Tensor, pages: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add (B, Hkv, length, D) gradients into the pool slots of ``pages`` (each page once, so the
+    index_add is deterministic), in the pool's dtype."""
+    B, n = pages.shape
+    _, H, P, D = pool.shape
+    grad = torch.nn.functional.pad(grad, (0, 0, 0, n * P - grad.shape[2]))
+    rows = grad.reshape(B, H, n, P, D).transpose(1, 2).reshape(B * n, H, P, D)
+    pool.index_add_(0, pages.reshape(-1), rows.to(pool.dtype))
+
+
+class WindowedAttention:
+    """reference.py's dense contract on a :class:`FusedKernel`, one kernel call per key window."""
+
+    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
+        self.kernel = kernel
+
+    def _check(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
+        """Validate the inputs; return the key windows to run: the given one, or history then chunk."""
+        if q.dtype not in self.kernel.dtypes or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+            raise TypeError(f"this backend takes q, K and V of one dtype among {self.kernel.dtypes}; got {q.dtype}, "
+                            f"{k_pool.dtype}, {v_pool.dtype} (use backend='triton' or 'torch' for float32)")
+        Lq = q.shape[2]
+        window = check_key_range(key_range, query_start, Lq, k_pool.shape[2])
+        _check(q, k_pool, page_table, query_start, query_start + Lq if window is None else window[1])
+        if window is not None:
+            return [window]
+        return ([(0, query_start)] if query_start else []) + [(query_start, query_start + Lq)]
+
+    def _operands(self, q, k_pool, v_pool, page_table, lo, hi, local):
+        """(q, k, v) of one window in the kernel's shapes, and the window's page ids."""
+        B, Hq, Lq, D = q.shape
+        Hkv = k_pool.shape[1]
+        pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
+        k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
+        if local:
+            G = Hq // Hkv
+            return q.contiguous(), k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), pages
+        return _fold(q, Hkv), k, v, pages
+
+    def paged_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None,
+                                out_dtype=None):
+        windows = self._check(q, k_pool, v_pool, page_table, query_start, key_range)
+        B, Hq, Lq, D = q.shape
+        Hkv = k_pool.shape[1]
+        if B * Lq == 0:
+            return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+        out = lse = None
+        for lo, hi in windows:
+            local = lo == query_start
+            qw, k, v, _ = self._operands(q, k_pool, v_pool, page_table, lo, hi, local)
+            out_w, lse_w = self.kernel.forward(qw, k, v, local, scale)
+            if not local:
+                out_w, lse_w = _unfold(out_w, Hkv, Lq), lse_w.reshape(B, Hq, Lq)
+            if out is None:
+                out, lse = out_w, lse_w
+            else:
+                out, lse = merge_window(out.float(), lse, out_w.float(), lse_w)
+        return out.to(out_dtype or q.dtype), lse
+
+    def paged_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                                 dv_pool, *, key_range=None, delta=None, dq_accumulator=None):
+        windows = self._check(q, k_pool, v_pool, page_table, query_start, key_range)
+        _check_backward_extras(q, out, delta, dq_accumulator)
+        if out is None:
+            raise ValueError("the cudnn backend's backward needs the merged out (the kernel computes its own delta)")
+        B, Hq, Lq, D = q.shape
+        Hkv = k_pool.shape[1]
+        G = Hq // Hkv
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_accumulator is None else dq_accumulator
+        if B * Lq == 0:
+            return dq if dq_accumulator is not None else dq.to(q.dtype)
+        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        for lo, hi in windows:
+            local = lo == query_start
+            qw, k, v, pages = self._operands(q, k_pool, v_pool, page_table, lo, hi, local)
+            if local:
+                dq_w, dk, dv = self.kernel.backward(dout.contiguous(), qw, k, v, out.contiguous(), lse.contiguous(),
+                                                    True, scale)
+                dk = dk.float().view(B, Hkv, G, Lq, D).sum(2)
+                dv = dv.float().view(B, Hkv, G, Lq, D).sum(2)
+            else:
+                dq_w, dk, dv = self.kernel.backward(_fold(dout, Hkv), qw, k, v, _fold(out, Hkv),
+                                                    lse.reshape(B, Hkv, G * Lq).contiguous(), False, scale)
+                dq_w = _unfold(dq_w, Hkv, Lq)
+            _add_into_pages(dk_pool, pages, dk)
+            _add_into_pages(dv_pool, pages, dv)
+            dq.add_(dq_w)
+        return dq if dq_accumulator is not None else dq.to(q.dtype)
+
+
+def _fold(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, Hq, L, D) -> contiguous (B, Hkv, G * L, D): each KV head's query heads as one sequence."""
+    B, Hq, L, D = x.shape
+    return x.reshape(B, num_kv_heads, (Hq // num_kv_heads) * L, D).contiguous()
+
+
+def _unfold(x: torch.Tensor, num_kv_heads: int, length: int) -> torch.Tensor:
+    B, _, _, D = x.shape
+    return x.reshape(B, -1, length, D)
+
