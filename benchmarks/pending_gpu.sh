@@ -6,6 +6,7 @@
 #
 #     bash benchmarks/pending_gpu.sh 1m      # sparse+offload at 1M
 #     bash benchmarks/pending_gpu.sh tests   # kernel GPU tests, then sparse with 2K chunks
+#     bash benchmarks/pending_gpu.sh cudnn   # the cudnn backend: GPU tests, then dense vs hf at 128K
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -29,6 +30,12 @@ if [ "$part" = 1m ]; then
     check 565 sparse_offload_1m python -m oomb.cli bench --modes sparse+offload --contexts 1M \
         --query-block-pages 32 --kv-grad-dtype bf16 --progress --max-seconds 555 --out-dir "$OUT" \
         --name sparse_offload_1m_h200
+elif [ "$part" = cudnn ]; then
+    # Issue 3's 1.3x target with the dense windows on cuDNN's fused attention (oomb/attention/cudnn_paged.py).
+    check 200 cudnn_gpu_tests python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py \
+        tests/test_gpu_engine.py -k cudnn
+    check 360 dense_cudnn_128k python -m oomb.cli bench --modes hf dense --backend cudnn --contexts 128K \
+        --max-seconds 350 --out-dir "$OUT" --name dense_cudnn_128k_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there

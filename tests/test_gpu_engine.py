@@ -55,14 +55,17 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
     _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "triton"))
 
 
-@pytest.mark.parametrize("batch, tokens, chunk", [
-    pytest.param(1, 3000, 1024, marks=pytest.mark.xfail(strict=False, reason="per-chunk bf16 rounding")),
-    pytest.param(2, 1500, 512, marks=pytest.mark.xfail(strict=False, reason="per-chunk bf16 rounding")),
-    (1, 3000, 4096),
-])
-def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk):
-    """The cudnn backend (cudnn_paged.py) rounds each window's output and dK, dV to bf16 too."""
-    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn"))
+# The cudnn backend's accuracy bound, looser than the triton test's on purpose and for a known cause:
+# cuDNN returns every window's dQ, dK, dV (and the chunk's dK, dV per query head, before the group
+# sum) in bf16, so each (chunk, window) contribution is rounded once more than in HF's one backward,
+# where the triton kernels accumulate them in float32. Measured on the H200 (gpu_engine/*_cudnn.json):
+# 1.002x HF's error with one chunk, 1.015x with 3 chunks, 1.047x with 2 x 3 chunks.
+CUDNN_ERROR_VS_HF = 1.1
+
+
+@pytest.mark.parametrize("batch, tokens, chunk", [(1, 3000, 1024), (2, 1500, 512), (1, 3000, 4096)])
+def test_cudnn_bf16_gradients_within_bound_of_hf_bf16(fp32_model, batch, tokens, chunk):
+    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn"), CUDNN_ERROR_VS_HF)
 
 
 def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str) -> dict:
@@ -99,8 +102,8 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str) 
     return result
 
 
-def _assert_no_worse_than_hf(result: dict) -> None:
-    assert result["oomb_rel_err"] <= result["hf_bf16_sdpa_rel_err"], result
+def _assert_no_worse_than_hf(result: dict, factor: float = 1.0) -> None:
+    assert result["oomb_rel_err"] <= factor * result["hf_bf16_sdpa_rel_err"], result
     loss_gap, hf_gap = (abs(result[k] - result["loss_fp32"]) for k in ("loss_oomb_bf16", "loss_hf_bf16"))
     assert loss_gap <= 2 * hf_gap + 1e-3, result
 
