@@ -7,6 +7,7 @@
 #     bash benchmarks/pending_gpu.sh 1m      # sparse+offload at 1M
 #     bash benchmarks/pending_gpu.sh tests   # kernel GPU tests, then sparse with 2K chunks
 #     bash benchmarks/pending_gpu.sh cudnn   # the cudnn backend: GPU tests, then dense vs hf at 128K
+#     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -36,6 +37,18 @@ elif [ "$part" = cudnn ]; then
         tests/test_gpu_engine.py -k cudnn
     check 360 dense_cudnn_128k python -m oomb.cli bench --modes hf dense --backend cudnn --contexts 128K \
         --max-seconds 350 --out-dir "$OUT" --name dense_cudnn_128k_h200
+elif [ "$part" = cudnn-sparse ]; then
+    # Issue 5's 0.5x hf at 128K with sparse attention on cuDNN (oomb/attention/cudnn_sparse.py), and
+    # issue 3's dense step at 256K on the cudnn backend.
+    check 120 cudnn_sparse_gpu_tests python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py
+    common=(python -m oomb.cli bench --backend cudnn --query-block-pages 32 --contexts 128K --out-dir "$OUT")
+    check 90 sparse_cudnn_128k "${common[@]}" --modes sparse --name sparse_cudnn_128k_h200
+    check 90 sparse_cudnn_no_replay_128k "${common[@]}" --modes sparse --no-checkpoint-layers \
+        --name sparse_cudnn_no_replay_128k_h200
+    check 100 sparse_offload_cudnn_128k "${common[@]}" --modes sparse+offload --kv-grad-dtype bf16 \
+        --name sparse_offload_cudnn_128k_h200
+    check 240 dense_cudnn_256k python -m oomb.cli bench --modes dense --backend cudnn --contexts 256K \
+        --out-dir "$OUT" --name dense_cudnn_256k_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there

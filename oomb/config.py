@@ -68,8 +68,8 @@ class OOMBConfig:
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
     """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA),
-    "cudnn" (CUDA, bf16/fp16: dense windows on cuDNN's fused attention, as HF's SDPA uses; faster
-    on Hopper, not bitwise deterministic; sparse mode keeps Triton)."""
+    "cudnn" (CUDA, bf16/fp16: cuDNN's fused attention, which HF's SDPA runs on Hopper; faster there,
+    not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
     offload: bool = False
     """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode):
     GPU memory stops growing with context; gradients are bit-identical to offload=False."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_triton_paged import GPU_CASES, _max_err, make_case
 
-from oomb.attention import cudnn_paged, reference
+from oomb.attention import cudnn_paged, cudnn_sparse, reference, reference_sparse
 
 
 def _scores(q, k, causal, scale):
@@ -136,4 +136,107 @@ def test_gpu_cudnn_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq)
         ours, theirs = _max_err(g, w), _max_err(r, w)
         eps = 1e-4 * w.abs().max().item()
         print(f"cudnn bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
+        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+
+
+# Sparse: the selected-pages path (oomb/attention/cudnn_sparse.py) on the same stand-in kernel.
+SPARSE_MATH = cudnn_sparse.SelectedPagesAttention(MATH.kernel)
+
+
+def _grouped(selection: torch.Tensor, group: int) -> torch.Tensor:
+    """Every run of ``group`` blocks takes its first block's selection, as sparse_query_block_pages does."""
+    n = selection.shape[2]
+    return selection[:, :, ::group].repeat_interleave(group, dim=2)[:, :, :n].contiguous()
+
+
+# (B, Hq, Hkv, Lq, history pages, D, P, K, blocks per selection group): per-block selections, groups
+# of 2 and 3 blocks with a partial last group and a partial last block, one group for the chunk, no
+# selected page, one query.
+SPARSE_CASES = [
+    pytest.param(2, 4, 2, 40, 5, 16, 16, 2, 1, id="per-block"),
+    pytest.param(1, 8, 2, 70, 6, 16, 8, 3, 2, id="groups-of-2"),
+    pytest.param(2, 4, 1, 45, 4, 16, 8, 2, 3, id="groups-of-3-partial"),
+    pytest.param(1, 4, 2, 64, 4, 16, 16, 3, 4, id="one-group"),
+    pytest.param(1, 4, 2, 20, 3, 16, 16, 0, 1, id="K0"),
+    pytest.param(2, 4, 2, 1, 6, 16, 16, 3, 1, id="one-query"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,history_pages,D,P,K,group", SPARSE_CASES)
+def test_selected_pages_match_sparse_reference(B, Hq, Hkv, Lq, history_pages, D, P, K, group):
+    from test_triton_sparse import make_case as make_sparse_case
+
+    c = make_sparse_case(B, Hq, Hkv, Lq, history_pages, D, P, K)
+    c.selection = _grouped(c.selection, group)
+    want_out, want_lse = reference_sparse.sparse_attention_forward(*c.args())
+    out, lse = SPARSE_MATH.sparse_attention_forward(*c.args())
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)
+    start = torch.randn(c.k_pool.shape, generator=torch.Generator().manual_seed(1)).to(c.q.device)
+    results = {}
+    for name, impl in (("ours", SPARSE_MATH), ("reference", reference_sparse)):
+        dk, dv = start.clone(), -start
+        dq = impl.sparse_attention_backward(*c.args(), want_out, c.dout, want_lse, dk, dv)
+        results[name] = (dq, dk, dv)
+    for label, g, w in zip(("dq", "dk", "dv"), results["ours"], results["reference"], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=label)
+
+
+def test_selection_groups():
+    sel = torch.tensor([[[[0, 1], [0, 1], [2, 3], [2, 3], [2, 3]]]], dtype=torch.int32)  # (1, 1, 5, 2)
+    assert cudnn_sparse._groups(sel) == [(0, 2), (2, 5)]
+    other_head = torch.cat([sel, sel.flip(2)], dim=1)  # groups must agree across heads
+    assert cudnn_sparse._groups(other_head) == [(0, 2), (2, 3), (3, 5)]
+
+
+@pytest.mark.parametrize("query_block_pages", [1, 2])
+def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages):
+    """A whole sparse step through the cudnn backend's code (stand-in kernel) equals the torch backend's."""
+    from helpers import build_tiny_model, grads, random_ids, relative_error
+
+    import oomb
+    import oomb.engine
+    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+
+    model = build_tiny_model("qwen2", seed=41, num_hidden_layers=2)
+    ids = random_ids(2, 96, seed=41)  # chunks of 32 in pages of 8: 4, 8 history pages, budget 2 + 1 sink
+    stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
+                                reference.backward_delta, SPARSE_MATH.sparse_attention_forward,
+                                SPARSE_MATH.sparse_attention_backward)
+    results = {}
+    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend: b)
+        model.zero_grad(set_to_none=True)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
+                                 sparse_query_block_pages=query_block_pages)
+        results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
+    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
+    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 8], ids=["per-block", "one-group"])
+def test_gpu_cudnn_sparse_bf16_error_within_twice_reference(group):
+    """cuDNN's selected-pages attention in bf16 vs the float32 sparse reference, bounded as above."""
+    from test_triton_sparse import make_case as make_sparse_case
+
+    exact = make_sparse_case(1, 28, 4, 1024, 64, 128, 128, 17)  # 8 query blocks, 17 of 64 pages
+    exact = type(exact)(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in vars(exact).values()))
+    exact.selection = _grouped(exact.selection, group)
+    low = type(exact)(*(t.bfloat16() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                        for t in vars(exact).values()))
+    cudnn = cudnn_sparse.SelectedPagesAttention()
+
+    def run(impl, c):
+        out, lse = impl.sparse_attention_forward(*c.args())
+        dk = torch.zeros(c.k_pool.shape, dtype=torch.float32, device="cuda")
+        dv = torch.zeros_like(dk)
+        dq = impl.sparse_attention_backward(*c.args(), out, c.dout, lse, dk, dv)
+        return out, lse, dq, dk, dv
+
+    want, ref, got = run(reference_sparse, exact), run(reference_sparse, low), run(cudnn, low)
+    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
+        ours, theirs = _max_err(g, w), _max_err(r, w)
+        eps = 1e-4 * w.abs().max().item()
+        print(f"cudnn sparse bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
         assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"

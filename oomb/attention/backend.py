@@ -41,13 +41,14 @@ def _triton_backend() -> AttentionBackend:
 
 
 def _cudnn_backend() -> AttentionBackend:
-    """Dense windows on cuDNN's fused attention (cudnn_paged.py); sparse mode keeps the Triton kernels."""
-    from . import cudnn_paged
+    """Dense key windows (cudnn_paged.py) and sparse selected pages (cudnn_sparse.py) on cuDNN's fused
+    attention."""
+    from . import cudnn_paged, cudnn_sparse
 
-    windowed = cudnn_paged.WindowedAttention()
-    triton = _triton_backend()
+    windowed, selected = cudnn_paged.WindowedAttention(), cudnn_sparse.SelectedPagesAttention()
     return AttentionBackend("cudnn", windowed.paged_attention_forward, windowed.paged_attention_backward,
-                            reference.backward_delta, triton.sparse_forward, triton.sparse_backward)
+                            reference.backward_delta, selected.sparse_attention_forward,
+                            selected.sparse_attention_backward)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

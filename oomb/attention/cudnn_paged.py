@@ -98,17 +98,48 @@ def _add_into_pages(pool: torch.Tensor, pages: torch.Tensor, grad: torch.Tensor)
     pool.index_add_(0, pages.reshape(-1), rows.to(pool.dtype))
 
 
+def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    if q.dtype not in kernel.dtypes or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"this backend takes q, K and V of one dtype among {kernel.dtypes}; got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype} (use backend='triton' or 'torch' for float32)")
+
+
+def local_forward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float):
+    """The chunk's causal attention over its own keys, K and V repeated per query head: (out, lse)."""
+    k, v, _ = _local_keys(q, k_pool, v_pool, page_table, query_start)
+    return kernel.forward(q.contiguous(), k, v, True, scale)
+
+
+def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float, out, dout,
+                   lse, dk_pool, dv_pool) -> torch.Tensor:
+    """The chunk's own keys' share of the backward (merged out and lse): adds dK, dV (summed over each
+    KV head's query heads) into the chunk's pages and returns its share of dQ in q's dtype."""
+    B, Hq, Lq, D = q.shape
+    Hkv = k_pool.shape[1]
+    k, v, pages = _local_keys(q, k_pool, v_pool, page_table, query_start)
+    dq, dk, dv = kernel.backward(dout.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), True,
+                                 scale)
+    _add_into_pages(dk_pool, pages, dk.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
+    _add_into_pages(dv_pool, pages, dv.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
+    return dq
+
+
+def _local_keys(q, k_pool, v_pool, page_table, query_start: int):
+    Lq, G = q.shape[2], q.shape[1] // k_pool.shape[1]
+    pages = _window_pages(page_table, query_start, query_start + Lq, k_pool.shape[2])
+    k, v = _gather(k_pool, pages, Lq), _gather(v_pool, pages, Lq)
+    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), pages
+
+
 class WindowedAttention:
     """reference.py's dense contract on a :class:`FusedKernel`, one kernel call per key window."""
 
     def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
         self.kernel = kernel
 
-    def _check(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
+    def _windows(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
         """Validate the inputs; return the key windows to run: the given one, or history then chunk."""
-        if q.dtype not in self.kernel.dtypes or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-            raise TypeError(f"this backend takes q, K and V of one dtype among {self.kernel.dtypes}; got {q.dtype}, "
-                            f"{k_pool.dtype}, {v_pool.dtype} (use backend='triton' or 'torch' for float32)")
+        check_inputs(self.kernel, q, k_pool, v_pool)
         Lq = q.shape[2]
         window = check_key_range(key_range, query_start, Lq, k_pool.shape[2])
         _check(q, k_pool, page_table, query_start, query_start + Lq if window is None else window[1])
@@ -116,30 +147,21 @@ class WindowedAttention:
             return [window]
         return ([(0, query_start)] if query_start else []) + [(query_start, query_start + Lq)]
 
-    def _operands(self, q, k_pool, v_pool, page_table, lo, hi, local):
-        """(q, k, v) of one window in the kernel's shapes, and the window's page ids."""
-        B, Hq, Lq, D = q.shape
-        Hkv = k_pool.shape[1]
-        pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
-        k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
-        if local:
-            G = Hq // Hkv
-            return q.contiguous(), k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), pages
-        return _fold(q, Hkv), k, v, pages
-
     def paged_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None,
                                 out_dtype=None):
-        windows = self._check(q, k_pool, v_pool, page_table, query_start, key_range)
+        windows = self._windows(q, k_pool, v_pool, page_table, query_start, key_range)
         B, Hq, Lq, D = q.shape
         Hkv = k_pool.shape[1]
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
         out = lse = None
         for lo, hi in windows:
-            local = lo == query_start
-            qw, k, v, _ = self._operands(q, k_pool, v_pool, page_table, lo, hi, local)
-            out_w, lse_w = self.kernel.forward(qw, k, v, local, scale)
-            if not local:
+            if lo == query_start:
+                out_w, lse_w = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
+            else:
+                pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
+                k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
+                out_w, lse_w = self.kernel.forward(_fold(q, Hkv), k, v, False, scale)
                 out_w, lse_w = _unfold(out_w, Hkv, Lq), lse_w.reshape(B, Hq, Lq)
             if out is None:
                 out, lse = out_w, lse_w
@@ -149,31 +171,28 @@ class WindowedAttention:
 
     def paged_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                                  dv_pool, *, key_range=None, delta=None, dq_accumulator=None):
-        windows = self._check(q, k_pool, v_pool, page_table, query_start, key_range)
+        windows = self._windows(q, k_pool, v_pool, page_table, query_start, key_range)
         _check_backward_extras(q, out, delta, dq_accumulator)
         if out is None:
             raise ValueError("the cudnn backend's backward needs the merged out (the kernel computes its own delta)")
         B, Hq, Lq, D = q.shape
         Hkv = k_pool.shape[1]
-        G = Hq // Hkv
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_accumulator is None else dq_accumulator
         if B * Lq == 0:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
         for lo, hi in windows:
-            local = lo == query_start
-            qw, k, v, pages = self._operands(q, k_pool, v_pool, page_table, lo, hi, local)
-            if local:
-                dq_w, dk, dv = self.kernel.backward(dout.contiguous(), qw, k, v, out.contiguous(), lse.contiguous(),
-                                                    True, scale)
-                dk = dk.float().view(B, Hkv, G, Lq, D).sum(2)
-                dv = dv.float().view(B, Hkv, G, Lq, D).sum(2)
+            if lo == query_start:
+                dq_w = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse,
+                                      dk_pool, dv_pool)
             else:
-                dq_w, dk, dv = self.kernel.backward(_fold(dout, Hkv), qw, k, v, _fold(out, Hkv),
-                                                    lse.reshape(B, Hkv, G * Lq).contiguous(), False, scale)
+                pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
+                k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
+                dq_w, dk, dv = self.kernel.backward(_fold(dout, Hkv), _fold(q, Hkv), k, v, _fold(out, Hkv),
+                                                    lse.reshape(B, Hkv, -1).contiguous(), False, scale)
                 dq_w = _unfold(dq_w, Hkv, Lq)
-            _add_into_pages(dk_pool, pages, dk)
-            _add_into_pages(dv_pool, pages, dv)
+                _add_into_pages(dk_pool, pages, dk)
+                _add_into_pages(dv_pool, pages, dv)
             dq.add_(dq_w)
         return dq if dq_accumulator is not None else dq.to(q.dtype)
 

@@ -1,0 +1,133 @@
+"""Sparse paged attention on a fused attention kernel (cuDNN's): reference_sparse.py's contract.
+
+Consecutive query blocks with the same selection (``sparse_query_block_pages`` > 1 makes whole
+groups of them) read the same history pages, so a group is plain attention of its queries over its
+gathered pages: every query sees every selected key, and a KV head's query heads fold into one
+query sequence as in cudnn_paged.py. All groups of a call run as one batched kernel call (groups
+padded to the longest with zero queries, which contribute nothing to dK, dV); the chunk's own keys
+are the causal local window of cudnn_paged.py; the two merge by their log-sum-exp.
+
+Finding the groups reads the selection on the host: one synchronisation per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward
+from .reference import _check, merge_window
+from .reference_sparse import _check_selection
+
+
+def _groups(selection: torch.Tensor) -> list[tuple[int, int]]:
+    """Runs [b0, b1) of consecutive query blocks whose selections are equal (every sequence and head)."""
+    n = selection.shape[2]
+    if n <= 1 or selection.shape[3] == 0:
+        return [(0, n)]
+    same = (selection[:, :, 1:] == selection[:, :, :-1]).all(dim=3).all(dim=1).all(dim=0).tolist()
+    starts = [0] + [j + 1 for j, equal in enumerate(same) if not equal]
+    return list(zip(starts, starts[1:] + [n], strict=True))
+
+
+class _Layout:
+    """Where each query of the chunk sits in the batched, folded, padded kernel input."""
+
+    def __init__(self, groups: list[tuple[int, int]], num_queries: int, page_size: int, device) -> None:
+        self.num_groups = len(groups)
+        self.rows = max(b1 - b0 for b0, b1 in groups) * page_size  # queries per group, padded
+        rows = torch.full((self.num_groups, self.rows), num_queries, dtype=torch.long)  # num_queries: a zero row
+        for g, (b0, b1) in enumerate(groups):
+            span = torch.arange(b0 * page_size, min(b1 * page_size, num_queries))
+            rows[g, : span.numel()] = span
+        self.rows_of_groups = rows.reshape(-1).to(device, non_blocking=True)
+        slot = torch.empty(num_queries, dtype=torch.long)
+        for g, (b0, b1) in enumerate(groups):
+            span = torch.arange(b0 * page_size, min(b1 * page_size, num_queries))
+            slot[span] = g * self.rows + torch.arange(span.numel())
+        self.slot_of_query = slot.to(device, non_blocking=True)
+        self.first_blocks = torch.tensor([b0 for b0, _ in groups], dtype=torch.long).to(device, non_blocking=True)
+
+    def to_groups(self, x: torch.Tensor, num_kv_heads: int, fill: float = 0.0) -> torch.Tensor:
+        """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); padding rows hold ``fill``."""
+        B, Hq, Lq = x.shape[:3]
+        padded = torch.cat([x, x.new_full((B, Hq, 1) + x.shape[3:], fill)], dim=2)
+        grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
+        grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
+        grouped = grouped.transpose(2, 3).transpose(1, 2)  # (B, n_groups, Hkv, G, rows[, D])
+        return grouped.reshape((B * self.num_groups, num_kv_heads, -1) + x.shape[3:]).contiguous()
+
+    def from_groups(self, y: torch.Tensor, batch: int, num_q_heads: int) -> torch.Tensor:
+        """Inverse of to_groups, padding rows dropped: -> (B, Hq, Lq[, D])."""
+        Hkv = y.shape[1]
+        y = y.reshape((batch, self.num_groups, Hkv, num_q_heads // Hkv, self.rows) + y.shape[3:])
+        y = y.transpose(1, 2).transpose(2, 3)  # (B, Hkv, G, n_groups, rows[, D])
+        y = y.reshape((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
+        return y.index_select(2, self.slot_of_query)
+
+
+class SelectedPagesAttention:
+    """reference_sparse.py's contract on a :class:`FusedKernel`."""
+
+    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
+        self.kernel = kernel
+
+    def _prepare(self, q, k_pool, v_pool, page_table, query_start, selection):
+        check_inputs(self.kernel, q, k_pool, v_pool)
+        _check(q, k_pool, page_table, query_start)
+        _check_selection(selection, q, k_pool)
+        layout = _Layout(_groups(selection), q.shape[2], k_pool.shape[2], q.device)
+        # (B, Hkv, n_groups, K) page ids of each group's selection
+        positions = selection.long().index_select(2, layout.first_blocks)
+        B, Hkv, n_groups, K = positions.shape
+        ids = page_table.long().gather(1, positions.reshape(B, -1)).reshape(B, Hkv, n_groups, K)
+        heads = torch.arange(Hkv, device=q.device).reshape(1, Hkv, 1, 1).expand_as(ids)
+        return layout, ids, heads
+
+    @staticmethod
+    def _selected(pool, ids, heads) -> torch.Tensor:
+        """(B * n_groups, Hkv, K * P, D): each group's selected pages, per KV head."""
+        B, Hkv, n_groups, K = ids.shape
+        P, D = pool.shape[2:]
+        pages = pool[ids, heads]  # (B, Hkv, n_groups, K, P, D)
+        return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D)
+
+    @staticmethod
+    def _add_selected(pool, ids, heads, grad) -> None:
+        """Add (B * n_groups, Hkv, K * P, D) gradients into the selected (page, head) slots; a page
+        several groups selected gets each group's share."""
+        B, Hkv, n_groups, K = ids.shape
+        P, D = pool.shape[2:]
+        rows = grad.reshape(B, n_groups, Hkv, K, P, D).transpose(1, 2)
+        pool.index_put_((ids.reshape(-1), heads.reshape(-1)), rows.reshape(-1, P, D).to(pool.dtype), accumulate=True)
+
+    def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection):
+        layout, ids, heads = self._prepare(q, k_pool, v_pool, page_table, query_start, selection)
+        B, Hq, Lq, D = q.shape
+        out, lse = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
+        if ids.shape[3] == 0 or B * Lq == 0:
+            return out, lse
+        Hkv = k_pool.shape[1]
+        out_h, lse_h = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
+                                           self._selected(v_pool, ids, heads), False, scale)
+        out_h = layout.from_groups(out_h, B, Hq)
+        lse_h = layout.from_groups(lse_h.reshape(B * layout.num_groups, Hkv, -1), B, Hq)
+        out, lse = merge_window(out_h.float(), lse_h, out.float(), lse)
+        return out.to(q.dtype), lse
+
+    def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
+                                  dk_pool, dv_pool):
+        layout, ids, heads = self._prepare(q, k_pool, v_pool, page_table, query_start, selection)
+        B, Hq, Lq, D = q.shape
+        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                            dv_pool).float()
+        if ids.shape[3] == 0 or B * Lq == 0:
+            return dq.to(q.dtype)
+        Hkv = k_pool.shape[1]
+        dq_h, dk, dv = self.kernel.backward(
+            layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
+            self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False, scale,
+        )
+        self._add_selected(dk_pool, ids, heads, dk)
+        self._add_selected(dv_pool, ids, heads, dv)
+        return dq.add_(layout.from_groups(dq_h, B, Hq)).to(q.dtype)
