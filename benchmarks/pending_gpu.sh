@@ -8,6 +8,7 @@
 #     bash benchmarks/pending_gpu.sh tests   # kernel GPU tests, then sparse with 2K chunks
 #     bash benchmarks/pending_gpu.sh cudnn   # the cudnn backend: GPU tests, then dense vs hf at 128K
 #     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
+#     bash benchmarks/pending_gpu.sh final   # kernel GPU tests, sparse on cudnn with budget 32
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -49,6 +50,15 @@ elif [ "$part" = cudnn-sparse ]; then
         --name sparse_offload_cudnn_128k_h200
     check 240 dense_cudnn_256k python -m oomb.cli bench --modes dense --backend cudnn --contexts 256K \
         --out-dir "$OUT" --name dense_cudnn_256k_h200
+elif [ "$part" = final ]; then
+    per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
+    check 230 gpu_kernel_tests env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
+        $per_test_limit tests/test_sparse.py tests/test_triton_sparse.py tests/test_triton_paged.py tests/test_key_windows.py
+    common=(python -m oomb.cli bench --backend cudnn --query-block-pages 32 --contexts 128K --out-dir "$OUT"
+            --modes sparse --no-checkpoint-layers --sparse-budget 32)
+    check 80 sparse_cudnn_no_replay_budget32 "${common[@]}" --name sparse_cudnn_no_replay_budget32_h200
+    check 80 sparse_cudnn_no_replay_budget32_bf16 "${common[@]}" --kv-grad-dtype bf16 \
+        --name sparse_cudnn_no_replay_budget32_bf16_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
