@@ -9,6 +9,7 @@
 #     bash benchmarks/pending_gpu.sh cudnn   # the cudnn backend: GPU tests, then dense vs hf at 128K
 #     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
 #     bash benchmarks/pending_gpu.sh final   # kernel GPU tests, sparse on cudnn with budget 32
+#     bash benchmarks/pending_gpu.sh 512k    # not yet run: dense at 512K on cudnn, a whole call
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -59,6 +60,12 @@ elif [ "$part" = final ]; then
     check 80 sparse_cudnn_no_replay_budget32 "${common[@]}" --name sparse_cudnn_no_replay_budget32_h200
     check 80 sparse_cudnn_no_replay_budget32_bf16 "${common[@]}" --kv-grad-dtype bf16 \
         --name sparse_cudnn_no_replay_budget32_bf16_h200
+elif [ "$part" = 512k ]; then
+    # Issue 3: a dense step at 512K. On cudnn, 128K and 256K (49.37 s, 158.60 s) extrapolate to about
+    # 560 s with the replay; without it (and bf16 page gradients, so that the activations it keeps
+    # fit: ~99 GiB above the weights by `oomb plan`) about 540 s. Model setup takes ~25 s more.
+    check 590 dense_cudnn_512k python -m oomb.cli bench --modes dense --backend cudnn --contexts 512K \
+        --no-checkpoint-layers --kv-grad-dtype bf16 --progress --out-dir "$OUT" --name dense_cudnn_512k_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
