@@ -240,3 +240,10 @@ def test_gpu_cudnn_sparse_bf16_error_within_twice_reference(group):
         eps = 1e-4 * w.abs().max().item()
         print(f"cudnn sparse bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
         assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+
+
+def test_cudnn_errors_name_the_shapes_and_the_way_out():
+    """On this CPU torch the cuDNN op itself refuses; the message says what was asked and what to use."""
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"(?s)forward refused q \(1, 2, 8, 16\).*backend='triton'"):
+        cudnn_paged.CUDNN_KERNEL.forward(q, q, q, False, 0.25)

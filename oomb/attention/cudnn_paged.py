@@ -14,14 +14,15 @@ Backward hands the kernel the merged out and lse of the whole chunk (not the win
 window's dQ, dK, dV is its exact share of the full gradient; dK, dV are added into the page buffers
 and dQ into a float32 accumulator.
 
-Unlike the Triton kernels this is not bitwise deterministic (cuDNN's backward accumulates dQ with
-atomics), its window outputs are rounded to q's dtype before the merge, and each window's dK, dV
-reach the page buffers rounded to q's dtype. It takes bf16/fp16 CUDA tensors only. Sparse mode keeps
-the Triton kernels.
+Unlike the Triton kernels this is not bitwise deterministic (torch documents cuDNN attention's
+backward as non-deterministic), its window outputs are rounded to q's dtype before the merge, and
+each window's dK, dV reach the page buffers rounded to q's dtype. It takes bf16/fp16 CUDA tensors
+only. Sparse mode's selected pages run on the same kernel in cudnn_sparse.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,18 +58,30 @@ def _cudnn_stats_rank(device: torch.device) -> int:
     return torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)[1].dim()
 
 
+@contextlib.contextmanager
+def _explained(what: str, q: torch.Tensor, k: torch.Tensor):
+    """cuDNN's own errors name neither the shapes nor a way out: add both."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise RuntimeError(f"cuDNN fused attention {what} refused q {tuple(q.shape)} / k {tuple(k.shape)} {q.dtype} "
+                           f"on {q.device} ({err}); backend='triton' runs the same step on oomb's kernels") from err
+
+
 def _cudnn_forward(q, k, v, causal: bool, scale: float):
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                      scale=scale)
+    with _explained("forward", q, k):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                          scale=scale)
     return out, lse.reshape(q.shape[:-1])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     stats = lse.reshape(lse.shape + (1,) * (_cudnn_stats_rank(q.device) - 3)).contiguous()
     rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset: unused at p=0
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, stats, rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
-    )
+    with _explained("backward", q, k):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, stats, rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
+        )
     return dq, dk, dv
 
 
