@@ -114,6 +114,16 @@ def test_select_backend_cudnn_needs_cuda():
         select_backend("cudnn", torch.device("cpu"))
 
 
+def _assert_within_twice_reference(got, ref, want) -> None:
+    """(out, lse, dq, dk, dv) from bf16 inputs: ours within twice the reference backend's error on the
+    same bf16 inputs against float32 on the unrounded ones, plus a margin far below bf16 resolution."""
+    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
+        ours, theirs = _max_err(g, w), _max_err(r, w)
+        eps = 1e-4 * w.abs().max().item()
+        print(f"cudnn bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
+        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv,D,P,history,Lq", GPU_CASES)
 def test_gpu_cudnn_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq):
@@ -131,12 +141,7 @@ def test_gpu_cudnn_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq)
                                            lse, dk, dv)
         return out, lse, dq, dk, dv
 
-    want, ref, got = run(reference, exact), run(reference, low), run(cudnn, low)
-    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
-        ours, theirs = _max_err(g, w), _max_err(r, w)
-        eps = 1e-4 * w.abs().max().item()
-        print(f"cudnn bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
-        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+    _assert_within_twice_reference(run(cudnn, low), run(reference, low), run(reference, exact))
 
 
 # Sparse: the selected-pages path (oomb/attention/cudnn_sparse.py) on the same stand-in kernel.
@@ -234,12 +239,7 @@ def test_gpu_cudnn_sparse_bf16_error_within_twice_reference(group):
         dq = impl.sparse_attention_backward(*c.args(), out, c.dout, lse, dk, dv)
         return out, lse, dq, dk, dv
 
-    want, ref, got = run(reference_sparse, exact), run(reference_sparse, low), run(cudnn, low)
-    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
-        ours, theirs = _max_err(g, w), _max_err(r, w)
-        eps = 1e-4 * w.abs().max().item()
-        print(f"cudnn sparse bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
-        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+    _assert_within_twice_reference(run(cudnn, low), run(reference_sparse, low), run(reference_sparse, exact))
 
 
 def test_cudnn_errors_name_the_shapes_and_the_way_out():
