@@ -3,7 +3,8 @@
 Workload (docs/kernels.md): one chunk of 4096 queries against histories of 32K, 128K and 512K
 tokens, 28 query heads, 4 KV heads, head dim 128, bfloat16, pages of 128 tokens (shuffled page ids).
 SDPA gets the same keys as dense tensors with K/V repeated to 28 heads (repetition not timed) and
-a bottom-right causal mask (``causal_lower_right``), under ``sdpa_kernel(FLASH_ATTENTION)``.
+a bottom-right causal mask (``causal_lower_right``), under ``sdpa_kernel(FLASH_ATTENTION)``. On a GPU
+the cudnn backend (oomb/attention/cudnn_paged.py: cuDNN's kernels over the same pages) is timed too.
 
 FLOPs are counted identically for both, causal-aware: forward = 4 * D * Hq * (visible query-key
 pairs), backward = 2.5 x forward (the FlashAttention convention: 5 matmuls vs 2). Times are CUDA
@@ -132,6 +133,19 @@ def bench_history(args, history: int, device: torch.device, timer: Timer) -> dic
             out = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out.backward(dout)
 
+    # The cudnn backend (oomb/attention/cudnn_paged.py) on the same pages: cuDNN's kernels per window.
+    from oomb.attention.cudnn_paged import WindowedAttention
+
+    windowed = WindowedAttention()
+
+    def cudnn_fwd():
+        return windowed.paged_attention_forward(q, k_pool, v_pool, page_table, history, scale)
+
+    def cudnn_fwd_bwd():
+        out, lse = cudnn_fwd()
+        windowed.paged_attention_backward(q, k_pool, v_pool, page_table, history, scale, out, dout, lse, dk_pool,
+                                          dv_pool)
+
     # Same work: both must give the same attention output.
     max_diff = (ours_fwd()[0].float() - sdpa_fwd().float()).abs().max().item()
 
@@ -143,6 +157,8 @@ def bench_history(args, history: int, device: torch.device, timer: Timer) -> dic
         ("sdpa_fwd", sdpa_fwd, fwd_flops),
         ("ours_fwd_bwd", ours_fwd_bwd, fwd_flops * (1 + BWD_FLOP_RATIO)),
         ("sdpa_fwd_bwd", sdpa_fwd_bwd, fwd_flops * (1 + BWD_FLOP_RATIO)),
+        *((("cudnn_fwd", cudnn_fwd, fwd_flops), ("cudnn_fwd_bwd", cudnn_fwd_bwd, fwd_flops * (1 + BWD_FLOP_RATIO)))
+          if device.type == "cuda" else ()),
     ):
         ms = timer(fn, args.warmup, args.iters)
         row[f"{name}_ms"] = ms
