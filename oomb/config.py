@@ -72,7 +72,8 @@ class OOMBConfig:
     not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
     offload: bool = False
     """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode):
-    GPU memory stops growing with context; gradients are bit-identical to offload=False."""
+    GPU memory stops growing with context; gradients are bit-identical to offload=False (torch and
+    triton backends; cudnn is not bitwise deterministic)."""
     offload_resident_layers: int = 0
     """Offload: the first this many layers keep their pages on the GPU (no transfers for them)."""
     stream_block_pages: int = 256

@@ -23,17 +23,26 @@ def _scores(q, k, causal, scale):
     return s
 
 
+def _strict(*tensors):
+    """What torch's cuDNN path needs and the stand-in would not otherwise notice."""
+    for t in tensors:
+        assert t.is_contiguous() and t.numel() > 0, f"kernel input {tuple(t.shape)} strides {t.stride()}"
+
+
 def _math_forward(q, k, v, causal, scale):
+    _strict(q, k, v)
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, -1)
     return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    _strict(dout, q, k, v, out, lse)
     p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
     dout = dout.float()
     ds = p * (dout @ v.float().transpose(-1, -2) - (dout * out.float()).sum(-1, keepdim=True))
-    return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ dout
+    grads = (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ dout
+    return tuple(g.to(q.dtype) for g in grads)  # as cuDNN: in the inputs' dtype
 
 
 MATH = cudnn_paged.WindowedAttention(cudnn_paged.FusedKernel(_math_forward, _math_backward, (torch.float32,)))
@@ -162,6 +171,7 @@ SPARSE_CASES = [
     pytest.param(1, 8, 2, 70, 6, 16, 8, 3, 2, id="groups-of-2"),
     pytest.param(2, 4, 1, 45, 4, 16, 8, 2, 3, id="groups-of-3-partial"),
     pytest.param(1, 4, 2, 64, 4, 16, 16, 3, 4, id="one-group"),
+    pytest.param(2, 4, 2, 70, 6, 16, 8, 2, 6, id="uneven-6-3-partial"),
     pytest.param(1, 4, 2, 20, 3, 16, 16, 0, 1, id="K0"),
     pytest.param(2, 4, 2, 1, 6, 16, 16, 3, 1, id="one-query"),
 ]
@@ -192,10 +202,12 @@ def test_selection_groups():
     assert cudnn_sparse._groups(sel) == [(0, 2), (2, 5)]
     other_head = torch.cat([sel, sel.flip(2)], dim=1)  # groups must agree across heads
     assert cudnn_sparse._groups(other_head) == [(0, 2), (2, 3), (3, 5)]
+    assert cudnn_sparse._by_length([(0, 2), (2, 3), (3, 5), (5, 6)]) == [[(0, 2), (3, 5)], [(2, 3), (5, 6)]]
 
 
-@pytest.mark.parametrize("query_block_pages", [1, 2])
-def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages):
+@pytest.mark.parametrize("query_block_pages, offload, batch", [(1, False, 2), (2, False, 2), (2, True, 2),
+                                                                 (4, True, 1)])
+def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages, offload, batch):
     """A whole sparse step through the cudnn backend's code (stand-in kernel) equals the torch backend's."""
     from helpers import build_tiny_model, grads, random_ids, relative_error
 
@@ -204,16 +216,16 @@ def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, qu
     from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
 
     model = build_tiny_model("qwen2", seed=41, num_hidden_layers=2)
-    ids = random_ids(2, 96, seed=41)  # chunks of 32 in pages of 8: 4, 8 history pages, budget 2 + 1 sink
+    ids = random_ids(batch, 96, seed=41)  # chunks of 32 in pages of 8: 4, 8 history pages, budget 2 + 1 sink
     stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
-                                reference.backward_delta, SPARSE_MATH.sparse_attention_forward,
+                                cudnn_paged.no_delta, SPARSE_MATH.sparse_attention_forward,
                                 SPARSE_MATH.sparse_attention_backward)
     results = {}
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend: b)
         model.zero_grad(set_to_none=True)
         config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
-                                 sparse_query_block_pages=query_block_pages)
+                                 sparse_query_block_pages=query_block_pages, offload=offload)
         results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
     torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
@@ -247,3 +259,21 @@ def test_cudnn_errors_name_the_shapes_and_the_way_out():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"(?s)forward refused q \(1, 2, 8, 16\).*backend='triton'"):
         cudnn_paged.CUDNN_KERNEL.forward(q, q, q, False, 0.25)
+
+
+def test_out_of_memory_inside_cudnn_stays_out_of_memory():
+    """`oomb bench` reports an out-of-memory step as a result; the error must keep its type."""
+    q = torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError), cudnn_paged._explained("forward", q, q):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_empty_inputs_never_reach_cudnn():
+    q = torch.zeros(1, 2, 0, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="empty"):
+        cudnn_paged.CUDNN_KERNEL.forward(q, q, q, True, 0.25)
+    c = make_case(1, 4, 2, 8, 16, 16, 16, device="cpu")
+    empty_q = c.q[:, :, :0]
+    sel = torch.zeros((1, 2, 0, 1), dtype=torch.int32)
+    out, lse = SPARSE_MATH.sparse_attention_forward(empty_q, c.k_pool, c.v_pool, c.page_table, 16, c.scale, sel)
+    assert out.shape == empty_q.shape and lse.shape == (1, 4, 0)

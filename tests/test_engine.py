@@ -466,18 +466,21 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("stream_block_pages", [256, 2], ids=["one-history-window", "many-windows"])
-def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypatch, stream_block_pages):
+@pytest.mark.parametrize("stream_block_pages, offload, case", [
+    (256, False, "batch2"), (2, False, "batch2"), (2, True, "batch2"), (2, True, "ragged"),
+], ids=["one-history-window", "many-windows", "offload", "offload-batch1"])
+def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypatch, stream_block_pages, offload,
+                                                               case):
     """The cudnn backend's windowing (cudnn_paged.py) on a plain-torch stand-in for cuDNN, through the
-    whole engine: gradients equal a full-sequence backward as with the reference backend."""
+    whole engine, with offload's staging pools too: gradients equal a full-sequence backward."""
     from test_cudnn_paged import MATH
 
-    from oomb.attention import reference
+    from oomb.attention import cudnn_paged
     from oomb.attention.backend import AttentionBackend
 
     backend = AttentionBackend("windowed-math", MATH.paged_attention_forward, MATH.paged_attention_backward,
-                               reference.backward_delta)
+                               cudnn_paged.no_delta)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
-    ids, labels = CASES["batch2"].inputs(seed=200)
-    config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages)
+    ids, labels = CASES[case].inputs(seed=200)
+    config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages, offload=offload)
     _assert_matches_hf(models["qwen2"], ids, labels, config)

@@ -22,7 +22,7 @@ class AttentionBackend:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., torch.Tensor]
-    backward_delta: Callable[..., torch.Tensor]
+    backward_delta: Callable[..., torch.Tensor | None]
     sparse_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_sparse.sparse_attention_forward
     sparse_backward: Callable[..., torch.Tensor] = reference_sparse.sparse_attention_backward
 
@@ -47,7 +47,7 @@ def _cudnn_backend() -> AttentionBackend:
 
     windowed, selected = cudnn_paged.WindowedAttention(), cudnn_sparse.SelectedPagesAttention()
     return AttentionBackend("cudnn", windowed.paged_attention_forward, windowed.paged_attention_backward,
-                            reference.backward_delta, selected.sparse_attention_forward,
+                            cudnn_paged.no_delta, selected.sparse_attention_forward,
                             selected.sparse_attention_backward)
 
 

@@ -61,8 +61,12 @@ def _cudnn_stats_rank(device: torch.device) -> int:
 @contextlib.contextmanager
 def _explained(what: str, q: torch.Tensor, k: torch.Tensor):
     """cuDNN's own errors name neither the shapes nor a way out: add both."""
+    if q.numel() == 0 or k.numel() == 0:  # torch's cuDNN path would return uninitialised memory
+        raise ValueError(f"cuDNN fused attention {what} called with an empty q {tuple(q.shape)} or k {tuple(k.shape)}")
     try:
         yield
+    except torch.OutOfMemoryError:
+        raise  # a result for `oomb bench`, and no reason to switch backends
     except RuntimeError as err:
         raise RuntimeError(f"cuDNN fused attention {what} refused q {tuple(q.shape)} / k {tuple(k.shape)} {q.dtype} "
                            f"on {q.device} ({err}); backend='triton' runs the same step on oomb's kernels") from err
@@ -86,6 +90,11 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 
 CUDNN_KERNEL = FusedKernel(_cudnn_forward, _cudnn_backward)
+
+
+def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
+    """The backend's backward_delta: none, since the fused kernel computes rowsum(dO * O) from out."""
+    return None
 
 
 def _window_pages(page_table: torch.Tensor, lo: int, hi: int, page_size: int) -> torch.Tensor:

@@ -29,40 +29,44 @@ def _groups(selection: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [n], strict=True))
 
 
+def _by_length(groups: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Groups of one length batch together without padding (runs such as [29, 1, 1, 1] blocks would
+    otherwise pad every group to the longest)."""
+    classes: dict[int, list[tuple[int, int]]] = {}
+    for b0, b1 in groups:
+        classes.setdefault(b1 - b0, []).append((b0, b1))
+    return list(classes.values())
+
+
 class _Layout:
-    """Where each query of the chunk sits in the batched, folded, padded kernel input."""
+    """Where the queries of some groups of equal length sit in one batched, folded kernel input."""
 
     def __init__(self, groups: list[tuple[int, int]], num_queries: int, page_size: int, device) -> None:
         self.num_groups = len(groups)
-        self.rows = max(b1 - b0 for b0, b1 in groups) * page_size  # queries per group, padded
-        rows = torch.full((self.num_groups, self.rows), num_queries, dtype=torch.long)  # num_queries: a zero row
-        for g, (b0, b1) in enumerate(groups):
-            span = torch.arange(b0 * page_size, min(b1 * page_size, num_queries))
-            rows[g, : span.numel()] = span
-        self.rows_of_groups = rows.reshape(-1).to(device, non_blocking=True)
-        slot = torch.empty(num_queries, dtype=torch.long)
-        for g, (b0, b1) in enumerate(groups):
-            span = torch.arange(b0 * page_size, min(b1 * page_size, num_queries))
-            slot[span] = g * self.rows + torch.arange(span.numel())
-        self.slot_of_query = slot.to(device, non_blocking=True)
+        self.rows = (groups[0][1] - groups[0][0]) * page_size  # queries per group (the chunk's end pads)
+        rows = torch.cat([torch.arange(b0 * page_size, b1 * page_size) for b0, b1 in groups])
+        self.queries = rows[rows < num_queries].to(device, non_blocking=True)
+        # Positions past the chunk's end read an appended zero row.
+        self.rows_of_groups = rows.clamp(max=num_queries).to(device, non_blocking=True)
+        self.num_valid = int((rows < num_queries).sum())
         self.first_blocks = torch.tensor([b0 for b0, _ in groups], dtype=torch.long).to(device, non_blocking=True)
 
-    def to_groups(self, x: torch.Tensor, num_kv_heads: int, fill: float = 0.0) -> torch.Tensor:
-        """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); padding rows hold ``fill``."""
+    def to_groups(self, x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
         B, Hq, Lq = x.shape[:3]
-        padded = torch.cat([x, x.new_full((B, Hq, 1) + x.shape[3:], fill)], dim=2)
+        padded = torch.cat([x, x.new_zeros((B, Hq, 1) + x.shape[3:])], dim=2)
         grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
         grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
         grouped = grouped.transpose(2, 3).transpose(1, 2)  # (B, n_groups, Hkv, G, rows[, D])
         return grouped.reshape((B * self.num_groups, num_kv_heads, -1) + x.shape[3:]).contiguous()
 
     def from_groups(self, y: torch.Tensor, batch: int, num_q_heads: int) -> torch.Tensor:
-        """Inverse of to_groups, padding rows dropped: -> (B, Hq, Lq[, D])."""
+        """Inverse of to_groups for the groups' queries (``self.queries``, in that order): -> (B, Hq, n[, D])."""
         Hkv = y.shape[1]
         y = y.reshape((batch, self.num_groups, Hkv, num_q_heads // Hkv, self.rows) + y.shape[3:])
         y = y.transpose(1, 2).transpose(2, 3)  # (B, Hkv, G, n_groups, rows[, D])
         y = y.reshape((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
-        return y.index_select(2, self.slot_of_query)
+        return y[:, :, : self.num_valid]  # rows past the chunk's end come last
 
 
 class SelectedPagesAttention:
@@ -71,25 +75,29 @@ class SelectedPagesAttention:
     def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
         self.kernel = kernel
 
-    def _prepare(self, q, k_pool, v_pool, page_table, query_start, selection):
+    def _check(self, q, k_pool, v_pool, page_table, query_start, selection) -> None:
         check_inputs(self.kernel, q, k_pool, v_pool)
         _check(q, k_pool, page_table, query_start)
         _check_selection(selection, q, k_pool)
-        layout = _Layout(_groups(selection), q.shape[2], k_pool.shape[2], q.device)
-        # (B, Hkv, n_groups, K) page ids of each group's selection
-        positions = selection.long().index_select(2, layout.first_blocks)
-        B, Hkv, n_groups, K = positions.shape
-        ids = page_table.long().gather(1, positions.reshape(B, -1)).reshape(B, Hkv, n_groups, K)
-        heads = torch.arange(Hkv, device=q.device).reshape(1, Hkv, 1, 1).expand_as(ids)
-        return layout, ids, heads
+
+    @staticmethod
+    def _batches(q, k_pool, page_table, selection):
+        """Per length of group: its layout and its (B, Hkv, n_groups, K) page ids and head indices."""
+        B, Hkv = selection.shape[:2]
+        for groups in _by_length(_groups(selection)):
+            layout = _Layout(groups, q.shape[2], k_pool.shape[2], q.device)
+            positions = selection.long().index_select(2, layout.first_blocks)
+            ids = page_table.long().gather(1, positions.reshape(B, -1)).reshape(positions.shape)
+            heads = torch.arange(Hkv, device=q.device).reshape(1, Hkv, 1, 1).expand_as(ids)
+            yield layout, ids, heads
 
     @staticmethod
     def _selected(pool, ids, heads) -> torch.Tensor:
-        """(B * n_groups, Hkv, K * P, D): each group's selected pages, per KV head."""
+        """Contiguous (B * n_groups, Hkv, K * P, D): each group's selected pages, per KV head."""
         B, Hkv, n_groups, K = ids.shape
         P, D = pool.shape[2:]
         pages = pool[ids, heads]  # (B, Hkv, n_groups, K, P, D)
-        return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D)
+        return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D).contiguous()
 
     @staticmethod
     def _add_selected(pool, ids, heads, grad) -> None:
@@ -101,33 +109,42 @@ class SelectedPagesAttention:
         pool.index_put_((ids.reshape(-1), heads.reshape(-1)), rows.reshape(-1, P, D).to(pool.dtype), accumulate=True)
 
     def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection):
-        layout, ids, heads = self._prepare(q, k_pool, v_pool, page_table, query_start, selection)
+        self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
+        if B * Lq == 0:
+            return torch.empty_like(q), q.new_empty((B, Hq, Lq), dtype=torch.float32)
         out, lse = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
-        if ids.shape[3] == 0 or B * Lq == 0:
+        if selection.shape[3] == 0:
             return out, lse
         Hkv = k_pool.shape[1]
-        out_h, lse_h = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
-                                           self._selected(v_pool, ids, heads), False, scale)
-        out_h = layout.from_groups(out_h, B, Hq)
-        lse_h = layout.from_groups(lse_h.reshape(B * layout.num_groups, Hkv, -1), B, Hq)
+        out_h, lse_h = torch.empty_like(out), torch.empty_like(lse)  # every query is in one group
+        for layout, ids, heads in self._batches(q, k_pool, page_table, selection):
+            o, s = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
+                                       self._selected(v_pool, ids, heads), False, scale)
+            out_h.index_copy_(2, layout.queries, layout.from_groups(o, B, Hq).to(out_h.dtype))
+            lse_h.index_copy_(2, layout.queries, layout.from_groups(s.reshape(o.shape[:3]), B, Hq))
         out, lse = merge_window(out_h.float(), lse_h, out.float(), lse)
         return out.to(q.dtype), lse
 
     def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
                                   dk_pool, dv_pool):
-        layout, ids, heads = self._prepare(q, k_pool, v_pool, page_table, query_start, selection)
+        self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
+        if B * Lq == 0:
+            return torch.empty_like(q)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
         dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                             dv_pool).float()
-        if ids.shape[3] == 0 or B * Lq == 0:
+        if selection.shape[3] == 0:
             return dq.to(q.dtype)
         Hkv = k_pool.shape[1]
-        dq_h, dk, dv = self.kernel.backward(
-            layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
-            self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False, scale,
-        )
-        self._add_selected(dk_pool, ids, heads, dk)
-        self._add_selected(dv_pool, ids, heads, dv)
-        return dq.add_(layout.from_groups(dq_h, B, Hq)).to(q.dtype)
+        for layout, ids, heads in self._batches(q, k_pool, page_table, selection):
+            dq_h, dk, dv = self.kernel.backward(
+                layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
+                self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,
+                scale,
+            )
+            dq.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
+            self._add_selected(dk_pool, ids, heads, dk)
+            self._add_selected(dv_pool, ids, heads, dv)
+        return dq.to(q.dtype)
