@@ -10,6 +10,7 @@
 #     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
 #     bash benchmarks/pending_gpu.sh final   # kernel GPU tests, sparse on cudnn with budget 32
 #     bash benchmarks/pending_gpu.sh 512k    # not yet run: dense at 512K on cudnn, a whole call
+#     bash benchmarks/pending_gpu.sh recheck # not yet run: cudnn GPU tests after the review, kernel TFLOP/s
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -66,6 +67,12 @@ elif [ "$part" = 512k ]; then
     # fit: ~99 GiB above the weights by `oomb plan`) about 540 s. Model setup takes ~25 s more.
     check 590 dense_cudnn_512k python -m oomb.cli bench --modes dense --backend cudnn --contexts 512K \
         --no-checkpoint-layers --kv-grad-dtype bf16 --progress --out-dir "$OUT" --name dense_cudnn_512k_h200
+elif [ "$part" = recheck ]; then
+    # The cudnn code as changed after its review (groups batched per length, contiguous gathers, no
+    # delta), the engine with several windows and with offload on cuDNN, and its kernels' TFLOP/s.
+    check 240 cudnn_gpu_tests_recheck python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py \
+        tests/test_gpu_engine.py -k cudnn
+    check 240 attention_cudnn python benchmarks/attention.py --histories 32768 131072
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there

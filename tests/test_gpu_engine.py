@@ -63,12 +63,17 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
 CUDNN_ERROR_VS_HF = 1.1
 
 
-@pytest.mark.parametrize("batch, tokens, chunk", [(1, 3000, 1024), (2, 1500, 512), (1, 3000, 4096)])
-def test_cudnn_bf16_gradients_within_bound_of_hf_bf16(fp32_model, batch, tokens, chunk):
-    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn"), CUDNN_ERROR_VS_HF)
+@pytest.mark.parametrize("batch, tokens, chunk, options", [
+    (1, 3000, 1024, {}), (2, 1500, 512, {}), (1, 3000, 4096, {}),
+    # Several history windows per call (pages of 128: windows of 2 pages), and host offload.
+    (1, 3000, 1024, {"stream_block_pages": 2}), (2, 1500, 512, {"offload": True}),
+])
+def test_cudnn_bf16_gradients_within_bound_of_hf_bf16(fp32_model, batch, tokens, chunk, options):
+    result = _bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", **options)
+    _assert_no_worse_than_hf(result, CUDNN_ERROR_VS_HF)
 
 
-def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str) -> dict:
+def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, **options) -> dict:
     """Relative errors of HF's bf16 SDPA backward and of oomb's bf16 step against an fp32 full-sequence
     backward; saved as $OUT/gpu_engine_*.json when OUT is set."""
     torch.manual_seed(1)
@@ -87,14 +92,14 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str) 
     hf_err = _rel_err(_grads(bf16_model), reference)
 
     bf16_model.zero_grad(set_to_none=True)
-    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, backend=backend)
+    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, backend=backend, **options)
     loss = oomb.forward_backward(bf16_model, ids, config=config)
     oomb_err = _rel_err(_grads(bf16_model), reference)
 
-    result = {"batch": batch, "tokens": tokens, "chunk": chunk, "backend": backend,
+    result = {"batch": batch, "tokens": tokens, "chunk": chunk, "backend": backend, "options": options,
               "hf_bf16_sdpa_rel_err": hf_err, f"oomb_{backend}_bf16_rel_err": oomb_err, "oomb_rel_err": oomb_err,
               "loss_fp32": float(ref_loss), "loss_hf_bf16": float(hf_loss), "loss_oomb_bf16": float(loss)}
-    suffix = "" if backend == "triton" else f"_{backend}"
+    suffix = "".join(f"_{part}" for part in ([] if backend == "triton" else [backend]) + sorted(options))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_engine_b{batch}_t{tokens}_c{chunk}{suffix}.json"), "w") as f:
             json.dump(result, f, indent=2)
