@@ -3,9 +3,9 @@
 Consecutive query blocks with the same selection (``sparse_query_block_pages`` > 1 makes whole
 groups of them) read the same history pages, so a group is plain attention of its queries over its
 gathered pages: every query sees every selected key, and a KV head's query heads fold into one
-query sequence as in cudnn_paged.py. All groups of a call run as one batched kernel call (groups
-padded to the longest with zero queries, which contribute nothing to dK, dV); the chunk's own keys
-are the causal local window of cudnn_paged.py; the two merge by their log-sum-exp.
+query sequence as in cudnn_paged.py. Groups of one length run as one batched kernel call (the
+chunk's partial last block is padded with zero queries, which contribute nothing to dK, dV); the
+chunk's own keys are the causal local window of cudnn_paged.py; the two merge by their log-sum-exp.
 
 Finding the groups reads the selection on the host: one synchronisation per call.
 """
