@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import _check, _check_backward_extras, check_key_range, merge_window
+from .reference import _check, _check_backward_extras, _gather_block, _scatter_add_block, check_key_range, merge_window
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -97,27 +97,18 @@ def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
     return None
 
 
-def _window_pages(page_table: torch.Tensor, lo: int, hi: int, page_size: int) -> torch.Tensor:
-    """(B, n) int64 ids of the pages holding keys [lo, hi)."""
-    return page_table[:, lo // page_size: -(-hi // page_size)].long()
+def _gather(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Keys [lo, hi) (lo on a page boundary) as one contiguous (B, Hkv, hi - lo, D) block."""
+    P = pool.shape[2]
+    return _gather_block(pool, page_table, lo // P, -(-hi // P), dtype=None)[:, :, : hi - lo].contiguous()
 
 
-def _gather(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of ``pages`` as one contiguous (B, Hkv, length, D) block."""
-    B, n = pages.shape
-    _, H, P, D = pool.shape
-    block = pool[pages.reshape(-1)].view(B, n, H, P, D).transpose(1, 2).reshape(B, H, n * P, D)
-    return block[:, :, :length].contiguous()
-
-
-def _add_into_pages(pool: torch.Tensor, pages: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add (B, Hkv, length, D) gradients into the pool slots of ``pages`` (each page once, so the
-    index_add is deterministic), in the pool's dtype."""
-    B, n = pages.shape
-    _, H, P, D = pool.shape
-    grad = torch.nn.functional.pad(grad, (0, 0, 0, n * P - grad.shape[2]))
-    rows = grad.reshape(B, H, n, P, D).transpose(1, 2).reshape(B * n, H, P, D)
-    pool.index_add_(0, pages.reshape(-1), rows.to(pool.dtype))
+def _add_into_pages(pool: torch.Tensor, page_table: torch.Tensor, lo: int, grad: torch.Tensor) -> None:
+    """Add the (B, Hkv, L, D) gradients of keys [lo, lo + L) into their pages, in the pool's dtype."""
+    P = pool.shape[2]
+    n = -(-grad.shape[2] // P)
+    grad = torch.nn.functional.pad(grad, (0, 0, 0, n * P - grad.shape[2]))  # a partial last page
+    _scatter_add_block(pool, page_table, lo // P, lo // P + n, grad)
 
 
 def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
@@ -128,7 +119,7 @@ def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_p
 
 def local_forward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float):
     """The chunk's causal attention over its own keys, K and V repeated per query head: (out, lse)."""
-    k, v, _ = _local_keys(q, k_pool, v_pool, page_table, query_start)
+    k, v = _local_keys(q, k_pool, v_pool, page_table, query_start)
     return kernel.forward(q.contiguous(), k, v, True, scale)
 
 
@@ -138,19 +129,18 @@ def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_sta
     KV head's query heads) into the chunk's pages and returns its share of dQ in q's dtype."""
     B, Hq, Lq, D = q.shape
     Hkv = k_pool.shape[1]
-    k, v, pages = _local_keys(q, k_pool, v_pool, page_table, query_start)
+    k, v = _local_keys(q, k_pool, v_pool, page_table, query_start)
     dq, dk, dv = kernel.backward(dout.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), True,
                                  scale)
-    _add_into_pages(dk_pool, pages, dk.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
-    _add_into_pages(dv_pool, pages, dv.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
+    _add_into_pages(dk_pool, page_table, query_start, dk.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
+    _add_into_pages(dv_pool, page_table, query_start, dv.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
     return dq
 
 
 def _local_keys(q, k_pool, v_pool, page_table, query_start: int):
     Lq, G = q.shape[2], q.shape[1] // k_pool.shape[1]
-    pages = _window_pages(page_table, query_start, query_start + Lq, k_pool.shape[2])
-    k, v = _gather(k_pool, pages, Lq), _gather(v_pool, pages, Lq)
-    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), pages
+    k, v = (_gather(pool, page_table, query_start, query_start + Lq) for pool in (k_pool, v_pool))
+    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
 
 
 class WindowedAttention:
@@ -177,13 +167,13 @@ class WindowedAttention:
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
         out = lse = None
+        q_folded = _fold(q, Hkv) if windows[0][0] != query_start else None  # once for all history windows
         for lo, hi in windows:
             if lo == query_start:
                 out_w, lse_w = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
             else:
-                pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
-                k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
-                out_w, lse_w = self.kernel.forward(_fold(q, Hkv), k, v, False, scale)
+                k, v = _gather(k_pool, page_table, lo, hi), _gather(v_pool, page_table, lo, hi)
+                out_w, lse_w = self.kernel.forward(q_folded, k, v, False, scale)
                 out_w, lse_w = _unfold(out_w, Hkv, Lq), lse_w.reshape(B, Hq, Lq)
             if out is None:
                 out, lse = out_w, lse_w
@@ -203,18 +193,19 @@ class WindowedAttention:
         if B * Lq == 0:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        if windows[0][0] != query_start:  # history windows share one folded copy of each operand
+            folded = _fold(dout, Hkv), _fold(q, Hkv), _fold(out, Hkv), lse.reshape(B, Hkv, -1).contiguous()
         for lo, hi in windows:
             if lo == query_start:
                 dq_w = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse,
                                       dk_pool, dv_pool)
             else:
-                pages = _window_pages(page_table, lo, hi, k_pool.shape[2])
-                k, v = _gather(k_pool, pages, hi - lo), _gather(v_pool, pages, hi - lo)
-                dq_w, dk, dv = self.kernel.backward(_fold(dout, Hkv), _fold(q, Hkv), k, v, _fold(out, Hkv),
-                                                    lse.reshape(B, Hkv, -1).contiguous(), False, scale)
+                k, v = _gather(k_pool, page_table, lo, hi), _gather(v_pool, page_table, lo, hi)
+                dout_f, q_f, out_f, lse_f = folded
+                dq_w, dk, dv = self.kernel.backward(dout_f, q_f, k, v, out_f, lse_f, False, scale)
                 dq_w = _unfold(dq_w, Hkv, Lq)
-                _add_into_pages(dk_pool, pages, dk)
-                _add_into_pages(dv_pool, pages, dv)
+                _add_into_pages(dk_pool, page_table, lo, dk)
+                _add_into_pages(dv_pool, page_table, lo, dv)
             dq.add_(dq_w)
         return dq if dq_accumulator is not None else dq.to(q.dtype)
 

@@ -58,12 +58,16 @@ QUERY_BLOCK_TOKENS = 512
 in cache and below malloc's mmap threshold, which matters on CPU, where this is the real path."""
 
 
-def _gather_block(pool: torch.Tensor, page_table: torch.Tensor, first_page: int, last_page: int) -> torch.Tensor:
-    """Pages [first_page, last_page) of every sequence as one (B, Hkv, n*P, D) float32 tensor."""
+def _gather_block(
+    pool: torch.Tensor, page_table: torch.Tensor, first_page: int, last_page: int,
+    dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """Pages [first_page, last_page) of every sequence as one (B, Hkv, n*P, D) tensor in ``dtype``
+    (None: the pool's)."""
     ids = page_table[:, first_page:last_page].long()  # (B, n)
     pages = pool[ids]  # (B, n, Hkv, P, D)
     B, n, Hkv, P, D = pages.shape
-    return pages.permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * P, D).float()
+    return pages.permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * P, D).to(dtype or pool.dtype)
 
 
 def _causal_mask(first_query: int, num_queries: int, first_key: int, num_keys: int, device) -> torch.Tensor:
