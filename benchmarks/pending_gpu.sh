@@ -15,6 +15,9 @@ set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
+# The commit recorded in each JSON: pass it from the machine that starts the run
+# (OOMB_GIT_COMMIT=$(git rev-parse --short HEAD) in the device command as composed there); the device's
+# copy of the tree may carry stale git metadata, so its own `git rev-parse` is only a fallback.
 export OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 check() {  # check SECONDS NAME COMMAND...: run, keep the full log, show its tail
