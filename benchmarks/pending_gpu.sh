@@ -10,7 +10,8 @@
 #     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
 #     bash benchmarks/pending_gpu.sh final   # kernel GPU tests, sparse on cudnn with budget 32
 #     bash benchmarks/pending_gpu.sh 512k    # not yet run: dense at 512K on cudnn, a whole call
-#     bash benchmarks/pending_gpu.sh recheck # not yet run: cudnn GPU tests after the review, kernel TFLOP/s
+#     bash benchmarks/pending_gpu.sh recheck # not yet run: cudnn GPU tests after the review, kernel TFLOP/s,
+#                                            # and where the fastest sparse step's time goes (profile)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -76,6 +77,10 @@ elif [ "$part" = recheck ]; then
     check 240 cudnn_gpu_tests_recheck python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py \
         tests/test_gpu_engine.py -k cudnn
     check 240 attention_cudnn python benchmarks/attention.py --histories 32768 131072
+    # Issue 5's 0.5x hf: the fastest sparse step measured (23.29 s), under torch.profiler.
+    check 240 profile_sparse_cudnn python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
+        --query-block-pages 32 --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
+        --name profile_sparse_cudnn_128k_h200
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there

@@ -5,14 +5,20 @@ one extra forward of the linear layers (docs/results.md): this script finds the 
 warm-up step, then profiles one step and writes the kernels sorted by device time, with their
 share, grouped into attention (oomb's Triton kernels, SDPA), GEMM, copies and the rest.
 
-    python benchmarks/profile_step.py --contexts 32K --out profile_32k.json                # H200
-    python benchmarks/profile_step.py --preset tiny-qwen2 --device cpu --contexts 2K --out /tmp/p.json
+    python benchmarks/profile_step.py --contexts 32K --modes dense hf --name profile_32k      # H200
+    python benchmarks/profile_step.py --quick --modes sparse --out-dir /tmp --name p             # CPU smoke
+
+It takes `oomb bench`'s options (backend, budget, chunk size, ...). On a GPU it also reports the
+step's wall time against the time the GPU was busy (the union of its kernels' and copies'
+intervals): the difference is time the GPU waited on the host (launches, synchronisations).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,13 +30,19 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from oomb import machine  # noqa: E402
-from oomb.bench import BenchOptions, build_model, make_step, token_ids, warmup_tokens  # noqa: E402
-from oomb.plan import MODES, parse_tokens  # noqa: E402
-from oomb.presets import PRESETS  # noqa: E402
+from oomb.bench import (  # noqa: E402
+    BenchOptions,
+    add_arguments,
+    build_model,
+    make_step,
+    options_from_args,
+    token_ids,
+    warmup_tokens,
+)
 
 GROUPS = (  # first match wins; names as the profiler reports kernels and ops
     ("attention (oomb Triton)", ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "_sparse")),
-    ("attention (SDPA)", ("sdpa", "flash", "fmha")),
+    ("attention (SDPA, cuDNN)", ("sdpa", "flash", "fmha", "cudnn")),
     ("GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet", "addmm", "aten::mm", "aten::bmm", "matmul")),
     ("copies", ("memcpy", "copy", "index_select", "index_copy", "cat", "fill", "zero")),
 )
@@ -42,6 +54,22 @@ def group_of(name: str) -> str:
         if any(key.lower() in lowered for key in keys):
             return group
     return "other"
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+"""Host-side events that wait for the GPU (an .item(), .tolist(), bool() of a CUDA tensor, ...)."""
+
+
+def busy_seconds(events) -> float:
+    """Seconds in which at least one kernel or copy ran: the union of their intervals."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    return busy / 1e6
 
 
 def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
@@ -75,10 +103,14 @@ def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
                          "group": group_of(event.key)})
     rows.sort(key=lambda r: -r["ms"])
     total = sum(r["ms"] for r in rows) or 1.0
+    syncs = {e.key: {"calls": e.count, "host_ms": round(e.cpu_time_total / 1000, 1)}
+             for e in prof.key_averages() if e.key in SYNC_CALLS}
     groups: dict[str, float] = {}
     for r in rows:
         groups[r["group"]] = groups.get(r["group"], 0.0) + r["ms"]
+    busy = busy_seconds(prof.events()) if use_device else None
     return {"mode": mode, "tokens": tokens, "step_seconds_under_profiler": round(seconds, 3),
+            "gpu_busy_seconds": None if busy is None else round(busy, 3), "host_waits": syncs,
             "time_kind": "device (kernels)" if use_device else "CPU self time (aten ops)",
             "groups_ms": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "groups_share": {k: round(v / total, 4) for k, v in groups.items()}, "top": rows[:40]}
@@ -86,26 +118,25 @@ def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-7b")
-    parser.add_argument("--modes", nargs="+", default=["dense", "hf"], choices=list(MODES))
-    parser.add_argument("--contexts", type=parse_tokens, nargs="+", default=[32768])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--warmup-tokens", type=parse_tokens, default=8192)
-    parser.add_argument("--chunk-size", type=int, default=4096)
-    parser.add_argument("--out", default="profile_step.json")
+    add_arguments(parser)
     args = parser.parse_args()
-    options = BenchOptions(preset=args.preset, device=args.device, warmup_tokens=args.warmup_tokens,
-                           contexts=list(args.contexts), chunk_size=args.chunk_size)
-    report = {"command": "python " + " ".join(sys.argv), "machine": machine.machine_info(torch.device(args.device)),
-              "runs": []}
-    for tokens in args.contexts:
-        for mode in args.modes:
+    if args.replot:
+        parser.error("--replot is an option of `oomb bench` only")
+    options = options_from_args(args)
+    out = Path(options.out_dir) / f"{options.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device(options.device)
+    report = {"command": "python " + " ".join(sys.argv), "machine": machine.machine_info(device),
+              "options": dataclasses.asdict(options), "runs": []}
+    for tokens in options.contexts:
+        for mode in options.modes:
             run = profile_step(mode, options, tokens)
             report["runs"].append(run)
-            print(f"{mode:>14} {tokens:>9,}: {run['step_seconds_under_profiler']} s;",
+            busy = "" if run["gpu_busy_seconds"] is None else f" (GPU busy {run['gpu_busy_seconds']} s)"
+            print(f"{mode:>14} {tokens:>9,}: {run['step_seconds_under_profiler']} s{busy};",
                   ", ".join(f"{k} {v / 1000:.2f} s" for k, v in run["groups_ms"].items()))
-            Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+            out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
