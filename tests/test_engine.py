@@ -466,21 +466,36 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("stream_block_pages, offload, case", [
-    (256, False, "batch2"), (2, False, "batch2"), (2, True, "batch2"), (2, True, "ragged"),
-], ids=["one-history-window", "many-windows", "offload", "offload-batch1"])
+@pytest.mark.parametrize("stream_block_pages, offload, case, whole_history", [
+    (256, False, "batch2", False), (2, False, "batch2", False), (2, False, "batch2", True), (2, True, "batch2", True),
+    (2, True, "ragged", True),
+], ids=["one-history-window", "many-windows", "whole-history", "offload", "offload-batch1"])
 def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypatch, stream_block_pages, offload,
-                                                               case):
+                                                               case, whole_history):
     """The cudnn backend's windowing (cudnn_paged.py) on a plain-torch stand-in for cuDNN, through the
-    whole engine, with offload's staging pools too: gradients equal a full-sequence backward."""
+    whole engine, with offload's staging pools too: gradients equal a full-sequence backward. Asking
+    for the whole history (as cudnn does) gives one history window where the pages are on the GPU;
+    streamed pages keep their blocks."""
     from test_cudnn_paged import MATH
 
     from oomb.attention import cudnn_paged
     from oomb.attention.backend import AttentionBackend
 
-    backend = AttentionBackend("windowed-math", MATH.paged_attention_forward, MATH.paged_attention_backward,
-                               cudnn_paged.no_delta)
+    history_windows = []
+
+    def recording_forward(q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None, out_dtype=None):
+        if key_range is not None and key_range[0] < query_start:
+            history_windows.append(key_range)
+        return MATH.paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale, key_range=key_range,
+                                            out_dtype=out_dtype)
+
+    backend = AttentionBackend("windowed-math", recording_forward, MATH.paged_attention_backward,
+                               cudnn_paged.no_delta, whole_history=whole_history)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
     ids, labels = CASES[case].inputs(seed=200)
     config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages, offload=offload)
     _assert_matches_hf(models["qwen2"], ids, labels, config)
+    assert history_windows
+    if stream_block_pages == 2:  # histories of up to 12 blocks of 2 pages
+        one_window_per_history = all(lo == 0 for lo, _ in history_windows)
+        assert one_window_per_history == (whole_history and not offload)

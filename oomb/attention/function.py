@@ -8,7 +8,8 @@ buffers hold the contributions of every later chunk (processed earlier in the re
 the chunk's own, so summed over chunks the result is the exact full-sequence gradient.
 
 Dense attention reads the chunk's keys window by window (kv/store.py ``attention_windows``):
-blocks of history pages, then the chunk itself. Forward merges the windows' partial results by
+blocks of history pages, then the chunk itself (a backend may ask for the GPU-resident history as
+one block: ``AttentionBackend.whole_history``). Forward merges the windows' partial results by
 their log-sum-exp; backward runs each window with the merged statistics. The windows are the same
 whether pages live on the GPU or stream from host memory (kv/offload.py), so both compute the same
 float operations in the same order.
@@ -52,11 +53,10 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
             return call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
                                                call.selection)
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
-    # With several windows the partial outputs stay float32 until the merge is complete.
-    several = len(call.store.windows(call.chunk)) > 1
-    out_dtype = torch.float32 if several else None
+    # With several windows (any history) the partial outputs stay float32 until the merge is complete.
+    out_dtype = torch.float32 if call.chunk.start > 0 else None
     out = lse = None
-    for view in call.store.stream(call.layer, call.chunk, grads=False):
+    for view in call.store.stream(call.layer, call.chunk, grads=False, whole_history=call.backend.whole_history):
         out_w, lse_w = call.backend.forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
                                             key_range=view.key_range, out_dtype=out_dtype)
         out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
@@ -72,7 +72,7 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
     delta = call.backend.backward_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for view in call.store.stream(call.layer, call.chunk, grads=True):
+    for view in call.store.stream(call.layer, call.chunk, grads=True, whole_history=call.backend.whole_history):
         call.backend.backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale, out, dout, lse,
                               view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq)
     return dq.to(q.dtype)

@@ -154,10 +154,10 @@ class OffloadedKVStore(PagedKVStore):
         self.kv_on_host[index, first:last] = True
 
     # --- streaming windows ----------------------------------------------------------------------
-    def stream(self, layer: int, chunk: ChunkSpan, grads: bool) -> Iterator[WindowView]:
+    def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
         index = self._offloaded(layer)
         if index is None:
-            yield from super().stream(layer, chunk, grads)
+            yield from super().stream(layer, chunk, grads, whole_history)
             return
         windows = self.windows(chunk)
         fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None

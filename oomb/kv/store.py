@@ -63,10 +63,11 @@ class WindowView:
     dv: torch.Tensor | None = None
 
 
-def attention_windows(chunk: ChunkSpan, page_size: int, block_pages: int) -> list[tuple[int, int]]:
+def attention_windows(chunk: ChunkSpan, page_size: int, block_pages: int | None) -> list[tuple[int, int]]:
     """Key windows of a chunk's dense attention: its history [0, chunk.start) in blocks aligned to
-    multiples of block_pages pages, then the chunk itself. Every tier streams the same windows."""
-    block = block_pages * page_size
+    multiples of block_pages pages (None: one block), then the chunk itself. Every tier streams the
+    same windows."""
+    block = max(chunk.start, 1) if block_pages is None else block_pages * page_size
     history = [(lo, min(lo + block, chunk.start)) for lo in range(0, chunk.start, block)]
     return history + [(chunk.start, chunk.end)]
 
@@ -227,14 +228,15 @@ class PagedKVStore:
             raise RuntimeError(f"no page selection for chunk {chunk.index}, layer {layer}: stage 1 makes it")
         return self._selections[chunk.index, layer]
 
-    def windows(self, chunk: ChunkSpan) -> list[tuple[int, int]]:
-        return attention_windows(chunk, self.page_size, self.stream_block_pages)
+    def windows(self, chunk: ChunkSpan, whole_history: bool = False) -> list[tuple[int, int]]:
+        return attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages)
 
-    def stream(self, layer: int, chunk: ChunkSpan, grads: bool) -> Iterator[WindowView]:
+    def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
         """The chunk's key windows in order, ready to read (and, with grads, to add dK/dV into);
-        the caller launches its work on the window before asking for the next one."""
+        the caller launches its work on the window before asking for the next one. ``whole_history``:
+        the history as one window where the pages are on the GPU (streamed pages keep their blocks)."""
         pages = self.layers[layer]
-        for key_range in self.windows(chunk):
+        for key_range in self.windows(chunk, whole_history):
             yield WindowView(key_range, pages.k, pages.v, self.page_table,
                              pages.dk if grads else None, pages.dv if grads else None)
 
