@@ -188,6 +188,10 @@ def select_pages(
         return top_pages(scores, options)
     n_blocks = scores.shape[2]
     selection = top_pages(group_scores(scores, group, options.leak_free), options)
+    if selection.shape[2] == 1:
+        # One group covers the chunk: a view with stride 0 over the blocks says so without reading
+        # the values (cudnn_sparse.py then needs no device synchronisation to find its groups).
+        return selection.expand(-1, -1, n_blocks, -1)
     return selection.repeat_interleave(group, dim=2)[:, :, :n_blocks].contiguous()
 
 

@@ -205,8 +205,16 @@ def test_selection_groups():
     assert cudnn_sparse._by_length([(0, 2), (2, 3), (3, 5), (5, 6)]) == [[(0, 2), (3, 5)], [(2, 3), (5, 6)]]
 
 
+def test_one_selection_expanded_over_the_blocks_is_one_group_unread(monkeypatch):
+    """A stride-0 selection (one group covers the chunk) is one group; its values are never compared
+    (on a GPU that comparison is a device synchronisation per call)."""
+    sel = torch.tensor([[[[0, 3]]]], dtype=torch.int32).expand(1, 1, 5, 2)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("the selection was read"))
+    assert cudnn_sparse._groups(sel) == [(0, 5)]
+
+
 @pytest.mark.parametrize("query_block_pages, offload, batch", [(1, False, 2), (2, False, 2), (2, True, 2),
-                                                                 (4, True, 1)])
+                                                                 (4, True, 1), (4, False, 2)])
 def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages, offload, batch):
     """A whole sparse step through the cudnn backend's code (stand-in kernel) equals the torch backend's."""
     from helpers import build_tiny_model, grads, random_ids, relative_error

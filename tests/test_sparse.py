@@ -234,6 +234,12 @@ def test_grouped_blocks_share_their_groups_best_pages(leak_free):
                      options)
     assert selection.shape == (2, 2, 5, 3)
     assert torch.equal(selection, want[:, :, [0, 0, 1, 1, 2]])
+    assert selection.stride(2) != 0  # three groups: materialised
+    one_group = select_pages(s.q, store, 0, chunk, _options(budget=2, sink_pages=1, leak_free=leak_free,
+                                                                query_block_pages=5))
+    want = top_pages(group_scores(block_scores(s.q, store.history_summaries(0, 9), 4, options), 5, leak_free),
+                     options)
+    assert one_group.stride(2) == 0 and torch.equal(one_group, want.expand(-1, -1, 5, -1))
     store.free_all()
 
 
@@ -524,8 +530,10 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("qwen3", dict(sparse_budget=0, sparse_sink_pages=2, sparse_leak_free=True)),
         ("mistral", dict(sparse_budget=5, sparse_sink_pages=1, checkpoint_layers=False)),
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=3)),
+        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=64)),
     ],
-    ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups"],
+    ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
+         "one_group_per_chunk"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

@@ -203,8 +203,10 @@ def test_gpu_repeat_runs_are_bit_identical():
         assert all(torch.equal(a, b) for a, b in zip(first, _run(triton_sparse, c), strict=True))
 
 
-def test_engine_with_the_triton_backend_matches_the_torch_backend():
-    """A sparse step through the Triton kernels (interpreted on CPU) equals the torch reference's."""
+@pytest.mark.parametrize("query_block_pages", [1, 3], ids=["per-block", "one-group-expanded"])
+def test_engine_with_the_triton_backend_matches_the_torch_backend(query_block_pages):
+    """A sparse step through the Triton kernels (interpreted on CPU) equals the torch reference's; with
+    one group per chunk the kernels read a selection with stride 0 over the blocks."""
     from helpers import build_tiny_model, grads, random_ids, relative_error
 
     import oomb
@@ -215,7 +217,7 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend():
     for backend in ("torch", "triton"):
         model.zero_grad(set_to_none=True)
         config = oomb.OOMBConfig(chunk_size=24, page_size=8, backend=backend, attention="sparse", sparse_budget=1,
-                                 checkpoint_layers=False)
+                                 checkpoint_layers=False, sparse_query_block_pages=query_block_pages)
         results[backend] = (oomb.forward_backward(model, ids, None, config), grads(model))
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["triton"][1], results["torch"][1]) <= 1e-5

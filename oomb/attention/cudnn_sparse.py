@@ -7,7 +7,9 @@ query sequence as in cudnn_paged.py. Groups of one length run as one batched ker
 chunk's partial last block is padded with zero queries, which contribute nothing to dK, dV); the
 chunk's own keys are the causal local window of cudnn_paged.py; the two merge by their log-sum-exp.
 
-Finding the groups reads the selection on the host: one synchronisation per call.
+Finding the groups reads the selection on the host: one synchronisation per call, unless the
+selection is one row expanded over the chunk's blocks (stride 0: oomb/sparse.py makes it so when one
+group of ``sparse_query_block_pages`` covers the chunk).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .reference_sparse import _check_selection
 def _groups(selection: torch.Tensor) -> list[tuple[int, int]]:
     """Runs [b0, b1) of consecutive query blocks whose selections are equal (every sequence and head)."""
     n = selection.shape[2]
-    if n <= 1 or selection.shape[3] == 0:
+    if n <= 1 or selection.shape[3] == 0 or selection.stride(2) == 0:  # stride 0: one selection, expanded
         return [(0, n)]
     same = (selection[:, :, 1:] == selection[:, :, :-1]).all(dim=3).all(dim=1).all(dim=0).tolist()
     starts = [0] + [j + 1 for j, equal in enumerate(same) if not equal]
