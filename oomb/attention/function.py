@@ -10,9 +10,9 @@ the chunk's own, so summed over chunks the result is the exact full-sequence gra
 Dense attention reads the chunk's keys window by window (kv/store.py ``attention_windows``):
 blocks of history pages, then the chunk itself (a backend may ask for the GPU-resident history as
 one block: ``AttentionBackend.whole_history``). Forward merges the windows' partial results by
-their log-sum-exp; backward runs each window with the merged statistics. The windows are the same
-whether pages live on the GPU or stream from host memory (kv/offload.py), so both compute the same
-float operations in the same order.
+their log-sum-exp; backward runs each window with the merged statistics. Unless the backend asks for
+the whole history, the windows are the same whether pages live on the GPU or stream from host memory
+(kv/offload.py), so both compute the same float operations in the same order.
 
 In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
 selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
