@@ -110,6 +110,17 @@ def test_work_items_invert_the_selection():
     assert blocks.tolist() == [0, 2, 0, 1, 1, 2]  # page 0 <- blocks 0, 2; page 2 <- 0, 1; page 3 <- 1, 2
 
 
+def test_work_items_of_one_row_shared_by_every_block_need_no_sorting():
+    """A selection expanded over the blocks (stride 0) inverts without a sort (no device sync) to what
+    the general path gives."""
+    rows = torch.tensor([[[1, 3, 4], [0, 2, 4]], [[0, 1, 2], [2, 3, 4]]], dtype=torch.int32)  # (B=2, Hkv=2, K=3)
+    shared = rows[:, :, None].expand(2, 2, 3, 3)
+    fast = triton_sparse._history_work_items(shared, num_history=5)
+    general = triton_sparse._history_work_items(shared.contiguous(), num_history=5)
+    for got, want in zip(fast, general, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_selection_is_validated():
     c = make_case(1, 2, 1, 8, 2, 16, 8, 1)
     with pytest.raises(ValueError, match=r"selection must be int32 \(B=1, Hkv=1, n_blocks=1, K\)"):

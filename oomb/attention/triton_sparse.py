@@ -453,8 +453,17 @@ def _history_work_items(selection: torch.Tensor, num_history: int):
     Returns:
         items (N,) int64 keys (b * Hkv + h) * num_history + position, int32 starts (N,) and counts (N,)
         into blocks (B * Hkv * n_blocks * K,) int32 block indices; all on selection's device.
+    Rows of the selection are distinct and ascending (oomb.sparse.top_pages). One device sync, unless
+    every block shares one row (stride 0 over the blocks).
     """
     B, Hkv, n_blocks, K = selection.shape
+    if selection.stride(2) == 0:  # one row for every block (oomb/sparse.py): known sizes, no device sync
+        bh = torch.arange(B * Hkv, device=selection.device).reshape(B, Hkv, 1)
+        items = (bh * num_history + selection[:, :, 0].long()).reshape(-1)  # rows ascending: items sorted
+        counts = torch.full_like(items, n_blocks, dtype=torch.int32)
+        starts = torch.arange(items.numel(), device=items.device, dtype=torch.int32) * n_blocks
+        blocks = torch.arange(n_blocks, device=items.device, dtype=torch.int32).repeat(items.numel())
+        return items, starts, counts, blocks
     bh = torch.arange(B * Hkv, device=selection.device).reshape(B, Hkv, 1, 1)
     block = torch.arange(n_blocks, device=selection.device).reshape(1, 1, n_blocks, 1)
     pairs = ((bh * num_history + selection.long()) * n_blocks + block).reshape(-1).sort().values
