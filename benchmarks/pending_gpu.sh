@@ -9,9 +9,10 @@
 #     bash benchmarks/pending_gpu.sh cudnn   # the cudnn backend: GPU tests, then dense vs hf at 128K
 #     bash benchmarks/pending_gpu.sh cudnn-sparse   # its sparse path at 128K, then dense at 256K
 #     bash benchmarks/pending_gpu.sh final   # kernel GPU tests, sparse on cudnn with budget 32
-#     bash benchmarks/pending_gpu.sh 512k    # not yet run: dense at 512K on cudnn, a whole call
-#     bash benchmarks/pending_gpu.sh recheck # not yet run: cudnn GPU tests after the review, kernel TFLOP/s,
-#                                            # and where the fastest sparse step's time goes (profile)
+#     bash benchmarks/pending_gpu.sh 512k    # dense at 512K on cudnn, a whole call
+#     bash benchmarks/pending_gpu.sh recheck # cudnn GPU tests after the review, kernel TFLOP/s, and where
+#                                            # the fastest sparse step's time goes (profile)
+#     bash benchmarks/pending_gpu.sh next    # not yet run: Triton sparse without its sync, cudnn engine tests
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -81,6 +82,14 @@ elif [ "$part" = recheck ]; then
     check 240 profile_sparse_cudnn python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
         --query-block-pages 32 --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
         --name profile_sparse_cudnn_128k_h200
+elif [ "$part" = next ]; then
+    # The Triton sparse backward without its per-call sort for a chunk-wide selection (22.06 s before),
+    # and the cudnn engine tests as now marked (streamed 2-page blocks: strict xfail).
+    check 150 sparse_triton_nosync python -m oomb.cli bench --modes sparse --contexts 128K --query-block-pages 32 \
+        --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
+        --name sparse_triton_nosync_no_replay_budget32_bf16_h200
+    check 200 cudnn_gpu_tests_marked python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py \
+        tests/test_gpu_engine.py -k cudnn
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
