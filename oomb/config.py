@@ -89,8 +89,9 @@ class OOMBConfig:
     """At most this many tokens' full-vocabulary logits exist at a time in the LM-head loss."""
     fp32_grad_accumulation: bool = True
     """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
-    parameter, held during stage 2) and round once at the end, as a full-sequence backward does.
-    Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
+    parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
+    linear layers' gradients are computed with float32 results, so no chunk's is rounded either
+    (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_tokens", "stream_block_pages", "stream_buffers"):

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from .attention.backend import select_backend
 from .config import OOMBConfig
+from .fp32_linear import float32_weight_gradients
 from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
@@ -134,7 +135,8 @@ def forward_backward(
             # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
             params = [] if parallel.fsdp else model.parameters()
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
-            with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context():
+            with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
+                    float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1):
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)

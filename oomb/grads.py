@@ -4,8 +4,10 @@ A full-sequence backward rounds each bf16 weight gradient once (its GEMM accumul
 Stage 2 produces one gradient per chunk; adding them into a bf16 ``.grad`` rounds N times. This
 accumulator moves each chunk's gradient into an fp32 sum and writes it back once, or, for
 parameters the caller gives an fp32 target (e.g. a trainer's master weights' ``.grad``), adds
-every chunk straight into that target, so the sum is never rounded (each chunk's gradient is
-still what autograd produced in the parameter's dtype).
+every chunk straight into that target, so the sum is never rounded. Linear layers' gradients do
+not even pass through the parameter's dtype: fp32_linear.py computes them with float32 results and
+hands them to :meth:`Fp32GradAccumulator.add`; other parameters' chunk gradients are what autograd
+produced in the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ class Fp32GradAccumulator:
             else:
                 self.sums[p] = p.grad.float()
             p.grad = None
+
+    def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a float32 gradient of ``p`` computed outside autograd (fp32_linear.py) to its sum or
+        target; ``p`` must be one of the parameters this accumulator sums."""
+        target = self.targets.get(p)
+        if target is not None:
+            target.add_(grad.to(device=target.device, dtype=target.dtype))
+        elif p in self.sums:
+            self.sums[p].add_(grad)
+        else:
+            self.sums[p] = grad.float()  # takes the caller's float32 tensor, which it does not reuse
 
     def finish(self) -> None:
         """Write prior + sum back into ``.grad``, rounding once; targeted parameters keep their prior."""

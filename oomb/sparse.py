@@ -35,12 +35,12 @@ is ``None`` and the chunk runs the dense code path (so a large budget is dense a
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .config import OOMBConfig
+from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
 from .kv.summaries import SUMMARIES_OF_SCORE
 
@@ -96,8 +96,9 @@ def block_scores(
     n_hist, Hkv = first.shape[1], first.shape[2]
     G, P = Hq // Hkv, page_size
     n_blocks = -(-Lq // P)
-    exact_low_precision = _fp32_products_of(q, first)
-    compute = q.dtype if exact_low_precision else torch.float32
+    # bf16/fp16 on a GPU: tensor cores with exact products and float32 sums, the float32 scores up
+    # to the order of the sums (float32 matmuls instead: estimated ~34 s of a 1M step of the 7B shape).
+    compute = q.dtype if tensor_cores_give_float32(q, first) else torch.float32
     if options.leak_free:
         # Only the first query of each block: (B, Hkv, G, n_blocks, 1, D).
         rows = q[:, :, ::P].to(compute).reshape(B, Hkv, G, n_blocks, 1, D)
@@ -123,29 +124,11 @@ def block_scores(
         if options.score == "minmax":  # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
             r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
         r = r.reshape(B * Hkv, -1, r.shape[-1])
-        s = _float32_scores(r, keys_t) if exact_low_precision else torch.bmm(r, keys_t)
+        s = matmul_float32(r, keys_t, "scoring")
         out[:, :, b0:b1] = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist).amax(dim=3)
     if options.selection == "shared":
         out = out.amax(dim=1, keepdim=True).expand(B, Hkv, n_blocks, n_hist)
     return out
-
-
-def _fp32_products_of(q: torch.Tensor, summary: torch.Tensor) -> bool:
-    """Whether to score in the queries' own bf16/fp16 with a float32 result: on a GPU, with both in
-    that dtype and torch >= 2.8 (``bmm(out_dtype=float32)``). Their products are exact in float32 and
-    cuBLAS sums them in float32, so the scores are the float32 ones up to the order of the sums, from
-    tensor cores instead of float32 matmuls (estimated: ~34 s of a 1M step of the 7B shape in float32)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and summary.dtype == q.dtype
-            and torch.__version__ >= (2, 8))
-
-
-def _float32_scores(rows: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 rows x keys with float32 results; float32 matmuls where the GPU library refuses."""
-    try:
-        return torch.bmm(rows, keys_t, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError) as err:
-        warnings.warn(f"scoring in float32: bmm with float32 results failed ({err})", stacklevel=2)
-        return torch.bmm(rows.float(), keys_t.float())
 
 
 def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:

@@ -128,15 +128,16 @@ def test_gpu_low_precision_scores_equal_float32_scores_up_to_summation_order(sco
     torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-4)
 
 
-def test_low_precision_scoring_falls_back_to_float32_where_refused():
-    """bmm with float32 results exists on CUDA only (torch >= 2.8): elsewhere scoring says so and
-    multiplies float32 copies (the CPU never asks for it; this calls the helper directly)."""
-    from oomb.sparse import _float32_scores
+def test_low_precision_scoring_falls_back_to_float32_where_refused(monkeypatch):
+    """bmm with float32 results exists on CUDA only (torch >= 2.8): where the library refuses it,
+    scoring says so and multiplies float32 copies (the CPU is made to ask for it here)."""
+    from oomb import fp32_linear
 
     g = torch.Generator().manual_seed(0)
     rows, keys = torch.randn(2, 5, 16, generator=g).bfloat16(), torch.randn(2, 16, 3, generator=g).bfloat16()
+    monkeypatch.setattr(fp32_linear, "tensor_cores_give_float32", lambda a, b: True)
     with pytest.warns(UserWarning, match="scoring in float32"):
-        scores = _float32_scores(rows, keys)
+        scores = fp32_linear.matmul_float32(rows, keys, "scoring")
     assert scores.dtype == torch.float32 and torch.equal(scores, torch.bmm(rows.float(), keys.float()))
 
 

@@ -1,0 +1,95 @@
+"""Linear layers' weight gradients with float32 results, summed over the chunks without rounding.
+
+A full-sequence backward rounds a bf16 weight's gradient once: its GEMM sums every token in float32
+and writes bf16. Stage 2 runs that GEMM once per chunk, and autograd rounds each chunk's result to
+bf16 before grads.py adds it to its float32 sum: one rounding per chunk instead of one in all. Inside
+:func:`float32_weight_gradients` every plain ``nn.Linear`` whose gradient the accumulator sums
+computes its weight (and bias) gradient with a float32 result (on a GPU: tensor cores, exact bf16
+products, float32 sums) and adds it to the accumulator directly; its input gradient is what autograd
+would compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grads import LOW_PRECISION, Fp32GradAccumulator
+
+
+def tensor_cores_give_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a @ b`` can run on tensor cores with a float32 result: low-precision CUDA tensors of
+    one dtype, torch >= 2.8 (``out_dtype``)."""
+    return a.is_cuda and a.dtype in LOW_PRECISION and b.dtype == a.dtype and torch.__version__ >= (2, 8)
+
+
+def matmul_float32(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> torch.Tensor:
+    """``a @ b`` (2-D, or batched 3-D) with a float32 result. Where tensor cores can give one, the
+    bf16/fp16 products are exact in float32 and the sums float32; elsewhere (CPU, older torch, or a
+    library that refuses) float32 copies are multiplied: the same values up to the order of the sums."""
+    if tensor_cores_give_float32(a, b):
+        try:
+            return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError) as err:
+            warnings.warn(f"{what} in float32: {a.dtype} matmul with float32 results failed ({err})", stacklevel=2)
+    return torch.matmul(a.float(), b.float())
+
+
+class _LinearWithFloat32Grads(torch.autograd.Function):
+    """F.linear whose weight and bias gradients go, in float32, to ``sink.add`` instead of ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module: nn.Linear, sink: Fp32GradAccumulator):
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.sink = module, sink
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        ctx.sink.add(ctx.module.weight, matmul_float32(g.t(), x.reshape(-1, x.shape[-1]), "weight gradient"))
+        if ctx.module.bias is not None and ctx.module.bias.requires_grad:
+            ctx.sink.add(ctx.module.bias, g.float().sum(0))
+        return grad_x, None, None, None, None
+
+
+def _forward_with_float32_grads(sink: Fp32GradAccumulator, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return F.linear(x, module.weight, module.bias)
+    return _LinearWithFloat32Grads.apply(x, module.weight, module.bias, module, sink)
+
+
+def eligible_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list[nn.Linear]:
+    """Plain nn.Linear layers (not subclasses, e.g. quantised ones) whose weight, and bias if it is
+    trained, the accumulator sums."""
+    summed = set(accumulator.params)
+
+    def eligible(m: nn.Module) -> bool:
+        if type(m) is not nn.Linear or m.weight not in summed:
+            return False
+        return m.bias is None or not m.bias.requires_grad or m.bias in summed
+
+    return [m for m in model.modules() if eligible(m)]
+
+
+@contextlib.contextmanager
+def float32_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
+                             enabled: bool = True) -> Iterator[list[nn.Linear]]:
+    """Route the eligible linear layers' parameter gradients to ``accumulator`` in float32 while inside;
+    their forward is restored on exit (also after an error). Yields the layers it changed."""
+    layers = eligible_linears(model, accumulator) if enabled else []
+    for m in layers:
+        m.forward = types.MethodType(lambda self, x: _forward_with_float32_grads(accumulator, self, x), m)
+    try:
+        yield layers
+    finally:
+        for m in layers:
+            del m.forward  # the instance attribute: nn.Linear.forward again

@@ -1,0 +1,143 @@
+"""Linear layers' weight gradients with float32 results (oomb/fp32_linear.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+from oomb.fp32_linear import eligible_linears, float32_weight_gradients, matmul_float32
+from oomb.grads import Fp32GradAccumulator
+
+
+def _linear(dtype=torch.bfloat16, bias=True, seed=0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(48, 24, bias=bias).to(dtype)
+
+
+def _chunks(n=3, tokens=40, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, tokens, 48, generator=g).to(dtype), torch.randn(2, tokens, 24, generator=g).to(dtype))
+            for _ in range(n)]
+
+
+def test_chunk_gradients_are_summed_unrounded():
+    """Three chunks' weight gradients: the float32 sum of float32 GEMMs (what one full-sequence GEMM
+    sums before its single rounding), never rounded per chunk; input gradients as autograd's."""
+    layer = _linear()
+    acc = Fp32GradAccumulator(layer.parameters(), enabled=True)
+    chunks = _chunks()
+    with float32_weight_gradients(layer, acc) as changed:
+        assert changed == [layer]
+        for x, grad_out in chunks:
+            x = x.clone().requires_grad_()
+            layer(x).backward(grad_out)
+            assert layer.weight.grad is None  # went to the accumulator, not through bf16
+            want_dx = grad_out @ layer.weight
+            assert torch.equal(x.grad, want_dx)
+            acc.collect()
+    xs = torch.cat([x for x, _ in chunks], dim=1).reshape(-1, 48).float()
+    gs = torch.cat([g for _, g in chunks], dim=1).reshape(-1, 24).float()
+    torch.testing.assert_close(acc.sums[layer.weight], gs.t() @ xs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(acc.sums[layer.bias], gs.sum(0), rtol=1e-5, atol=1e-5)
+    exact = (gs.double().t() @ xs.double()).float()
+    per_chunk = sum((g.reshape(-1, 24).t() @ x.reshape(-1, 48)).float() for x, g in chunks)  # rounded per chunk
+    assert (acc.sums[layer.weight] - exact).abs().max() < (per_chunk - exact).abs().max() / 10
+    total = acc.sums[layer.weight].clone()
+    acc.finish()
+    assert layer.weight.grad.dtype == torch.bfloat16 and torch.equal(layer.weight.grad, total.bfloat16())
+
+
+def test_targets_receive_the_float32_gradient():
+    layer = _linear(dtype=torch.float32)
+    targets = {p: torch.zeros_like(p, dtype=torch.float64) for p in layer.parameters()}
+    acc = Fp32GradAccumulator(layer.parameters(), enabled=True, targets=targets)
+    (x, grad_out), = _chunks(1, dtype=torch.float32)
+    with float32_weight_gradients(layer, acc):
+        layer(x).backward(grad_out)
+    acc.finish()
+    assert layer.weight.grad is None
+    g2, x2 = grad_out.reshape(-1, 24), x.reshape(-1, 48)
+    torch.testing.assert_close(targets[layer.weight].float(), g2.t() @ x2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(targets[layer.bias].float(), g2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_only_plain_summed_linears_change_and_all_are_restored():
+    class Quantised(nn.Linear):  # a subclass may compute differently: left alone
+        pass
+
+    model = nn.Sequential(_linear(), _linear(seed=1), Quantised(48, 24).bfloat16(), _linear(dtype=torch.float32),
+                          _linear(seed=2))
+    model[1].weight.requires_grad_(False)  # frozen (e.g. a LoRA base layer)
+    model[4].bias.requires_grad_(False)  # trained weight, frozen bias: still eligible
+    acc = Fp32GradAccumulator(model.parameters(), enabled=True)  # fp32 parameters are not summed
+    assert eligible_linears(model, acc) == [model[0], model[4]]
+    with pytest.raises(RuntimeError, match="boom"), float32_weight_gradients(model, acc):
+        assert "forward" in vars(model[0])
+        raise RuntimeError("boom")
+    assert all("forward" not in vars(m) for m in model)
+    with float32_weight_gradients(model, acc, enabled=False) as changed:
+        assert changed == []
+
+
+def test_no_grad_forward_is_plain():
+    layer = _linear()
+    acc = Fp32GradAccumulator(layer.parameters(), enabled=True)
+    x = torch.randn(3, 48).bfloat16()
+    with float32_weight_gradients(layer, acc), torch.no_grad():
+        out = layer(x)
+    assert torch.equal(out, nn.functional.linear(x, layer.weight, layer.bias)) and out.grad_fn is None
+
+
+def test_matmul_float32_on_cpu_multiplies_float32_copies():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(7, 5, generator=g).bfloat16(), torch.randn(5, 4, generator=g).bfloat16()
+    got = matmul_float32(a, b)
+    assert got.dtype == torch.float32 and torch.equal(got, a.float() @ b.float())
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_cores_give_the_float32_products():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randn(shape, generator=g).bfloat16().cuda() for shape in ((3000, 256), (256, 688)))
+    torch.testing.assert_close(matmul_float32(a, b), a.double() @ b.double(), rtol=1e-5, atol=1e-4,
+                               check_dtype=False)
+
+
+def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatch):
+    """A bf16 step of 6 chunks against a float32 full-sequence backward: with the linear layers'
+    gradients summed unrounded the error is lower than with each chunk's gradient rounded to bf16
+    first, and no worse than HF's own bf16 backward."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import oomb
+    import oomb.engine
+
+    def grads(model):
+        return [p.grad.detach().float().clone() for p in model.parameters()]
+
+    def rel_err(got, want):
+        return (sum(float(((g - w) ** 2).sum()) for g, w in zip(got, want, strict=True))
+                / sum(float((w**2).sum()) for w in want)) ** 0.5
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    fp32 = Qwen2ForCausalLM(cfg).float()
+    fp32.set_attn_implementation("sdpa")
+    ids = torch.randint(0, cfg.vocab_size, (1, 1536))
+    fp32(input_ids=ids, labels=ids).loss.backward()
+    reference = grads(fp32)
+    bf16 = Qwen2ForCausalLM(cfg).bfloat16()
+    bf16.load_state_dict(fp32.state_dict())
+    bf16.set_attn_implementation("sdpa")
+    bf16(input_ids=ids, labels=ids).loss.backward()
+    errors = {"hf": rel_err(grads(bf16), reference)}
+    config = oomb.OOMBConfig(chunk_size=256, page_size=64)
+    for name, enabled in (("float32", True), ("per_chunk", False)):
+        monkeypatch.setattr(oomb.engine, "float32_weight_gradients",
+                            lambda model, acc, enabled=True, on=enabled: float32_weight_gradients(model, acc, on))
+        bf16.zero_grad(set_to_none=True)
+        oomb.forward_backward(bf16, ids, config=config)
+        errors[name] = rel_err(grads(bf16), reference)
+    assert errors["float32"] < errors["per_chunk"] and errors["float32"] <= errors["hf"], errors
