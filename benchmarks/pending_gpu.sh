@@ -12,7 +12,7 @@
 #     bash benchmarks/pending_gpu.sh 512k    # dense at 512K on cudnn, a whole call
 #     bash benchmarks/pending_gpu.sh recheck # cudnn GPU tests after the review, kernel TFLOP/s, and where
 #                                            # the fastest sparse step's time goes (profile)
-#     bash benchmarks/pending_gpu.sh next    # not yet run: Triton sparse without its sync, cudnn engine tests
+#     bash benchmarks/pending_gpu.sh next    # not yet run: Triton sparse without its sync, engine accuracy tests
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -88,8 +88,10 @@ elif [ "$part" = next ]; then
     check 150 sparse_triton_nosync python -m oomb.cli bench --modes sparse --contexts 128K --query-block-pages 32 \
         --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
         --name sparse_triton_nosync_no_replay_budget32_bf16_h200
-    check 200 cudnn_gpu_tests_marked python -m pytest -q -m gpu -p no:cacheprovider tests/test_cudnn_paged.py \
-        tests/test_gpu_engine.py -k cudnn
+    # The engine's bf16 accuracy with float32 linear-layer gradients (oomb/fp32_linear.py): the Triton
+    # multi-chunk cases are strict xfails that may now pass; the cudnn cases as now marked.
+    check 300 gpu_engine_fp32_linear env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_fp32_linear.py tests/test_gpu_engine.py tests/test_cudnn_paged.py
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
