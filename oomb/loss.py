@@ -30,6 +30,15 @@ def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Mod
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
+    """Whether each slice of ``slice_tokens`` positions has a counted label: one read from the
+    device for all slices (a device synchronisation), not one per slice."""
+    B, L = targets.shape
+    n = -(-L // slice_tokens)
+    counted = F.pad(targets != IGNORE_INDEX, (0, n * slice_tokens - L))
+    return counted.reshape(B, n, slice_tokens).any(dim=2).any(dim=0).tolist()
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -43,9 +52,10 @@ def chunked_cross_entropy(
     positions' logits (and their gradient) are alive at once, in forward and in backward.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[1], slice_tokens):
+    for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
+                              strict=True):
         part = slice(start, start + slice_tokens)
-        if not (targets[:, part] != IGNORE_INDEX).any():
+        if not counted:
             continue  # nothing to learn here: skip the vocabulary projection entirely
         if torch.is_grad_enabled():
             total = total + checkpoint(_slice_loss_sum, hidden[:, part], targets[:, part], lm_head,

@@ -95,3 +95,13 @@ def test_shift_then_sum_matches_hugging_face_causal_loss():
     ours = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
     hf = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(ours, hf, rtol=1e-6, atol=0)
+
+
+def test_slices_with_labels_read_once_with_a_partial_last_slice():
+    from oomb.loss import _slices_with_labels
+
+    targets = torch.full((2, 11), IGNORE_INDEX)
+    targets[1, 4] = 3  # slice 1 of [0, 4), [4, 8), [8, 11)
+    targets[0, 10] = 5  # the partial last slice
+    assert _slices_with_labels(targets, 4) == [False, True, True]
+    assert _slices_with_labels(torch.full((1, 3), IGNORE_INDEX), 4) == [False]
