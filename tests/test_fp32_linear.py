@@ -108,17 +108,12 @@ def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatc
     """A bf16 step of 6 chunks against a float32 full-sequence backward: with the linear layers'
     gradients summed unrounded the error is lower than with each chunk's gradient rounded to bf16
     first, and no worse than HF's own bf16 backward."""
+    from helpers import grads
+    from helpers import relative_error as rel_err
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import oomb
     import oomb.engine
-
-    def grads(model):
-        return [p.grad.detach().float().clone() for p in model.parameters()]
-
-    def rel_err(got, want):
-        return (sum(float(((g - w) ** 2).sum()) for g, w in zip(got, want, strict=True))
-                / sum(float((w**2).sum()) for w in want)) ** 0.5
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
