@@ -57,7 +57,7 @@ class _LinearWithFloat32Grads(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         ctx.sink.add(ctx.module.weight, matmul_float32(g.t(), x.reshape(-1, x.shape[-1]), "weight gradient"))
         if ctx.module.bias is not None and ctx.module.bias.requires_grad:
-            ctx.sink.add(ctx.module.bias, g.float().sum(0))
+            ctx.sink.add(ctx.module.bias, g.sum(0, dtype=torch.float32))
         return grad_x, None, None, None, None
 
 
@@ -67,15 +67,28 @@ def _forward_with_float32_grads(sink: Fp32GradAccumulator, module: nn.Linear, x:
     return _LinearWithFloat32Grads.apply(x, module.weight, module.bias, module, sink)
 
 
+ELIGIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Weight dtypes whose gradient a float32 result holds at least as precisely (not float64)."""
+
+
+def _has_grad_hooks(p: torch.Tensor) -> bool:
+    """Hooks on a parameter's gradient expect to see it: such a parameter keeps autograd's path."""
+    return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def eligible_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list[nn.Linear]:
-    """Plain nn.Linear layers (not subclasses, e.g. quantised ones) whose weight, and bias if it is
-    trained, the accumulator sums."""
+    """Plain nn.Linear layers whose weight, and bias if it is trained, the accumulator sums. Left alone:
+    subclasses (e.g. quantised layers), layers whose forward something else already replaced on the
+    instance (e.g. accelerate's device-map hooks), float64 weights, and parameters with gradient hooks."""
     summed = set(accumulator.params)
 
+    def summed_plainly(p: torch.Tensor) -> bool:
+        return p in summed and p.dtype in ELIGIBLE_DTYPES and not _has_grad_hooks(p)
+
     def eligible(m: nn.Module) -> bool:
-        if type(m) is not nn.Linear or m.weight not in summed:
+        if type(m) is not nn.Linear or "forward" in vars(m) or not summed_plainly(m.weight):
             return False
-        return m.bias is None or not m.bias.requires_grad or m.bias in summed
+        return m.bias is None or not m.bias.requires_grad or summed_plainly(m.bias)
 
     return [m for m in model.modules() if eligible(m)]
 
@@ -87,7 +100,7 @@ def float32_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
     their forward is restored on exit (also after an error). Yields the layers it changed."""
     layers = eligible_linears(model, accumulator) if enabled else []
     for m in layers:
-        m.forward = types.MethodType(lambda self, x: _forward_with_float32_grads(accumulator, self, x), m)
+        m.forward = types.MethodType(lambda self, input: _forward_with_float32_grads(accumulator, self, input), m)
     try:
         yield layers
     finally:

@@ -78,6 +78,26 @@ def test_only_plain_summed_linears_change_and_all_are_restored():
         assert changed == []
 
 
+def test_layers_something_else_hooked_keep_autograd_and_their_hooks():
+    """Left alone: a forward already replaced on the instance (accelerate's hooks do that), a weight
+    with a gradient hook (it must see the gradient), float64 weights (float32 would round them)."""
+    hooked_forward, grad_hooked, double, plain = _linear(), _linear(seed=1), _linear(torch.float64), _linear(seed=2)
+    original = hooked_forward.forward
+    hooked_forward.forward = lambda x: original(x) * 2
+    seen = []
+    grad_hooked.weight.register_hook(lambda g: seen.append(g))
+    model = nn.Sequential(hooked_forward, grad_hooked, double, plain)
+    targets = {p: torch.zeros_like(p, dtype=torch.float64) for p in double.parameters()}
+    acc = Fp32GradAccumulator(model.parameters(), enabled=True, targets=targets)
+    assert eligible_linears(model, acc) == [plain]
+    with float32_weight_gradients(model, acc):
+        x = torch.randn(3, 48).bfloat16()
+        grad_hooked(x).sum().backward()
+        assert len(seen) == 1 and seen[0] is not None
+        assert torch.equal(plain(input=x), nn.functional.linear(x, plain.weight, plain.bias))  # keyword call
+    assert hooked_forward.forward(x).equal(original(x) * 2)  # the other forward is still there
+
+
 def test_no_grad_forward_is_plain():
     layer = _linear()
     acc = Fp32GradAccumulator(layer.parameters(), enabled=True)

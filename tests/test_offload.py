@@ -382,3 +382,18 @@ def test_pages_move_as_rows_of_8_byte_words_where_they_divide():
     assert rows.dtype == torch.int64 and rows.shape == (3, 4) and rows.data_ptr() == pages.data_ptr()
     odd = torch.zeros(3, 1, 3, dtype=torch.bfloat16)  # 6 bytes per page: elements as they are
     assert rows_of(odd).dtype == torch.bfloat16 and rows_of(odd).shape == (3, 3)
+
+
+def test_a_selection_shared_by_every_block_stays_one_row_on_the_host():
+    """An offloaded layer keeps a chunk-wide selection (stride 0 over the blocks) as one host row and
+    hands it back still expanded, so stage 2 groups it without reading it."""
+    store = _store(HostSlabs(pin=False))
+    chunk = ChunkSpan(1, 8, 16)
+    store.allocate(ChunkSpan(0, 0, 8))
+    store.allocate(chunk)
+    row = torch.tensor([[[[0]], [[1]]], [[[1]], [[0]]]], dtype=torch.int32)  # (B=2, Hkv=2, 1, K=1)
+    store.save_selection(0, chunk, row.expand(2, 2, 2, 1))
+    back = store.selection(0, chunk)
+    assert back.stride(2) == 0 and torch.equal(back, row.expand(2, 2, 2, 1))
+    assert store._selected_columns(0, chunk, back) == [0, 1]
+    store.free_all()

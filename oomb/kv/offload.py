@@ -286,12 +286,14 @@ class OffloadedKVStore(PagedKVStore):
         summaries of the store grow with the context on the GPU (about 1/3 of the growth otherwise,
         e.g. 2.3 of 6.8 MB per 10K tokens of the 7B shape at budget 64)."""
         if selection is not None and self._offloaded(layer) is not None:  # on a CPU device: a copy, as tested
-            host = torch.empty(selection.shape, dtype=selection.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(selection, non_blocking=True)  # ordered before stage 2's copy back: same stream
+            # One row shared by every block (stride 0, oomb/sparse.py) stays one row, expanded again.
+            rows = selection[:, :, :1] if selection.stride(2) == 0 else selection
+            host = torch.empty(rows.shape, dtype=selection.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(rows, non_blocking=True)  # ordered before stage 2's copy back: same stream
             if self.device.type == "cuda":
                 self._selection_copied[chunk.index, layer] = torch.cuda.Event()
                 self._selection_copied[chunk.index, layer].record()
-            selection = host
+            selection = host.expand(selection.shape)
         super().save_selection(layer, chunk, selection)
 
     def _selected_columns(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> list[int]:
@@ -308,6 +310,8 @@ class OffloadedKVStore(PagedKVStore):
     def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
         selection = super().selection(layer, chunk)
         if selection is not None and selection.device != self.device:
+            if selection.stride(2) == 0:  # moves one row; stays a stride-0 view (no sync to group it)
+                return selection[:, :, :1].to(self.device, non_blocking=True).expand(selection.shape)
             selection = selection.to(self.device, non_blocking=True)
         return selection
 
