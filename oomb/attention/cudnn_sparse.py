@@ -18,13 +18,13 @@ import torch
 
 from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward
 from .reference import _check, merge_window
-from .reference_sparse import _check_selection
+from .reference_sparse import _check_selection, shared_by_all_blocks
 
 
 def _groups(selection: torch.Tensor) -> list[tuple[int, int]]:
     """Runs [b0, b1) of consecutive query blocks whose selections are equal (every sequence and head)."""
     n = selection.shape[2]
-    if n <= 1 or selection.shape[3] == 0 or selection.stride(2) == 0:  # stride 0: one selection, expanded
+    if n <= 1 or selection.shape[3] == 0 or shared_by_all_blocks(selection):
         return [(0, n)]
     same = (selection[:, :, 1:] == selection[:, :, :-1]).all(dim=3).all(dim=1).all(dim=0).tolist()
     starts = [0] + [j + 1 for j, equal in enumerate(same) if not equal]

@@ -10,6 +10,9 @@ The contract of a sparse backend (the dense one, oomb/attention/reference.py, pl
     selection (B, Hkv, n_blocks, K) int32   page-table positions of the history pages query block j
                                             reads with KV head h: distinct, each < query_start // P.
                                             n_blocks = ceil(Lq / P); block j = queries [jP, (j+1)P)
+                                            May be one row expanded over the blocks (stride 0: see
+                                            shared_by_all_blocks), which backends group without
+                                            reading it (no device synchronisation).
 
 Query i of block j = i // P reads, for KV head h, every key of the pages selection[b, h, j, :]
 (history pages are complete) and the chunk's own keys query_start .. query_start + i (causal).
@@ -26,6 +29,12 @@ from __future__ import annotations
 import torch
 
 from .reference import _check, _gather_block, _scatter_add_block
+
+
+def shared_by_all_blocks(selection: torch.Tensor) -> bool:
+    """Whether every query block reads the same row: a view with stride 0 over the blocks, which is
+    how oomb/sparse.py hands over a selection one group covers. Known without reading its values."""
+    return selection.stride(2) == 0
 
 
 def _check_selection(selection: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference_sparse import shared_by_all_blocks
 from .triton_paged import (
     _DELTA_BLOCK_M,
     _DKDV_CONFIGS,
@@ -457,7 +458,7 @@ def _history_work_items(selection: torch.Tensor, num_history: int):
     every block shares one row (stride 0 over the blocks).
     """
     B, Hkv, n_blocks, K = selection.shape
-    if selection.stride(2) == 0:  # one row for every block (oomb/sparse.py): known sizes, no device sync
+    if shared_by_all_blocks(selection):  # one row for every block: known sizes, no device sync
         bh = torch.arange(B * Hkv, device=selection.device).reshape(B, Hkv, 1)
         items = (bh * num_history + selection[:, :, 0].long()).reshape(-1)  # rows ascending: items sorted
         counts = torch.full_like(items, n_blocks, dtype=torch.int32)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.reference_sparse import shared_by_all_blocks
 from .host_slabs import HostSlabs
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, PagedKVStore, WindowView
@@ -287,7 +288,7 @@ class OffloadedKVStore(PagedKVStore):
         e.g. 2.3 of 6.8 MB per 10K tokens of the 7B shape at budget 64)."""
         if selection is not None and self._offloaded(layer) is not None:  # on a CPU device: a copy, as tested
             # One row shared by every block (stride 0, oomb/sparse.py) stays one row, expanded again.
-            rows = selection[:, :, :1] if selection.stride(2) == 0 else selection
+            rows = selection[:, :, :1] if shared_by_all_blocks(selection) else selection
             host = torch.empty(rows.shape, dtype=selection.dtype, pin_memory=self.device.type == "cuda")
             host.copy_(rows, non_blocking=True)  # ordered before stage 2's copy back: same stream
             if self.device.type == "cuda":
@@ -310,7 +311,7 @@ class OffloadedKVStore(PagedKVStore):
     def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
         selection = super().selection(layer, chunk)
         if selection is not None and selection.device != self.device:
-            if selection.stride(2) == 0:  # moves one row; stays a stride-0 view (no sync to group it)
+            if shared_by_all_blocks(selection):  # moves one row; stays a stride-0 view (no sync to group it)
                 return selection[:, :, :1].to(self.device, non_blocking=True).expand(selection.shape)
             selection = selection.to(self.device, non_blocking=True)
         return selection
