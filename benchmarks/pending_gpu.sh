@@ -83,15 +83,21 @@ elif [ "$part" = recheck ]; then
         --query-block-pages 32 --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
         --name profile_sparse_cudnn_128k_h200
 elif [ "$part" = next ]; then
-    # The Triton sparse backward without its per-call sort for a chunk-wide selection (22.06 s before),
-    # and the cudnn engine tests as now marked (streamed 2-page blocks: strict xfail).
+    # The engine's bf16 accuracy with float32 linear-layer gradients (oomb/fp32_linear.py): the Triton
+    # multi-chunk cases are strict xfails that may now pass; the cudnn cases as now marked. The
+    # per-case JSONs come back as one archive (at most 8 files return from a device call).
+    mkdir -p "$OUT/engine"
+    check 280 gpu_engine_fp32_linear env OOMB_TRITON_AUTOTUNE=0 OUT="$OUT/engine" python -m pytest -q -rxX -m gpu \
+        -p no:cacheprovider tests/test_fp32_linear.py tests/test_gpu_engine.py tests/test_cudnn_paged.py
+    tar czf "$OUT/gpu_engine.tgz" -C "$OUT/engine" . && rm -rf "$OUT/engine"
+    # sparse+offload with a chunk-wide selection kept as one host row (33.29 s before the sync fixes).
+    check 120 sparse_offload_cudnn_nosync python -m oomb.cli bench --modes sparse+offload --backend cudnn \
+        --contexts 128K --query-block-pages 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
+        --name sparse_offload_cudnn_nosync_128k_h200
+    # The Triton sparse backward without its per-call sort for a chunk-wide selection (22.06 s before).
     check 150 sparse_triton_nosync python -m oomb.cli bench --modes sparse --contexts 128K --query-block-pages 32 \
         --no-checkpoint-layers --sparse-budget 32 --kv-grad-dtype bf16 --out-dir "$OUT" \
         --name sparse_triton_nosync_no_replay_budget32_bf16_h200
-    # The engine's bf16 accuracy with float32 linear-layer gradients (oomb/fp32_linear.py): the Triton
-    # multi-chunk cases are strict xfails that may now pass; the cudnn cases as now marked.
-    check 300 gpu_engine_fp32_linear env OOMB_TRITON_AUTOTUNE=0 python -m pytest -q -m gpu -p no:cacheprovider \
-        tests/test_fp32_linear.py tests/test_gpu_engine.py tests/test_cudnn_paged.py
 else
     # The kernel tests with pinned configs (autotuning the float32 sparse step alone took over 120 s).
     per_test_limit=$(python -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")  # pytest-timeout, if there
