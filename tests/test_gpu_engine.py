@@ -96,36 +96,55 @@ def test_cudnn_bf16_gradients_within_bound_of_hf_bf16(fp32_model, batch, tokens,
     _assert_no_worse_than_hf(result, CUDNN_ERROR_VS_HF)
 
 
+# Sequences each case is measured on. One sequence is too few: the error of a bf16 step moves by
+# several percent with any change in where it rounds. On one sequence, two sets of Triton tile
+# configs whose attention errors agree to three digits (benchmarks/attention_accuracy.py) gave
+# 0.986x and 1.058x HF's error, and HF's own error differs by implementation
+# (benchmarks/bf16_gradient_error.py). Both errors are pooled over these sequences instead.
+SEEDS = (1, 2, 3, 4)
+
+
 def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, **options) -> dict:
     """Relative errors of HF's bf16 SDPA backward and of oomb's bf16 step against an fp32 full-sequence
-    backward; saved as $OUT/gpu_engine_*.json when OUT is set."""
-    torch.manual_seed(1)
-    ids = torch.randint(0, fp32_model.config.vocab_size, (batch, tokens), device="cuda")
-    fp32_model.zero_grad(set_to_none=True)
-    ref_loss = fp32_model(input_ids=ids, labels=ids).loss
-    ref_loss.backward()
-    reference = _grads(fp32_model)
-    fp32_model.zero_grad(set_to_none=True)
-
+    backward, pooled over SEEDS' sequences; saved as $OUT/gpu_engine_*.json when OUT is set."""
     bf16_model = Qwen2ForCausalLM(fp32_model.config).cuda().bfloat16()
     bf16_model.load_state_dict(fp32_model.state_dict())
     bf16_model.set_attn_implementation("sdpa")
-    hf_loss = bf16_model(input_ids=ids, labels=ids).loss
-    hf_loss.backward()
-    hf_grads = _grads(bf16_model)
-    hf_err = _rel_err(hf_grads, reference)
-
-    bf16_model.zero_grad(set_to_none=True)
     config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, backend=backend, **options)
-    loss = oomb.forward_backward(bf16_model, ids, config=config)
-    oomb_grads = _grads(bf16_model)
-    oomb_err = _rel_err(oomb_grads, reference)
-
+    squared = {"hf": 0.0, "oomb": 0.0, "reference": 0.0}
+    loss_gaps = {"hf": 0.0, "oomb": 0.0}
+    by_kind, per_sequence = {"hf": {}, "oomb": {}}, []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        ids = torch.randint(0, fp32_model.config.vocab_size, (batch, tokens), device="cuda")
+        fp32_model.zero_grad(set_to_none=True)
+        ref_loss = fp32_model(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        reference = _grads(fp32_model)
+        fp32_model.zero_grad(set_to_none=True)
+        bf16_model.zero_grad(set_to_none=True)
+        losses = {"hf": bf16_model(input_ids=ids, labels=ids).loss}
+        losses["hf"].backward()
+        grads = {"hf": _grads(bf16_model)}
+        bf16_model.zero_grad(set_to_none=True)
+        losses["oomb"] = oomb.forward_backward(bf16_model, ids, config=config)
+        grads["oomb"] = _grads(bf16_model)
+        row = {"seed": seed, "loss_fp32": float(ref_loss.detach())}
+        squared["reference"] += sum(float((r**2).sum()) for r in reference)
+        for who in ("hf", "oomb"):
+            squared[who] += sum(float(((g - r) ** 2).sum()) for g, r in zip(grads[who], reference, strict=True))
+            loss_gaps[who] += abs(float(losses[who].detach()) - float(ref_loss.detach()))
+            row[f"{who}_rel_err"] = _rel_err(grads[who], reference)
+            row[f"loss_{who}_bf16"] = float(losses[who].detach())
+            for kind, share in _error_by_kind(bf16_model, grads[who], reference).items():
+                by_kind[who][kind] = round(by_kind[who].get(kind, 0.0) + share / len(SEEDS), 3)
+        per_sequence.append(row)
+    hf_err, oomb_err = ((squared[who] / squared["reference"]) ** 0.5 for who in ("hf", "oomb"))
     result = {"batch": batch, "tokens": tokens, "chunk": chunk, "backend": backend, "options": options,
-              "hf_bf16_sdpa_rel_err": hf_err, f"oomb_{backend}_bf16_rel_err": oomb_err, "oomb_rel_err": oomb_err,
-              "loss_fp32": float(ref_loss), "loss_hf_bf16": float(hf_loss), "loss_oomb_bf16": float(loss),
-              "squared_error_by_kind_e6": {"hf": _error_by_kind(bf16_model, hf_grads, reference),
-                                           "oomb": _error_by_kind(bf16_model, oomb_grads, reference)}}
+              "sequences": len(SEEDS), "hf_bf16_sdpa_rel_err": hf_err, "oomb_rel_err": oomb_err,
+              "ratio": oomb_err / hf_err, "loss_gap_hf": loss_gaps["hf"] / len(SEEDS),
+              "loss_gap_oomb": loss_gaps["oomb"] / len(SEEDS), "per_sequence": per_sequence,
+              "squared_error_by_kind_e6": by_kind}
     suffix = "".join(f"_{part}" for part in ([] if backend == "triton" else [backend]) + sorted(options))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_engine_b{batch}_t{tokens}_c{chunk}{suffix}.json"), "w") as f:
@@ -136,8 +155,7 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, 
 
 def _assert_no_worse_than_hf(result: dict, factor: float = 1.0) -> None:
     assert result["oomb_rel_err"] <= factor * result["hf_bf16_sdpa_rel_err"], result
-    loss_gap, hf_gap = (abs(result[k] - result["loss_fp32"]) for k in ("loss_oomb_bf16", "loss_hf_bf16"))
-    assert loss_gap <= 2 * hf_gap + 1e-3, result
+    assert result["loss_gap_oomb"] <= 2 * result["loss_gap_hf"] + 1e-3, result
 
 
 def test_triton_matches_torch_backend_fp32(fp32_model):
