@@ -5,6 +5,7 @@ fp32 reference. The numbers are written to $OUT/gpu_engine.json when OUT is set 
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -48,24 +49,23 @@ def fp32_model(tmp_path_factory):
     return Qwen2ForCausalLM.from_pretrained(path, attn_implementation="sdpa").cuda().float()
 
 
-# Each case's errors are pooled over SEEDS' sequences (below). On a single sequence the ratio is
-# noise-dominated: 0.90x to 1.06x HF's error for one and the same configuration, and single-sequence
-# runs once measured 1.003x and 1.011x for the multi-chunk cases and 1.058x with one chunk (H200,
-# benchmarks/results/gpu_engine/). Linear layers' weight gradients are float32 throughout
-# (oomb/fp32_linear.py), so the per-chunk rounding of the parameter gradients is gone.
+# What "no worse than HF" means here. Both errors are pooled over the sequences in SEEDS, and oomb
+# fails if its pooled error exceeds HF's by more than two standard errors of the paired per-sequence
+# ratio (a one-sided test at about 97.5%). A point comparison on one sequence is a coin toss at
+# parity: for one and the same configuration the per-sequence ratio spans 0.90x to 1.06x, and oomb's
+# cudnn backend with one chunk (HF's very attention kernel on this machine) still measures 1.0006x
+# pooled over 8 (H200, benchmarks/results/gpu_engine/). Earlier single-sequence runs that read as
+# defects: 1.003x and 1.011x (triton, several chunks), 1.058x (triton, one chunk), 1.123x (cudnn,
+# streamed blocks); pooled over 8 sequences those cases measure 0.987x-1.004x, 1.003x-1.006x and
+# 1.006x. Linear layers' weight gradients are float32 throughout (oomb/fp32_linear.py).
 @pytest.mark.parametrize("batch, tokens, chunk", [(1, 3000, 1024), (2, 1500, 512), (1, 3000, 4096)])
 def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk):
     _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "triton"))
 
 
-# The cudnn backend's accuracy bound, looser than the triton test's on purpose and for a known cause:
 # cuDNN returns every window's dQ, dK, dV (and the chunk's dK, dV per query head, before the group
-# sum) in bf16, so each (chunk, window) contribution is rounded once more than in HF's one backward,
-# where the triton kernels accumulate them in float32. Pooled over 4 sequences on the H200
-# (gpu_engine/*_cudnn*.json): 0.97x to 1.015x HF's error.
-CUDNN_ERROR_VS_HF = 1.1
-
-
+# sum) in bf16, so each (chunk, window) contribution is rounded once more than in HF's one backward;
+# the triton kernels accumulate them in float32. Measured, it stays within the same bound.
 @pytest.mark.parametrize("batch, tokens, chunk, options", [
     (1, 3000, 1024, {}), (2, 1500, 512, {}), (1, 3000, 4096, {}),
     # Blocks of 2 pages of 128: the GPU-resident history still runs as one window (whole_history).
@@ -73,21 +73,18 @@ CUDNN_ERROR_VS_HF = 1.1
     # Host offload with the default blocks (one history window here).
     (2, 1500, 512, {"offload": True}),
     # Streamed blocks must stay blocks (the history is not on the GPU), so cuDNN rounds each block's
-    # dQ share to bf16: on the first sequence 1.114x HF's error, pooled over 4 sequences 1.007x.
+    # dQ share to bf16: on the first sequence 1.114x HF's error, pooled over 8 sequences 1.006x.
     (1, 3000, 1024, {"offload": True, "stream_block_pages": 2}),
 ])
-def test_cudnn_bf16_gradients_within_bound_of_hf_bf16(fp32_model, batch, tokens, chunk, options):
-    result = _bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", **options)
-    _assert_no_worse_than_hf(result, CUDNN_ERROR_VS_HF)
+def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk, options):
+    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", **options))
 
 
 # Sequences each case is measured on. One sequence is too few: the error of a bf16 step moves by
 # several percent with any change in where it rounds. On one sequence, two sets of Triton tile
 # configs whose attention errors agree to three digits (benchmarks/attention_accuracy.py) gave
 # 0.986x and 1.058x HF's error; HF's own error, pooled over 4 sequences, is 0.01121 to 0.01152
-# depending on its attention implementation (benchmarks/bf16_gradient_error.py). Both errors are
-# pooled over these 8 sequences (4 still left one case at 1.001x with autotuned and 0.973x with
-# pinned tile configs).
+# depending on its attention implementation (benchmarks/bf16_gradient_error.py).
 SEEDS = tuple(range(1, 9))
 
 
@@ -129,7 +126,8 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, 
     hf_err, oomb_err = ((squared[who] / squared["reference"]) ** 0.5 for who in ("hf", "oomb"))
     result = {"batch": batch, "tokens": tokens, "chunk": chunk, "backend": backend, "options": options,
               "sequences": len(SEEDS), "hf_bf16_sdpa_rel_err": hf_err, "oomb_rel_err": oomb_err,
-              "ratio": oomb_err / hf_err, "loss_gap_hf": loss_gaps["hf"] / len(SEEDS),
+              "ratio": oomb_err / hf_err, "ratio_standard_error": _standard_error(per_sequence),
+              "loss_gap_hf": loss_gaps["hf"] / len(SEEDS),
               "loss_gap_oomb": loss_gaps["oomb"] / len(SEEDS), "per_sequence": per_sequence,
               "squared_error_by_kind_e6": by_kind}
     suffix = "".join(f"_{part}" for part in ([] if backend == "triton" else [backend]) + sorted(options))
@@ -140,8 +138,15 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, 
     return result
 
 
-def _assert_no_worse_than_hf(result: dict, factor: float = 1.0) -> None:
-    assert result["oomb_rel_err"] <= factor * result["hf_bf16_sdpa_rel_err"], result
+def _standard_error(per_sequence: list[dict]) -> float:
+    """Standard error of the mean log ratio oomb/HF over the sequences (paired: same inputs)."""
+    logs = torch.tensor([math.log(r["oomb_rel_err"] / r["hf_rel_err"]) for r in per_sequence], dtype=torch.float64)
+    return float(logs.std() / len(logs) ** 0.5)
+
+
+def _assert_no_worse_than_hf(result: dict) -> None:
+    bound = math.exp(2 * result["ratio_standard_error"])
+    assert result["ratio"] <= bound, (result["ratio"], bound, result)
     assert result["loss_gap_oomb"] <= 2 * result["loss_gap_hf"] + 1e-3, result
 
 
