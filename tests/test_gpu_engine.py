@@ -1,7 +1,8 @@
-"""End to end on a GPU: oomb (triton backend, bf16) vs an fp32 full-sequence reference.
+"""End to end on a GPU: oomb (triton and cudnn backends, bf16) vs an fp32 full-sequence reference.
 
 oomb's gradient error must be no worse than Hugging Face's own bf16 SDPA backward against the same
-fp32 reference. The numbers are written to $OUT/gpu_engine.json when OUT is set (device runs).
+fp32 reference, both pooled over several sequences. Each case's numbers are written to
+$OUT/gpu_engine_*.json when OUT is set (device runs).
 """
 
 import json
