@@ -61,7 +61,7 @@ def data_parallel(rank: int, device: torch.device, family: str, config: OOMBConf
     want_loss = float(hf_step(reference, ids, ids))  # mean over both sequences' tokens (equal counts)
     model = build_tiny_model(family, **overrides).to(device)
     setup = setup_parallel(model, dp=2)
-    with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
+    with _counting_fsdp_collectives() as calls:
         loss = forward_backward(model, ids[rank:rank + 1], config=config, parallel=setup)
     got = _gathered_grads(model)
     return {"error": relative_error(got, grads(reference)), "loss": setup.all_mean(float(loss)),
@@ -79,7 +79,7 @@ def data_parallel_accumulation(rank: int, device: torch.device, family: str) -> 
         loss.backward()
     model = build_tiny_model(family).to(device)
     setup = setup_parallel(model, dp=2)
-    with _counting(dist, ("all_gather_single", "reduce_scatter_single")) as calls:
+    with _counting_fsdp_collectives() as calls:
         for micro in range(2):
             row = 2 * rank + micro
             forward_backward(model, ids[row:row + 1], config=CONFIG, parallel=setup, sync_gradients=micro == 1)
@@ -87,25 +87,31 @@ def data_parallel_accumulation(rank: int, device: torch.device, family: str) -> 
             "fsdp_groups": model.config.num_hidden_layers + 2}
 
 
+# FSDP2's collectives by torch version: torch >= 2.12 calls the *_single functions, earlier ones
+# all_gather_into_tensor / reduce_scatter_tensor (torch 2.11 on the GPU machines).
+_FSDP_COLLECTIVES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                     "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
 @contextlib.contextmanager
-def _counting(module, names: tuple[str, ...]):
-    """Count calls of ``module``'s functions ``names`` (FSDP2 looks them up on torch.distributed per call)."""
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(module, name) for name in names}
+def _counting_fsdp_collectives():
+    """Count FSDP2's all-gathers and reduce-scatters (it looks them up on torch.distributed per call)."""
+    counts = dict.fromkeys(_FSDP_COLLECTIVES, 0)
+    originals = {}
+    for kind, candidates in _FSDP_COLLECTIVES.items():
+        name = next(n for n in candidates if hasattr(dist, n))
+        originals[name] = getattr(dist, name)
 
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
+        def call(*args, _kind=kind, _original=originals[name], **kwargs):
+            counts[_kind] += 1
+            return _original(*args, **kwargs)
 
-    for name in names:
-        setattr(module, name, counted(name))
+        setattr(dist, name, call)
     try:
         yield counts
     finally:
         for name, original in originals.items():
-            setattr(module, name, original)
+            setattr(dist, name, original)
 
 
 SCENARIOS = {

@@ -68,7 +68,7 @@ def test_data_parallel_gradient_accumulation_reduces_once(results):
     r = results["dp_llama_accumulation"]
     assert r["error"] <= GRAD_RTOL
     # Each FSDP group gathers its weights once per step (2 steps) and reduces once for both.
-    assert r["collectives"] == {"all_gather_single": 2 * r["fsdp_groups"], "reduce_scatter_single": r["fsdp_groups"]}
+    assert r["collectives"] == {"all_gather": 2 * r["fsdp_groups"], "reduce_scatter": r["fsdp_groups"]}
 
 
 @pytest.mark.parametrize("name", ["tp_llama_offload", "dp_llama_offload"])
@@ -84,7 +84,7 @@ def test_data_parallel_gradients(results, name):
     assert r["error"] <= GRAD_RTOL
     assert r["param_type"] == "DTensor"  # FSDP2-sharded
     # 3 chunks per step, but each FSDP group gathers its weights once and reduces its gradients once.
-    assert r["collectives"] == {"all_gather_single": r["fsdp_groups"], "reduce_scatter_single": r["fsdp_groups"]}
+    assert r["collectives"] == {"all_gather": r["fsdp_groups"], "reduce_scatter": r["fsdp_groups"]}
     assert abs(r["loss"] - r["want_loss"]) <= 1e-5 * r["want_loss"]
 
 
