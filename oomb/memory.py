@@ -115,6 +115,13 @@ class ModelShape:
                                                            self.head_vocab * self.hidden_size)
         return self.num_layers * self.layer_params() + embeddings + self.hidden_size  # + final norm
 
+    def non_linear_params(self) -> int:
+        """Parameters outside nn.Linear layers: the input embedding (also the LM head's weight when
+        tied) and the RMSNorms. During stage 2 only these get a low-precision ``.grad`` when fp32
+        gradient sums are on; linear layers add their gradients to the sums directly
+        (oomb/fp32_linear.py)."""
+        return self.vocab_size * self.hidden_size + (2 * self.num_layers + 1) * self.hidden_size
+
     def lora_params(self, rank: int) -> int:
         """LoRA parameters of rank ``rank`` on every linear projection (q, k, v, o, gate, up, down)."""
         h, i = self.hidden_size, self.intermediate_size
@@ -207,8 +214,9 @@ def estimate_step_memory(
 ) -> StepMemory:
     """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
-    ``trainable_params`` (of ``dtype``) get gradients, plus fp32 sums when
-    ``config.fp32_grad_accumulation`` is on and ``dtype`` is low precision. With ``config.offload``
+    ``trainable_params`` (of ``dtype``) get gradients. When ``config.fp32_grad_accumulation`` is on
+    and ``dtype`` is low precision, they get fp32 sums instead, and only the parameters outside linear
+    layers a low-precision ``.grad`` per chunk (a conservative count for LoRA). With ``config.offload``
     the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
@@ -225,7 +233,7 @@ def estimate_step_memory(
         kv *= _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
     grads = trainable_params * dtype.itemsize
     if config.fp32_grad_accumulation and dtype.itemsize < FP32_BYTES:
-        grads += trainable_params * FP32_BYTES
+        grads = trainable_params * FP32_BYTES + min(trainable_params, shape.non_linear_params()) * dtype.itemsize
     logits = logits_slice_bytes(shape, min(config.chunk_size, num_tokens), batch_size, config.loss_chunk_tokens)
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
 
@@ -438,7 +446,10 @@ def predict(
     # oomb: one chunk's activations and logits slice, whatever the context.
     chunk_len = min(config.chunk_size, tokens)
     if config.fp32_grad_accumulation and trainable_low_precision:
+        # Linear layers' gradients go to the fp32 sums directly (oomb/fp32_linear.py): during stage 2
+        # only the embedding's and norms' gradients pass through a low-precision .grad.
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
+        gpu["param grads"] = min(trainable, shape.non_linear_params()) * grad_bytes
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens))
     pages = _num_pages(tokens, P, B)  # pages of one layer
