@@ -12,7 +12,7 @@
 #     bash benchmarks/pending_gpu.sh 512k    # dense at 512K on cudnn, a whole call
 #     bash benchmarks/pending_gpu.sh recheck # cudnn GPU tests after the review, kernel TFLOP/s, and where
 #                                            # the fastest sparse step's time goes (profile)
-#     bash benchmarks/pending_gpu.sh next    # not yet run: Triton sparse without its sync, engine accuracy tests
+#     bash benchmarks/pending_gpu.sh next    # Triton sparse without its sync, sparse+offload, engine accuracy tests
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
