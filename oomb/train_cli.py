@@ -62,6 +62,14 @@ def main(args: argparse.Namespace) -> int:
     _quiet_transformers()
     trainer = Trainer(config)
     try:
+        return _run(trainer)
+    finally:
+        trainer.close()  # leave torchrun's process group before the interpreter exits
+
+
+def _run(trainer: Trainer) -> int:
+    """Set up, train and summarize; the exit code."""
+    try:
         trainer.setup()
         main_rank = trainer.parallel.is_main  # with several processes, rank 0 alone prints
         if main_rank:
