@@ -122,6 +122,12 @@ class ModelShape:
         (oomb/fp32_linear.py)."""
         return self.vocab_size * self.hidden_size + (2 * self.num_layers + 1) * self.hidden_size
 
+    def low_precision_grad_params(self, trainable: int) -> int:
+        """How many of ``trainable`` parameters hold a low-precision ``.grad`` during stage 2 when their
+        gradients are summed in fp32 (sums or fp32 targets): linear layers add theirs to the sums
+        directly (oomb/fp32_linear.py), except under tensor parallelism, where that path is off."""
+        return min(trainable, self.non_linear_params()) if self.tp == 1 else trainable
+
     def lora_params(self, rank: int) -> int:
         """LoRA parameters of rank ``rank`` on every linear projection (q, k, v, o, gate, up, down)."""
         h, i = self.hidden_size, self.intermediate_size
@@ -211,12 +217,15 @@ def estimate_step_memory(
     batch_size: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     trainable_params: int = 0,
+    fp32_targets: bool = False,
 ) -> StepMemory:
     """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
     ``trainable_params`` (of ``dtype``) get gradients. When ``config.fp32_grad_accumulation`` is on
     and ``dtype`` is low precision, they get fp32 sums instead, and only the parameters outside linear
-    layers a low-precision ``.grad`` per chunk (a conservative count for LoRA). With ``config.offload``
+    layers a low-precision ``.grad`` per chunk (a conservative count for LoRA). ``fp32_targets``: the
+    caller's fp32 tensors receive the gradients (a trainer's master weights, counted by the caller):
+    no sums, and the same few low-precision ``.grad``. With ``config.offload``
     the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
@@ -232,8 +241,10 @@ def estimate_step_memory(
             config.offload_resident_layers, config.stream_block_pages, config.stream_buffers))
         kv *= _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
     grads = trainable_params * dtype.itemsize
-    if config.fp32_grad_accumulation and dtype.itemsize < FP32_BYTES:
-        grads = trainable_params * FP32_BYTES + min(trainable_params, shape.non_linear_params()) * dtype.itemsize
+    if dtype.itemsize < FP32_BYTES and (config.fp32_grad_accumulation or fp32_targets):
+        grads = shape.low_precision_grad_params(trainable_params) * dtype.itemsize
+        if not fp32_targets:
+            grads += trainable_params * FP32_BYTES
     logits = logits_slice_bytes(shape, min(config.chunk_size, num_tokens), batch_size, config.loss_chunk_tokens)
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
 
@@ -446,10 +457,10 @@ def predict(
     # oomb: one chunk's activations and logits slice, whatever the context.
     chunk_len = min(config.chunk_size, tokens)
     if config.fp32_grad_accumulation and trainable_low_precision:
-        # Linear layers' gradients go to the fp32 sums directly (oomb/fp32_linear.py): during stage 2
-        # only the embedding's and norms' gradients pass through a low-precision .grad.
+        # Linear layers' gradients go to the fp32 sums directly (oomb/fp32_linear.py, not under TP):
+        # during stage 2 only the embedding's and norms' gradients pass through a low-precision .grad.
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
-        gpu["param grads"] = min(trainable, shape.non_linear_params()) * grad_bytes
+        gpu["param grads"] = shape.low_precision_grad_params(trainable) * grad_bytes
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens))
     pages = _num_pages(tokens, P, B)  # pages of one layer

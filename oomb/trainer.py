@@ -19,7 +19,6 @@ writes files), and are resumed by any number of processes, any tp x dp layout
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -268,13 +267,11 @@ class Trainer(Checkpointing):
         """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
         cfg = self.config
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
-        oomb_config = cfg.oomb
-        if cfg.optim.master_weights and not cfg.optim.offload:
-            # Chunk gradients go straight into the masters' fp32 .grad (counted with the optimizer):
-            # only one chunk's low-precision .grad exists at a time, no separate fp32 sums.
-            oomb_config = dataclasses.replace(oomb_config, fp32_grad_accumulation=False)
-        step = estimate_step_memory(shape, cfg.data.seq_len, oomb_config, dtype=self.dtype,
-                                    trainable_params=self.trainable)
+        # With masters on the GPU, chunk gradients go straight into their fp32 .grad (counted with the
+        # optimizer): no separate fp32 sums, and a low-precision .grad only outside linear layers.
+        step = estimate_step_memory(shape, cfg.data.seq_len, cfg.oomb, dtype=self.dtype,
+                                    trainable_params=self.trainable,
+                                    fp32_targets=cfg.optim.master_weights and not cfg.optim.offload)
         terms = {
             "KV and KV-gradient pages": step.kv_pages,
             "activations of one chunk": step.chunk_activations,

@@ -103,6 +103,15 @@ def test_terms_follow_the_options():
     assert acc.gpu["fp32 grad sums"] == 4 * QWEN7B.num_params()
     assert acc.gpu["param grads"] == 2 * QWEN7B.non_linear_params() == 2 * (152064 * 3584 + 57 * 3584)
     assert acc.gpu_total - base.gpu_total == 2 * QWEN7B.num_params() + 2 * QWEN7B.non_linear_params()
+    # Under tensor parallelism fp32_linear.py is off: every parameter keeps its bf16 .grad.
+    tp2 = QWEN7B.per_rank(2)
+    assert predict("dense", tp2, 65536, OOMBConfig(), BENCH).gpu["param grads"] == 2 * tp2.num_params()
+    # Gradients into a trainer's fp32 master .grad (counted by the trainer): no sums, few bf16 .grad.
+    config, trainable = OOMBConfig(), QWEN7B.num_params()
+    to_masters = estimate_step_memory(QWEN7B, 65536, config, trainable_params=trainable, fp32_targets=True)
+    summed = estimate_step_memory(QWEN7B, 65536, config, trainable_params=trainable)
+    assert to_masters.param_grads == 2 * QWEN7B.non_linear_params()
+    assert summed.param_grads == to_masters.param_grads + 4 * trainable
     adamw = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), TrainingSetup())
     assert adamw.gpu["optimizer"] == 8 * QWEN7B.num_params()
     lora = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(lora_rank=16))
