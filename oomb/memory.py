@@ -39,7 +39,8 @@ log-softmax and their gradient (measured on the H200 with Qwen2.5-0.5B, where th
 3 copies predict the peak within 3 %, 4 would over-predict by 15-20 %)."""
 
 ADAMW_STATE_BYTES = 8
-"""AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per trainable parameter."""
+"""AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per fp32 parameter or master (torch.optim.AdamW
+makes them in the dtype of what it steps: 2 x 2 bytes for a bf16 parameter without a master)."""
 
 MASTER_WEIGHT_BYTES = 4
 """An fp32 master copy per trainable low-precision parameter (mixed-precision optimizers)."""
@@ -442,7 +443,9 @@ def predict(
     grads = trainable * grad_bytes
     optimizer = 0
     if setup.optimizer == "adamw":
-        optimizer += trainable * ADAMW_STATE_BYTES
+        # Its two moments take the dtype of what it steps: fp32 masters, else the parameters.
+        mastered = setup.master_weights or not trainable_low_precision
+        optimizer += trainable * (ADAMW_STATE_BYTES if mastered else 2 * grad_bytes)
     if setup.master_weights and trainable_low_precision:
         optimizer += trainable * MASTER_WEIGHT_BYTES
     gpu = dict.fromkeys(GPU_TERMS, 0)

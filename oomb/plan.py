@@ -318,7 +318,9 @@ def format_plan(plan: Plan) -> str:
     """A plain-text report: one column per mode, one row per memory term."""
     s, cfg, st, budget = plan.shape, plan.config, plan.setup, plan.budget
     training = f"LoRA rank {st.lora_rank}" if st.lora_rank else "full fine-tuning"
-    optimizer = {"adamw": "AdamW (fp32 moments)", "none": "no optimizer"}[st.optimizer]
+    fp32_moments = st.master_weights or st.lora_rank or st.dtype == torch.float32
+    optimizer = {"adamw": f"AdamW ({'fp32' if fp32_moments else _dtype(st.dtype)} moments)",
+                 "none": "no optimizer"}[st.optimizer]
     lines = [
         f"oomb plan: {plan.model}: {s.num_params() / 1e9:.2f} B parameters, {s.num_layers} layers, "
         f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}"

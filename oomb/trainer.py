@@ -279,8 +279,12 @@ class Trainer(Checkpointing):
             "parameter gradients (+ fp32 sums over chunks)": step.param_grads,
         }
         if not cfg.optim.offload:
-            # AdamW exp_avg + exp_avg_sq in fp32; masters hold 4 bytes of weight and 4 of gradient.
-            terms["optimizer state"] = 8 * self.trainable + 8 * self._num_masters
+            # AdamW's exp_avg and exp_avg_sq take the dtype of what it steps: an fp32 master (which
+            # also holds 4 bytes of weight and 4 of gradient), else the parameter itself (bf16: 4
+            # bytes in all; measured on the H200, benchmarks/results/trainer_memory_*).
+            unmastered = sum(2 * p.numel() * p.element_size() for p in self.model.parameters()
+                             if p.requires_grad and not MasterWeights.needs_master(p, cfg.optim.master_weights, False))
+            terms["optimizer state"] = unmastered + 16 * self._num_masters
         return terms
 
     def _memory_advice(self, causal_lm) -> str:

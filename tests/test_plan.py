@@ -113,7 +113,9 @@ def test_terms_follow_the_options():
     assert to_masters.param_grads == 2 * QWEN7B.non_linear_params()
     assert summed.param_grads == to_masters.param_grads + 4 * trainable
     adamw = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), TrainingSetup())
-    assert adamw.gpu["optimizer"] == 8 * QWEN7B.num_params()
+    assert adamw.gpu["optimizer"] == 4 * QWEN7B.num_params()  # bf16 moments: AdamW steps the bf16 weights
+    masters = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(master_weights=True))
+    assert masters.gpu["optimizer"] == (8 + 4) * QWEN7B.num_params()  # fp32 moments + fp32 master weights
     lora = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(lora_rank=16))
     assert lora.gpu["param grads"] == 4 * QWEN7B.lora_params(16) < base.gpu["param grads"] / 50
     assert lora.gpu["fp32 grad sums"] == 0  # LoRA adapters are fp32 already
