@@ -46,27 +46,20 @@ class Fp32GradAccumulator:
     def collect(self) -> None:
         """Move the gradients of the chunk just back-propagated into the fp32 sums (or targets)."""
         for p in self.params:
-            if p.grad is None:
-                continue
-            target = self.targets.get(p)
-            if target is not None:
-                target.add_(p.grad.to(device=target.device, dtype=target.dtype))
-            elif p in self.sums:
-                self.sums[p].add_(p.grad)
-            else:
-                self.sums[p] = p.grad.float()
-            p.grad = None
+            if p.grad is not None:
+                self.add(p, p.grad)
+                p.grad = None
 
     def add(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a float32 gradient of ``p`` computed outside autograd (fp32_linear.py) to its sum or
-        target; ``p`` must be one of the parameters this accumulator sums."""
+        """Add a gradient of ``p`` to its fp32 sum or target: a chunk's ``.grad``, or one computed outside
+        autograd with a float32 result (fp32_linear.py); ``p`` must be one this accumulator sums."""
         target = self.targets.get(p)
         if target is not None:
             target.add_(grad.to(device=target.device, dtype=target.dtype))
         elif p in self.sums:
             self.sums[p].add_(grad)
         else:
-            self.sums[p] = grad.float()  # takes the caller's float32 tensor, which it does not reuse
+            self.sums[p] = grad.float()  # a float32 grad is taken as is: its owner lets go of it
 
     def finish(self) -> None:
         """Write prior + sum back into ``.grad``, rounding once; targeted parameters keep their prior."""
