@@ -15,7 +15,8 @@ import json
 from datetime import datetime, timezone
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from bf16_gradient_error import model_config  # the GPU engine test's model (a sibling script)
+from transformers import Qwen2ForCausalLM
 
 import oomb
 import oomb.engine
@@ -49,8 +50,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    cfg = model_config()
     fp32 = Qwen2ForCausalLM(cfg).float()
     fp32.set_attn_implementation("sdpa")
     torch.manual_seed(1)
