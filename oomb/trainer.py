@@ -305,7 +305,7 @@ class Trainer(Checkpointing):
     def close(self) -> None:
         """Leave the process group that setup() joined (under torchrun). Left to interpreter exit,
         the group's threads are torn down while still running, and a rank can abort after the run
-        finished (SIGABRT, about 1 run in 25 on the CPU), which torchrun reports as a failed job.
+        finished (SIGABRT; 1 of 25 CPU runs, benchmarks/torchrun_exit.sh), which torchrun reports as a failed job.
         A group the caller initialized is left alone."""
         if self._owns_process_group:
             self._owns_process_group = False
