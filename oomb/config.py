@@ -92,6 +92,10 @@ class OOMBConfig:
     parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
     linear layers' gradients are computed with float32 results, so no chunk's is rounded either
     (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
+    deterministic: bool = False
+    """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
+    is refused). False: where backend "auto" is resolved with the model dtype (oomb train, oomb bench,
+    oomb.autoconfig), bf16/fp16 on CUDA get cudnn, faster but not bitwise deterministic (docs/kernels.md)."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_tokens", "stream_block_pages", "stream_buffers"):
@@ -125,7 +129,10 @@ class OOMBConfig:
             raise ValueError(f"offload_resident_layers={self.offload_resident_layers!r} must be an integer >= 0")
         if self.stream_buffers < 2:
             raise ValueError(f"stream_buffers={self.stream_buffers} must be at least 2 (one computes, one loads)")
-        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free", "offload"):
+        if self.deterministic is True and self.backend == "cudnn":
+            raise ValueError("deterministic=True conflicts with backend='cudnn' (cuDNN's attention backward is not "
+                             "bitwise deterministic): use backend='triton' or 'auto', or deterministic=False")
+        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free", "offload", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")

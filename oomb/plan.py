@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from .memory import (
     TrainingSetup,
     predict,
 )
+from .units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
 SAFETY_MARGIN = 0.05
 """Fraction of GPU and host memory the planner keeps free: allocator fragmentation and temporaries
@@ -47,7 +47,6 @@ MAX_SEARCH_TOKENS = 1 << 32
 GROWTH_TOKENS = 10_000
 """GPU memory growth is reported per this many more tokens (DESIGN.md section 6)."""
 DEFAULT_CONTEXT = 131072
-TOKEN_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
     """A transformers config of preset ``name`` (oomb.presets, shared with `oomb train`)."""
@@ -66,25 +65,6 @@ def load_model_shape(model: str) -> ModelShape:
 
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     return ModelShape.from_hf_config(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
-
-
-def parse_tokens(text: str | int) -> int:
-    """'131072', '128K', '1M' (binary: K = 1024) -> a positive token count."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 131072, 128K, 1M)")
-    tokens = int(float(match.group(1)) * TOKEN_SUFFIXES[match.group(2).upper()])
-    if tokens <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a context must be at least one token")
-    return tokens
-
-
-def format_tokens(tokens: int) -> str:
-    """131072 -> '128K', 1048576 -> '1M', 1000 -> '1,000'."""
-    for suffix, scale in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
-        if tokens >= scale and tokens % scale == 0:
-            return f"{tokens // scale}{suffix}"
-    return f"{tokens:,}"
 
 
 # ---------------------------------------------------------------------------------------------

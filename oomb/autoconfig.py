@@ -1,0 +1,504 @@
+"""Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, chunk, backend.
+
+    choice = choose_config(workload, resources, fixed={"kv_grad_dtype": "float32"})
+    choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
+    choice.gpu_bytes, choice.host_bytes, choice.reason, choice.runner_up
+
+Memory comes from ``oomb.memory.predict`` (the planner's model, calibrated on the H200). Speed comes
+from SPEED_FACTS below: relative step times measured on one H200, each with the JSON file in
+benchmarks/results/ it came from. The search enumerates every combination of the free options,
+keeps those whose predicted GPU and host memory fit, and ranks them by:
+
+1. exactness first: float32 dK/dV pages whenever any float32 configuration fits (bf16 pages are
+   ~5 % faster but round the gradients of every page; they are chosen only to make a step fit);
+2. then the predicted relative step time (the product of the factors that apply).
+
+What the chooser never changes: options in ``fixed`` (what the user set), and the attention mode
+(dense or sparse: the user's choice; sparse is an approximation). When nothing fits, NoConfigFitsError
+names the smallest configuration's memory against the limits and the longest context that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .config import OOMBConfig, resolve_dtype
+from .memory import (
+    FP32_BYTES,
+    GIB,
+    MODES,
+    MemoryPrediction,
+    ModelShape,
+    OffloadAssumptions,
+    SparseAssumptions,
+    TrainingSetup,
+    predict,
+)
+from .units import format_tokens
+
+AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size")
+"""OOMBConfig options the chooser decides unless the user fixed them."""
+
+MIN_AUTO_CHUNK = 1024
+"""The chooser halves the chunk (less activation memory) down to this many tokens, never below."""
+
+
+@dataclass(frozen=True)
+class SpeedFact:
+    """One measured (or derived) relative step time and where it came from."""
+
+    factor: float
+    """Step time with the option / step time without it (> 1: the option costs time)."""
+    measured: str
+    """What was compared, in numbers."""
+    source: str
+    """The JSON file(s) in benchmarks/results/ (or 'assumed' when nothing was measured)."""
+
+
+SPEED_FACTS: dict[str, SpeedFact] = {
+    "triton_vs_cudnn_dense": SpeedFact(
+        68.76 / 49.37, "dense 128K, 7B, bf16: triton 68.76 s vs cudnn 49.37 s (256K: 230.82 vs 158.60 s)",
+        "bench_h200_2026-11-29_offload.json, dense_cudnn_128k_h200_2026-11-30.json, step_h200_2026-11-29b.json, "
+        "dense_cudnn_256k_h200_2026-11-30.json"),
+    "triton_vs_cudnn_sparse": SpeedFact(
+        27.55 / 27.08, "sparse 128K, one selection per chunk: triton 27.55 s vs cudnn 27.08 s",
+        "sparse_groups_h200_2026-11-29.json, sparse_cudnn_128k_h200_2026-11-30.json"),
+    "triton_first_step": SpeedFact(
+        43.0 / 4.4, "first step (compile + autotune), bf16: triton ~43 s vs cudnn 4.4 s",
+        "bench_h200_2026-11-29_offload.json (warm-up), dense_cudnn_512k_h200_2026-11-30.json (warm-up 4.33 s)"),
+    "replay_sparse": SpeedFact(
+        27.08 / 23.88, "sparse 128K cudnn: layer replay 27.08 s vs none 23.88 s",
+        "sparse_cudnn_128k_h200_2026-11-30.json, sparse_cudnn_no_replay_128k_h200_2026-11-30.json"),
+    "replay_dense": SpeedFact(
+        1 + (27.08 - 23.88) / 49.37, "dense 128K cudnn: the replay's 3.2 s (sparse runs above) over 49.37 s "
+        "(derived: the replay re-runs the linear layers, the same work in both modes)",
+        "derived from the sparse pair and dense_cudnn_128k_h200_2026-11-30.json"),
+    "offload_dense": SpeedFact(
+        50.09 / 49.37, "dense 128K cudnn: offload 50.09 s vs 49.37 s (triton: 67.44 vs 68.76 s)",
+        "dense_offload_cudnn_128k_h200_2026-11-30.json, dense_cudnn_128k_h200_2026-11-30.json, "
+        "offload_sparse_h200_2026-11-29_128k.json"),
+    "offload_sparse": SpeedFact(
+        1.20, "sparse 128K triton: offload (gather + prefetch) 32.94 s = 1.20x sparse",
+        "sparse_offload_gather_h200_2026-11-30_128k.json"),
+    "bf16_kv_grads": SpeedFact(
+        23.29 / 24.41, "sparse 128K cudnn, no replay, budget 32: bf16 dK/dV 23.29 s vs float32 24.41 s",
+        "sparse_cudnn_no_replay_budget32_bf16_h200_2026-11-30.json, "
+        "sparse_cudnn_no_replay_budget32_h200_2026-11-30.json"),
+    "half_chunk": SpeedFact(
+        1.05, "each halving of the chunk below 4096 (more, smaller kernel launches): not measured", "assumed"),
+}
+"""Relative step times on one H200 (Qwen2.5-7B shape, bf16, chunk 4096, page 128; docs/results.md).
+Offload costs scale with the fraction of layers that are not resident (assumed linear)."""
+
+
+class NoConfigFitsError(MemoryError):
+    """No configuration of the free options fits the GPU and host memory; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What trains: the model's shape, the sequence, dtype and what holds gradients and optimizer state."""
+
+    shape: ModelShape
+    seq_len: int
+    batch_size: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    lora_rank: int = 0
+    """0: full fine-tuning; r: LoRA of rank r on every linear layer (the planner's assumption)."""
+    optimizer: Literal["adamw", "none"] = "adamw"
+    master_weights: bool = False
+    trainable_params: int | None = None
+    """Exact count of trainable parameters (the trainer knows it); None: derived from lora_rank."""
+    optimizer_bytes: int | None = None
+    """Exact GPU bytes of optimizer state and master weights (the trainer knows them); None: predicted."""
+    fp32_targets: bool = False
+    """Chunk gradients go to the caller's fp32 tensors (master weights on the GPU): no fp32 sums."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len <= 0 or self.batch_size <= 0:
+            raise ValueError(f"seq_len={self.seq_len} and batch_size={self.batch_size} must be positive")
+
+    def setup(self) -> TrainingSetup:
+        return TrainingSetup(self.dtype, self.batch_size, self.optimizer, self.master_weights, self.lora_rank)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Where it runs and how much memory a step may take."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    gpu_limit: int | None = None
+    """Bytes the predicted GPU total may reach (margin and CUDA context already taken off). On a
+    CPU: None (the step lives in host memory)."""
+    host_limit: int | None = None
+    """Bytes of host memory the step may take (pinned pages with offload, everything on a CPU)."""
+    weights_loaded: bool = False
+    """The weights are already on the GPU and outside gpu_limit (the trainer measures free memory
+    after loading): they are not counted against it."""
+    gpu_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r} must be 'cuda' or 'cpu'")
+        if self.device == "cuda" and self.gpu_limit is None:
+            raise ValueError("a CUDA device needs gpu_limit (bytes a step may take on the GPU)")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration with its predicted memory and relative step time."""
+
+    config: OOMBConfig
+    gpu_bytes: int
+    """Predicted GPU peak, weights included."""
+    gpu_counted: int
+    """The part of gpu_bytes checked against Resources.gpu_limit (without loaded weights)."""
+    host_bytes: int
+    relative_time: float
+    factors: tuple[str, ...]
+    """Keys of SPEED_FACTS that apply."""
+    prediction: MemoryPrediction
+
+    def summary(self, num_layers: int) -> str:
+        c = self.config
+        if c.offload:
+            where = f"offload ({c.offload_resident_layers} of {num_layers} layers resident on the GPU)"
+        else:
+            where = "pages on the GPU"
+        return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
+                f"chunk {c.chunk_size}, backend {c.backend}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen configuration, what it is predicted to take, why, and the next best one."""
+
+    config: OOMBConfig
+    gpu_bytes: int
+    host_bytes: int
+    reason: str
+    runner_up: Candidate | None
+    chosen: Candidate
+    fixed: dict = field(default_factory=dict)
+
+    def describe(self, num_layers: int) -> str:
+        """Lines for a CLI: the plan, memory, why, and the runner-up."""
+        lines = [f"configuration: {self.chosen.summary(num_layers)}",
+                 f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
+                 f"relative step time {self.chosen.relative_time:.2f}",
+                 f"  why: {self.reason}"]
+        if self.runner_up is not None:
+            r = self.runner_up
+            lines.append(f"  runner-up: {r.summary(num_layers)} (GPU {r.gpu_bytes / GIB:.1f} GiB, host "
+                         f"{r.host_bytes / GIB:.1f} GiB, relative step time {r.relative_time:.2f})")
+        return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+# ---------------------------------------------------------------------------------------------
+
+def choose_backend(device: str, dtype: torch.dtype, deterministic: bool) -> tuple[str, str]:
+    """(backend, why) for ``backend="auto"``: cudnn for bf16/fp16 on CUDA (faster in every measured
+    case), triton when bitwise determinism is asked for or for float32 (cuDNN's fused attention has
+    no float32 path; float32 Triton kernels use one tile config, no minutes of autotuning), torch on
+    a CPU."""
+    if device != "cuda":
+        return "torch", "on a CPU only the torch reference kernels run"
+    if deterministic:
+        return "triton", "deterministic=True: Triton's kernels are bitwise deterministic (cuDNN's backward is not)"
+    if dtype in (torch.bfloat16, torch.float16):
+        f = SPEED_FACTS["triton_vs_cudnn_dense"]
+        return "cudnn", (f"cudnn for {_dtype_name(dtype)} on CUDA: triton takes {f.factor:.2f}x as long "
+                         f"({f.measured}); deterministic=True picks triton")
+    return "triton", "float32 on CUDA: cuDNN's fused attention has no float32 path; Triton with one tile config"
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and time of one candidate
+# ---------------------------------------------------------------------------------------------
+
+def predict_candidate(workload: Workload, resources: Resources, config: OOMBConfig) -> Candidate:
+    """Predicted memory (oomb.memory.predict, with the workload's exact counts where given) and the
+    relative step time of ``config``."""
+    mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
+    offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
+    sparse = SparseAssumptions(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
+                               query_block_pages=config.sparse_query_block_pages)
+    p = predict(mode, workload.shape, workload.seq_len, config, workload.setup(), offload=offload, sparse=sparse)
+    gpu = dict(p.gpu)
+    if workload.trainable_params is not None:
+        gpu["param grads"], gpu["fp32 grad sums"] = _grad_bytes(workload, config)
+    if workload.optimizer_bytes is not None:
+        gpu["optimizer"] = workload.optimizer_bytes
+    gpu_bytes = sum(gpu.values())
+    counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
+    host_bytes = p.host_total
+    time, factors = relative_time(config, workload.shape.num_layers)
+    prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
+    return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction)
+
+
+def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
+    """(low-precision .grad bytes, fp32 sum bytes) for an exact trainable count (as
+    memory.estimate_step_memory counts them)."""
+    trainable, b = workload.trainable_params, workload.dtype.itemsize
+    if workload.lora_rank:  # PEFT's adapters are fp32: plain fp32 gradients
+        return trainable * FP32_BYTES, 0
+    if b < FP32_BYTES and (config.fp32_grad_accumulation or workload.fp32_targets):
+        low = workload.shape.low_precision_grad_params(trainable) * b
+        return low, 0 if workload.fp32_targets else trainable * FP32_BYTES
+    return trainable * b, 0
+
+
+def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str, ...]]:
+    """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, float32
+    dK/dV, chunk >= 4096, cudnn)."""
+    sparse = config.attention == "sparse"
+    time, factors = 1.0, []
+    if config.backend == "triton":
+        key = "triton_vs_cudnn_sparse" if sparse else "triton_vs_cudnn_dense"
+        time *= SPEED_FACTS[key].factor
+        factors.append(key)
+    if config.checkpoint_layers:
+        key = "replay_sparse" if sparse else "replay_dense"
+        time *= SPEED_FACTS[key].factor
+        factors.append(key)
+    if config.offload:
+        key = "offload_sparse" if sparse else "offload_dense"
+        offloaded = (num_layers - min(config.offload_resident_layers, num_layers)) / num_layers
+        time *= 1 + (SPEED_FACTS[key].factor - 1) * offloaded
+        factors.append(key)
+    if config.grad_dtype != torch.float32:
+        time *= SPEED_FACTS["bf16_kv_grads"].factor
+        factors.append("bf16_kv_grads")
+    halvings, chunk = 0, config.chunk_size
+    while chunk < 4096:
+        chunk, halvings = chunk * 2, halvings + 1
+    if halvings:
+        time *= SPEED_FACTS["half_chunk"].factor ** halvings
+        factors.append("half_chunk")
+    return time, tuple(factors)
+
+
+def _fits(c: Candidate, resources: Resources) -> bool:
+    if resources.device == "cpu":  # everything lives in host memory
+        return resources.host_limit is None or c.gpu_counted + c.host_bytes <= resources.host_limit
+    host_ok = resources.host_limit is None or c.host_bytes <= resources.host_limit
+    return c.gpu_counted <= resources.gpu_limit and host_ok
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+def _options(name: str, base: OOMBConfig, fixed: dict, workload: Workload, resources: Resources) -> list:
+    if name in fixed:
+        return [getattr(base, name)]
+    if name == "offload":
+        return [False, True] if resources.device == "cuda" else [False]
+    if name == "kv_grad_dtype":
+        return ["float32", "bfloat16"]
+    if name == "checkpoint_layers":
+        return [False, True]
+    if name == "chunk_size":
+        sizes, size = [], base.chunk_size
+        while size >= max(MIN_AUTO_CHUNK, base.page_size) and size % base.page_size == 0:
+            sizes.append(size)
+            size //= 2
+        return sizes or [base.chunk_size]
+    raise AssertionError(name)
+
+
+def _resident_layers(workload: Workload, resources: Resources, config: OOMBConfig, free: bool) -> list[Candidate]:
+    """With offload: the candidate with the most resident layers that fits (fewer transfers; GPU use
+    grows and host use shrinks with them), or the fixed count; without offload the config as is."""
+    if not config.offload or not free:
+        return [predict_candidate(workload, resources, config)]
+    layers = workload.shape.num_layers
+    lo, hi = 0, layers - 1  # all layers resident is offload=False
+    # GPU bytes grow with resident layers: find the largest count that fits the GPU, then check host.
+    first = predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=0))
+    if not _fits_gpu(first, resources):
+        return [first]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fits_gpu(predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=mid)),
+                     resources):
+            lo = mid
+        else:
+            hi = mid - 1
+    best = predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=lo))
+    return [best]
+
+
+def _fits_gpu(c: Candidate, resources: Resources) -> bool:
+    return resources.device == "cpu" or c.gpu_counted <= resources.gpu_limit
+
+
+def candidates(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> list[Candidate]:
+    """Every combination of the free options (resident layers: the most that fit), predicted."""
+    out = []
+    grid = [_options(n, base, fixed, workload, resources)
+            for n in ("offload", "kv_grad_dtype", "checkpoint_layers", "chunk_size")]
+    resident_free = "offload_resident_layers" not in fixed
+    for offload in grid[0]:
+        for grad in grid[1]:
+            for replay in grid[2]:
+                for chunk in grid[3]:
+                    config = dataclasses.replace(base, offload=offload, kv_grad_dtype=grad, checkpoint_layers=replay,
+                                                 chunk_size=chunk)
+                    out += _resident_layers(workload, resources, config, resident_free)
+    return out
+
+
+def _rank(c: Candidate) -> tuple:
+    return (c.config.grad_dtype != torch.float32, round(c.relative_time, 6), -c.config.chunk_size)
+
+
+def choose_config(workload: Workload, resources: Resources, fixed: dict | None = None,
+                  base: OOMBConfig | None = None) -> Choice:
+    """The fastest configuration that fits, keeping every option in ``fixed``.
+
+    Args:
+        workload: model shape, sequence length, dtype, what trains.
+        resources: device and memory limits.
+        fixed: OOMBConfig options the user set (never changed), e.g. {"kv_grad_dtype": "float32"}.
+            ``deterministic`` and ``attention`` come from here too (default: False, "dense").
+        base: the OOMBConfig whose other options (page size, sparse settings, ...) are kept; default
+            OOMBConfig(). Its values of AUTO_FIELDS are replaced unless fixed.
+    Raises:
+        NoConfigFitsError: nothing fits; the message gives the smallest configuration's memory and
+            the longest context that fits with it.
+    """
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - {f.name for f in dataclasses.fields(OOMBConfig)})
+    if unknown:
+        raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
+    base = dataclasses.replace(base or OOMBConfig(), **fixed)
+    if "backend" in fixed and fixed["backend"] != "auto":
+        backend, backend_why = fixed["backend"], f"backend={fixed['backend']!r} as set"
+    else:
+        backend, backend_why = choose_backend(resources.device, workload.dtype, base.deterministic)
+    base = dataclasses.replace(base, backend=backend)
+    options = candidates(workload, resources, base, fixed)
+    fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
+    if not fitting:
+        raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
+    best = fitting[0]
+    runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)), None)
+    reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
+    return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed)
+
+
+def _headline(c: Candidate) -> tuple:
+    cfg = c.config
+    return cfg.offload, cfg.grad_dtype, cfg.checkpoint_layers
+
+
+def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidate], options: list[Candidate],
+            resources: Resources, workload: Workload, backend_why: str, fixed: dict) -> str:
+    cfg, parts = best.config, []
+    limit = resources.gpu_limit if resources.device == "cuda" else resources.host_limit
+    where = "GPU" if resources.device == "cuda" else "host"
+    if "offload" in fixed:
+        parts.append(f"offload={cfg.offload} as set")
+    elif cfg.offload:
+        on_gpu = [c for c in options if not c.config.offload and c.config.grad_dtype == cfg.grad_dtype]
+        need = min((c.gpu_counted for c in on_gpu), default=None)
+        parts.append(f"offload: the pages do not fit the {where} ({need / GIB:.1f} GiB needed with every page on "
+                     f"it, {limit / GIB:.1f} GiB usable)" if need is not None else "offload")
+        if "offload_resident_layers" not in fixed:
+            parts.append(f"{cfg.offload_resident_layers} layers resident: the most whose pages fit the GPU next to "
+                         "the rest (fewer transfers)")
+    else:
+        parts.append("all pages on the GPU (no transfers)" if resources.device == "cuda" else "no offload on a CPU")
+    if "kv_grad_dtype" in fixed:
+        parts.append(f"kv_grad_dtype={_dtype_name(cfg.grad_dtype)} as set")
+    elif cfg.grad_dtype == torch.float32:
+        parts.append("float32 dK/dV (exact; bf16 is chosen only when float32 does not fit)")
+    else:
+        parts.append("bf16 dK/dV: no float32 configuration fits")
+    if "checkpoint_layers" in fixed:
+        parts.append(f"checkpoint_layers={cfg.checkpoint_layers} as set")
+    elif not cfg.checkpoint_layers:
+        key = "replay_sparse" if cfg.attention == "sparse" else "replay_dense"
+        parts.append(f"no layer replay: a chunk's activations fit (replay takes {SPEED_FACTS[key].factor:.2f}x)")
+    else:
+        parts.append("layer replay on: without it a chunk's activations do not fit")
+    if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
+        parts.append(f"chunk {cfg.chunk_size}: larger chunks do not fit")
+    parts.append(backend_why)
+    return "; ".join(parts)
+
+
+def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict,
+             options: list[Candidate]) -> str:
+    """Why nothing fits, with numbers, and what would."""
+    smallest = min(options, key=lambda c: (not _fits_gpu(c, resources), c.gpu_counted + c.host_bytes))
+    tokens = workload.seq_len
+    lines = [f"no configuration fits {workload.batch_size} x {tokens:,} tokens ({format_tokens(tokens)}) on "
+             f"{resources.gpu_name or resources.device}:"]
+    lines.append(f"  the closest to fitting ({smallest.summary(workload.shape.num_layers)}) needs "
+                 + _against(smallest, resources))
+    longest = _longest_fitting(workload, resources, base, fixed)
+    if longest:
+        lines.append(f"  up to {longest:,} tokens ({longest / 2**20:.2f}M) fit, by the same search")
+    else:
+        lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
+                     "large (train LoRA adapters, offload the optimizer, or use a larger GPU)")
+    if fixed:
+        free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS}
+        if free:
+            try:
+                other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in AUTO_FIELDS},
+                                      dataclasses.replace(base, **{k: getattr(OOMBConfig(), k) for k in free}))
+                lines.append(f"  without the options you set ({', '.join(f'{k}={v!r}' for k, v in free.items())}) "
+                             f"it fits: {other.chosen.summary(workload.shape.num_layers)} (GPU "
+                             f"{other.gpu_bytes / GIB:.1f} GiB, host {other.host_bytes / GIB:.1f} GiB)")
+            except NoConfigFitsError:
+                pass
+    return "\n".join(lines)
+
+
+def _against(c: Candidate, resources: Resources) -> str:
+    if resources.device == "cpu":
+        total = c.gpu_counted + c.host_bytes
+        return f"{total / GIB:.1f} GiB of host memory, {(resources.host_limit or 0) / GIB:.1f} GiB usable"
+    text = f"GPU {c.gpu_counted / GIB:.1f} GiB of {resources.gpu_limit / GIB:.1f} usable"
+    if resources.host_limit is not None:
+        text += f", host {c.host_bytes / GIB:.1f} GiB of {resources.host_limit / GIB:.1f} usable"
+    return text
+
+
+def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
+    """The largest multiple of the page size below the asked length for which some configuration of
+    the free options fits (memory grows with the context, so the search is monotone)."""
+    from .plan import largest_context  # the planner's search (plan imports heavier things)
+
+    def fits(tokens: int) -> bool:
+        w = dataclasses.replace(workload, seq_len=tokens)
+        return any(_fits(c, resources) for c in candidates(w, resources, base, fixed))
+
+    return largest_context(fits, base.page_size, limit=workload.seq_len)
+
+
+def fixed_from_options(options: dict) -> dict:
+    """The options a user set, as ``fixed`` for choose_config ("auto" values are left to the chooser;
+    dtype names normalised)."""
+    fixed = {}
+    for key, value in options.items():
+        if value == "auto" and key in AUTO_FIELDS:
+            continue
+        if key == "kv_grad_dtype":
+            value = _dtype_name(resolve_dtype(value, key))
+        fixed[key] = value
+    return fixed
