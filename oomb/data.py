@@ -3,7 +3,8 @@
     files (jsonl, parquet, plain text; folders searched recursively)
       -> units: a jsonl line, a parquet row, or a piece (~1 MiB, cut after a newline) of a text file
       -> text: a field, or chat messages through the tokenizer's chat template
-      -> tokens: [BOS if the tokenizer adds one] + text + [EOS at the end of each document]
+      -> tokens: [BOS if the tokenizer adds one] + text + [EOS at the end of each document, unless
+         a chat template ended it with EOS already]
       -> one stream, cut into consecutive sequences; labels = input_ids, with -100 at each
          document's first token if documents must not predict each other
 
@@ -394,9 +395,15 @@ class PackedSequences:
         ids = self.tokenizer.encode(unit.text, add_special_tokens=False, verbose=False)
         if unit.starts_document and self.bos is not None and not unit.templated:
             ids = [self.bos, *ids]
-        if unit.ends_document:
+        if unit.ends_document and not (unit.templated and self._ends_with_eos(unit.text)):
             ids.append(self.eos)
         return torch.tensor(ids, dtype=torch.long)
+
+    def _ends_with_eos(self, text: str) -> bool:
+        """Whether a chat template already closed the text with EOS (Qwen, SmolLM: ``<|im_end|>\\n``;
+        Llama 3: ``<|eot_id|>``): a second EOS would teach the model to repeat it."""
+        eos = self.tokenizer.eos_token
+        return bool(eos) and text.rstrip().endswith(eos)
 
     # -- order --
 
