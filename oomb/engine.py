@@ -11,6 +11,11 @@
 The sum over chunks of these backward passes is the exact gradient of the full-sequence loss
 (mean token cross-entropy over all label positions of the whole batch).
 
+Packed documents (position_ids restarting at 0, or cu_seqlens; oomb/documents.py): boundaries are
+found once for the whole sequence, each chunk runs at its documents' own RoPE positions, attention
+stays inside each document (history pages before every row's document start are skipped), and the
+label of each document's first token is -100, as in Hugging Face's padding-free training.
+
 Sparse mode (config.attention="sparse", docs/sparse.md) changes only what attention reads: in
 stage 1 every layer also summarises the chunk's pages and selects, per query block, the history
 pages it reads; stage 2 reuses that selection. The gradients are the exact gradients of that
@@ -27,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .attention.backend import select_backend
 from .config import OOMBConfig
+from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients
 from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
@@ -52,6 +58,8 @@ def forward_backward(
     host_slabs: HostSlabs | None = None,
     parallel: ParallelSetup | None = None,
     sync_gradients: bool = True,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward over a long sequence, chunk by chunk.
 
@@ -76,6 +84,14 @@ def forward_backward(
             the chunks' gradients in fp32 itself.
         sync_gradients: data parallel: reduce the gradients over ranks in this step's last backward
             (True), or keep summing them locally for a later step that syncs (gradient accumulation).
+        position_ids: (B, T) or (T,) packed documents as HF's padding-free collators give them: positions
+            restart at 0 at each document (a row may begin inside one). Attention then stays inside each
+            document, RoPE uses these positions, and the label of every document's first token counts
+            as -100 (no token is predicted from the previous document), so the loss is the mean over
+            the remaining label positions of all documents. None: one document per row at 0..T-1.
+        cu_seqlens: the same boundaries as cumulative lengths [0, l1, l1 + l2, ..., T]: one 1-D sequence
+            (batch 1) or one per row; positions then restart at each boundary. With position_ids too,
+            both must agree.
     Returns:
         The detached full-sequence loss (float32 scalar).
     """
@@ -84,12 +100,14 @@ def forward_backward(
     parallel = check_setup(model, parallel, grad_targets)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
+    batch, num_tokens = input_ids.shape
+    documents = resolve_documents(position_ids, cu_seqlens, (batch, num_tokens), device)
+    if documents is not None:
+        labels = documents.mask_labels(labels)
     targets = shift_labels(labels)
     num_targets = int((targets != IGNORE_INDEX).sum())
     if num_targets == 0:
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
-
-    batch, num_tokens = input_ids.shape
     window = sliding_window_limit(causal_lm)
     if window is not None and num_tokens > window:
         raise NotImplementedError(
@@ -100,18 +118,24 @@ def forward_backward(
     sparse = SparseOptions.from_config(config)  # None in dense mode
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
     backend = select_backend(config.backend, device)
+    split_documents = _check_documents(documents, config, backend.name)
+    for chunk in chunks if split_documents is not None else ():
+        store.history_starts[chunk.index] = split_documents.history_start(chunk.start, config.page_size)
     decoder = causal_lm.get_decoder()
     lm_head = causal_lm.get_output_embeddings()
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
     def run_chunk(chunk: ChunkSpan, stage: Stage) -> torch.Tensor:
-        positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
+        if documents is None:
+            positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
+        else:
+            positions = documents.positions[:, chunk.start:chunk.end]
         recompute_cache = {} if stage is Stage.GRAD and config.checkpoint_layers else None
         out = parallel.decoder_entry(decoder)(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
             use_cache=False,
-            oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse),
+            oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse, split_documents),
         )
         return out.last_hidden_state
 
@@ -166,6 +190,24 @@ def forward_backward(
         parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
+
+
+def _check_documents(documents: Documents | None, config: OOMBConfig, backend: str) -> Documents | None:
+    """The documents attention must respect (None when every row is one document), refusing the
+    modes that do not support them yet."""
+    if documents is None or not documents.split:
+        return None
+    if config.attention == "sparse":
+        raise NotImplementedError(
+            "packed documents (position_ids restarting at 0, or cu_seqlens) are not supported in sparse mode yet: "
+            "page selection does not know document boundaries; use attention='dense'"
+        )
+    if backend == "cudnn":
+        raise NotImplementedError(
+            "packed documents are not supported by the cudnn backend (its key windows cannot mask a document "
+            "starting inside a page); use backend='triton' or 'torch'"
+        )
+    return documents
 
 
 def _backward_without_loss(hidden: torch.Tensor) -> None:

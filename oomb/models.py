@@ -18,6 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from .attention.backend import AttentionBackend
 from .attention.function import PagedAttentionCall, fill_and_attend, paged_attention
+from .documents import Documents
 from .kv import ChunkSpan, PagedKVStore
 from .sparse import SparseOptions
 
@@ -40,6 +41,7 @@ class StepState:
     backend: AttentionBackend
     recompute_cache: dict | None = None  # stage 2 with layer checkpointing: layer -> (out, lse)
     sparse: SparseOptions | None = None  # sparse mode's options; None: dense
+    documents: Documents | None = None  # packed documents (oomb/documents.py); None: plain causal
 
 
 def oomb_attention_forward(
@@ -70,7 +72,8 @@ def oomb_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     store, layer = oomb_step.store, module.layer_idx
-    call = PagedAttentionCall(store, layer, chunk, oomb_step.backend, scale, oomb_step.sparse)
+    call = PagedAttentionCall(store, layer, chunk, oomb_step.backend, scale, oomb_step.sparse,
+                              documents=oomb_step.documents)
     if oomb_step.stage is Stage.FILL:
         out = fill_and_attend(query, key, value, call)  # sparse: selects the pages and keeps the selection
     else:

@@ -14,6 +14,10 @@ their log-sum-exp; backward runs each window with the merged statistics. Unless 
 the whole history, the windows are the same whether pages live on the GPU or stream from host memory
 (kv/offload.py), so both compute the same float operations in the same order.
 
+With packed documents (oomb/documents.py) a dense call carries the step's Documents: the store's
+windows start at the chunk's earliest document start (kv/store.py ``history_starts``) and the
+backend masks keys before each query's own document start.
+
 In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
 selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
 makes the selection after writing the chunk's pages and keeps it in the store; stage 2 is handed
@@ -26,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..documents import Documents
 from ..kv import ChunkSpan, PagedKVStore
 from ..sparse import SparseOptions, select_pages
 from .backend import AttentionBackend
@@ -45,6 +50,13 @@ class PagedAttentionCall:
     """Sparse mode's options (None: dense). Stage 1 uses them to select pages."""
     selection: torch.Tensor | None = None
     """(B, Hkv, n_blocks, K) int32 history pages per query block (reference_sparse.py); None: all."""
+    documents: Documents | None = None
+    """Packed documents of the step (dense only); None: plain causal attention."""
+
+    def document_kwargs(self) -> dict:
+        """The backend keyword for documents, only when there are some (backends without support keep
+        their signature)."""
+        return {} if self.documents is None else {"documents": self.documents}
 
 
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +70,7 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
     out = lse = None
     for view in call.store.stream(call.layer, call.chunk, grads=False, whole_history=call.backend.whole_history):
         out_w, lse_w = call.backend.forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                            key_range=view.key_range, out_dtype=out_dtype)
+                                            key_range=view.key_range, out_dtype=out_dtype, **call.document_kwargs())
         out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
     return out.to(q.dtype), lse
 
@@ -74,7 +86,8 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for view in call.store.stream(call.layer, call.chunk, grads=True, whole_history=call.backend.whole_history):
         call.backend.backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale, out, dout, lse,
-                              view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq)
+                              view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq,
+                              **call.document_kwargs())
     return dq.to(q.dtype)
 
 

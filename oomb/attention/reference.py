@@ -40,6 +40,14 @@ chunk's attention must be a merge of partial attentions over disjoint key ranges
                it in place (no rounding to q's dtype between windows) and it is returned.
     Summed over windows covering [0, query_start + Lq), backward gives the full dQ, dK, dV.
 
+Packed documents (oomb/documents.py):
+
+    documents  None, or a Documents of the whole (B, T) step: query t of row b sees only keys
+               documents.start[b, t] <= j <= t. Key blocks wholly before every row's document start
+               of a tile's first query are skipped; a block holding some row's document start is
+               masked per query. A query may then see no key of a window: its partial output is 0
+               and its lse -inf, which merge_window folds in as an empty window.
+
 Queries are processed in tiles and keys in blocks with an online softmax, so no score matrix over
 the whole context ever exists; key blocks wholly in a tile's future are skipped. All arithmetic is
 float32.
@@ -50,6 +58,8 @@ from __future__ import annotations
 import operator
 
 import torch
+
+from ..documents import Documents
 
 KEY_BLOCK_TOKENS = 512
 """Keys per block of the online softmax."""
@@ -78,23 +88,30 @@ def _causal_mask(first_query: int, num_queries: int, first_key: int, num_keys: i
 
 
 def _visible(
-    first_query: int, num_queries: int, first_key: int, num_keys: int, window: tuple[int, int] | None, device
+    first_query: int, num_queries: int, first_key: int, num_keys: int, window: tuple[int, int] | None, device,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
-    """The causal mask, further restricted to the key window when there is one."""
+    """The causal mask, further restricted to the key window when there is one: (queries, keys), or
+    with documents (B, 1, 1, queries, keys), also hiding keys before each query's document start."""
     visible = _causal_mask(first_query, num_queries, first_key, num_keys, device)
+    k_pos = torch.arange(first_key, first_key + num_keys, device=device)
     if window is not None:
-        k_pos = torch.arange(first_key, first_key + num_keys, device=device)
         visible &= ((k_pos >= window[0]) & (k_pos < window[1]))[None, :]
+    if documents is not None:
+        doc_start = documents.start[:, first_query:first_query + num_queries].to(device, torch.long)  # (B, q)
+        visible = (visible[None] & (k_pos[None, None, :] >= doc_start[:, :, None]))[:, None, None]
     return visible
 
 
 def _tiles(
     query_start: int, num_queries: int, page_size: int, query_block: int, key_block: int,
-    window: tuple[int, int] | None = None,
+    window: tuple[int, int] | None = None, documents: Documents | None = None,
 ):
     """Yield (q0, q1, first_page, last_page, needs_mask) for every (query tile, key block) pair
     with at least one visible key; key blocks entirely in a tile's future are skipped. With a
-    window (lo, hi) the blocks start at lo's page and stop at hi: no other page is gathered."""
+    window (lo, hi) the blocks start at lo's page and stop at hi: no other page is gathered. With
+    documents the blocks start at the page of the earliest document start of the tile's first
+    query over the batch, and blocks before the latest start of its last query are masked."""
     lo, hi = window if window is not None else (0, query_start + num_queries)
     pages_per_block = max(1, key_block // page_size)
     for q0 in range(0, num_queries, query_block):
@@ -102,9 +119,14 @@ def _tiles(
         # Keys from here on are hidden from the tile's first query (causality or the window's end).
         first_masked_key = min(query_start + q0 + 1, hi)
         n_pages = -(-min(query_start + q1, hi) // page_size)
-        for first in range(lo // page_size, n_pages, pages_per_block):
+        first_page, doc_edge = lo // page_size, 0
+        if documents is not None:  # host copy: no device sync
+            first_page = max(first_page, int(documents.start_cpu[:, query_start + q0].min()) // page_size)
+            doc_edge = int(documents.start_cpu[:, query_start + q1 - 1].max())
+        for first in range(first_page, n_pages, pages_per_block):
             last = min(first + pages_per_block, n_pages)
-            yield q0, q1, first, last, first * page_size < lo or last * page_size > first_masked_key
+            yield q0, q1, first, last, (first * page_size < lo or last * page_size > first_masked_key
+                                        or first * page_size < doc_edge)
 
 
 def _check(
@@ -174,7 +196,9 @@ def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_
     """Fold the attention over one more disjoint key window into a running (out, lse), in float32:
     the step of merge_partials, and what the engine runs as windows stream in one at a time."""
     merged = torch.logaddexp(lse, lse_w)
-    out = out * torch.exp(lse - merged)[..., None] + out_w * torch.exp(lse_w - merged)[..., None]
+    # Rows that saw no key in either window (packed documents) stay empty: weights 0, not NaN.
+    shift = torch.where(merged == float("-inf"), 0.0, merged)
+    out = out * torch.exp(lse - shift)[..., None] + out_w * torch.exp(lse_w - shift)[..., None]
     return out, merged
 
 
@@ -214,10 +238,12 @@ def paged_attention_forward(
     *,
     key_range: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk's queries over its paged history and itself (or one key window).
 
-    ``out_dtype`` (default q's dtype): float32 keeps a window's partial output unrounded until the merge."""
+    ``out_dtype`` (default q's dtype): float32 keeps a window's partial output unrounded until the merge.
+    ``documents``: attention stays inside each query's document (module docstring)."""
     B, Hq, Lq, D = q.shape
     Hkv, P = k_pool.shape[1], k_pool.shape[2]
     window = check_key_range(key_range, query_start, Lq, P)
@@ -227,25 +253,30 @@ def paged_attention_forward(
     row_max = torch.full((B, Hkv, G, Lq), float("-inf"), device=q.device)
     row_sum = torch.zeros((B, Hkv, G, Lq), device=q.device)
     acc = torch.zeros((B, Hkv, G, Lq, D), device=q.device)
-    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window):
+    tiles = _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window, documents)
+    for q0, q1, first, last, needs_mask in tiles:
         k = _gather_block(k_pool, page_table, first, last)  # (B, Hkv, n, D)
         v = _gather_block(v_pool, page_table, first, last)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., q0:q1, :], k)
         if needs_mask:
-            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device)
+            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device, documents)
             scores.masked_fill_(~visible, float("-inf"))
         # The window's first key (key 0 without a window) is in every tile's first block and visible
-        # to all queries: row_max is finite after it.
+        # to all queries: row_max is finite after it. Not so with documents: a row may see no key yet
+        # (new_max -inf), and then shifts by 0 so that its probabilities and correction are 0, not NaN.
         tile_max = row_max[..., q0:q1]
         new_max = torch.maximum(tile_max, scores.amax(-1))
-        probs = scores.sub_(new_max[..., None]).exp_()
-        correction = (tile_max - new_max).exp_()
+        shift = new_max if documents is None else torch.where(new_max == float("-inf"), 0.0, new_max)
+        probs = scores.sub_(shift[..., None]).exp_()
+        correction = (tile_max - shift).exp_()
         row_sum[..., q0:q1].mul_(correction).add_(probs.sum(-1))
         acc[..., q0:q1, :].mul_(correction[..., None]).add_(torch.einsum("bhgqk,bhkd->bhgqd", probs, v))
         row_max[..., q0:q1] = new_max
+    lse = row_max + torch.log(row_sum)
+    if documents is not None:  # rows that saw no key of the window (sum 0, acc 0): out 0, lse -inf
+        row_sum = torch.where(row_sum == 0, 1.0, row_sum)
     out = (acc / row_sum[..., None]).reshape(B, Hq, Lq, D).to(out_dtype or q.dtype)
-    lse = (row_max + torch.log(row_sum)).reshape(B, Hq, Lq)
-    return out, lse
+    return out, lse.reshape(B, Hq, Lq)
 
 
 def paged_attention_backward(
@@ -266,6 +297,7 @@ def paged_attention_backward(
     key_range: tuple[int, int] | None = None,
     delta: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV of every page the chunk read into dk_pool, dv_pool in place.
 
@@ -285,14 +317,15 @@ def paged_attention_backward(
         delta = delta.reshape(B, Hkv, G, Lq)
     lse = lse.reshape(B, Hkv, G, Lq)
     dq = torch.zeros_like(qf)
-    for q0, q1, first, last, needs_mask in _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window):
+    tiles = _tiles(query_start, Lq, P, query_block_tokens, key_block_tokens, window, documents)
+    for q0, q1, first, last, needs_mask in tiles:
         k = _gather_block(k_pool, page_table, first, last)
         v = _gather_block(v_pool, page_table, first, last)
         q_t, do_t = qf[..., q0:q1, :], do[..., q0:q1, :]
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).mul_(scale)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         if needs_mask:
-            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device)
+            visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device, documents)
             probs.masked_fill_(~visible, 0.0)
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
         dprobs = torch.einsum("bhgqd,bhkd->bhgqk", do_t, v)

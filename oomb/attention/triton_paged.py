@@ -28,6 +28,11 @@ Design (details and diagrams in docs/kernels.md):
   need not be tile-aligned); only masked tiles look keys up one by one, with loads masked to the
   window, so no table entry or page outside it is read. dK/dV launch only the window's key tiles.
   Without a window the compiled code is today's (``WINDOW`` and ``ACCUMULATE_DQ`` are constexpr).
+* Packed documents (``documents``, oomb/documents.py; constexpr ``DOCS``): query t of row b sees keys
+  start[b, t] <= j <= t. Forward and dQ start a row tile at the key tile of its earliest document
+  start and mask the tiles up to its latest one; dK/dV of a key tile loop only over the rows whose
+  documents reach it (t < end[b, last key]) and mask those whose document starts inside the tile.
+  Rows that see no key of a window get out 0 and lse -inf (merged as an empty window).
 * Backward without atomics: ``_dkdv_kernel`` owns one key tile of one (batch, KV head), loops
   over all query row tiles (all G heads of the group), keeps dK, dV in registers and adds them
   once into the page gradient buffers (read-modify-write: it is the only writer of those slots
@@ -62,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..documents import Documents
 from .reference import _check_backward_extras, check_key_range
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -86,6 +92,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Integer arguments that change with every chunk (lengths, and strides of the page table and the
 # (B, Hq, Lq) statistics): not specialized, so that a new chunk does not compile a new kernel.
 _DYNAMIC_INTS = ["num_kv_heads", "seq_len", "query_start", "key_lo", "key_hi", "stride_tb", "stride_lb", "stride_lh"]
+_DOC_DYNAMIC_INTS = _DYNAMIC_INTS + ["stride_db"]  # the documents' row stride is the step's length
 _TUNING_KEY = ["HEAD_DIM", "PAGE_SIZE", "GROUP"]  # pointer dtypes are added to the key by Triton
 
 # --------------------------------------------------------------------------------------------
@@ -164,9 +171,10 @@ def _fwd_inner(
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
+    doc_start=0, DOCS: tl.constexpr = False,
 ):
     """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
-    key count), and with WINDOW also keys >= key_lo."""
+    key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row)."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         if WINDOW:
@@ -185,17 +193,22 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if MASKED:
             if WINDOW:
-                qk = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), qk, float("-inf"))
+                visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
             else:
-                qk = tl.where(keys[None, :] <= q_pos[:, None], qk, float("-inf"))
+                visible = keys[None, :] <= q_pos[:, None]
+            if DOCS:
+                visible = visible & (keys[None, :] >= doc_start[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
         # The first tile visited holds a key every row sees (key 0, or a window's first key), so
-        # m_new is finite from then on.
+        # m_new is finite from then on (not with DOCS: see below).
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = m_new
-        if WINDOW:
-            if MASKED:
+        if MASKED:
+            if WINDOW:
                 # Guard anyway in window edge tiles, which may hide every key of some rows: a row
                 # with m_new = -inf gets p = alpha = 0 instead of exp2(-inf + inf) = NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            elif DOCS:  # a row whose document starts after every key so far: the same guard
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(qk - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
@@ -205,23 +218,69 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _fwd_documents(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, doc_row_ptr, first_q, last_q, num_keys,
+    key_lo, key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+    offs_n, offs_d, d_ok,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """The forward's traversal of a row tile with packed documents: key tiles [start, end), masked up
+    to mid (the window's edge tile and the tiles holding some row's document start), unmasked over
+    [mid, full_end) (inside the window, in every row's document, before the diagonal), masked after.
+    Returns (out, l, m); a row that saw no key of the window gets out 0 (and lse -inf from l = 0)."""
+    row_doc = tl.load(doc_row_ptr + q_pos)  # document start of every row (non-decreasing in q_pos)
+    start = tl.min(row_doc, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        start = tl.maximum(key_lo // BLOCK_N * BLOCK_N, start)
+        full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(key_hi, last_q + 1)
+        key_end = key_hi
+    else:
+        full_lo = 0
+        full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+        end = last_q + 1
+        key_end = num_keys
+    mid = tl.maximum(full_lo, (tl.max(row_doc, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    unmasked_end = tl.maximum(mid, full_end)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, start, tl.minimum(mid, end), key_end, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, mid, unmasked_end, key_end, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, unmasked_end, end, key_end, qk_scale,
+        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+    )
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
+
+
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
-@triton.jit(do_not_specialize=_DYNAMIC_INTS)
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_tb,
     stride_ob, stride_oh, stride_ol, stride_od,
     stride_lb, stride_lh, stride_ll,
+    stride_db,
     num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
-    (with WINDOW: its keys in [key_lo, key_hi))."""
+    (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -257,36 +316,44 @@ def _fwd_kernel(
     # Keys [0, full_end) are visible to every row of the tile; [full_end, last_q] is the diagonal.
     first_q = query_start + first_row // GROUP
     last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
-    if WINDOW:
-        # [full_lo, full_end): tiles inside the window and visible to every row. A tile straddling
-        # key_lo runs masked first: it holds key_lo, which every row sees. Tiles from full_end to
-        # the last key a row may see (the window's end or the diagonal) run masked.
-        full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
-            key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
-            offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+    if DOCS:
+        out, l_i, m_i = _fwd_documents(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, doc_start_ptr + b * stride_db,
+            first_q, last_q, num_keys, key_lo, key_hi, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, WINDOW,
         )
-        full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
-        end = tl.minimum(key_hi, last_q + 1)
-        key_end = key_hi
     else:
-        full_lo = 0
-        full_end = (first_q + 1) // BLOCK_N * BLOCK_N
-        end = last_q + 1
-        key_end = num_keys
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
-        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
-        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
-    )
+        if WINDOW:
+            # [full_lo, full_end): tiles inside the window and visible to every row. A tile straddling
+            # key_lo runs masked first: it holds key_lo, which every row sees. Tiles from full_end to
+            # the last key a row may see (the window's end or the diagonal) run masked.
+            full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
+                key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+                offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+            )
+            full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+            end = tl.minimum(key_hi, last_q + 1)
+            key_end = key_hi
+        else:
+            full_lo = 0
+            full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+            end = last_q + 1
+            key_end = num_keys
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
+        )
 
-    out = acc / l_i[:, None]
+        out = acc / l_i[:, None]
     o_rows = b * stride_ob + head * stride_oh + qi.to(tl.int64) * stride_ol
     o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -329,8 +396,10 @@ def _dkdv_inner(
     stride_lb, stride_lh, stride_ll, offs_d, d_ok,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    doc_row_ptr=0, DOCS: tl.constexpr = False,
 ):
-    """Accumulate dK, dV of one key tile over row tiles [lo, hi), in order (deterministic)."""
+    """Accumulate dK, dV of one key tile over row tiles [lo, hi), in order (deterministic). With DOCS
+    (MASKED tiles) a row also hides the keys before its document start, read at doc_row_ptr + position."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
@@ -350,7 +419,11 @@ def _dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (N, M)
         p_t = tl.exp2(qk_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where(keys[:, None] <= (query_start + qi)[None, :], p_t, 0.0)
+            visible_t = keys[:, None] <= (query_start + qi)[None, :]
+            if DOCS:
+                row_doc = tl.load(doc_row_ptr + query_start + qi)
+                visible_t = visible_t & (keys[:, None] >= row_doc[None, :])
+            p_t = tl.where(visible_t, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (N, M)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -376,10 +449,12 @@ def _dkdv_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     key_lo=0, key_hi=2**31 - 1,
+    doc_start_ptr=0, doc_end_ptr=0, stride_db=0, DOCS: tl.constexpr = False,
 ):
     """Grid (key tiles of [key_lo, key_hi), B * Hkv): dK, dV of one key tile from every row that sees
     it, added once. key_lo, key_hi come last, with defaults meaning all keys (key_hi is clipped to the
-    key count), so that triton_sparse's launch of this kernel (without them) keeps working."""
+    key count), so that triton_sparse's launch of this kernel (without them) keeps working; so do the
+    packed documents' arguments (DOCS: only rows of the documents reaching the tile)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_n = tl.program_id(0)
@@ -422,20 +497,53 @@ def _dkdv_kernel(
     row_lo = tl.maximum(start_n - query_start, 0) * GROUP // BLOCK_M * BLOCK_M
     row_full = tl.where(key_hi <= query_start, 0, tl.maximum(start_n + BLOCK_N - 1 - query_start, 0) * GROUP)
     row_mid = tl.minimum((row_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, num_rows)
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_lo, row_mid,
-        num_rows, seq_len, query_start, qk_scale,
-        stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
-        stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-        GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION,
-    )
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, num_rows,
-        num_rows, seq_len, query_start, qk_scale,
-        stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
-        stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-        GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
-    )
+    if DOCS:
+        # Rows see a key j only while their document lasts (t < end[j]): rows from row_hi on see none
+        # of the tile; rows before row_doc_full have documents holding the tile's first key.
+        doc_end_row = doc_end_ptr + b * stride_db
+        last_key = tl.minimum(start_n + BLOCK_N - 1, key_hi - 1)
+        row_hi = tl.minimum(tl.maximum(tl.load(doc_end_row + last_key) - query_start, 0), seq_len) * GROUP
+        first_key = tl.maximum(start_n, key_lo)
+        row_doc_full = (tl.minimum(tl.maximum(tl.load(doc_end_row + first_key) - query_start, 0), seq_len)
+                        * GROUP // BLOCK_M * BLOCK_M)
+        unmasked_end = tl.maximum(row_mid, row_doc_full)
+        doc_row_ptr = doc_start_ptr + b * stride_db
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_lo, tl.minimum(row_mid, row_hi),
+            num_rows, seq_len, query_start, qk_scale,
+            stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+            stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, unmasked_end,
+            num_rows, seq_len, query_start, qk_scale,
+            stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+            stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, unmasked_end, row_hi,
+            num_rows, seq_len, query_start, qk_scale,
+            stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+            stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True,
+        )
+    else:
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_lo, row_mid,
+            num_rows, seq_len, query_start, qk_scale,
+            stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+            stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, num_rows,
+            num_rows, seq_len, query_start, qk_scale,
+            stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
+            stride_lb, stride_lh, stride_ll, offs_d, d_ok,
+            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+        )
     dk = dk * scale  # scores are scale * q.k
 
     # This program is the only one touching these slots in the launch: plain read-modify-write.
@@ -459,6 +567,7 @@ def _dq_inner(
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
+    doc_start=0, DOCS: tl.constexpr = False,
 ):
     """Accumulate dQ of one row tile over key tiles [lo, hi); masks as in _fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -480,9 +589,12 @@ def _dq_inner(
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
             if WINDOW:
-                p = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), p, 0.0)
+                visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
             else:
-                p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
+                visible = keys[None, :] <= q_pos[:, None]
+            if DOCS:
+                visible = visible & (keys[None, :] >= doc_start[:, None])
+            p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -491,9 +603,9 @@ def _dq_inner(
 
 # restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
 @triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"], cache_results=CACHE_TUNING)
-@triton.jit(do_not_specialize=_DYNAMIC_INTS)
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
@@ -501,9 +613,11 @@ def _dq_kernel(
     stride_gb, stride_gh, stride_gl, stride_gd,
     stride_lb, stride_lh, stride_ll,
     stride_dqb, stride_dqh, stride_dql, stride_dqd,
+    stride_db,
     num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward.
@@ -546,31 +660,63 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first_q = query_start + first_row // GROUP
     last_q = query_start + tl.minimum((first_row + BLOCK_M - 1) // GROUP, seq_len - 1)
-    if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
-        full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if DOCS:  # the forward's traversal with documents (_fwd_documents)
+        row_doc = tl.load(doc_start_ptr + b * stride_db + q_pos)
+        start = tl.min(row_doc, 0) // BLOCK_N * BLOCK_N
+        if WINDOW:
+            start = tl.maximum(key_lo // BLOCK_N * BLOCK_N, start)
+            full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+            end = tl.minimum(key_hi, last_q + 1)
+            key_end = key_hi
+        else:
+            full_lo = 0
+            full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+            end = last_q + 1
+            key_end = num_keys
+        mid = tl.maximum(full_lo, (tl.max(row_doc, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+        unmasked_end = tl.maximum(mid, full_end)
         dq = _dq_inner(
-            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
-            key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
-            offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, start, tl.minimum(mid, end), key_end,
+            qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
         )
-        full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
-        end = tl.minimum(key_hi, last_q + 1)
-        key_end = key_hi
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, mid, unmasked_end, key_end,
+            qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        )
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, unmasked_end, end, key_end,
+            qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+        )
     else:
-        full_lo = 0
-        full_end = (first_q + 1) // BLOCK_N * BLOCK_N
-        end = last_q + 1
-        key_end = num_keys
-    dq = _dq_inner(
-        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
-        stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
-    )
-    dq = _dq_inner(
-        dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
-        qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
-    )
+        if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
+            full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            dq = _dq_inner(
+                dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
+                key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+                offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+            )
+            full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
+            end = tl.minimum(key_hi, last_q + 1)
+            key_end = key_hi
+        else:
+            full_lo = 0
+            full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+            end = last_q + 1
+            key_end = num_keys
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        )
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
+            qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
+        )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
     dq_ptrs = dq_ptr + dq_rows[:, None] + offs_d[None, :] * stride_dqd
@@ -627,6 +773,23 @@ def _check_inputs(
     return B, Hq, Lq, D, Hkv, P
 
 
+def _document_args(documents: Documents | None, q: torch.Tensor, query_start: int, page_table: torch.Tensor):
+    """(doc_start, doc_end, row stride) for the kernels: the step's (B, T) int32 document bounds, or the
+    page table as an unread stand-in (DOCS off) so that every launch has the same argument list."""
+    if documents is None:
+        return page_table, page_table, 0
+    B, _, Lq, _ = q.shape
+    start, end = documents.start, documents.end
+    if start.shape != end.shape or start.dim() != 2 or start.shape[0] != B or start.shape[1] < query_start + Lq:
+        raise ValueError(f"documents must cover (B={B}, >= {query_start + Lq}) positions; "
+                         f"got start {tuple(start.shape)}, end {tuple(end.shape)}")
+    if start.dtype != torch.int32 or end.dtype != torch.int32 or start.device != q.device or end.device != q.device:
+        raise ValueError(f"documents must be int32 on {q.device}; got {start.dtype}/{end.dtype} on {start.device}")
+    if not (start.is_contiguous() and end.is_contiguous()):
+        raise ValueError("documents' start and end must be contiguous")
+    return start, end, start.stride(0)
+
+
 def _meta(q: torch.Tensor, Hq: int, Hkv: int, D: int, P: int) -> dict:
     """Constexpr arguments shared by the attention kernels."""
     return dict(
@@ -645,6 +808,7 @@ def paged_attention_forward(
     *,
     key_range: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk's queries over its paged history and itself (or one key window).
 
@@ -655,6 +819,8 @@ def paged_attention_forward(
         key_range: optional key window (lo, hi) (reference.py's contract); the table need only
             cover it, and only its entries are read. out_dtype: dtype of out (default q's); float32
             keeps a window's partial output unrounded until the merge.
+        documents: packed documents of the step (oomb/documents.py): each query sees only keys of
+            its own document; a row seeing no key of the window gets out 0 and lse -inf.
     Returns:
         out (B, Hq, Lq, D) in out_dtype and q's layout, lse (B, Hq, Lq) float32 natural log, both
         normalised within the window when there is one.
@@ -674,11 +840,12 @@ def paged_attention_forward(
     def grid(meta):
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
+    doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
     _fwd_kernel[grid](
-        q, k_pool, v_pool, page_table, out, lse,
+        q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
-        Hkv, Lq, query_start, key_lo, key_hi, float(scale),
-        WINDOW=window is not None, **_meta(q, Hq, Hkv, D, P),
+        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale),
+        WINDOW=window is not None, DOCS=documents is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out, lse
 
@@ -719,6 +886,7 @@ def paged_attention_backward(
     key_range: tuple[int, int] | None = None,
     delta: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Return dQ (q's dtype, q's layout) and add dK, dV of every page the chunk read into the pools.
 
@@ -729,7 +897,8 @@ def paged_attention_backward(
     With ``key_range`` (reference.py's contract): dQ is the window's share and only the window's
     keys get dK, dV; ``out``/``lse`` are the merged ones (``out`` may be None when ``delta``, the
     float32 ``backward_delta``, is given). ``dq_accumulator``: float32 (B, Hq, Lq, D), any
-    non-overlapping strides; dQ is added into it in place and it is returned.
+    non-overlapping strides; dQ is added into it in place and it is returned. ``documents``: as in
+    the forward (dK, dV of a key come only from queries of its document).
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start, key_range)
     window = check_key_range(key_range, query_start, Lq, P)
@@ -763,6 +932,10 @@ def paged_attention_backward(
     # (B, Hq, Lq) float32 rowsum(dO * O)
     delta = backward_delta(out, dout) if delta is None else delta.contiguous()
 
+    doc_start, doc_end, stride_db = _document_args(documents, q, query_start, page_table)
+    doc_kwargs = {} if documents is None else dict(doc_start_ptr=doc_start, doc_end_ptr=doc_end,
+                                                   stride_db=stride_db, DOCS=True)
+
     def key_grid(meta):
         return (triton.cdiv(key_hi, meta["BLOCK_N"]) - key_lo // meta["BLOCK_N"], B * Hkv)
 
@@ -771,16 +944,17 @@ def paged_attention_backward(
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
         *lse.stride(), *dk_pool.stride(), *dv_pool.stride(),
         Hkv, Lq, query_start, float(scale), **meta, key_lo=key_lo, key_hi=key_hi,
+        **doc_kwargs,
     )
 
     def row_grid(meta):
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
     _dq_kernel[row_grid](
-        q, k_pool, v_pool, page_table, dout, lse, delta, dq,
+        q, k_pool, v_pool, page_table, dout, lse, delta, dq, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
-        *lse.stride(), *dq.stride(),
+        *lse.stride(), *dq.stride(), stride_db,
         Hkv, Lq, query_start, key_lo, key_hi, float(scale),
-        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, **meta,
+        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, DOCS=documents is not None, **meta,
     )
     return dq

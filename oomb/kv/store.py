@@ -63,12 +63,18 @@ class WindowView:
     dv: torch.Tensor | None = None
 
 
-def attention_windows(chunk: ChunkSpan, page_size: int, block_pages: int | None) -> list[tuple[int, int]]:
-    """Key windows of a chunk's dense attention: its history [0, chunk.start) in blocks aligned to
-    multiples of block_pages pages (None: one block), then the chunk itself. Every tier streams the
-    same windows."""
+def attention_windows(
+    chunk: ChunkSpan, page_size: int, block_pages: int | None, first_key: int = 0
+) -> list[tuple[int, int]]:
+    """Key windows of a chunk's dense attention: its history [first_key, chunk.start) in blocks aligned
+    to multiples of block_pages pages (None: one block), then the chunk itself. Every tier streams the
+    same windows. ``first_key`` (page-aligned; packed documents): keys before it belong to earlier
+    documents of every sequence, so their pages are neither read nor staged."""
+    if first_key % page_size or not 0 <= first_key <= chunk.start:
+        raise ValueError(f"first_key={first_key} must be a page-aligned position in [0, {chunk.start}]")
     block = max(chunk.start, 1) if block_pages is None else block_pages * page_size
-    history = [(lo, min(lo + block, chunk.start)) for lo in range(0, chunk.start, block)]
+    history = [(max(lo, first_key), min(lo + block, chunk.start)) for lo in range(0, chunk.start, block)
+               if min(lo + block, chunk.start) > first_key]
     return history + [(chunk.start, chunk.end)]
 
 
@@ -131,6 +137,9 @@ class PagedKVStore:
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
         self._selections: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk index, layer) -> selection
+        self.history_starts: dict[int, int] = {}
+        """Packed documents: chunk index -> first (page-aligned) history key any query of the chunk
+        sees (oomb/documents.py); absent: 0. Set once per step, before stage 1."""
 
     @staticmethod
     def bytes_needed(
@@ -229,7 +238,8 @@ class PagedKVStore:
         return self._selections[chunk.index, layer]
 
     def windows(self, chunk: ChunkSpan, whole_history: bool = False) -> list[tuple[int, int]]:
-        return attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages)
+        return attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages,
+                                 self.history_starts.get(chunk.index, 0))
 
     def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
         """The chunk's key windows in order, ready to read (and, with grads, to add dK/dV into);
