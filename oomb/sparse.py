@@ -58,27 +58,43 @@ class SparseOptions:
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection
+    local_pages: int = 0  # history pages just before each block, always read (out of the budget)
+    pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax"
+    layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
+    dense_layers: frozenset[int] = frozenset()  # layers that read every history page
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
         """The options of a sparse config; None in dense mode."""
         if config.attention != "sparse":
             return None
+        budgets = config.sparse_layer_budgets
         return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
-                   config.sparse_leak_free, config.sparse_query_block_pages)
+                   config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_local_pages,
+                   config.sparse_pooling, tuple(budgets) if budgets is not None else None,
+                   frozenset(config.sparse_dense_layers))
 
     @property
     def summaries(self) -> tuple[str, ...]:
         """The page summaries the score reads (oomb/kv/summaries.py)."""
         return SUMMARIES_OF_SCORE[self.score]
 
-    def num_selected(self, history_pages: int) -> int:
-        """Pages of the history each block reads: the sinks plus the budget, at most all of them."""
-        return min(history_pages, self.sink_pages + self.budget)
+    def budget_of(self, layer: int) -> int:
+        """Top-scored pages (locals included) a block of ``layer`` reads besides the sinks."""
+        if self.layer_budgets is not None and layer < len(self.layer_budgets):
+            return self.layer_budgets[layer]
+        return self.budget
+
+    def num_selected(self, history_pages: int, layer: int = 0) -> int:
+        """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""
+        if layer in self.dense_layers:
+            return history_pages
+        return min(history_pages, self.sink_pages + self.budget_of(layer))
 
 
 def block_scores(
-    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions
+    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Score of every (query block, history page) pair.
 
@@ -86,7 +102,8 @@ def block_scores(
         q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
         summaries: name -> (B, n_hist, Hkv, D) summaries of the history pages, in page order.
         page_size: P, the queries per block.
-        options: score rule, granularity, leak-free.
+        options: score rule, granularity, leak-free, pooling.
+        scale: the attention's logit scale (default D**-0.5); pooling "softmax" needs it.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -125,13 +142,43 @@ def block_scores(
             r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
         r = r.reshape(B * Hkv, -1, r.shape[-1])
         s = matmul_float32(r, keys_t, "scoring")
-        out[:, :, b0:b1] = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist).amax(dim=3)
+        s = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist)
+        if options.pooling == "softmax":
+            # Each row's estimated share of its attention over the history, summed over the block's rows
+            # (InfLLM-v2 pools softmaxed scores over a GQA group): a page many rows want beats one that a
+            # single row scores high, and heads with large logits no longer outvote the others.
+            out[:, :, b0:b1] = torch.softmax(s * (scale if scale is not None else D ** -0.5), dim=-1).sum(dim=3)
+        else:
+            out[:, :, b0:b1] = s.amax(dim=3)
     if options.selection == "shared":
-        out = out.amax(dim=1, keepdim=True).expand(B, Hkv, n_blocks, n_hist)
+        pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
+        out = pooled.expand(B, Hkv, n_blocks, n_hist)
     return out
 
 
-def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:
+def force_local_pages(scores: torch.Tensor, first_block_page: int, local_pages: int) -> torch.Tensor:
+    """Scores with the ``local_pages`` history pages before each block's first token set to +inf, so
+    top-k always keeps them (NSA and InfLLM-v2 keep local blocks too). Block j of a chunk starting at
+    page c0 = ``first_block_page`` gets pages max(0, c0 + j - local_pages) .. c0 - 1; blocks past the
+    window find their local context in the chunk itself."""
+    if local_pages <= 0:
+        return scores
+    n_blocks, n_hist = scores.shape[2], scores.shape[3]
+    page = torch.arange(n_hist, device=scores.device)
+    block = torch.arange(n_blocks, device=scores.device)
+    local = page[None, :] >= (first_block_page + block[:, None] - local_pages)  # (n_blocks, n_hist)
+    return scores.masked_fill(local, float("inf"))
+
+
+def score_blocks_for_chunk(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
+                           options: SparseOptions, first_block_page: int, layer: int = 0,
+                           scale: float | None = None) -> torch.Tensor:
+    """block_scores with the local pages forced in: what top_pages chooses from."""
+    scores = block_scores(q, summaries, page_size, options, scale)
+    return force_local_pages(scores, first_block_page, min(options.local_pages, options.budget_of(layer)))
+
+
+def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
 
     Args:
@@ -142,7 +189,7 @@ def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:
     """
     B, Hkv, n_blocks, n_hist = scores.shape
     sinks = min(options.sink_pages, n_hist)
-    k = options.num_selected(n_hist) - sinks
+    k = options.num_selected(n_hist, layer) - sinks
     chosen = torch.topk(scores[..., sinks:], k, dim=-1, sorted=False).indices + sinks
     sink_ids = torch.arange(sinks, device=scores.device).expand(B, Hkv, n_blocks, sinks)
     selection = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
@@ -151,7 +198,8 @@ def top_pages(scores: torch.Tensor, options: SparseOptions) -> torch.Tensor:
 
 @torch.no_grad()
 def select_pages(
-    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
+    scale: float | None = None,
 ) -> torch.Tensor | None:
     """The history pages each query block of ``chunk`` reads in ``layer`` (stage 1, after its pages
     and summaries were written).
@@ -163,14 +211,14 @@ def select_pages(
     P = store.page_size
     assert chunk.start % P == 0, "chunks start on page boundaries"
     n_hist = chunk.start // P
-    if options.num_selected(n_hist) == n_hist:
+    if options.num_selected(n_hist, layer) == n_hist:
         return None
-    scores = block_scores(q, store.history_summaries(layer, n_hist), P, options)
+    scores = score_blocks_for_chunk(q, store.history_summaries(layer, n_hist), P, options, n_hist, layer, scale)
     group = options.query_block_pages
     if group == 1:
-        return top_pages(scores, options)
+        return top_pages(scores, options, layer)
     n_blocks = scores.shape[2]
-    selection = top_pages(group_scores(scores, group, options.leak_free), options)
+    selection = top_pages(group_scores(scores, group, options.leak_free, options.pooling), options, layer)
     if selection.shape[2] == 1:
         # One group covers the chunk: a view with stride 0 over the blocks says so without reading
         # the values (cudnn_sparse.py then needs no device synchronisation to find its groups).
@@ -178,13 +226,16 @@ def select_pages(
     return selection.repeat_interleave(group, dim=2)[:, :, :n_blocks].contiguous()
 
 
-def group_scores(scores: torch.Tensor, group: int, leak_free: bool) -> torch.Tensor:
+def group_scores(scores: torch.Tensor, group: int, leak_free: bool, pooling: str = "max") -> torch.Tensor:
     """Scores of groups of ``group`` consecutive query blocks: (B, Hkv, n_blocks, n_hist) ->
     (B, Hkv, ceil(n_blocks / group), n_hist). A group keeps a page if any of its blocks wants it;
-    leak-free, only its first block (scored with its first query) decides."""
+    leak-free, only its first block (scored with its first query) decides. Pooling "softmax" sums the
+    blocks' estimated masses instead of taking the best."""
     if leak_free:
         return scores[:, :, ::group]
     pad = -scores.shape[2] % group
-    if pad:  # copies of the last block cannot change a maximum
-        scores = torch.cat([scores, scores[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-    return scores.unflatten(2, (-1, group)).amax(dim=3)
+    if pad:  # copies of the last block cannot change a maximum (nor, as zeros, a sum)
+        fill = scores[:, :, -1:] if pooling == "max" else torch.zeros_like(scores[:, :, -1:])
+        scores = torch.cat([scores, fill.expand(-1, -1, pad, -1)], dim=2)
+    grouped = scores.unflatten(2, (-1, group))
+    return grouped.sum(dim=3) if pooling == "softmax" else grouped.amax(dim=3)

@@ -577,9 +577,9 @@ def test_stage_two_reads_stage_one_selection(monkeypatch, recorded):
     select_calls, stage_two = [], []
     real_select, real_attention = oomb.attention.function.select_pages, oomb.models.paged_attention
 
-    def counting_select(q, store, layer, chunk, options):
+    def counting_select(q, store, layer, chunk, options, scale=None):
         select_calls.append((layer, chunk.index))
-        return real_select(q, store, layer, chunk, options)
+        return real_select(q, store, layer, chunk, options, scale)
 
     def recording_attention(q, k, v, call, recompute_cache=None):
         stage_two.append((call.layer, call.chunk.index, call.selection))

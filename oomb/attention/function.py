@@ -133,7 +133,7 @@ def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Pag
     each query block reads), then attend."""
     call.store.write(call.layer, call.chunk, k, v)
     if call.sparse is not None:
-        selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse)
+        selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse, call.scale)
         call.store.save_selection(call.layer, call.chunk, selection)
         call = replace(call, selection=selection)
     out, _ = _attention_forward(q, call)
