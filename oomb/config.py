@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -19,6 +19,7 @@ ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("minmax", "mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
+SPARSE_POOLINGS = ("max", "softmax")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -64,6 +65,17 @@ class OOMBConfig:
     queries chooses its own pages. Larger groups read the same compute budget but select fewer
     distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
     Hkv x (sinks + budget) pages per chunk)."""
+    sparse_local_pages: int = 0
+    """Sparse: the history pages just before each query block's first token, always read (counted in
+    the budget): a chunk's first queries find their recent context in the previous chunk."""
+    sparse_pooling: Literal["max", "softmax"] = "max"
+    """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
+    per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
+    estimate of the block's attention mass on the page)."""
+    sparse_layer_budgets: list[int] | None = None
+    """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
+    sparse_dense_layers: list[int] = field(default_factory=list)
+    """Sparse: decoder layers that read every earlier page (dense attention in a sparse step)."""
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
@@ -118,6 +130,9 @@ class OOMBConfig:
         if isinstance(self.sparse_query_block_pages, bool) or not isinstance(self.sparse_query_block_pages, int) \
                 or self.sparse_query_block_pages < 1:
             raise ValueError(f"sparse_query_block_pages={self.sparse_query_block_pages!r} must be an integer >= 1")
+        if self.sparse_pooling not in SPARSE_POOLINGS:
+            raise ValueError(f"sparse_pooling={self.sparse_pooling!r} is not supported; use one of: {SPARSE_POOLINGS}")
+        self._check_layer_options()
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
         if self.sparse_selection not in SPARSE_SELECTIONS:
@@ -137,13 +152,39 @@ class OOMBConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
+    def _check_layer_options(self) -> None:
+        value = self.sparse_local_pages
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"sparse_local_pages={value!r} must be an integer >= 0 (a number of pages)")
+        budgets = self.sparse_layer_budgets
+        if budgets is not None:
+            if not isinstance(budgets, (list, tuple)) or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
+                raise ValueError(f"sparse_layer_budgets={budgets!r} must be a list of integers >= 0, one per layer")
+            self.sparse_layer_budgets = list(budgets)
+        layers = self.sparse_dense_layers
+        if not isinstance(layers, (list, tuple, set, frozenset)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise ValueError(f"sparse_dense_layers={layers!r} must be a list of layer indices >= 0")
+        self.sparse_dense_layers = sorted(set(layers))
+        smallest = min(budgets) if budgets else self.sparse_budget
+        if self.attention == "sparse" and value > smallest:
+            raise ValueError(f"sparse_local_pages={value} exceeds the smallest budget ({smallest}): the local "
+                             "pages are part of the budget")
+
     @property
     def grad_dtype(self) -> torch.dtype:
         return resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     @classmethod
     def from_dict(cls, options: dict) -> OOMBConfig:
-        """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones."""
+        """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones.
+        ``sparse_plan``: the path of a plan written by `oomb calibrate`, whose options fill in those not given."""
+        if options.get("sparse_plan"):  # a plan file from `oomb calibrate`: its options, then the explicit ones
+            from .calibrate import load_plan
+
+            options = {**load_plan(options["sparse_plan"]), **{k: v for k, v in options.items() if k != "sparse_plan"}}
+        options = {k: v for k, v in options.items() if k != "sparse_plan"}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
