@@ -1,0 +1,399 @@
+"""oomb's long-context step inside a Hugging Face ``Trainer`` or TRL ``SFTTrainer``: one line changes.
+
+    from oomb import OOMBSFTTrainer as SFTTrainer      # or OOMBTrainer, or oomb.patch_trainer(trainer)
+    trainer = SFTTrainer(..., oomb_config=OOMBConfig(chunk_size=4096))
+
+Only ``Trainer.training_step`` is replaced (not ``compute_loss``: the Trainer back-propagates what
+``compute_loss`` returns, and oomb's step back-propagates chunk by chunk itself). It runs
+:func:`oomb.forward_backward` on the micro-batch and returns the detached loss, scaled exactly as the
+Trainer scales its own, so gradient accumulation, clipping, the optimizer, the scheduler, callbacks,
+logging, checkpointing and resuming run unchanged. Evaluation keeps the Trainer's ordinary forward.
+
+Semantics kept (each one checked against the plain Trainer in tests/test_hf_trainer.py):
+- Loss scaling: with ``num_items_in_batch`` (the Trainer counts the shifted labels of all micro-batches
+  of an optimizer step, over all ranks with ``average_tokens_across_devices``) the micro-batch's
+  loss is its token sum over that count (times the number of ranks, which DDP's mean undoes); without
+  it, the micro-batch mean over the accumulation steps. oomb's step computes a mean over the
+  micro-batch's own tokens; the ratio is applied to the gradient of the LM head's output, where every
+  gradient of the loss starts, so no parameter gradient is rescaled after the fact.
+- DDP: the Trainer wraps non-final micro-steps in accelerate's ``no_sync`` (DDP's
+  ``require_backward_grad_sync`` off). oomb's step never calls DDP's forward, so DDP's reducer stays
+  idle; after a step whose sync flag is on, the gradients are averaged over the ranks here, as DDP
+  would (one all-reduce per bucket).
+- Right-padded batches: with causal attention a real token never sees the padding after it, so its
+  loss and gradient equal the masked model's. Refused: left padding or holes in ``attention_mask``,
+  and counted labels predicted from padding positions (the plain model masks padding keys there and
+  oomb cannot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer
+
+from .config import OOMBConfig
+from .engine import forward_backward
+from .kv.offload import HostSlabs
+from .loss import IGNORE_INDEX, shift_labels
+from .models import unwrap_causal_lm
+
+logger = logging.getLogger(__name__)
+
+USED_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids", "shift_labels"})
+"""Batch keys oomb's step reads."""
+DERIVED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+"""Keys of padding-free collators that repeat what ``position_ids`` says (document starts)."""
+IGNORED_KEYS = frozenset({"use_cache", "return_dict", "token_type_ids"})
+"""Keys the supported decoder-only models ignore in training."""
+_BUCKET_BYTES = 64 * 2**20
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+@contextlib.contextmanager
+def scaled_loss_gradient(model: nn.Module, scale: float) -> Iterator[None]:
+    """Inside, every gradient of the LM loss is ``scale`` times larger: the LM head's output (the
+    logits, the only way the loss depends on the parameters) passes its gradient on scaled."""
+    if scale == 1.0:
+        yield
+        return
+    head = unwrap_causal_lm(model).get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, out: _ScaleGradient.apply(out, scale))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _forward_backward_params() -> frozenset[str]:
+    return frozenset(inspect.signature(forward_backward).parameters)
+
+
+def _known_compute_losses() -> set:
+    known = {Trainer.compute_loss}
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        pass
+    else:
+        known.add(SFTTrainer.compute_loss)
+    return known
+
+
+def check_trainer(trainer: Trainer) -> None:
+    """Refuse, before training, the setups whose semantics oomb's step cannot reproduce."""
+    args = trainer.args
+
+    def refuse(what: str, fix: str) -> None:
+        raise ValueError(f"oomb's training step does not support {what}: {fix}")
+
+    if type(trainer).compute_loss not in _known_compute_losses():
+        refuse(f"a custom compute_loss ({type(trainer).__name__}.compute_loss)",
+               "oomb computes the token cross-entropy itself and would silently skip it")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        refuse("compute_loss_func", "oomb computes the plain token cross-entropy (mean over counted labels)")
+    if getattr(args, "label_smoothing_factor", 0) or getattr(trainer, "label_smoother", None) is not None:
+        refuse(f"label_smoothing_factor={args.label_smoothing_factor}", "set it to 0")
+    if getattr(args, "loss_type", "nll") not in ("nll", None):
+        refuse(f"loss_type={args.loss_type!r}", "use loss_type='nll'")
+    if getattr(args, "activation_offloading", False):
+        refuse("activation_offloading=True", "oomb keeps almost no activations; use OOMBConfig(offload=True) for "
+               "the KV pages")
+    if getattr(args, "use_liger_kernel", False):
+        refuse("use_liger_kernel=True", "oomb's step has its own chunked loss and has not been checked with Liger's "
+               "patched modules")
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        refuse("DeepSpeed or FSDP through accelerate", "use DDP here, or `oomb train --dp N` for sharded weights")
+    if args.n_gpu > 1:
+        refuse(f"torch.nn.DataParallel over {args.n_gpu} GPUs", "launch one process per GPU (torchrun/accelerate)")
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        size = getattr(trainer, name, lambda: 1)()
+        if size > 1:
+            refuse(f"{name[4:6]} size {size} (tensor/context/sequence parallel through the Trainer)",
+                   "use `oomb train --tp N` for tensor parallel")
+    if getattr(trainer.accelerator, "scaler", None) is not None:
+        refuse("fp16 mixed precision (a gradient scaler)", "load the model in bfloat16 and use bf16=True")
+
+
+def disable_hf_checkpointing(trainer: Trainer) -> None:
+    """oomb recomputes each chunk itself (and each layer with OOMBConfig.checkpoint_layers): HF's
+    gradient checkpointing would recompute again, so it is switched off, with a warning."""
+    args = trainer.args
+    flags = [name for name in ("gradient_checkpointing", "activation_checkpointing") if getattr(args, name, False)]
+    model = unwrap_causal_lm(trainer.model)
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # the new name (transformers >= 5.2x) first: the old one warns
+    enabled = bool(getattr(model, name, False))
+    if not flags and not enabled:
+        return
+    warnings.warn(
+        "gradient/activation checkpointing is replaced by oomb's own recomputation (each chunk is recomputed in "
+        f"stage 2; layers too with OOMBConfig.checkpoint_layers={trainer.oomb_config.checkpoint_layers}): "
+        "Hugging Face's is switched off", UserWarning, stacklevel=3)
+    for name in flags:
+        setattr(args, name, False)
+    if enabled:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+def _to_labels(shifted: torch.Tensor) -> torch.Tensor:
+    """Unshifted labels whose shift is ``shifted`` (what a collator's ``shift_labels`` holds)."""
+    if (shifted[..., -1] != IGNORE_INDEX).any():
+        raise ValueError("shift_labels has a counted label at the last position: no token predicts it")
+    return torch.nn.functional.pad(shifted[..., :-1], (1, 0), value=IGNORE_INDEX)
+
+
+def check_right_padding(attention_mask: torch.Tensor, labels: torch.Tensor) -> None:
+    """Accept a mask only when oomb's causal step provably equals the masked model on every counted label."""
+    mask = attention_mask.bool()
+    if mask.all():
+        return
+    if mask.dim() != 2 or ((attention_mask != 0) & (attention_mask != 1)).any():
+        raise ValueError(f"attention_mask must be a (batch, tokens) mask of 0/1, got shape {tuple(mask.shape)}")
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError(
+            "attention_mask has padding before real tokens (left padding or holes): oomb's causal step would let "
+            "later tokens attend to it. Pad on the right (tokenizer.padding_side='right') or pack without padding")
+    targets = shift_labels(labels)
+    if ((targets != IGNORE_INDEX) & ~mask).any():
+        raise ValueError(
+            "labels after a padding position are counted (the loss would be predicted from padding tokens, which the "
+            "plain model masks and oomb cannot): set labels to -100 on padding, as the standard collators do")
+
+
+def _is_arange(position_ids: torch.Tensor) -> bool:
+    expected = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == expected).all())
+
+
+def step_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The batch as forward_backward's keyword arguments, refusing what it cannot reproduce exactly."""
+    unknown = sorted(set(inputs) - USED_KEYS - DERIVED_KEYS - IGNORED_KEYS)
+    if unknown:
+        raise ValueError(f"the batch has keys oomb's step does not use: {unknown}; it reads {sorted(USED_KEYS)} "
+                         "(multimodal inputs and extra model arguments are not supported)")
+    if "input_ids" not in inputs:
+        raise ValueError("the batch has no input_ids (inputs_embeds is not supported)")
+    input_ids = inputs["input_ids"]
+    if "labels" in inputs and inputs["labels"] is not None:
+        labels = inputs["labels"]
+    elif "shift_labels" in inputs:
+        labels = _to_labels(inputs["shift_labels"])
+    else:
+        raise ValueError("the batch has no labels: the plain Trainer would fail too (the model returns no loss); "
+                         "use a collator that sets them, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False)")
+    if "attention_mask" in inputs and inputs["attention_mask"] is not None:
+        check_right_padding(inputs["attention_mask"], labels)
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    position_ids = inputs.get("position_ids")
+    if position_ids is None:
+        if any(k in inputs for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+            raise ValueError("cu_seq_lens_q/k without position_ids: pass position_ids that restart at each document")
+    elif not _is_arange(position_ids):
+        if "position_ids" not in _forward_backward_params():
+            raise NotImplementedError(
+                "padding-free batches (position_ids restarting at document starts) need document-aware attention "
+                "in oomb.forward_backward, which this version lacks (it has no position_ids argument): set "
+                "padding_free=False (padded batches), or pack documents as one sequence with position_ids 0..T-1")
+        kwargs["position_ids"] = position_ids
+    return kwargs
+
+
+def counted_targets(labels: torch.Tensor) -> int:
+    """Label positions the loss counts (after the shift), as the Trainer's num_items_in_batch counts them."""
+    return int((shift_labels(labels if labels.dim() == 2 else labels[None]) != IGNORE_INDEX).sum())
+
+
+def loss_scale(trainer: Trainer, num_counted: int, num_items_in_batch: torch.Tensor | int | None) -> float:
+    """What the Trainer's loss of this micro-batch is, as a multiple of its mean token loss (see the module doc)."""
+    if getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
+        scale = num_counted / float(num_items_in_batch)
+        if trainer.args.average_tokens_across_devices:
+            tp = getattr(trainer, "get_tp_size", lambda: 1)()
+            scale *= trainer.accelerator.num_processes // tp
+        return scale
+    steps = getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
+    return 1.0 / steps
+
+
+def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+
+def all_reduce_mean_gradients(params: list[nn.Parameter], group) -> None:
+    """Average ``.grad`` over the ranks of ``group`` as DDP does (a missing gradient counts as zero)."""
+    world = dist.get_world_size(group)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for p in params:
+        key = (p.grad.dtype, p.grad.device)
+        bucket = buckets.setdefault(key, [[]])
+        if sum(g.numel() * g.element_size() for g in bucket[-1]) >= _BUCKET_BYTES:
+            bucket.append([])
+        bucket[-1].append(p.grad)
+    for groups in buckets.values():
+        for grads in groups:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _track_sft_tokens(trainer: Trainer, inputs: dict[str, Any]) -> None:
+    """TRL SFTTrainer's ``num_tokens`` metric, which its compute_loss (skipped here) keeps."""
+    if not hasattr(trainer, "_total_train_tokens") or not hasattr(trainer, "_metrics"):
+        return
+    if inputs.get("attention_mask") is not None:
+        local = inputs["attention_mask"].sum()
+    else:
+        local = torch.tensor(inputs["input_ids"].shape[-1], device=inputs["input_ids"].device)
+    total = trainer.accelerator.gather_for_metrics(local).sum().item()
+    trainer._total_train_tokens += total // getattr(trainer, "_tp_size", 1)
+    trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def oomb_training_step(trainer: Trainer, model: nn.Module, inputs: dict[str, Any],
+                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """``Trainer.training_step`` through oomb's chunked step; returns what the plain one returns."""
+    model.train()
+    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
+        trainer.optimizer.train()
+    inputs = trainer._prepare_inputs(inputs)
+    kwargs = step_inputs(inputs)
+    _track_sft_tokens(trainer, inputs)
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    num_counted = counted_targets(kwargs["labels"])
+    scale = loss_scale(trainer, num_counted, num_items_in_batch)
+    _warn_mixed_precision(trainer, unwrapped)
+    if num_counted == 0:
+        if num_items_in_batch is None:
+            raise ValueError("a micro-batch has no counted label (all -100 after shifting): its mean loss is "
+                             "undefined")
+        loss = torch.zeros((), dtype=torch.float32, device=kwargs["input_ids"].device)  # sum / N = 0, no gradient
+    else:
+        with scaled_loss_gradient(unwrapped, scale):
+            loss = forward_backward(unwrapped, config=trainer.oomb_config, host_slabs=trainer._oomb_host_slabs,
+                                    **kwargs) * scale
+    ddp = _ddp(model)
+    if ddp is not None and ddp.require_backward_grad_sync:
+        all_reduce_mean_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
+    steps = trainer.args.torch_empty_cache_steps
+    if steps is not None and trainer.state.global_step % steps == 0 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return loss.detach()
+
+
+def _warn_mixed_precision(trainer: Trainer, model: nn.Module) -> None:
+    if trainer._oomb_warned_precision or trainer.accelerator.mixed_precision in (None, "no"):
+        return
+    dtype = unwrap_causal_lm(model).get_input_embeddings().weight.dtype
+    if dtype == torch.float32:
+        warnings.warn(
+            f"mixed_precision={trainer.accelerator.mixed_precision!r} (accelerate's autocast of model.forward) does "
+            "not apply to oomb's step, which runs in the weights' dtype (float32 here): load the model in bfloat16 "
+            "(dtype=torch.bfloat16) for bf16 compute", UserWarning, stacklevel=3)
+    trainer._oomb_warned_precision = True
+
+
+def _setup(trainer: Trainer, oomb_config: OOMBConfig | None) -> None:
+    if oomb_config is not None and not isinstance(oomb_config, OOMBConfig):
+        raise TypeError(f"oomb_config must be an oomb.OOMBConfig, got {type(oomb_config).__name__}")
+    trainer.oomb_config = oomb_config or OOMBConfig()
+    trainer._oomb_host_slabs = HostSlabs() if trainer.oomb_config.offload else None
+    trainer._oomb_warned_precision = False
+    unwrap_causal_lm(trainer.model)  # refuse an unsupported model now, not at the first step
+    check_trainer(trainer)
+    disable_hf_checkpointing(trainer)
+
+
+class OOMBTrainerMixin:
+    """Put first in the bases of a ``transformers.Trainer`` subclass: its training step becomes oomb's.
+
+    Args (besides the Trainer's):
+        oomb_config: the chunked step's options (chunk and page size, sparse mode, offload...);
+            None: OOMBConfig() defaults.
+    """
+
+    oomb_config: OOMBConfig
+
+    def __init__(self, *args: Any, oomb_config: OOMBConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _setup(self, oomb_config)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        return oomb_training_step(self, model, inputs, num_items_in_batch)
+
+
+class OOMBTrainer(OOMBTrainerMixin, Trainer):
+    """``transformers.Trainer`` whose training step is oomb's chunk-recurrent step (``oomb_config=``)."""
+
+
+def patch_trainer(trainer: Trainer, oomb_config: OOMBConfig | None = None) -> Trainer:
+    """Give an existing Trainer (or SFTTrainer) instance oomb's training step; returns it."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"patch_trainer expects a transformers.Trainer, got {type(trainer).__name__}")
+    if isinstance(trainer, OOMBTrainerMixin):
+        raise ValueError(f"{type(trainer).__name__} already runs oomb's step")
+    _setup(trainer, oomb_config)
+    trainer.training_step = types.MethodType(oomb_training_step, trainer)
+    return trainer
+
+
+_TRL_MISSING = ("OOMBSFTTrainer needs TRL: pip install 'oomb[trl]' (or pip install trl); "
+                "plain transformers users can use oomb.OOMBTrainer")
+_sft_class: type | None = None
+
+
+def _make_sft_trainer() -> type:
+    global _sft_class
+    if _sft_class is None:
+        try:
+            from trl import SFTTrainer
+        except ImportError as err:
+            raise ImportError(_TRL_MISSING) from err
+
+        class OOMBSFTTrainer(OOMBTrainerMixin, SFTTrainer):
+            """TRL ``SFTTrainer`` whose training step is oomb's chunk-recurrent step (``oomb_config=``).
+
+            Its per-token metrics ``entropy`` and ``mean_token_accuracy`` need full logits and are not
+            logged during training; ``num_tokens`` is.
+            """
+
+        OOMBSFTTrainer.__module__ = __name__
+        OOMBSFTTrainer.__qualname__ = "OOMBSFTTrainer"
+        _sft_class = OOMBSFTTrainer
+    return _sft_class
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OOMBSFTTrainer":
+        return _make_sft_trainer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
