@@ -318,3 +318,32 @@ def test_loss_gradient_scale_is_exact():
         forward_backward(model, ids, config=STEP)
     for g, ref in zip((p.grad for p in model.parameters()), reference, strict=True):
         torch.testing.assert_close(g, ref * 0.25, rtol=1e-6, atol=1e-9)
+
+
+def test_ddp_two_processes(tmp_path):
+    """2 CPU processes (gloo) under torchrun: accelerate's DDP, GA 2, tokens counted over both ranks."""
+    import json
+    import os
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               str(root / "tests" / "hf_trainer_ddp_worker.py"), str(out)]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and result["ddp"] == "DistributedDataParallel", result
+    assert result["oomb"] == pytest.approx(result["plain"], abs=TOL, rel=0), result
+    assert result["oomb_grad_norm"] == pytest.approx(result["plain_grad_norm"], abs=TOL, rel=0), result
+    assert result["worst"] <= TOL, result
+    assert result["replica_gap"] == 0.0, result
+    assert result["reductions"] == 2, result  # one all-reduce per optimizer step, none in no_sync micro-steps
+    assert result["plain_ddp_buckets"] >= 2 and result["oomb_ddp_buckets"] == 0, result  # DDP's reducer stays idle
+    print(result)
