@@ -43,6 +43,13 @@ from .units import format_tokens
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
+LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
+"""Without layer replay PEFT's LoRA layers keep more per token than oomb.memory counts: measured on the
+H200 (7B, LoRA r=16, 128K, chunk 4096) 71.79 GiB peak vs 64.7 predicted, 7.1 GiB = 18.5 bytes per
+hidden unit, token and layer (with replay: 39.02 measured vs 40.1 predicted); rounded up to 20
+(benchmarks/results/logs/autoconfig_qwen7b_lora_128k_h200_2026-12-01.log; the replay run: its
+stdout in the report of that session)."""
+
 MIN_AUTO_CHUNK = 1024
 """The chooser halves the chunk (less activation memory) down to this many tokens, never below."""
 
@@ -184,9 +191,11 @@ class Choice:
     runner_up: Candidate | None
     chosen: Candidate
     fixed: dict = field(default_factory=dict)
+    num_layers: int = 0
 
-    def describe(self, num_layers: int) -> str:
+    def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
+        num_layers = self.num_layers
         lines = [f"configuration: {self.chosen.summary(num_layers)}",
                  f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
                  f"relative step time {self.chosen.relative_time:.2f}",
@@ -239,6 +248,9 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
         gpu["param grads"], gpu["fp32 grad sums"] = _grad_bytes(workload, config)
     if workload.optimizer_bytes is not None:
         gpu["optimizer"] = workload.optimizer_bytes
+    if workload.lora_rank and not config.checkpoint_layers:
+        shape, chunk = workload.shape, min(config.chunk_size, workload.seq_len) * workload.batch_size
+        gpu["activations"] += LORA_NO_REPLAY_BYTES_PER_HIDDEN * shape.hidden_size * shape.num_layers * chunk
     gpu_bytes = sum(gpu.values())
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
@@ -394,9 +406,13 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     if not fitting:
         raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
     best = fitting[0]
-    runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)), None)
+    # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
+    # alternative to a step that keeps every page on the GPU.
+    runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
+                      and (best.config.offload or not c.config.offload)), None)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
-    return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed)
+    return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
+                  workload.shape.num_layers)
 
 
 def _headline(c: Candidate) -> tuple:
@@ -451,7 +467,7 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
                  + _against(smallest, resources))
     longest = _longest_fitting(workload, resources, base, fixed)
     if longest:
-        lines.append(f"  up to {longest:,} tokens ({longest / 2**20:.2f}M) fit, by the same search")
+        lines.append(f"  up to {longest:,} tokens ({_approx_tokens(longest)}) fit, by the same search")
     else:
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
                      "large (train LoRA adapters, offload the optimizer, or use a larger GPU)")
@@ -467,6 +483,10 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
             except NoConfigFitsError:
                 pass
     return "\n".join(lines)
+
+
+def _approx_tokens(tokens: int) -> str:
+    return f"{tokens / 2**20:.2f}M" if tokens >= 2**20 else f"{tokens / 1024:.1f}K"
 
 
 def _against(c: Candidate, resources: Resources) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import machine, presets
+from .attention.backend import resolve_backend_name
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .config import BACKENDS, OOMBConfig, resolve_dtype
 from .memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
@@ -67,7 +68,10 @@ class BenchOptions:
     page_size: int = 128
     kv_grad_dtype: str = "float32"
     backend: str = OOMBConfig.backend
-    """Attention kernels of the oomb modes (OOMBConfig.backend)."""
+    """Attention kernels of the oomb modes (OOMBConfig.backend); "auto" is resolved with the dtype:
+    cudnn for bf16 on CUDA, triton with ``deterministic`` (attention.backend.resolve_backend_name)."""
+    deterministic: bool = False
+    """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
@@ -103,9 +107,15 @@ class BenchOptions:
         """bf16 on a GPU; fp32 on the CPU (bf16 there is 3-7x slower and tells nothing)."""
         return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
 
+    @property
+    def resolved_backend(self) -> str:
+        """The backend the oomb modes run ("auto" resolved for this device and dtype)."""
+        return resolve_backend_name(self.backend, torch.device(self.device), self.dtype, self.deterministic)
+
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
-                          backend=self.backend, checkpoint_layers=self.checkpoint_layers,
+                          backend=self.resolved_backend, deterministic=self.deterministic,
+                          checkpoint_layers=self.checkpoint_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget)
 
@@ -349,6 +359,7 @@ def new_report(options: BenchOptions, shape: ModelShape) -> dict:
             "dtype": str(options.dtype).removeprefix("torch."), "step": "one forward+backward, no optimizer",
             "hf": MODES["hf"].description,
             "options": {**dataclasses.asdict(options), "max_seconds": str(options.max_seconds)},
+            "backend": options.resolved_backend,
         },
         "modes": {m: {"status": "implemented" if is_implemented(m) else "planned", "description": MODES[m].description}
                   for m in options.modes},
@@ -495,18 +506,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny model on the CPU, contexts 1K 2K (overridable by the options below)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the table and plot of a finished run")
-    parser.add_argument("--preset", choices=list(presets.PRESETS))
-    parser.add_argument("--contexts", type=parse_tokens, nargs="+", help="e.g. 32K 64K 128K 256K")
+    parser.add_argument("--preset", "--model", dest="preset", choices=list(presets.PRESETS))
+    parser.add_argument("--contexts", "--context", "--seq-len", dest="contexts", type=parse_tokens, nargs="+",
+                        help="e.g. 32K 64K 128K 256K")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), help=f"default: {' '.join(BENCH_MODES)}")
     parser.add_argument("--device", help="cuda (default) or cpu")
-    parser.add_argument("--chunk-size", type=int)
-    parser.add_argument("--page-size", type=int)
+    parser.add_argument("--chunk-size", type=parse_tokens)
+    parser.add_argument("--page-size", type=parse_tokens)
     parser.add_argument("--kv-grad-dtype", help=f"default {d.kv_grad_dtype}")
     parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
                         help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
-    parser.add_argument("--backend", choices=BACKENDS, help=f"attention kernels (default {d.backend})")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help=f"attention kernels (default {d.backend}: cudnn for bf16 on CUDA, triton with "
+                             "--deterministic, torch on a CPU)")
+    parser.add_argument("--deterministic", action="store_true", default=None,
+                        help="bitwise-deterministic kernels: backend auto resolves to triton")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
-    parser.add_argument("--query-block-pages", dest="sparse_query_block_pages", type=int,
+    parser.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
                         help=f"sparse modes: history pages per query block, besides the sinks "
@@ -524,6 +540,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
+                 "deterministic",
                  "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:

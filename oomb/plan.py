@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from . import machine, presets
-from .config import ATTENTION_MODES, OOMBConfig, resolve_dtype
+from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
+from .config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
 from .memory import (
     GIB,
     GPU_TERMS,
@@ -201,6 +202,10 @@ class Plan:
     budget: Budget
     reports: list[ModeReport]
     hints: list[str]
+    choice: Choice | None = None
+    """oomb.autoconfig's fastest configuration that fits (the attention mode as given)."""
+    choice_error: str | None = None
+    """Why no configuration fits, when none does."""
 
 
 def _check(prediction: MemoryPrediction, budget: Budget) -> tuple[bool, bool]:
@@ -217,8 +222,11 @@ def make_plan(
     offload: OffloadAssumptions | None = None,
     sparse: SparseAssumptions | None = None,
     modes: list[str] | None = None,
+    fixed: dict | None = None,
 ) -> Plan:
-    """Predictions, fit and largest context of every mode in ``modes`` (default: all)."""
+    """Predictions, fit and largest context of every mode in ``modes`` (default: all), and the
+    configuration oomb.autoconfig chooses for ``config.attention`` keeping the options in ``fixed``
+    (None: every option of ``config`` fixed but the backend: no choice beyond that)."""
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
     offload = offload or OffloadAssumptions()
@@ -254,7 +262,17 @@ def make_plan(
                              f"host {prediction.host_total / GIB:.1f} GiB)")
                 break
     hints += _speed_hints(reports, config, lambda mode, cfg: run(mode, tokens, cfg), budget)
-    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints)
+    choice, choice_error = None, None
+    if fixed is not None:
+        workload = Workload(shape, tokens, setup.batch_size, setup.dtype, setup.lora_rank, setup.optimizer,
+                            setup.master_weights)
+        gpu_name = budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None
+        resources = Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=gpu_name)
+        try:
+            choice = choose_config(workload, resources, fixed, config)
+        except NoConfigFitsError as err:
+            choice_error = str(err)
+    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints, choice, choice_error)
 
 
 def _speed_hints(reports: list[ModeReport], config: OOMBConfig, run, budget: Budget) -> list[str]:
@@ -356,6 +374,11 @@ def format_plan(plan: Plan) -> str:
             f"  (offload: {o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page "
             f"streamed blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} "
             f"summary vectors per page and KV head)")
+    if plan.choice is not None:
+        lines += ["", f"oomb train would run ({plan.choice.config.attention} attention, options you set kept):",
+                  plan.choice.describe()]
+    elif plan.choice_error is not None:
+        lines += ["", f"oomb train would refuse: {plan.choice_error}"]
     return "\n".join(lines)
 
 
@@ -394,7 +417,22 @@ def plan_to_dict(plan: Plan) -> dict:
             for r in plan.reports
         ],
         "hints": plan.hints,
+        "choice": _choice_to_dict(plan.choice) if plan.choice is not None else None,
+        "choice_error": plan.choice_error,
     }
+
+
+def _choice_to_dict(choice: Choice) -> dict:
+    def candidate(c) -> dict:
+        cfg = c.config
+        return {"offload": cfg.offload, "offload_resident_layers": cfg.offload_resident_layers,
+                "kv_grad_dtype": _dtype(cfg.grad_dtype), "checkpoint_layers": cfg.checkpoint_layers,
+                "chunk_size": cfg.chunk_size, "backend": cfg.backend, "attention": cfg.attention,
+                "gpu_bytes": c.gpu_bytes, "host_bytes": c.host_bytes, "relative_step_time": round(c.relative_time, 4),
+                "speed_factors": list(c.factors)}
+
+    return {**candidate(choice.chosen), "reason": choice.reason,
+            "runner_up": candidate(choice.runner_up) if choice.runner_up is not None else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offload, sparse = OffloadAssumptions(), SparseAssumptions()
     parser.add_argument("--model", required=True,
                         help=f"a local model directory or a preset: {', '.join(presets.PRESETS)}")
-    parser.add_argument("--context", type=parse_tokens, default=DEFAULT_CONTEXT,
+    parser.add_argument("--context", "--seq-len", dest="context", type=parse_tokens, default=DEFAULT_CONTEXT,
                         help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--gpu-gib", type=float, help="GPU size in GiB (default: this machine's CUDA device)")
@@ -421,36 +459,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: predict one GPU's share of weights, KV heads and activations")
     group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
-    group = parser.add_argument_group("oomb step (OOMBConfig)")
-    group.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
-    group.add_argument("--page-size", type=int, default=defaults.page_size)
-    group.add_argument("--kv-grad-dtype", default="float32")
-    group.add_argument("--loss-chunk-tokens", type=int, default=defaults.loss_chunk_tokens)
-    group.add_argument("--no-checkpoint-layers", action="store_true")
+    group = parser.add_argument_group("oomb step (OOMBConfig; the chosen configuration keeps what is given here)")
+    group.add_argument("--attention", choices=ATTENTION_MODES, default=defaults.attention,
+                       help="mode of the chosen configuration (default dense; the table shows every mode)")
+    group.add_argument("--chunk-size", type=parse_tokens, help=f"default {defaults.chunk_size}")
+    group.add_argument("--page-size", type=parse_tokens, default=defaults.page_size)
+    group.add_argument("--kv-grad-dtype", help="default float32")
+    group.add_argument("--backend", choices=BACKENDS, help="default: cudnn for bf16 (triton with --deterministic)")
+    group.add_argument("--deterministic", action="store_true", help="bitwise-deterministic kernels (triton)")
+    group.add_argument("--offload", action=argparse.BooleanOptionalAction, help="fix offload on or off")
+    group.add_argument("--loss-chunk-tokens", type=parse_tokens, default=defaults.loss_chunk_tokens)
+    group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
+                       help="layer replay in backward (default on in the table)")
     group.add_argument("--no-fp32-grad-accumulation", action="store_true")
     group = parser.add_argument_group("planned modes (assumptions)")
-    group.add_argument("--top-k-pages", type=int, default=sparse.top_k_pages)
-    group.add_argument("--sink-pages", type=int, default=sparse.sink_pages)
-    group.add_argument("--query-block-pages", type=int, default=sparse.query_block_pages,
+    group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
+    group.add_argument("--sink-pages", "--sparse-sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
+    group.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="query_block_pages", type=int,
+                       default=sparse.query_block_pages,
                        help="sparse: query blocks sharing one selection (fewer pages staged with offload)")
-    group.add_argument("--resident-layers", type=int, default=offload.resident_layers)
+    group.add_argument("--resident-layers", "--offload-resident-layers", dest="resident_layers", type=int,
+                       help=f"offload: layers whose pages stay on the GPU (table default {offload.resident_layers})")
     group.add_argument("--stream-block-pages", type=int, default=offload.stream_block_pages)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, kv_grad_dtype=args.kv_grad_dtype,
-                        checkpoint_layers=not args.no_checkpoint_layers, loss_chunk_tokens=args.loss_chunk_tokens,
-                        fp32_grad_accumulation=not args.no_fp32_grad_accumulation)
+    defaults = OOMBConfig()
+    given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
+             "offload": args.offload, "offload_resident_layers": args.resident_layers,
+             "checkpoint_layers": args.checkpoint_layers}
+    fixed = {k: v for k, v in given.items() if v is not None}
+    fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
+                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
+                 sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages,
+                 sparse_query_block_pages=args.query_block_pages)
+    fixed = fixed_from_options(fixed)
+    config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
+                        kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
+                        checkpoint_layers=args.checkpoint_layers is not False, loss_chunk_tokens=args.loss_chunk_tokens,
+                        fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
+                        deterministic=args.deterministic, sparse_budget=args.top_k_pages,
+                        sparse_sink_pages=args.sink_pages, sparse_query_block_pages=args.query_block_pages)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank)
-    offload = OffloadAssumptions(resident_layers=args.resident_layers, stream_block_pages=args.stream_block_pages)
+    offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
                                query_block_pages=args.query_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
-                     args.modes)
+                     args.modes, fixed)
 
 
 def main(args: argparse.Namespace) -> int:

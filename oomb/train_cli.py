@@ -10,8 +10,10 @@ import argparse
 import json
 import sys
 
+from .config import ATTENTION_MODES, BACKENDS
 from .train_config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult
+from .units import parse_tokens
 
 EXIT_ERROR = 1
 EXIT_MEMORY = 3
@@ -29,11 +31,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local Hugging Face model directory (model.path)")
     parser.add_argument("--data", action="append", metavar="PATH",
                         help="data file or folder: jsonl, parquet, text (data.paths; repeatable)")
-    parser.add_argument("--seq-len", type=int, help="tokens per training sequence (data.seq_len)")
+    parser.add_argument("--seq-len", "--context", dest="seq_len", type=parse_tokens,
+                        help="tokens per training sequence, e.g. 131072, 128K, 1M (data.seq_len)")
     parser.add_argument("--steps", type=int, help="optimizer steps (train.max_steps)")
     parser.add_argument("--output-dir", help="where checkpoints, metrics and the final model go (train.output_dir)")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree under torchrun (parallel.tp)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (lora.enabled=true)")
+    parser.add_argument("--lora-rank", type=int, help="LoRA adapter rank (lora.r; implies --lora)")
+    group = parser.add_argument_group("oomb step (unset: chosen for speed within the free memory, train.auto_config)")
+    group.add_argument("--attention", choices=ATTENTION_MODES, help="oomb.attention (default dense; never chosen)")
+    group.add_argument("--chunk-size", type=parse_tokens, help="oomb.chunk_size, e.g. 4096 or 4K")
+    group.add_argument("--page-size", type=parse_tokens, help="oomb.page_size")
+    group.add_argument("--backend", choices=BACKENDS, help="oomb.backend")
+    group.add_argument("--kv-grad-dtype", help="oomb.kv_grad_dtype: float32 or bfloat16")
+    group.add_argument("--offload", action=argparse.BooleanOptionalAction, help="oomb.offload (pages in host memory)")
+    group.add_argument("--resident-layers", "--offload-resident-layers", dest="resident_layers", type=int,
+                       help="oomb.offload_resident_layers")
+    group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
+                       help="oomb.checkpoint_layers (layer replay in backward)")
+    group.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                       help="oomb.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
+    group.add_argument("--no-auto-config", action="store_true",
+                       help="use the oomb options as given, defaults where unset (train.auto_config=false)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                         help="continue from the latest checkpoint in the output dir, or from CHECKPOINT")
     parser.add_argument("--overwrite", action="store_true",
@@ -45,8 +64,15 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
     pairs = [("model.path", args.model), ("data.paths", args.data), ("data.seq_len", args.seq_len),
              ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
-             ("checkpoint.resume", args.resume), ("parallel.tp", args.tp)]
-    if args.lora:
+             ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("lora.r", args.lora_rank),
+             ("oomb.attention", args.attention), ("oomb.chunk_size", args.chunk_size),
+             ("oomb.page_size", args.page_size), ("oomb.backend", args.backend),
+             ("oomb.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload", args.offload),
+             ("oomb.offload_resident_layers", args.resident_layers),
+             ("oomb.checkpoint_layers", args.checkpoint_layers), ("oomb.deterministic", args.deterministic)]
+    if args.no_auto_config:
+        pairs.append(("train.auto_config", False))
+    if args.lora or args.lora_rank is not None:
         pairs.append(("lora.enabled", True))
     if args.overwrite:
         pairs.append(("train.overwrite", True))
@@ -102,12 +128,13 @@ def _header(trainer: Trainer) -> str:
     attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
                  f"{o.sparse_score}{', leak-free' if o.sparse_leak_free else ''})" if o.attention == "sparse" else "")
     if o.offload:
-        attention += ", KV pages in pinned host memory"
+        attention += f", KV pages in pinned host memory ({o.offload_resident_layers} layers resident on the GPU)"
+    choice = f"\n  {trainer.choice.describe()}" if trainer.choice is not None else ""
     return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
             f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}{ranks}\n"
             f"  data: {data}; {cfg.train.max_steps} steps x {cfg.train.grad_accum} sequence(s) x "
             f"{cfg.data.seq_len:,} tokens, chunk {o.chunk_size}, page {o.page_size}{attention}, "
-            f"lr {trainer.lr:g}{start}\n  output: {cfg.train.output_dir}")
+            f"lr {trainer.lr:g}{start}{choice}\n  output: {cfg.train.output_dir}")
 
 
 def _summary(result: TrainResult, trainer: Trainer) -> str:
@@ -116,6 +143,12 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
     trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
     lines = [f"oomb train: {'interrupted after' if result.interrupted else 'done,'} {result.steps} steps, "
              f"{result.tokens:,} tokens in {result.elapsed_s:,.1f} s ({result.tokens_per_s:,.0f} tokens/s); {trend}"]
+    if result.first_step_s is not None:
+        timing = f"  step time: first {result.first_step_s:,.2f} s"
+        if result.steady_step_s is not None:
+            timing += (f", then {result.steady_step_s:,.2f} s per step (median): the first step's overhead "
+                       f"(compilation, kernel tuning, warm-up) was {result.first_step_overhead_s:,.2f} s")
+        lines.append(timing)
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")
     if result.export_dir:

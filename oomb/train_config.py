@@ -26,9 +26,13 @@ from typing import Any, Literal
 import torch
 import yaml
 
+from .autoconfig import AUTO_FIELDS
 from .config import OOMBConfig
+from .units import coerce_tokens
 
 PRESET_NAMES = ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b")
+TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "loss_chunk_tokens")}
+"""Keys holding a number of tokens: YAML and --set accept '1M', '128K' there (oomb.units)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -137,6 +141,11 @@ class TrainSection:
     """Start fresh even if output_dir holds checkpoints (oomb's own artifacts there are deleted)."""
     memory_check: Literal["refuse", "warn", "off"] = "refuse"
     """Before the first step, compare the predicted memory of a step with what is free."""
+    auto_config: bool = True
+    """Before the first step, choose the oomb options left unset (or set to "auto"): backend,
+    offload, offload_resident_layers, kv_grad_dtype, checkpoint_layers, chunk_size, for the fastest
+    step that fits the free GPU and host memory (oomb.autoconfig; the plan is printed). Options you
+    set are kept. False: the oomb section's values as they are (defaults where unset)."""
 
 
 @dataclass
@@ -200,8 +209,18 @@ class TrainerConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     oomb: OOMBConfig = field(default_factory=OOMBConfig)
+    oomb_auto: tuple[str, ...] | None = None
+    """The oomb options left to the chooser (train.auto_config). from_dict/load: the AUTO_FIELDS
+    not given or given as "auto". None (built in Python): the AUTO_FIELDS still at OOMBConfig's
+    default. () fixes them all. The trainer empties it once it has chosen."""
 
     def __post_init__(self) -> None:
+        if self.oomb_auto is None:
+            defaults = OOMBConfig()
+            self.oomb_auto = tuple(f for f in AUTO_FIELDS if getattr(self.oomb, f) == getattr(defaults, f))
+        unknown = sorted(set(self.oomb_auto) - set(AUTO_FIELDS))
+        if unknown:
+            raise ValueError(f"oomb_auto={unknown} are not options the chooser decides; those are {AUTO_FIELDS}")
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 got = type(getattr(self, name)).__name__
@@ -220,15 +239,20 @@ class TrainerConfig:
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections: {list(SECTIONS)}")
         sections = {}
+        auto: tuple[str, ...] = ()
         for name, section_cls in SECTIONS.items():
             values = options.get(name) or {}
             if not isinstance(values, dict):
                 raise ValueError(f"config section '{name}' must be a mapping of keys, got {values!r}")
+            values = {k: coerce_tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
+                      for k, v in values.items()}
             if section_cls is OOMBConfig:
+                auto = tuple(f for f in AUTO_FIELDS if values.get(f, "auto") == "auto")
+                values = {k: v for k, v in values.items() if not (k in AUTO_FIELDS and v == "auto")}
                 sections[name] = OOMBConfig.from_dict(values)
             else:
                 sections[name] = _section_from_dict(section_cls, values, name)
-        return cls(**sections)
+        return cls(**sections, oomb_auto=auto)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
@@ -252,6 +276,9 @@ class TrainerConfig:
         grad_dtype = out["oomb"]["kv_grad_dtype"]
         if isinstance(grad_dtype, torch.dtype):
             out["oomb"]["kv_grad_dtype"] = str(grad_dtype).removeprefix("torch.")
+        if self.train.auto_config:
+            for key in self.oomb_auto:  # left to the chooser: "auto" reads back the same way
+                out["oomb"][key] = "auto"
         return out
 
     def to_yaml(self) -> str:

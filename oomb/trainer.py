@@ -19,6 +19,7 @@ writes files), and are resumed by any number of processes, any tp x dp layout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from . import machine
+from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
 from .checkpoint import (
     atomic_directory,
     latest_checkpoint,
@@ -85,6 +88,17 @@ class TrainResult:
     resumed_from: str | None
     peak_gpu_gib: float | None
     peak_host_gib: float
+    first_step_s: float | None = None
+    """Seconds of this session's first step: compilation and kernel autotuning included."""
+    steady_step_s: float | None = None
+    """Median seconds of the session's later steps (None with fewer than two steps)."""
+
+    @property
+    def first_step_overhead_s(self) -> float | None:
+        """What the first step cost beyond a steady one (compilation, autotuning, allocator warm-up)."""
+        if self.first_step_s is None or self.steady_step_s is None:
+            return None
+        return max(0.0, self.first_step_s - self.steady_step_s)
 
     @property
     def final_loss(self) -> float | None:
@@ -121,6 +135,9 @@ class Trainer(Checkpointing):
         self._last_metrics: dict | None = None
         self._peak_gpu = 0.0
         self._owns_process_group = False  # setup() joined torchrun's process group: close() leaves it
+        self.choice: Choice | None = None  # what oomb.autoconfig chose for the oomb options left unset
+        self._auto_refusal: str | None = None  # why the chooser found nothing that fits
+        self._step_times: list[float] = []  # this session's step times (first step reported apart)
         self.parallel = ParallelSetup()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -181,6 +198,7 @@ class Trainer(Checkpointing):
                     self.total_params / 1e6, self.trainable / 1e6, self.dtype, self.device)
 
         self._num_masters = MasterWeights.count(self.model, cfg.optim.master_weights, cfg.optim.offload)
+        self._auto_configure(causal_lm)  # the oomb options left unset, chosen for the free memory
         self._check_memory(causal_lm)  # before the masters and optimizer state exist
         self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
         self.host_slabs = HostSlabs() if cfg.oomb.offload else None  # pinned pages, reused by every step
@@ -251,17 +269,66 @@ class Trainer(Checkpointing):
                                  {"fp32 masters, their gradients, AdamW state": host_need}))
         logger.info("predicted memory of a step beyond the loaded weights: %.2f GiB (%s)", need / GIB,
                     ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items()))
-        if not problems:
+        if not problems and self._auto_refusal is None:
             return
+        if not problems:
+            message = self._auto_refusal
+            if mode == "warn":
+                logger.warning("%s", message)
+                return
+            raise NotEnoughMemoryError(message + "\n  or set train.memory_check=warn to try anyway")
         message = "\n".join(
             f"not enough {w}: a step needs about {n / GIB:.1f} GiB beyond the loaded weights, {f / GIB:.1f} GiB "
             f"are free\n" + "\n".join(f"  {k}: {v / GIB:.2f} GiB" for k, v in t.items())
             for w, n, f, t in problems)
         message += "\n" + self._memory_advice(causal_lm)
+        if self._auto_refusal is not None:
+            message += "\n" + self._auto_refusal
         if mode == "warn":
             logger.warning("%s", message)
         else:
             raise NotEnoughMemoryError(message + "\n  or set train.memory_check=warn to try anyway")
+
+    def _auto_configure(self, causal_lm) -> None:
+        """Replace the oomb options left to the chooser (train.auto_config, TrainerConfig.oomb_auto) by
+        the fastest configuration that fits the memory free now (oomb.autoconfig.choose_config).
+        Several processes choose from the smallest free memory of any rank, so all choose alike."""
+        cfg = self.config
+        if not cfg.train.auto_config or not cfg.oomb_auto:
+            return
+        fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb)
+                 if f.name not in cfg.oomb_auto}
+        shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
+        cuda = self.device.type == "cuda"
+        gpu_free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        host_free = host_available_bytes()
+        if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels
+            free = torch.tensor([gpu_free, host_free], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN)
+            gpu_free, host_free = (int(x) for x in free.tolist())
+        workload = Workload(shape, cfg.data.seq_len, 1, self.dtype, cfg.lora.r if cfg.lora.enabled else 0,
+                            trainable_params=self.trainable, optimizer_bytes=self._optimizer_bytes(),
+                            fp32_targets=cfg.optim.master_weights and not cfg.optim.offload)
+        resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
+                              int(MEMORY_HEADROOM * host_free), weights_loaded=True,
+                              gpu_name=torch.cuda.get_device_name(self.device) if cuda else None)
+        try:
+            self.choice = choose_config(workload, resources, fixed, cfg.oomb)
+        except NoConfigFitsError as err:  # the memory check below refuses (or warns), with these numbers
+            self._auto_refusal = str(err)
+            return
+        cfg.oomb = self.choice.config
+        cfg.oomb_auto = ()  # chosen: config.yaml records the values that ran
+        logger.info("%s", self.choice.describe())
+
+    def _optimizer_bytes(self) -> int:
+        """GPU bytes of AdamW's state and the fp32 masters (0 when they live on the host)."""
+        cfg = self.config
+        if cfg.optim.offload:
+            return 0
+        unmastered = sum(2 * p.numel() * p.element_size() for p in self.model.parameters()
+                         if p.requires_grad and not MasterWeights.needs_master(p, cfg.optim.master_weights, False))
+        return unmastered + 16 * self._num_masters
 
     def predicted_memory(self, causal_lm) -> dict[str, int]:
         """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
@@ -282,9 +349,7 @@ class Trainer(Checkpointing):
             # AdamW's exp_avg and exp_avg_sq take the dtype of what it steps: an fp32 master (which
             # also holds 4 bytes of weight and 4 of gradient), else the parameter itself (bf16: 4
             # bytes in all; measured on the H200, benchmarks/results/trainer_memory_*).
-            unmastered = sum(2 * p.numel() * p.element_size() for p in self.model.parameters()
-                             if p.requires_grad and not MasterWeights.needs_master(p, cfg.optim.master_weights, False))
-            terms["optimizer state"] = unmastered + 16 * self._num_masters
+            terms["optimizer state"] = self._optimizer_bytes()
         return terms
 
     def _memory_advice(self, causal_lm) -> str:
@@ -389,6 +454,7 @@ class Trainer(Checkpointing):
             self._data_position = self.data.position
             step_time = time.perf_counter() - start
             self.elapsed += step_time
+            self._step_times.append(step_time)
             metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                        "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
                        "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
@@ -436,7 +502,9 @@ class Trainer(Checkpointing):
             checkpoint=str(self._last_saved) if self._last_saved else None,
             export_dir=str(export_dir) if export_dir else None, merged_dir=str(merged_dir) if merged_dir else None,
             interrupted=interrupted, resumed_from=str(self.resumed_from) if self.resumed_from else None,
-            peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB)
+            peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB,
+            first_step_s=self._step_times[0] if self._step_times else None,
+            steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,264 @@
+"""oomb.autoconfig: the chooser's decision for a table of workloads and machines, with its reason;
+refusals with numbers; user-set options kept; token counts with K/M; backend resolution."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+import pytest
+import torch
+
+from oomb.attention.backend import resolve_backend_name
+from oomb.autoconfig import (
+    SPEED_FACTS,
+    NoConfigFitsError,
+    Resources,
+    Workload,
+    choose_backend,
+    choose_config,
+    fixed_from_options,
+)
+from oomb.config import OOMBConfig
+from oomb.memory import GIB, ModelShape
+from oomb.plan import Budget, make_plan, preset_config
+from oomb.train_config import TrainerConfig
+from oomb.units import parse_tokens
+
+SHAPES = {name: ModelShape.from_hf_config(preset_config(name)) for name in ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b")}
+M = 1 << 20
+
+
+def gpu(gpu_gib: float, host_gib: float) -> Resources:
+    """A machine as `oomb plan --gpu-gib --host-gib` sees it (5 % margin, CUDA context)."""
+    budget = Budget(int(gpu_gib * GIB), int(host_gib * GIB))
+    return Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=f"{gpu_gib:g} GiB GPU")
+
+
+H200 = gpu(139, 125)
+H100 = gpu(79, 125)
+
+# (model, tokens, LoRA rank, machine, fixed) -> (offload, resident layers, dK/dV, layer replay, chunk, backend,
+# a phrase of the reason)
+CASES = [
+    ("tiny-qwen2", 8192, 0, Resources("cpu", None, 20 * GIB), {},
+     (False, 0, "float32", False, 4096, "torch", "no offload on a CPU")),
+    ("qwen2.5-0.5b", 128 * 1024, 0, H200, {},
+     (False, 0, "float32", False, 4096, "cudnn", "all pages on the GPU")),
+    ("qwen2.5-0.5b", 4 * M, 0, H200, {},
+     (True, 19, "float32", False, 4096, "cudnn", "19 layers resident")),
+    ("qwen2.5-7b", 128 * 1024, 16, H200, {},
+     (False, 0, "float32", False, 4096, "cudnn", "no layer replay: a chunk's activations fit")),
+    ("qwen2.5-7b", M, 16, H200, {},
+     (True, 13, "float32", False, 4096, "cudnn", "the pages do not fit the GPU")),
+    ("qwen2.5-7b", M, 16, H100, {},
+     (True, 9, "float32", True, 4096, "cudnn", "layer replay on: without it")),
+    ("qwen2.5-7b", M, 16, gpu(139, 250), {},  # GPU-bound: more host memory changes nothing
+     (True, 13, "float32", False, 4096, "cudnn", "13 layers resident")),
+    ("qwen2.5-7b", 2 * M, 16, H200, {},
+     (True, 14, "bfloat16", True, 4096, "cudnn", "bf16 dK/dV: no float32 configuration fits")),
+    ("qwen2.5-7b", M, 0, H200, {},
+     (True, 9, "float32", True, 4096, "cudnn", "9 layers resident")),
+    # What the user set is kept, and the rest is chosen around it.
+    ("qwen2.5-7b", M, 16, H200, {"offload": False},
+     (False, 0, "bfloat16", True, 4096, "cudnn", "offload=False as set")),
+    ("qwen2.5-7b", M, 16, H200, {"kv_grad_dtype": "bfloat16", "checkpoint_layers": True},
+     (False, 0, "bfloat16", True, 4096, "cudnn", "kv_grad_dtype=bfloat16 as set")),
+    ("qwen2.5-7b", M, 16, H200, {"offload_resident_layers": 4},
+     (True, 4, "bfloat16", False, 4096, "cudnn", "bf16 dK/dV")),
+    ("qwen2.5-7b", M, 16, H200, {"backend": "triton"},
+     (True, 13, "float32", False, 4096, "triton", "backend='triton' as set")),
+    ("qwen2.5-7b", M, 16, H200, {"deterministic": True},
+     (True, 13, "float32", False, 4096, "triton", "deterministic=True")),
+    ("qwen2.5-7b", 128 * 1024, 16, H200, {"chunk_size": 8192},
+     (False, 0, "float32", False, 8192, "cudnn", "no layer replay")),
+]
+
+
+@pytest.mark.parametrize("model,tokens,lora,machine,fixed,expected", CASES)
+def test_choice_table(model, tokens, lora, machine, fixed, expected):
+    dtype = torch.float32 if machine.device == "cpu" else torch.bfloat16
+    choice = choose_config(Workload(SHAPES[model], tokens, dtype=dtype, lora_rank=lora), machine, fixed)
+    c = choice.config
+    got = (c.offload, c.offload_resident_layers if c.offload else 0, str(c.grad_dtype).removeprefix("torch."),
+           c.checkpoint_layers, c.chunk_size, c.backend)
+    assert got == expected[:6], choice.reason
+    assert expected[6] in choice.reason
+    for key, value in fixed.items():
+        assert getattr(c, key) == value
+    limit = machine.gpu_limit if machine.device == "cuda" else machine.host_limit
+    assert choice.chosen.gpu_counted <= limit
+    assert machine.host_limit is None or choice.host_bytes <= machine.host_limit
+    text = choice.describe()
+    assert "configuration:" in text and f"GPU {choice.gpu_bytes / GIB:.1f} GiB" in text
+    if choice.runner_up is not None:  # a real alternative: it fits, and ranks behind
+        r = choice.runner_up
+        assert r.gpu_counted <= limit and (r.config.grad_dtype, r.relative_time) != (c.grad_dtype, 0)
+        assert (r.config.grad_dtype != torch.float32, r.relative_time) >= (
+            c.grad_dtype != torch.float32, choice.chosen.relative_time)
+
+
+def test_attention_mode_is_never_changed():
+    for mode in ("dense", "sparse"):
+        choice = choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200, {"attention": mode})
+        assert choice.config.attention == mode
+    choice = choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200)
+    assert choice.config.attention == "dense"
+
+
+def test_sparse_offload_uses_its_own_speed_fact():
+    choice = choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200, {"attention": "sparse"})
+    assert choice.config.offload and "offload_sparse" in choice.chosen.factors
+
+
+def test_refusal_names_numbers_and_what_fits():
+    with pytest.raises(NoConfigFitsError) as err:
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 2 * M), H200)
+    message = str(err.value)
+    assert "no configuration fits 1 x 2,097,152 tokens (2M)" in message
+    assert "host 170.0 GiB of 118.8 usable" in message  # the closest configuration's need vs the limit
+    assert "up to 1,610,752 tokens (1.54M) fit" in message
+
+
+def test_refusal_says_which_fixed_option_blocks():
+    with pytest.raises(NoConfigFitsError, match=r"without the options you set \(offload=False\) it fits: offload"):
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 2 * M, lora_rank=16), H200, {"offload": False})
+
+
+def test_refusal_when_the_weights_alone_do_not_fit():
+    tiny_gpu = Resources("cuda", 4 * GIB, 100 * GIB)
+    with pytest.raises(NoConfigFitsError, match="not even one page of tokens fits"):
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 8192), tiny_gpu)
+
+
+def test_more_memory_never_picks_a_slower_plan():
+    """Monotone: a larger GPU gives a plan at least as fast (same exactness or better)."""
+    workload = Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16)
+    ranks = []
+    for gpu_gib in (60, 79, 100, 139, 192):
+        chosen = choose_config(workload, gpu(gpu_gib, 125)).chosen
+        ranks.append((chosen.config.grad_dtype != torch.float32, round(chosen.relative_time, 6)))
+    assert ranks == sorted(ranks, reverse=True)
+
+
+def test_backend_choice_and_resolution():
+    assert choose_backend("cuda", torch.bfloat16, False)[0] == "cudnn"
+    assert choose_backend("cuda", torch.bfloat16, True)[0] == "triton"
+    assert choose_backend("cuda", torch.float32, False)[0] == "triton"
+    assert choose_backend("cpu", torch.bfloat16, False)[0] == "torch"
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_backend_name("auto", cuda, torch.bfloat16) == "cudnn"
+    assert resolve_backend_name("auto", cuda, torch.float16, deterministic=True) == "triton"
+    assert resolve_backend_name("auto", cuda, torch.float32) == "triton"
+    assert resolve_backend_name("auto", cuda) == "triton"  # dtype unknown (the engine today): as before
+    assert resolve_backend_name("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_backend_name("triton", cuda, torch.bfloat16) == "triton"
+    with pytest.raises(ValueError, match="not bitwise deterministic"):
+        resolve_backend_name("cudnn", cuda, torch.bfloat16, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic=True conflicts with backend='cudnn'"):
+        OOMBConfig(backend="cudnn", deterministic=True)
+    assert SPEED_FACTS["triton_vs_cudnn_dense"].factor > 1  # the measurement cudnn-by-default rests on
+
+
+def test_speed_facts_name_their_source_files():
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for key, fact in SPEED_FACTS.items():
+        names = [w.strip(" ,()") for w in fact.source.split() if w.strip(" ,()").endswith(".json")]
+        assert names or fact.source.startswith(("assumed", "derived")), key
+        for name in names:
+            assert (results / name).is_file(), f"{key}: {name}"
+
+
+def test_plan_prints_the_choice_and_runner_up():
+    plan = make_plan("qwen2.5-7b", SHAPES["qwen2.5-7b"], M, Budget(139 * GIB, 125 * GIB), OOMBConfig(),
+                     fixed={})
+    assert plan.choice is not None and plan.choice.config.offload
+    from oomb.plan import format_plan, plan_to_dict
+
+    text = format_plan(plan)
+    assert "oomb train would run (dense attention" in text and "runner-up:" in text
+    assert plan_to_dict(plan)["choice"]["offload_resident_layers"] == plan.choice.config.offload_resident_layers
+
+
+def test_plan_cli_aliases_and_token_counts(capsys):
+    from oomb.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-7b", "--seq-len", "2M", "--gpu-gib", "139", "--host-gib", "125",
+                 "--offload-resident-layers", "3", "--sparse-budget", "32"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "2,097,152 tokens (2M)" in out and "oomb train would refuse" in out
+
+
+def test_token_counts():
+    assert parse_tokens("1M") == M and parse_tokens("128K") == 131072 and parse_tokens("1.5K") == 1536
+    assert parse_tokens(4096) == 4096
+    for bad in ("1.3", "0", "one", True):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tokens(bad)
+    config = TrainerConfig.load(None, ["data.seq_len=1M", "oomb.chunk_size=2K", "oomb.loss_chunk_tokens=1K"])
+    assert (config.data.seq_len, config.oomb.chunk_size, config.oomb.loss_chunk_tokens) == (M, 2048, 1024)
+    with pytest.raises(ValueError, match="data.seq_len='1Q'"):
+        TrainerConfig.load(None, ["data.seq_len=1Q"])
+
+
+def test_trainer_config_knows_what_is_left_to_the_chooser():
+    config = TrainerConfig.load(None, ["oomb.offload=true", "oomb.kv_grad_dtype=auto"])
+    assert "offload" not in config.oomb_auto and "kv_grad_dtype" in config.oomb_auto
+    printed = config.to_dict()["oomb"]
+    assert printed["offload"] is True and printed["kv_grad_dtype"] == "auto" and printed["backend"] == "auto"
+    assert TrainerConfig.from_dict(config.to_dict()).oomb_auto == config.oomb_auto  # round trip
+    # Built in Python: the options still at their defaults are left to the chooser.
+    assert "offload" not in TrainerConfig(oomb=OOMBConfig(offload=True)).oomb_auto
+    assert TrainerConfig(oomb_auto=()).oomb_auto == ()
+    assert fixed_from_options({"backend": "auto", "kv_grad_dtype": "bf16"}) == {"kv_grad_dtype": "bfloat16"}
+
+
+def test_python_dash_m_oomb(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["oomb", "train", "--seq-len", "1K", "--print-config"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("oomb", run_name="__main__")
+    assert exit_.value.code == 0
+    assert "seq_len: 1024" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from helpers import build_tiny_model
+
+    from oomb.presets import BYTE_VOCAB, byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model("qwen2", vocab_size=BYTE_VOCAB + 1).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_dir, capsys):
+    """CPU end to end: the chooser runs before the first step (chunk and page fixed by the user),
+    its plan is printed, config.yaml records what ran, the summary reports the first step apart."""
+    import yaml
+
+    from oomb.cli import main
+
+    data = tmp_path / "notes.txt"
+    data.write_text("".join(f"note {i}: long context training, chunk by chunk.\n" for i in range(100)))
+    def args(out):
+        return ["train", "--model", str(tiny_model_dir), "--data", str(data), "--seq-len", "0.25K", "--steps", "3",
+                "--output-dir", str(out), "--chunk-size", "128", "--page-size", "32",
+                "--set", "logging.progress=false", "--set", "train.device=cpu", "--set", "checkpoint.export=false"]
+
+    assert main(args(tmp_path / "out")) == 0
+    printed = capsys.readouterr().out
+    assert "configuration: pages on the GPU, dK/dV float32, layer replay off, chunk 128, backend torch" in printed
+    assert "why: no offload on a CPU" in printed
+    assert "step time: first" in printed and "first step's overhead" in printed
+    ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["oomb"]
+    assert ran["checkpoint_layers"] is False and ran["backend"] == "torch" and ran["chunk_size"] == 128
+
+    assert main([*args(tmp_path / "out2"), "--no-auto-config"]) == 0
+    assert "configuration:" not in capsys.readouterr().out
+    ran = yaml.safe_load((tmp_path / "out2" / "config.yaml").read_text())["oomb"]
+    assert ran["checkpoint_layers"] is True and ran["backend"] == "auto"
