@@ -69,6 +69,12 @@ class Sample:
     labels: torch.Tensor  # (T,) int64, IGNORE_INDEX where no loss is taken
     epoch: int
     documents: int  # documents that start inside this sequence
+    document_starts: tuple[int, ...] = ()
+    """Positions where a document starts inside the sequence (a sequence may begin inside one)."""
+
+    def cu_seqlens(self) -> list[int]:
+        """Document boundaries as oomb.forward_backward's cu_seqlens: [0, ..., len(input_ids)]."""
+        return sorted({0, len(self.input_ids), *self.document_starts})
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -355,9 +361,11 @@ class PackedSequences:
             if segment.offset == len(segment.tokens):
                 self._segments.popleft()
         labels = input_ids.clone()
-        if self.options.mask_document_boundaries:
-            labels[starts] = IGNORE_INDEX  # the previous document's last token (EOS) predicts nothing
-        return Sample(input_ids, labels, epoch, int(starts.sum()))
+        if self.options.mask_document_boundaries or self.options.documents == "loss_only":
+            # The previous document's last token (EOS) predicts nothing. (documents: separate: the step
+            # masks these labels itself, from the boundaries it is given.)
+            labels[starts] = IGNORE_INDEX
+        return Sample(input_ids, labels, epoch, int(starts.sum()), tuple(starts.nonzero().flatten().tolist()))
 
     def _read_next_unit(self) -> None:
         epoch, file, unit = self._cursor

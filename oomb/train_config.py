@@ -116,7 +116,14 @@ class DataSection:
     """Tokens per training sequence. Documents are joined with EOS and packed to exactly this length."""
     mask_document_boundaries: bool = False
     """No loss across documents: the first token of each document gets label -100, so the previous
-    document's EOS does not predict it. Attention still spans documents."""
+    document's EOS does not predict it. Attention still spans documents. (Implied by data.documents
+    "separate" and "loss_only".)"""
+    documents: Literal["separate", "loss_only", "joined"] = "separate"
+    """How packed documents see each other. "separate" (as Hugging Face's padding-free packing):
+    attention stays inside each document, positions restart at 0 per document, no loss across
+    documents (docs/training.md; dense attention only). "loss_only": attention spans documents, but
+    no document's first token is predicted from the previous one. "joined": one continuous text
+    (attention and loss across documents), for deliberately concatenated data."""
     shuffle: bool = True
     """Per epoch and seed: shuffle file order, jsonl lines, parquet row groups and rows.
     Plain-text files keep their internal order."""
@@ -415,6 +422,8 @@ def _optim_rules(s: OptimSection):
 def _data_rules(s: DataSection):
     if s.seq_len < 2:
         return f"data.seq_len={s.seq_len} must be at least 2 (a sequence needs a token to predict)"
+    if s.documents == "joined" and s.mask_document_boundaries:
+        return "data.mask_document_boundaries=true contradicts data.documents='joined'; use documents: loss_only"
     return None
 
 

@@ -147,6 +147,9 @@ class Trainer(Checkpointing):
         if self._ready:
             return
         cfg = self.config
+        if cfg.data.documents == "separate" and cfg.oomb.attention == "sparse":
+            raise ValueError("data.documents='separate' (attention inside each document) needs dense attention; "
+                             "sparse mode does not support documents yet: set data.documents to loss_only or joined")
         self.device = _resolve_device(cfg.train.device)
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
@@ -423,7 +426,9 @@ class Trainer(Checkpointing):
             # trains on every dp-th sequence; tensor-parallel ranks of a group share theirs.
             samples = [next(self.data) for _ in range(parallel.dp)]
             sample = samples[parallel.dp_rank]
+            boundaries = {"cu_seqlens": sample.cu_seqlens()} if cfg.data.documents == "separate" else {}
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
+                                    **boundaries,
                                     progress=cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main,
                                     grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
                                     parallel=parallel, host_slabs=self.host_slabs,

@@ -385,3 +385,35 @@ def test_gpu_cudnn_refuses_documents():
     with pytest.raises(NotImplementedError, match="cudnn"):
         oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=128, page_size=64, backend="cudnn"),
                               cu_seqlens=[0, 100, 256])
+
+
+# --- oomb train: data.documents ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["separate", "loss_only", "joined"])
+def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
+    from oomb.data import PackedSequences, resolve_files
+    from oomb.presets import byte_tokenizer
+    from oomb.train_config import DataSection
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(f'{{"text": "doc {i} {"x" * i}"}}\n' for i in range(6)))
+    options = DataSection(paths=[str(path)], seq_len=16, shuffle=False, documents=mode)
+    first, second = (next(s) for s in [PackedSequences(resolve_files(options), byte_tokenizer(), options, 0)] * 2)
+    # "doc 0 " + EOS = 7 tokens, "doc 1 x" + EOS = 8: documents start at 0, 7, 15 of the first sequence;
+    # the second begins inside "doc 2 xx" and its next document starts at 8.
+    assert first.cu_seqlens() == [0, 7, 15, 16] and second.cu_seqlens() == [0, 8, 16]
+    masked = (first.labels == -100).nonzero().flatten().tolist()
+    assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
+
+
+def test_trainer_refuses_separate_documents_in_sparse_mode_and_contradictions():
+    from oomb import Trainer, TrainerConfig
+    from oomb.train_config import DataSection
+
+    config = TrainerConfig()
+    config.oomb.attention = "sparse"
+    with pytest.raises(ValueError, match="data.documents"):
+        Trainer(config).setup()
+    with pytest.raises(ValueError, match="contradicts"):
+        from oomb.train_config import _check_section
+
+        _check_section(DataSection(documents="joined", mask_document_boundaries=True), "data")

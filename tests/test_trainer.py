@@ -262,7 +262,8 @@ def test_accumulation_gives_the_mean_of_the_sequences_gradients(tmp_path, model_
     sequences = PackedSequences(resolve_files(config.data), trainer.tokenizer, config.data, config.train.seed)
     for _ in range(3):
         sample = next(sequences)
-        oomb.forward_backward(fresh, sample.input_ids[None], sample.labels[None], config=config.oomb)
+        oomb.forward_backward(fresh, sample.input_ids[None], sample.labels[None], config=config.oomb,
+                              cu_seqlens=sample.cu_seqlens())  # data.documents: separate (the default)
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(seen[name], p.grad / 3, rtol=1e-5, atol=1e-7)
 
