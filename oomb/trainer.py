@@ -147,9 +147,10 @@ class Trainer(Checkpointing):
         if self._ready:
             return
         cfg = self.config
-        if cfg.data.documents == "separate" and cfg.oomb.attention == "sparse":
-            raise ValueError("data.documents='separate' (attention inside each document) needs dense attention; "
-                             "sparse mode does not support documents yet: set data.documents to loss_only or joined")
+        if cfg.data.documents == "separate" and (cfg.oomb.attention == "sparse" or cfg.oomb.backend == "cudnn"):
+            raise ValueError("data.documents='separate' (attention inside each document) needs dense attention on "
+                             "the torch or triton backend; sparse mode and cudnn do not support documents yet: "
+                             "set data.documents to loss_only or joined, or change oomb.attention/oomb.backend")
         self.device = _resolve_device(cfg.train.device)
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
@@ -303,6 +304,8 @@ class Trainer(Checkpointing):
                  if f.name not in cfg.oomb_auto}
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         cuda = self.device.type == "cuda"
+        if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
+            fixed["backend"] = "triton"  # cudnn does not mask packed documents (oomb/engine.py refuses them)
         gpu_free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         host_free = host_available_bytes()
         if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels

@@ -405,12 +405,13 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
     assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
 
 
-def test_trainer_refuses_separate_documents_in_sparse_mode_and_contradictions():
+@pytest.mark.parametrize(("option", "value"), [("attention", "sparse"), ("backend", "cudnn")])
+def test_trainer_refuses_separate_documents_in_sparse_mode_cudnn_and_contradictions(option, value):
     from oomb import Trainer, TrainerConfig
     from oomb.train_config import DataSection
 
     config = TrainerConfig()
-    config.oomb.attention = "sparse"
+    setattr(config.oomb, option, value)
     with pytest.raises(ValueError, match="data.documents"):
         Trainer(config).setup()
     with pytest.raises(ValueError, match="contradicts"):
