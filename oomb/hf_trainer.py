@@ -20,6 +20,8 @@ Semantics kept (each one checked against the plain Trainer in tests/test_hf_trai
   ``require_backward_grad_sync`` off). oomb's step never calls DDP's forward, so DDP's reducer stays
   idle; after a step whose sync flag is on, the gradients are averaged over the ranks here, as DDP
   would (one all-reduce per bucket).
+- Padding-free batches (TRL ``padding_free``, ``DataCollatorWithFlattening``): ``position_ids`` that restart
+  at each document, or ``cu_seq_lens_q``, go to forward_backward, whose attention stays inside each document.
 - Right-padded batches: with causal attention a real token never sees the padding after it, so its
   loss and gradient equal the masked model's. Refused: left padding or holes in ``attention_mask``,
   and counted labels predicted from padding positions (the plain model masks padding keys there and
@@ -29,7 +31,6 @@ Semantics kept (each one checked against the plain Trainer in tests/test_hf_trai
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import types
 import warnings
@@ -84,10 +85,6 @@ def scaled_loss_gradient(model: nn.Module, scale: float) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-
-
-def _forward_backward_params() -> frozenset[str]:
-    return frozenset(inspect.signature(forward_backward).parameters)
 
 
 def _known_compute_losses() -> set:
@@ -208,17 +205,31 @@ def step_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         check_right_padding(inputs["attention_mask"], labels)
     kwargs: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
     position_ids = inputs.get("position_ids")
-    if position_ids is None:
-        if any(k in inputs for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
-            raise ValueError("cu_seq_lens_q/k without position_ids: pass position_ids that restart at each document")
-    elif not _is_arange(position_ids):
-        if "position_ids" not in _forward_backward_params():
-            raise NotImplementedError(
-                "padding-free batches (position_ids restarting at document starts) need document-aware attention "
-                "in oomb.forward_backward, which this version lacks (it has no position_ids argument): set "
-                "padding_free=False (padded batches), or pack documents as one sequence with position_ids 0..T-1")
-        kwargs["position_ids"] = position_ids
+    if position_ids is not None:
+        if not _is_arange(position_ids):  # packed documents: attention stays inside each one
+            check_document_labels(position_ids == 0, labels)
+            kwargs["position_ids"] = position_ids
+    elif inputs.get("cu_seq_lens_q") is not None:
+        cu = inputs["cu_seq_lens_q"]
+        if inputs.get("cu_seq_lens_k") is not None and not torch.equal(inputs["cu_seq_lens_k"], cu):
+            raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: only self-attention over packed documents is "
+                             "supported")
+        starts = torch.zeros(input_ids.shape[-1], dtype=torch.bool, device=labels.device)
+        starts[cu[:-1].long()] = True
+        check_document_labels(starts.expand_as(labels), labels)
+        kwargs["cu_seqlens"] = cu
     return kwargs
+
+
+def check_document_labels(starts: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse counted labels at a document's first token (after a row's first): oomb's step never predicts
+    a document from the previous one, while the plain model would count that label."""
+    starts = starts.clone()
+    starts[..., 0] = False
+    if (starts & (labels != IGNORE_INDEX)).any():
+        raise ValueError(
+            "packed documents (position_ids restarting at 0) with a counted label at a document's first token: set "
+            "those labels to -100, as DataCollatorWithFlattening and TRL's padding_free collator do")
 
 
 def counted_targets(labels: torch.Tensor) -> int:
