@@ -42,9 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--lora", action="store_true", help="LoRA (r 16, all linear layers) instead of full fine-tuning")
-    p.add_argument("--packing", action="store_true",
-                   help="pack rows into seq-len blocks ('wrapped': documents attend to each other; padding-free "
-                        "packing waits for document-aware attention in oomb)")
+    p.add_argument("--packing", action="store_true", help="pack rows into seq-len sequences")
+    p.add_argument("--packing-strategy", default="bfd",
+                   help="TRL's: bfd (padding-free: attention stays inside each document) or wrapped (one text)")
     p.add_argument("--chunk-size", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--kv-grad-dtype", default="float32", help="dK/dV pages: float32 (exact) or bfloat16 (half)")
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
         output_dir=args.output_dir, max_length=args.seq_len, per_device_train_batch_size=1,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, max_steps=args.max_steps,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        bf16=cuda, use_cpu=not cuda, seed=args.seed, report_to="none", packing=args.packing, packing_strategy="wrapped",
+        bf16=cuda, use_cpu=not cuda, seed=args.seed, report_to="none", packing=args.packing,
+        packing_strategy=args.packing_strategy,
         gradient_checkpointing=args.plain,  # the plain trainer needs it at long context; oomb replaces it
     )
     peft_config = None
