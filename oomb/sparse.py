@@ -25,9 +25,12 @@ GPU, from tensor cores with exact products and float32 sums):
   computed as two matmuls: ``relu(q) . max + min(q, 0) . min``.
 * "mean": q . mean key.
 
-A block's score for a page is the maximum over the block's rows (its queries x the G query heads
-of the KV head): a page is kept if any row wants it. ``leak_free`` scores with the block's first
-query only (its G heads), so that no query changes which pages an earlier query of its block reads.
+A block's score for a page combines the block's rows (its queries x the G query heads of the KV
+head): "max" pooling keeps a page if any row wants it; "softmax" pooling sums each row's softmax over
+the history pages (an estimate of the block's attention mass there, as InfLLM-v2 pools over a GQA
+group). ``leak_free`` scores a block with the queries of the block before it and its own first
+query (the previous chunk's last page for a chunk's first block), all at or before the block's
+first token, so that no query changes which pages an earlier query of its block reads.
 
 When the sinks plus the budget cover every history page there is nothing to choose: the selection
 is ``None`` and the chunk runs the dense code path (so a large budget is dense attention, bit for bit).
@@ -92,9 +95,27 @@ class SparseOptions:
         return min(history_pages, self.sink_pages + self.budget_of(layer))
 
 
+def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | None) -> torch.Tensor:
+    """(B, Hq, n_blocks, P + 1, D): the rows that score each query block without a leak: the queries of
+    the block before it (all earlier than the block's first token) and the block's first query. Block
+    0 takes ``previous`` (B, Hq, P, D), the previous chunk's last page of queries, or, without one (the
+    first chunk, or a partial page), copies of its first query."""
+    B, Hq, Lq, D = q.shape
+    P = page_size
+    n_blocks = -(-Lq // P)
+    if n_blocks * P > Lq:
+        q = torch.cat([q, q[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
+    blocks = q.reshape(B, Hq, n_blocks, P, D)
+    first = blocks[:, :, :, :1]
+    before_first = previous[:, :, None] if previous is not None and previous.shape[2] == P \
+        else first[:, :, :1].expand(B, Hq, 1, P, D)
+    before = torch.cat([before_first, blocks[:, :, :-1]], dim=2)
+    return torch.cat([before, first], dim=3)
+
+
 def block_scores(
     q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions,
-    scale: float | None = None,
+    scale: float | None = None, previous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score of every (query block, history page) pair.
 
@@ -104,6 +125,7 @@ def block_scores(
         page_size: P, the queries per block.
         options: score rule, granularity, leak-free, pooling.
         scale: the attention's logit scale (default D**-0.5); pooling "softmax" needs it.
+        previous: leak-free only: the previous chunk's last page of queries (leak_free_rows).
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -117,8 +139,8 @@ def block_scores(
     # to the order of the sums (float32 matmuls instead: estimated ~34 s of a 1M step of the 7B shape).
     compute = q.dtype if tensor_cores_give_float32(q, first) else torch.float32
     if options.leak_free:
-        # Only the first query of each block: (B, Hkv, G, n_blocks, 1, D).
-        rows = q[:, :, ::P].to(compute).reshape(B, Hkv, G, n_blocks, 1, D)
+        rows = leak_free_rows(q.to(compute), P, previous.to(compute) if previous is not None else None)
+        rows = rows.reshape(B, Hkv, G, n_blocks, rows.shape[3], D)
     else:
         # Pad the last block with copies of the last query: they cannot change a maximum.
         qf = q.to(compute)
@@ -172,9 +194,9 @@ def force_local_pages(scores: torch.Tensor, first_block_page: int, local_pages: 
 
 def score_blocks_for_chunk(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
                            options: SparseOptions, first_block_page: int, layer: int = 0,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
     """block_scores with the local pages forced in: what top_pages chooses from."""
-    scores = block_scores(q, summaries, page_size, options, scale)
+    scores = block_scores(q, summaries, page_size, options, scale, previous)
     return force_local_pages(scores, first_block_page, min(options.local_pages, options.budget_of(layer)))
 
 
@@ -211,9 +233,13 @@ def select_pages(
     P = store.page_size
     assert chunk.start % P == 0, "chunks start on page boundaries"
     n_hist = chunk.start // P
+    previous = store.scoring_queries(layer, chunk) if options.leak_free else None
+    if options.leak_free and chunk.length >= P:
+        store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
-    scores = score_blocks_for_chunk(q, store.history_summaries(layer, n_hist), P, options, n_hist, layer, scale)
+    scores = score_blocks_for_chunk(q, store.history_summaries(layer, n_hist), P, options, n_hist, layer, scale,
+                                    previous)
     group = options.query_block_pages
     if group == 1:
         return top_pages(scores, options, layer)

@@ -145,8 +145,9 @@ def layer_recall(inputs: LayerInputs, mass: torch.Tensor, chunk_size: int, page_
             selection = oracle_selection(mass, start, length, page_size, Hkv, options)
         else:
             q_chunk = q[:, :, start: start + length]
+            previous = q[:, :, start - page_size: start] if options.leak_free else None
             scores = score_blocks_for_chunk(q_chunk, history_summaries(k, page_size, n_hist), page_size, options,
-                                            start // page_size, layer)
+                                            start // page_size, layer, None, previous)
             if options.query_block_pages > 1:
                 n_blocks = scores.shape[2]
                 grouped = top_pages(group_scores(scores, options.query_block_pages, options.leak_free), options, layer)

@@ -90,7 +90,9 @@ def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
     for b in range(B):
         for h in range(Hkv):
             for j in range(n_blocks):
-                queries = range(j * P, j * P + 1) if options.leak_free else range(j * P, min(Lq, (j + 1) * P))
+                # Leak-free: the block before (all earlier than the block's first query) and that first query.
+                queries = ([*range(max(0, (j - 1) * P), j * P), j * P] if options.leak_free
+                           else range(j * P, min(Lq, (j + 1) * P)))
                 rows = s.q[b, h * G:(h + 1) * G][:, list(queries)].reshape(-1, D)  # (rows, D)
                 for p in range(n_hist):
                     if options.score == "minmax":
@@ -180,23 +182,41 @@ def test_top_pages_are_sinks_plus_the_best_scores_sorted(budget, sinks):
 
 
 def test_leak_free_selection_ignores_later_queries_of_the_block():
-    """Leak-free: changing queries 1..P-1 of a block cannot change its selection. The default
-    (every query votes) can: a later query that matches one page strongly pulls it in."""
+    """Leak-free: changing the queries after a block's first one (5..7 of block 1) cannot change any
+    selection. The default (every query votes) can: a later query that matches one page strongly
+    pulls it in."""
     s = _scoring(Lq=8, P=4, n_hist=9)
     target_page = 5
     changed = s.q.clone()
-    changed[:, :, 1:4] = 0.0
-    changed[:, :, 3] = 50.0 * s.keys[:, target_page].mean(dim=2).repeat_interleave(3, dim=1)  # wants page 5
+    changed[:, :, 5:8] = 0.0
+    changed[:, :, 7] = 50.0 * s.keys[:, target_page].mean(dim=2).repeat_interleave(3, dim=1)  # wants page 5
     for leak_free in (True, False):
         options = _options(budget=2, sink_pages=1, leak_free=leak_free)
         before = top_pages(block_scores(s.q, s.summaries, s.page, options), options)
         after = top_pages(block_scores(changed, s.summaries, s.page, options), options)
-        assert torch.equal(before[:, :, 1], after[:, :, 1])  # block 1 (queries 4..7) is untouched
+        assert torch.equal(before[:, :, 0], after[:, :, 0])  # block 0 (queries 0..3) is untouched
         if leak_free:
             assert torch.equal(before, after)
         else:
-            assert not torch.equal(before[:, :, 0], after[:, :, 0])
-            assert (after[:, :, 0] == target_page).any(-1).all()
+            assert not torch.equal(before[:, :, 1], after[:, :, 1])
+            assert (after[:, :, 1] == target_page).any(-1).all()
+
+
+def test_leak_free_scores_a_block_with_the_queries_before_it():
+    """Leak-free block j is scored with block j-1's queries and its own first one; a chunk's first
+    block with the previous chunk's last page of queries when given."""
+    s = _scoring(Lq=8, P=4, n_hist=9)
+    options = _options(budget=2, sink_pages=1, leak_free=True)
+    earlier = s.q.clone()
+    earlier[:, :, 1:4] = 7.0  # queries of block 0 after its first: they precede block 1
+    assert not torch.equal(block_scores(s.q, s.summaries, s.page, options)[:, :, 1],
+                           block_scores(earlier, s.summaries, s.page, options)[:, :, 1])
+    previous = torch.randn(*s.q.shape[:2], s.page, s.q.shape[3], generator=torch.Generator().manual_seed(5))
+    with_previous = block_scores(s.q, s.summaries, s.page, options, previous=previous)
+    votes = _options(budget=2, sink_pages=1)  # every row of what is scored votes (max)
+    want = torch.maximum(block_scores(previous, s.summaries, s.page, votes)[:, :, 0],
+                         block_scores(s.q[:, :, :1], s.summaries, s.page, votes)[:, :, 0])  # block 0's rows
+    torch.testing.assert_close(with_previous[:, :, 0], want)
 
 
 def test_shared_selection_is_the_same_for_every_kv_head():

@@ -137,6 +137,9 @@ class PagedKVStore:
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
         self._selections: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk index, layer) -> selection
+        self._scoring_queries: dict[int, tuple[int, torch.Tensor]] = {}
+        """Sparse, leak-free: layer -> (chunk index, its last page of queries), kept by stage 1 so the
+        next chunk's first query block can be scored with queries before it (oomb/sparse.py)."""
         self.history_starts: dict[int, int] = {}
         """Packed documents: chunk index -> first (page-aligned) history key any query of the chunk
         sees (oomb/documents.py); absent: 0. Set once per step, before stage 1."""
@@ -185,6 +188,16 @@ class PagedKVStore:
         for index in list(self._chunk_pages):
             self.pool.free(self._chunk_pages.pop(index))
         self._selections.clear()
+        self._scoring_queries.clear()
+
+    def keep_scoring_queries(self, layer: int, chunk: ChunkSpan, queries: torch.Tensor) -> None:
+        """Stage 1, sparse leak-free: the chunk's last page of queries (B, Hq, P, D), for the next chunk."""
+        self._scoring_queries[layer] = (chunk.index, queries)
+
+    def scoring_queries(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
+        """The previous chunk's last page of queries in ``layer``, if stage 1 kept it."""
+        kept = self._scoring_queries.get(layer)
+        return kept[1] if kept is not None and kept[0] == chunk.index - 1 else None
 
     @property
     def is_empty(self) -> bool:
