@@ -344,6 +344,20 @@ def test_triton_kernels_mask_documents_and_skip_earlier_pages():
     _check_backend(triton_paged, q, k, v, v_poisoned, table, qs, docs)
 
 
+def test_triton_step_with_documents_equals_torch_step():
+    """The whole step through the Triton interpreter (tiny: 40 tokens, chunks of 16, pages of 8, two rows
+    with different documents, one window per history page)."""
+    pytest.importorskip("triton")
+    model = build_tiny_model("llama", seed=1)
+    ids = random_ids(2, 40, seed=2)
+    cu = [[0, 5, 6, 23, 40], [0, 17, 40]]
+    config = OOMBConfig(chunk_size=16, page_size=8, backend="torch", stream_block_pages=1)
+    want_loss, want = _oomb(model, ids, config, cu_seqlens=cu)
+    got_loss, got = _oomb(model, ids, replace(config, backend="triton"), cu_seqlens=cu)
+    torch.testing.assert_close(got_loss, want_loss, rtol=LOSS_RTOL, atol=0)
+    assert relative_error(got, want) <= GRAD_RTOL
+
+
 # --- modes that refuse documents -----------------------------------------------------------------
 def test_sparse_mode_and_cudnn_refuse_documents():
     model = build_tiny_model("llama", seed=1)
