@@ -86,6 +86,10 @@ def test_trainer_accumulation_padding_and_checkpointing_flag(tmp_path):
     assert not ours.args.gradient_checkpointing
     ours.train()
     assert_same_run(plain, ours)
+    # evaluation is the Trainer's ordinary forward (oomb restored the model's attention after every step)
+    assert ours.model.config._attn_implementation == plain.model.config._attn_implementation == "sdpa"
+    eval_plain, eval_ours = plain.evaluate(data[:4]), ours.evaluate(data[:4])
+    assert eval_ours["eval_loss"] == pytest.approx(eval_plain["eval_loss"], abs=TOL, rel=0)
 
 
 def test_lora_through_patch_trainer(tmp_path):
