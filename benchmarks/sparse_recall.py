@@ -3,7 +3,7 @@
     python benchmarks/sparse_recall.py --seq-len 8192 --out benchmarks/results/sparse_recall_smollm2_8k.json
 
 Records SmolLM2-135M's queries and keys on real English text (oomb/real_model.py), then measures for
-each arm (score rule x pooling x budget x local pages, and the oracle at the same budget) the mean
+each arm (score rule x pooling x budget, and the oracle at the same budget) the mean
 attention mass the selection keeps (oomb/sparse_recall.py). Prints a summary table and writes every
 layer's and KV head's recall to JSON. Selection runs through oomb/sparse.py itself.
 """
@@ -45,7 +45,6 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--local", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--arms", nargs="+", default=["minmax/max", "mean/max", "minmax/softmax", "mean/softmax",
                                                        "oracle"])
     parser.add_argument("--leak-free", action="store_true")
@@ -75,26 +74,22 @@ def main() -> int:
     print(f"page masses {time.perf_counter() - start:.1f} s", flush=True)
 
     results = []
-    for arm, budget, local in itertools.product(args.arms, args.budgets, args.local):
-        if local > budget:
-            continue
+    for arm, budget in itertools.product(args.arms, args.budgets):
         score, pooling = ("minmax", "max") if arm == "oracle" else arm.split("/")
         options = SparseOptions(budget, 1, score, "kv_head", args.leak_free, args.query_block_pages,
-                                local_pages=local, pooling=pooling)
+                                pooling=pooling)
         rule = "oracle" if arm == "oracle" else "score"
-        if arm == "oracle" and local:
-            continue  # the oracle chooses locals itself when they carry mass
         per_layer = [layer_recall(recorded[layer], masses[layer], args.chunk_size, args.page_size, options, rule,
                                   layer).tolist() for layer in range(L)]
         mean = sum(sum(r) / len(r) for r in per_layer) / L
         layer_means = [sum(r) / len(r) for r in per_layer]
         worst = min(min(r) for r in per_layer)
-        results.append({"arm": arm, "budget": budget, "local_pages": local, "mean_recall": mean,
+        results.append({"arm": arm, "budget": budget, "mean_recall": mean,
                         "worst_layer": int(min(range(L), key=layer_means.__getitem__)),
                         "worst_layer_recall": min(layer_means),
                         "worst_head_recall": worst, "per_layer_head": per_layer,
                         "history_read": history_read(ids.shape[1], args.chunk_size, args.page_size, options, L)})
-        print(f"{arm:>16} k={budget:<3} local={local}  recall mean {mean:.4f}  worst layer {min(layer_means):.4f} "
+        print(f"{arm:>16} k={budget:<3} recall mean {mean:.4f}  worst layer {min(layer_means):.4f} "
               f"(layer {results[-1]['worst_layer']})  worst head {worst:.4f}  "
               f"read {100 * results[-1]['history_read']:.1f}%", flush=True)
     if args.out:

@@ -77,7 +77,7 @@ def recall_curves(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: i
             if budget >= history_pages:
                 break
             options = SparseOptions(budget, base.sink_pages, base.score, base.selection, base.leak_free,
-                                    base.query_block_pages, min(base.local_pages, budget), base.pooling)
+                                    base.query_block_pages, base.pooling)
             per_head = layer_recall(inputs, mass, chunk_size, page_size, options, "score")
             budgets.append(budget)
             recall.append(float(per_head.mean()))
@@ -150,8 +150,8 @@ def make_plan(curves: list[LayerCurve], choice: list[int], base: SparseOptions, 
     return {
         "oomb": {"attention": "sparse", "sparse_budget": max(layer_budgets), "sparse_layer_budgets": layer_budgets,
                  "sparse_dense_layers": dense_layers, "sparse_sink_pages": base.sink_pages,
-                 "sparse_score": base.score, "sparse_pooling": base.pooling, "sparse_local_pages":
-                 min(base.local_pages, min(layer_budgets)), "sparse_leak_free": base.leak_free,
+                 "sparse_score": base.score, "sparse_pooling": base.pooling,
+                 "sparse_leak_free": base.leak_free,
                  "sparse_query_block_pages": base.query_block_pages},
         "measured": {**meta, "history_read": read, "mean_recall": recall,
                      "layers": [{"layer": i, "budget": "dense" if b == DENSE else b, "recall": c.recall[j],
@@ -199,8 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", type=int, nargs="+", default=list(DEFAULT_GRID), help="candidate budgets")
     parser.add_argument("--score", choices=SPARSE_SCORES, default="minmax")
     parser.add_argument("--pooling", choices=SPARSE_POOLINGS, default="softmax")
-    parser.add_argument("--local-pages", type=int, default=0)
     parser.add_argument("--sink-pages", type=int, default=1)
+    parser.add_argument("--leak-free", action="store_true", help="score blocks with earlier queries only")
     parser.add_argument("--yarn", type=float, default=None, help="YaRN factor for RoPE (e.g. 4: 8K -> 32K)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
                                page_size=args.page_size, dtype=args.dtype, device=args.device, yarn=args.yarn)
     model, ids, model_text, source = _load(options)
     model.set_attn_implementation("sdpa")
-    base = SparseOptions(0, args.sink_pages, args.score, "kv_head", False, 1, args.local_pages, args.pooling)
+    base = SparseOptions(0, args.sink_pages, args.score, "kv_head", args.leak_free, 1, args.pooling)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     curves = recall_curves(model, ids, args.chunk_size, args.page_size, base, tuple(sorted(set(args.grid))))
     choice = allocate(curves, args.max_read)

@@ -65,9 +65,6 @@ class OOMBConfig:
     queries chooses its own pages. Larger groups read the same compute budget but select fewer
     distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
     Hkv x (sinks + budget) pages per chunk)."""
-    sparse_local_pages: int = 0
-    """Sparse: the history pages just before each query block's first token, always read (counted in
-    the budget): a chunk's first queries find their recent context in the previous chunk."""
     sparse_pooling: Literal["max", "softmax"] = "max"
     """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
     per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
@@ -153,9 +150,6 @@ class OOMBConfig:
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     def _check_layer_options(self) -> None:
-        value = self.sparse_local_pages
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"sparse_local_pages={value!r} must be an integer >= 0 (a number of pages)")
         budgets = self.sparse_layer_budgets
         if budgets is not None:
             if not isinstance(budgets, (list, tuple)) or any(
@@ -167,10 +161,6 @@ class OOMBConfig:
                 isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
             raise ValueError(f"sparse_dense_layers={layers!r} must be a list of layer indices >= 0")
         self.sparse_dense_layers = sorted(set(layers))
-        smallest = min(budgets) if budgets else self.sparse_budget
-        if self.attention == "sparse" and value > smallest:
-            raise ValueError(f"sparse_local_pages={value} exceeds the smallest budget ({smallest}): the local "
-                             "pages are part of the budget")
 
     @property
     def grad_dtype(self) -> torch.dtype:

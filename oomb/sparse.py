@@ -61,7 +61,6 @@ class SparseOptions:
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection
-    local_pages: int = 0  # history pages just before each block, always read (out of the budget)
     pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax"
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
@@ -73,9 +72,8 @@ class SparseOptions:
             return None
         budgets = config.sparse_layer_budgets
         return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
-                   config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_local_pages,
-                   config.sparse_pooling, tuple(budgets) if budgets is not None else None,
-                   frozenset(config.sparse_dense_layers))
+                   config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_pooling,
+                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers))
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -83,7 +81,7 @@ class SparseOptions:
         return SUMMARIES_OF_SCORE[self.score]
 
     def budget_of(self, layer: int) -> int:
-        """Top-scored pages (locals included) a block of ``layer`` reads besides the sinks."""
+        """Top-scored pages a block of ``layer`` reads besides the sinks."""
         if self.layer_budgets is not None and layer < len(self.layer_budgets):
             return self.layer_budgets[layer]
         return self.budget
@@ -178,28 +176,6 @@ def block_scores(
     return out
 
 
-def force_local_pages(scores: torch.Tensor, first_block_page: int, local_pages: int) -> torch.Tensor:
-    """Scores with the ``local_pages`` history pages before each block's first token set to +inf, so
-    top-k always keeps them (NSA and InfLLM-v2 keep local blocks too). Block j of a chunk starting at
-    page c0 = ``first_block_page`` gets pages max(0, c0 + j - local_pages) .. c0 - 1; blocks past the
-    window find their local context in the chunk itself."""
-    if local_pages <= 0:
-        return scores
-    n_blocks, n_hist = scores.shape[2], scores.shape[3]
-    page = torch.arange(n_hist, device=scores.device)
-    block = torch.arange(n_blocks, device=scores.device)
-    local = page[None, :] >= (first_block_page + block[:, None] - local_pages)  # (n_blocks, n_hist)
-    return scores.masked_fill(local, float("inf"))
-
-
-def score_blocks_for_chunk(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
-                           options: SparseOptions, first_block_page: int, layer: int = 0,
-                           scale: float | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
-    """block_scores with the local pages forced in: what top_pages chooses from."""
-    scores = block_scores(q, summaries, page_size, options, scale, previous)
-    return force_local_pages(scores, first_block_page, min(options.local_pages, options.budget_of(layer)))
-
-
 def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
 
@@ -238,8 +214,7 @@ def select_pages(
         store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
-    scores = score_blocks_for_chunk(q, store.history_summaries(layer, n_hist), P, options, n_hist, layer, scale,
-                                    previous)
+    scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
     group = options.query_block_pages
     if group == 1:
         return top_pages(scores, options, layer)

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv.summaries import SUMMARY_KINDS, summarize_pages
-from .sparse import SparseOptions, group_scores, score_blocks_for_chunk, top_pages
+from .sparse import SparseOptions, block_scores, group_scores, top_pages
 
 CAPTURE_NAME = "oomb_capture"
 
@@ -146,8 +146,8 @@ def layer_recall(inputs: LayerInputs, mass: torch.Tensor, chunk_size: int, page_
         else:
             q_chunk = q[:, :, start: start + length]
             previous = q[:, :, start - page_size: start] if options.leak_free else None
-            scores = score_blocks_for_chunk(q_chunk, history_summaries(k, page_size, n_hist), page_size, options,
-                                            start // page_size, layer, None, previous)
+            scores = block_scores(q_chunk, history_summaries(k, page_size, n_hist), page_size, options,
+                                  inputs.scale, previous)
             if options.query_block_pages > 1:
                 n_blocks = scores.shape[2]
                 grouped = top_pages(group_scores(scores, options.query_block_pages, options.leak_free), options, layer)

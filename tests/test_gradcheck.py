@@ -21,7 +21,7 @@ def test_gradcheck_command_prints_a_table_and_writes_json(tmp_path, capsys):
                      "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for expected in ("oomb gradcheck: tiny-qwen2 (random weights, float32, cpu), 1024 tokens of random token ids",
-                     "dense vs full-sequence HF", "minmax k=2", "mean k=23", "layer 0", "layer 1", "total",
+                     "dense vs full-sequence HF", "minmax/max k=2", "mean/max k=23", "layer 0", "layer 1", "total",
                      "pages read"):
         assert expected in text
     report = json.loads(out.read_text())
