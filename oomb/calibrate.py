@@ -198,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the history pages (all layers) the plan may read")
     parser.add_argument("--grid", type=int, nargs="+", default=list(DEFAULT_GRID), help="candidate budgets")
     parser.add_argument("--score", choices=SPARSE_SCORES, default="minmax")
-    parser.add_argument("--pooling", choices=SPARSE_POOLINGS, default="softmax")
+    parser.add_argument("--pooling", choices=SPARSE_POOLINGS, default="max")
     parser.add_argument("--sink-pages", type=int, default=1)
     parser.add_argument("--leak-free", action="store_true", help="score blocks with earlier queries only")
     parser.add_argument("--yarn", type=float, default=None, help="YaRN factor for RoPE (e.g. 4: 8K -> 32K)")

@@ -76,7 +76,8 @@ class OOMBConfig:
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
-    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (triton on CUDA),
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (CUDA: cudnn for
+    bf16/fp16 weights, triton for float32, with deterministic=True, or for packed documents; torch off CUDA),
     "cudnn" (CUDA, bf16/fp16: cuDNN's fused attention, which HF's SDPA runs on Hopper; faster there,
     not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
     offload: bool = False
@@ -103,8 +104,8 @@ class OOMBConfig:
     (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
-    is refused). False: where backend "auto" is resolved with the model dtype (oomb train, oomb bench,
-    oomb.autoconfig), bf16/fp16 on CUDA get cudnn, faster but not bitwise deterministic (docs/kernels.md)."""
+    is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
+    deterministic (docs/kernels.md)."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_tokens", "stream_block_pages", "stream_buffers"):

@@ -117,7 +117,10 @@ def forward_backward(
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
-    backend = select_backend(config.backend, device)
+    # "auto": cudnn for bf16/fp16 on CUDA (the measured fast path), triton for float32 or when
+    # deterministic; packed documents stay on triton, whose kernels mask inside a document's first page.
+    weights_dtype = None if documents is not None else causal_lm.get_input_embeddings().weight.dtype
+    backend = select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
     split_documents = _check_documents(documents, config, backend.name)
     for chunk in chunks if split_documents is not None else ():
         store.history_starts[chunk.index] = split_documents.history_start(chunk.start, config.page_size)

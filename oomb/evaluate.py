@@ -40,7 +40,8 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, config: OOMB
                                   "supported; use a model config with sliding_window=None")
     sparse = SparseOptions.from_config(config)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse)
-    backend = select_backend(config.backend, device)
+    backend = select_backend(config.backend, device, dtype=causal_lm.get_input_embeddings().weight.dtype,
+                             deterministic=config.deterministic)
     decoder = causal_lm.get_decoder()
     hidden = []
     try:
