@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from tqdm.auto import tqdm
 
 from .sparse import SparseOptions
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
@@ -67,7 +68,7 @@ def recall_curves(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: i
         model(input_ids=input_ids)
     curves = []
     L = len(recorded)
-    for layer in range(L):
+    for layer in tqdm(range(L), desc="calibrate: layers", disable=not progress):
         start = time.perf_counter()
         inputs = recorded.pop(layer)
         mass = page_mass(inputs, page_size)
@@ -90,9 +91,8 @@ def recall_curves(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: i
         read.append(pages_read(T, chunk_size, page_size, dense, 0))
         curves.append(LayerCurve(budgets, recall, worst, read))
         del mass, inputs
-        if progress:
-            steps = " ".join(f"{b}:{r:.3f}" for b, r in zip(budgets, recall, strict=True))
-            logger.info("layer %d: recall %s (%.1f s)", layer, steps, time.perf_counter() - start)
+        steps = " ".join(f"{b}:{r:.3f}" for b, r in zip(budgets, recall, strict=True))
+        logger.info("layer %d: recall %s (%.1f s)", layer, steps, time.perf_counter() - start)
     return curves
 
 
@@ -215,7 +215,6 @@ def main(args: argparse.Namespace) -> int:
     model, ids, model_text, source = _load(options)
     model.set_attn_implementation("sdpa")
     base = SparseOptions(0, args.sink_pages, args.score, "kv_head", args.leak_free, 1, args.pooling)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     curves = recall_curves(model, ids, args.chunk_size, args.page_size, base, tuple(sorted(set(args.grid))))
     choice = allocate(curves, args.max_read)
     meta = {"model": model_text, "sequence": source, "tokens": ids.shape[1], "chunk_size": args.chunk_size,
