@@ -24,19 +24,16 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from oomb.calibrate import pages_read
 from oomb.real_model import english_text, smollm2_dir
 from oomb.sparse import SparseOptions
 from oomb.sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 
 def history_read(T: int, chunk: int, page: int, options: SparseOptions, layers: int) -> float:
-    read = total = 0
-    for layer in range(layers):
-        for start in range(0, T, chunk):
-            n_hist, blocks = start // page, -(-min(chunk, T - start) // page)
-            read += blocks * options.num_selected(n_hist, layer)
-            total += blocks * n_hist
-    return read / total
+    dense = SparseOptions(0, 0, options.score, options.selection, False, dense_layers=frozenset({0}))
+    read = sum(pages_read(T, chunk, page, options, layer) for layer in range(layers))
+    return read / (layers * pages_read(T, chunk, page, dense, 0))
 
 
 def main() -> int:
