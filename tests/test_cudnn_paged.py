@@ -230,7 +230,7 @@ def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, qu
                                 SPARSE_MATH.sparse_attention_backward)
     results = {}
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
-        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend: b)
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
         config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
                                  sparse_query_block_pages=query_block_pages, offload=offload)

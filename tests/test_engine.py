@@ -456,7 +456,7 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
 
     backend = AttentionBackend("counting", counting_forward, reference.paged_attention_backward,
                                reference.backward_delta)
-    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **_: backend)
     model = models["qwen2"]
     ids = random_ids(1, 200, seed=21)
     model.zero_grad(set_to_none=True)
@@ -491,7 +491,7 @@ def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypat
 
     backend = AttentionBackend("windowed-math", recording_forward, MATH.paged_attention_backward,
                                cudnn_paged.no_delta, whole_history=whole_history)
-    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device: backend)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **_: backend)
     ids, labels = CASES[case].inputs(seed=200)
     config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages, offload=offload)
     _assert_matches_hf(models["qwen2"], ids, labels, config)
