@@ -208,8 +208,8 @@ def _recording_backend(monkeypatch) -> list[tuple[int, tuple[int, int]]]:
     calls = []
     real = oomb.engine.select_backend
 
-    def select(name, device):
-        backend = real(name, device)
+    def select(name, device, **options):
+        backend = real(name, device, **options)
 
         def forward(q, k, v, table, query_start, scale, **kwargs):
             calls.append((query_start, kwargs["key_range"]))
