@@ -180,10 +180,10 @@ def model_layers(model: torch.nn.Module) -> int:
 
 
 def load_sparse_plan(path: str) -> dict:
-    """A sparse plan written by `oomb calibrate` (JSON or YAML): OOMBConfig sparse_* options."""
-    text = Path(path).read_text()
-    plan = json.loads(text) if path.endswith(".json") else __import__("yaml").safe_load(text)
-    return plan.get("config", plan)
+    """The OOMBConfig sparse options of a plan written by `oomb calibrate`."""
+    from .calibrate import load_plan
+
+    return load_plan(path)
 
 
 def run_gradcheck(options: GradcheckOptions) -> dict:

@@ -121,6 +121,9 @@ def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     assert load_plan(path) == plan["oomb"]
+    from oomb.gradcheck import load_sparse_plan
+
+    assert load_sparse_plan(str(path)) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
     config = OOMBConfig.from_dict({"sparse_plan": str(path), "chunk_size": CHUNK, "page_size": PAGE,
                                    "backend": "torch"})
     assert config.attention == "sparse" and config.sparse_layer_budgets == plan["oomb"]["sparse_layer_budgets"]
