@@ -14,7 +14,7 @@ pages (page-table positions < c0)::
   ("shared", the best score of any head);
 * the chunk's own pages are not part of the selection: every block reads them, causally;
 * ``query_block_pages = g > 1``: g consecutive blocks share one selection (the best score of any
-  of them; leak-free: their first query's), so a chunk selects fewer distinct pages (what host
+  of them; leak-free: their first block's), so a chunk selects fewer distinct pages (what host
   offload moves) for the same compute.
 
 Scores (not differentiated; float32 results, from float32 matmuls or, for bf16/fp16 queries on a
@@ -215,6 +215,11 @@ def select_pages(
     if options.num_selected(n_hist, layer) == n_hist:
         return None
     scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
+    return selection_from_scores(scores, options, layer)
+
+
+def selection_from_scores(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
+    """(B, Hkv, n_blocks, K) selection from block scores, one per group of query_block_pages blocks."""
     group = options.query_block_pages
     if group == 1:
         return top_pages(scores, options, layer)
@@ -230,7 +235,7 @@ def select_pages(
 def group_scores(scores: torch.Tensor, group: int, leak_free: bool, pooling: str = "max") -> torch.Tensor:
     """Scores of groups of ``group`` consecutive query blocks: (B, Hkv, n_blocks, n_hist) ->
     (B, Hkv, ceil(n_blocks / group), n_hist). A group keeps a page if any of its blocks wants it;
-    leak-free, only its first block (scored with its first query) decides. Pooling "softmax" sums the
+    leak-free, only its first block (scored with the queries before it) decides. Pooling "softmax" sums the
     blocks' estimated masses instead of taking the best."""
     if leak_free:
         return scores[:, :, ::group]

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv.summaries import SUMMARY_KINDS, summarize_pages
-from .sparse import SparseOptions, block_scores, group_scores, top_pages
+from .sparse import SparseOptions, block_scores, selection_from_scores
 
 CAPTURE_NAME = "oomb_capture"
 
@@ -88,7 +88,7 @@ def history_summaries(k: torch.Tensor, page_size: int, n_hist: int) -> dict[str,
 
 
 def oracle_selection(mass: torch.Tensor, chunk_start: int, chunk_len: int, page_size: int, Hkv: int,
-                     options: SparseOptions) -> torch.Tensor:
+                     options: SparseOptions, layer: int = 0) -> torch.Tensor:
     """(1, Hkv, n_blocks, K): per block, the sinks and the history pages of highest true mass."""
     n_hist = chunk_start // page_size
     Hq = mass.shape[0]
@@ -101,13 +101,8 @@ def oracle_selection(mass: torch.Tensor, chunk_start: int, chunk_len: int, page_
     scores = block_mass.reshape(Hkv, G, n_blocks, page_size, n_hist).sum(dim=(1, 3))[None]
     if options.selection == "shared":
         scores = scores.sum(dim=1, keepdim=True).expand(1, Hkv, n_blocks, n_hist)
-    if options.query_block_pages > 1:
-        pad_g = -n_blocks % options.query_block_pages
-        if pad_g:
-            scores = torch.cat([scores, scores.new_zeros(1, Hkv, pad_g, n_hist)], dim=2)
-        grouped = top_pages(scores.unflatten(2, (-1, options.query_block_pages)).sum(dim=3), options)
-        return grouped.repeat_interleave(options.query_block_pages, dim=2)[:, :, :n_blocks]
-    return top_pages(scores, options)
+    # True masses add up over a group's blocks: the summing ("softmax") grouping of oomb/sparse.py.
+    return selection_from_scores(scores, replace(options, pooling="softmax", leak_free=False), layer)
 
 
 def kept_mass(mass: torch.Tensor, selection: torch.Tensor | None, chunk_start: int, chunk_len: int,
@@ -142,18 +137,13 @@ def layer_recall(inputs: LayerInputs, mass: torch.Tensor, chunk_size: int, page_
         if options.num_selected(n_hist, layer) >= n_hist:
             selection = None
         elif rule == "oracle":
-            selection = oracle_selection(mass, start, length, page_size, Hkv, options)
+            selection = oracle_selection(mass, start, length, page_size, Hkv, options, layer)
         else:
             q_chunk = q[:, :, start: start + length]
             previous = q[:, :, start - page_size: start] if options.leak_free else None
             scores = block_scores(q_chunk, history_summaries(k, page_size, n_hist), page_size, options,
                                   inputs.scale, previous)
-            if options.query_block_pages > 1:
-                n_blocks = scores.shape[2]
-                grouped = top_pages(group_scores(scores, options.query_block_pages, options.leak_free), options, layer)
-                selection = grouped.repeat_interleave(options.query_block_pages, dim=2)[:, :, :n_blocks]
-            else:
-                selection = top_pages(scores, options, layer)
+            selection = selection_from_scores(scores, options, layer)
         kept = kept_mass(mass, selection, start, length, page_size, Hkv)  # (Hq, Lq)
         total += kept.reshape(Hkv, G, length).sum(dim=(1, 2))
         count += G * length
