@@ -21,7 +21,7 @@ def _measure(mode: str, num_tokens: int, chunk_size: int, queue) -> None:
     import transformers
 
     import oomb
-    from oomb.demo import tiny_qwen2_config
+    from oomb.tools.demo import tiny_qwen2_config
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(tiny_qwen2_config(num_tokens))
@@ -66,7 +66,7 @@ def main() -> None:
               "torch": torch.__version__, "transformers": transformers.__version__,
               "command": "python benchmarks/cpu_memory.py " + " ".join(
                   f"--contexts {' '.join(map(str, args.contexts))} --chunk-size {args.chunk_size}".split()),
-              "model": "oomb.demo.tiny_qwen2_config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 257)",
+              "model": "oomb.tools.demo.tiny_qwen2_config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 257)",
               "rows": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from oomb import machine  # noqa: E402
-from oomb.bench import (  # noqa: E402
+from oomb.tools.bench import (  # noqa: E402
     BenchOptions,
     add_arguments,
     build_model,

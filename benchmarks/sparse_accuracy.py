@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 import oomb
 from oomb.evaluate import forward_hidden
-from oomb.presets import TINY_PRESET, preset_config
+from oomb.training.presets import TINY_PRESET, preset_config
 
 FILLER = 64  # filler ids 0..63
 NEEDLES = 16  # needle ids 64..79

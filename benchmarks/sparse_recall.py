@@ -4,7 +4,7 @@
 
 Records SmolLM2-135M's queries and keys on real English text (oomb/real_model.py), then measures for
 each arm (score rule x pooling x budget, and the oracle at the same budget) the mean
-attention mass the selection keeps (oomb/sparse_recall.py). Prints a summary table and writes every
+attention mass the selection keeps (oomb/tools/sparse_recall.py). Prints a summary table and writes every
 layer's and KV head's recall to JSON. Selection runs through oomb/sparse.py itself.
 """
 
@@ -24,10 +24,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from oomb.calibrate import pages_read
 from oomb.real_model import english_text, smollm2_dir
 from oomb.sparse import SparseOptions
-from oomb.sparse_recall import layer_recall, page_mass, record_attention_inputs
+from oomb.tools.calibrate import pages_read
+from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 
 def history_read(T: int, chunk: int, page: int, options: SparseOptions, layers: int) -> float:

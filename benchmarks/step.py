@@ -1,5 +1,5 @@
 """One training step (forward + backward, no optimizer) of plain HF vs oomb dense: a thin wrapper over
-`oomb bench` (oomb/bench.py), kept for the commands recorded with earlier results.
+`oomb bench` (oomb/tools/bench.py), kept for the commands recorded with earlier results.
 
 Standard workload (DESIGN.md section 6): Qwen2.5-7B shape with random weights, bf16, chunk 4096,
 page 128. Plain HF = SDPA + gradient checkpointing + oomb's chunked LM-head loss. Each mode runs in
@@ -18,8 +18,8 @@ import argparse
 import math
 from pathlib import Path
 
-from oomb.bench import BenchOptions, run_bench
-from oomb.presets import PRESETS
+from oomb.tools.bench import BenchOptions, run_bench
+from oomb.training.presets import PRESETS
 
 MODE_NAMES = {"hf": "hf", "oomb": "dense"}  # this script's names -> oomb bench's
 

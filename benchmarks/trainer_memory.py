@@ -22,8 +22,8 @@ import torch
 from oomb import machine
 from oomb.memory import GIB
 from oomb.models import unwrap_causal_lm
-from oomb.train_config import TrainerConfig
-from oomb.trainer import Trainer
+from oomb.training.config import TrainerConfig
+from oomb.training.trainer import Trainer
 
 
 def measure(preset: str, seq_len: int, steps: int, master_weights: bool, out_dir: str) -> dict:

@@ -2,7 +2,7 @@
 
     # a local model and a jsonl of {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}
     python examples/sft_trainer.py --model /models/Qwen2.5-7B --data chats.jsonl --seq-len 131072 --lora
-    # random weights of a preset shape (oomb/presets.py) and oomb's byte tokenizer: a smoke or memory run
+    # random weights of a preset shape (oomb/training/presets.py) and oomb's byte tokenizer: a smoke or memory run
     python examples/sft_trainer.py --preset qwen2.5-7b --data chats.jsonl --seq-len 32768 --lora --max-steps 2
     # the same script on the plain SFTTrainer, for a comparison
     python examples/sft_trainer.py ... --plain
@@ -60,7 +60,7 @@ def load_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype, devic
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
         return model, AutoTokenizer.from_pretrained(args.model)
-    from oomb.presets import byte_tokenizer, preset_config
+    from oomb.training.presets import byte_tokenizer, preset_config
 
     config = preset_config(args.preset, args.seq_len)
     config._attn_implementation = "sdpa"

@@ -10,12 +10,14 @@ import sys
 
 # command name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "demo": ("oomb.demo", "train a tiny model on 16K-token sequences on this machine, then gradcheck"),
-    "train": ("oomb.train_cli", "train a model on long packed sequences: config, checkpoints, resume, logs"),
-    "plan": ("oomb.plan", "predict GPU and host memory of a step and the longest context that fits"),
-    "bench": ("oomb.bench", "benchmark HF and oomb modes over contexts: JSON, markdown table and plot"),
-    "gradcheck": ("oomb.gradcheck", "sparse vs dense (and dense vs HF) parameter gradients: per-layer cosine, error"),
-    "calibrate": ("oomb.calibrate", "a sparse plan for your model and data: per-layer recall, budgets, dense layers"),
+    "demo": ("oomb.tools.demo", "train a tiny model on 16K-token sequences on this machine, then gradcheck"),
+    "train": ("oomb.training.cli", "train a model on long packed sequences: config, checkpoints, resume, logs"),
+    "plan": ("oomb.tools.plan", "predict GPU and host memory of a step and the longest context that fits"),
+    "bench": ("oomb.tools.bench", "benchmark HF and oomb modes over contexts: JSON, markdown table and plot"),
+    "gradcheck": ("oomb.tools.gradcheck",
+                  "sparse vs dense (and dense vs HF) parameter gradients: per-layer cosine, error"),
+    "calibrate": ("oomb.tools.calibrate",
+                  "a sparse plan for your model and data: per-layer recall, budgets, dense layers"),
 }
 
 

@@ -172,7 +172,7 @@ class OOMBConfig:
         """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones.
         ``sparse_plan``: the path of a plan written by `oomb calibrate`, whose options fill in those not given."""
         if options.get("sparse_plan"):  # a plan file from `oomb calibrate`: its options, then the explicit ones
-            from .calibrate import load_plan
+            from .tools.calibrate import load_plan
 
             options = {**load_plan(options["sparse_plan"]), **{k: v for k, v in options.items() if k != "sparse_plan"}}
         options = {k: v for k, v in options.items() if k != "sparse_plan"}

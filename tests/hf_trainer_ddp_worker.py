@@ -19,7 +19,7 @@ from test_hf_trainer import STEP, logged, right_padded, token_lists, training_ar
 from transformers import Trainer, TrainerCallback
 
 from oomb import OOMBTrainer
-from oomb import hf_trainer as hft
+from oomb.training import hf_trainer as hft
 
 
 class CountDDPReductions(TrainerCallback):

@@ -138,15 +138,15 @@ def train_job(job: dict) -> dict:
     or ``interrupt_at`` (... at which every rank gets a KeyboardInterrupt, as from Ctrl-C)."""
     import logging
 
-    import oomb.trainer
-    from oomb.train_config import TrainerConfig
-    from oomb.trainer import Trainer
+    import oomb.training.trainer
+    from oomb.training.config import TrainerConfig
+    from oomb.training.trainer import Trainer
 
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("oomb").addHandler(handler)
-    real, calls = oomb.trainer.forward_backward, []
+    real, calls = oomb.training.trainer.forward_backward, []
 
     def forward_backward(*args, **kwargs):
         calls.append(1)
@@ -156,7 +156,7 @@ def train_job(job: dict) -> dict:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    oomb.trainer.forward_backward = forward_backward
+    oomb.training.trainer.forward_backward = forward_backward
     trainer = Trainer(TrainerConfig.from_dict(job["config"]))
     try:
         result = trainer.train()
@@ -167,7 +167,7 @@ def train_job(job: dict) -> dict:
     except Exception as err:  # an expected refusal; the test checks the message on every rank
         return {"raised": f"{type(err).__name__}: {err}", "warnings": warnings}
     finally:
-        oomb.trainer.forward_backward = real
+        oomb.training.trainer.forward_backward = real
         logging.getLogger("oomb").removeHandler(handler)
 
 

@@ -1,4 +1,4 @@
-"""oomb.autoconfig: the chooser's decision for a table of workloads and machines, with its reason;
+"""oomb.training.autoconfig: the chooser's decision for a table of workloads and machines, with its reason;
 refusals with numbers; user-set options kept; token counts with K/M; backend resolution."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from oomb.attention.backend import resolve_backend_name
-from oomb.autoconfig import (
+from oomb.config import OOMBConfig
+from oomb.memory import GIB, ModelShape
+from oomb.tools.plan import Budget, make_plan, preset_config
+from oomb.training.autoconfig import (
     SPEED_FACTS,
     NoConfigFitsError,
     Resources,
@@ -20,10 +23,7 @@ from oomb.autoconfig import (
     choose_config,
     fixed_from_options,
 )
-from oomb.config import OOMBConfig
-from oomb.memory import GIB, ModelShape
-from oomb.plan import Budget, make_plan, preset_config
-from oomb.train_config import TrainerConfig
+from oomb.training.config import TrainerConfig
 from oomb.units import parse_tokens
 
 SHAPES = {name: ModelShape.from_hf_config(preset_config(name)) for name in ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b")}
@@ -176,7 +176,7 @@ def test_plan_prints_the_choice_and_runner_up():
     plan = make_plan("qwen2.5-7b", SHAPES["qwen2.5-7b"], M, Budget(139 * GIB, 125 * GIB), OOMBConfig(),
                      fixed={})
     assert plan.choice is not None and plan.choice.config.offload
-    from oomb.plan import format_plan, plan_to_dict
+    from oomb.tools.plan import format_plan, plan_to_dict
 
     text = format_plan(plan)
     assert "oomb train would run (dense attention" in text and "runner-up:" in text
@@ -228,7 +228,7 @@ def test_python_dash_m_oomb(monkeypatch, capsys):
 def tiny_model_dir(tmp_path_factory):
     from helpers import build_tiny_model
 
-    from oomb.presets import BYTE_VOCAB, byte_tokenizer
+    from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
 
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model("qwen2", vocab_size=BYTE_VOCAB + 1).save_pretrained(path)

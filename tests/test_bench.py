@@ -7,10 +7,10 @@ import queue
 import pytest
 import torch
 
-import oomb.bench as bench
+import oomb.tools.bench as bench
 from oomb import cli
 from oomb.memory import MODES
-from oomb.plan import is_implemented
+from oomb.tools.plan import is_implemented
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

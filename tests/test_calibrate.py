@@ -6,10 +6,10 @@ import yaml
 from helpers import build_tiny_model, random_ids
 
 import oomb
-from oomb.calibrate import DENSE, LayerCurve, allocate, load_plan, make_plan, recall_curves
 from oomb.config import OOMBConfig
 from oomb.sparse import SparseOptions
-from oomb.sparse_recall import layer_recall, page_mass, record_attention_inputs
+from oomb.tools.calibrate import DENSE, LayerCurve, allocate, load_plan, make_plan, recall_curves
+from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 TOKENS, CHUNK, PAGE = 320, 64, 16  # 5 chunks; up to 16 history pages
 
@@ -121,7 +121,7 @@ def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     assert load_plan(path) == plan["oomb"]
-    from oomb.gradcheck import load_sparse_plan
+    from oomb.tools.gradcheck import load_sparse_plan
 
     assert load_sparse_plan(str(path)) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
     config = OOMBConfig.from_dict({"sparse_plan": str(path), "chunk_size": CHUNK, "page_size": PAGE,

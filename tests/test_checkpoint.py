@@ -1,4 +1,4 @@
-"""oomb.checkpoint: atomic step directories, latest/pruning, round trips of every state."""
+"""oomb.training.checkpoint: atomic step directories, latest/pruning, round trips of every state."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from oomb.checkpoint import (
+from oomb.training.checkpoint import (
     ADAPTER_WEIGHTS,
     FULL_WEIGHTS,
     STATE_FILE,
@@ -94,12 +94,12 @@ def test_a_failed_write_leaves_the_previous_directory(tmp_path):
 
 def test_state_file_is_written_last(tmp_path, monkeypatch):
     """Killed before trainer_state.json: the step directory does not exist at all."""
-    import oomb.checkpoint
+    import oomb.training.checkpoint
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(oomb.checkpoint, "_prune", fail)  # raises after the rename: checkpoint complete
+    monkeypatch.setattr(oomb.training.checkpoint, "_prune", fail)  # raises after the rename: checkpoint complete
     with pytest.raises(OSError):
         save_checkpoint(make_checkpoint(4), tmp_path)
     assert (tmp_path / "step-000004" / STATE_FILE).is_file()

@@ -1,4 +1,4 @@
-"""oomb.data: files -> documents -> packed sequences; order, boundaries, streaming pieces, resume."""
+"""oomb.training.data: files -> documents -> packed sequences; order, boundaries, streaming pieces, resume."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-import oomb.data
-from oomb.data import DataPosition, PackedSequences, embedded_corpus_files, resolve_files
+import oomb.training.data
 from oomb.loss import IGNORE_INDEX
-from oomb.presets import byte_tokenizer
-from oomb.train_config import DataSection
+from oomb.training.config import DataSection
+from oomb.training.data import DataPosition, PackedSequences, embedded_corpus_files, resolve_files
+from oomb.training.presets import byte_tokenizer
 
 EOS = 256  # the byte tokenizer's <|endoftext|>
 
@@ -135,18 +135,18 @@ def test_text_file_read_in_pieces_is_one_document(tmp_path, tokenizer):
 def test_text_piece_without_newline_never_splits_a_character(tmp_path):
     path = tmp_path / "one-line.txt"
     path.write_text("é" * 100)  # 2 bytes each, no newline
-    bounds = oomb.data._piece_bounds(path, 7)
+    bounds = oomb.training.data._piece_bounds(path, 7)
     data = path.read_bytes()
     assert all(data[b] & 0xC0 != 0x80 for b in bounds[:-1])
     assert bounds[0] == 0 and bounds[-1] == len(data) and bounds == sorted(set(bounds))
 
 
 def test_jsonl_line_index_across_read_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(oomb.data, "SCAN_BLOCK_BYTES", 7)
+    monkeypatch.setattr(oomb.training.data, "SCAN_BLOCK_BYTES", 7)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
     data = path.read_bytes()
     expected = [0] + [i + 1 for i, b in enumerate(data[:-1]) if b == ord("\n")]
-    assert oomb.data._line_offsets(path).tolist() == expected
+    assert oomb.training.data._line_offsets(path).tolist() == expected
 
 
 def test_parquet_rows_by_row_group(tmp_path, tokenizer):

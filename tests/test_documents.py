@@ -413,9 +413,9 @@ def test_gpu_cudnn_refuses_documents():
 # --- oomb train: data.documents ------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["separate", "loss_only", "joined"])
 def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
-    from oomb.data import PackedSequences, resolve_files
-    from oomb.presets import byte_tokenizer
-    from oomb.train_config import DataSection
+    from oomb.training.config import DataSection
+    from oomb.training.data import PackedSequences, resolve_files
+    from oomb.training.presets import byte_tokenizer
 
     path = tmp_path / "d.jsonl"
     path.write_text("".join(f'{{"text": "doc {i} {"x" * i}"}}\n' for i in range(6)))
@@ -431,13 +431,13 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
 @pytest.mark.parametrize(("option", "value"), [("attention", "sparse"), ("backend", "cudnn")])
 def test_trainer_refuses_separate_documents_in_sparse_mode_cudnn_and_contradictions(option, value):
     from oomb import Trainer, TrainerConfig
-    from oomb.train_config import DataSection
+    from oomb.training.config import DataSection
 
     config = TrainerConfig()
     setattr(config.oomb, option, value)
     with pytest.raises(ValueError, match="data.documents"):
         Trainer(config).setup()
     with pytest.raises(ValueError, match="contradicts"):
-        from oomb.train_config import _check_section
+        from oomb.training.config import _check_section
 
         _check_section(DataSection(documents="joined", mask_document_boundaries=True), "data")

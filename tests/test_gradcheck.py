@@ -9,7 +9,7 @@ import torch
 
 from oomb import cli
 from oomb.config import OOMBConfig
-from oomb.gradcheck import GradcheckOptions, compare, history_read, run_gradcheck
+from oomb.tools.gradcheck import GradcheckOptions, compare, history_read, run_gradcheck
 
 SMALL = ["--seq-len", "1024", "--chunk-size", "256", "--page-size", "32"]
 

@@ -17,8 +17,8 @@ from helpers import VOCAB, build_tiny_model
 from transformers import Trainer, TrainingArguments
 
 from oomb import OOMBConfig, OOMBTrainer, forward_backward, patch_trainer
-from oomb import hf_trainer as hft
 from oomb.loss import shift_labels
+from oomb.training import hf_trainer as hft
 
 trl = pytest.importorskip("trl")
 from trl import SFTConfig, SFTTrainer  # noqa: E402

@@ -17,10 +17,10 @@ import torch.multiprocessing as mp
 from helpers import build_tiny_model
 from parallel_worker import train
 
-from oomb.checkpoint import load_checkpoint
-from oomb.presets import BYTE_VOCAB, byte_tokenizer
-from oomb.train_config import TrainerConfig
-from oomb.trainer import Trainer
+from oomb.training.checkpoint import load_checkpoint
+from oomb.training.config import TrainerConfig
+from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
+from oomb.training.trainer import Trainer
 
 WORLD = 2
 LAYOUT_ATOL = 1e-5

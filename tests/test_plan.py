@@ -16,7 +16,7 @@ from oomb.memory import (
     estimate_step_memory,
     predict,
 )
-from oomb.plan import (
+from oomb.tools.plan import (
     Budget,
     format_tokens,
     is_implemented,

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import oomb
 from oomb import OOMBConfig
 from oomb.cli import main as cli_main
-from oomb.data import PackedSequences, resolve_files
 from oomb.real_model import english_text
-from oomb.train_config import DataSection, TrainerConfig
+from oomb.training.config import DataSection, TrainerConfig
+from oomb.training.data import PackedSequences, resolve_files
 
 GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5

@@ -12,11 +12,11 @@ import yaml
 from helpers import build_tiny_model
 
 import oomb
-import oomb.trainer
+import oomb.training.trainer
 from oomb.cli import main as cli_main
 from oomb.config import OOMBConfig
-from oomb.presets import BYTE_VOCAB, byte_tokenizer
-from oomb.train_config import SECTIONS, TrainerConfig
+from oomb.training.config import SECTIONS, TrainerConfig
+from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAST = ["--set", "oomb.chunk_size=128", "--set", "oomb.page_size=32", "--set", "logging.progress=false",
@@ -28,7 +28,7 @@ def test_defaults_are_the_embedded_cpu_run():
     assert config.model.path is None and config.model.preset == "tiny-qwen2"
     assert config.data.paths == [] and config.lora.enabled is False
     assert isinstance(config.oomb, OOMBConfig)
-    assert oomb.Trainer is oomb.trainer.Trainer and oomb.TrainerConfig is TrainerConfig
+    assert oomb.Trainer is oomb.training.trainer.Trainer and oomb.TrainerConfig is TrainerConfig
 
 
 def test_yaml_then_flags_then_set(tmp_path):
@@ -141,7 +141,7 @@ def test_cli_ctrl_c_exits_130_with_resume_hint(tmp_path, model_dir, capsys, monk
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(oomb.trainer, "forward_backward", interrupt)
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", interrupt)
     out = tmp_path / "out"
     assert cli_main(["train", "--model", str(model_dir), "--seq-len", "256", "--output-dir", str(out), *FAST]) == 130
     printed = capsys.readouterr().out
@@ -150,7 +150,7 @@ def test_cli_ctrl_c_exits_130_with_resume_hint(tmp_path, model_dir, capsys, monk
 
 
 def test_cli_not_enough_memory_exits_3(tmp_path, model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(oomb.trainer, "host_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)
     assert cli_main(["train", "--model", str(model_dir), "--seq-len", "256", "--output-dir", str(tmp_path), *FAST]) == 3
     assert "not enough host memory" in capsys.readouterr().err
 

@@ -14,12 +14,12 @@ from helpers import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import oomb
-import oomb.trainer
-from oomb.checkpoint import load_checkpoint
-from oomb.data import PackedSequences, resolve_files
-from oomb.presets import BYTE_VOCAB, byte_tokenizer
-from oomb.train_config import TrainerConfig
-from oomb.trainer import NotEnoughMemoryError, Trainer
+import oomb.training.trainer
+from oomb.training.checkpoint import load_checkpoint
+from oomb.training.config import TrainerConfig
+from oomb.training.data import PackedSequences, resolve_files
+from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
+from oomb.training.trainer import NotEnoughMemoryError, Trainer
 
 VOCAB = BYTE_VOCAB + 1  # the byte tokenizer's 256 bytes + <|endoftext|>
 
@@ -128,7 +128,7 @@ def test_killed_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, model
 
     config.checkpoint.resume = "latest"
     resumed = Trainer(config)
-    with caplog.at_level(logging.WARNING, logger="oomb.trainer"):
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
         got = resumed.train()
     assert "changed settings" not in caplog.text
     assert got.resumed_from.endswith("step-000002")
@@ -145,7 +145,7 @@ def test_ctrl_c_saves_the_last_complete_step_and_resume_finishes(uninterrupted, 
     config.checkpoint.every = 0
     sequences_per_step = config.train.grad_accum
     calls = []
-    real = oomb.trainer.forward_backward
+    real = oomb.training.trainer.forward_backward
 
     def interrupted_third_sequence(*args, **kwargs):
         calls.append(1)
@@ -153,12 +153,12 @@ def test_ctrl_c_saves_the_last_complete_step_and_resume_finishes(uninterrupted, 
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(oomb.trainer, "forward_backward", interrupted_third_sequence)
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", interrupted_third_sequence)
     result = Trainer(config).train()
     assert result.interrupted and result.steps == 2 and result.export_dir is None
     assert result.checkpoint.endswith("step-000002")
     assert not (out / "final").exists()
-    monkeypatch.setattr(oomb.trainer, "forward_backward", real)
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", real)
 
     config.checkpoint.resume = "latest"
     resumed = Trainer(config)
@@ -192,7 +192,7 @@ def test_ctrl_c_during_an_update_keeps_that_step(uninterrupted, tmp_path, model_
 def test_ctrl_c_waits_for_the_optimizer_update():
     before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN under nohup or a background job
     with pytest.raises(KeyboardInterrupt):
-        with oomb.trainer._sigint_deferred():
+        with oomb.training.trainer._sigint_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             finished = True
     assert finished
@@ -269,7 +269,7 @@ def test_accumulation_gives_the_mean_of_the_sequences_gradients(tmp_path, model_
 
 
 def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_file, monkeypatch, caplog):
-    monkeypatch.setattr(oomb.trainer, "host_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)
     config = make_config(tmp_path / "mem", model_dir, data_file)
     with pytest.raises(NotEnoughMemoryError) as err:
         Trainer(config).setup()
@@ -278,21 +278,21 @@ def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_f
                  "lora.enabled=true", "train.memory_check=warn"):
         assert part in message
     config.train.memory_check = "warn"
-    with caplog.at_level(logging.WARNING, logger="oomb.trainer"):
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
         Trainer(config).setup()
     assert "not enough host memory" in caplog.text
 
 
 def test_context_beyond_max_positions_warns_naming_rope_scaling(tmp_path, model_dir, data_file, caplog):
     config = make_config(tmp_path / "ctx", model_dir, data_file, data={"seq_len": 8192})
-    with caplog.at_level(logging.WARNING, logger="oomb.trainer"):
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
         Trainer(config).setup()
     assert "data.seq_len=8192 exceeds the model's max_position_embeddings=4096" in caplog.text
     assert "model.rope_scaling" in caplog.text and "factor: 2.0" in caplog.text
     caplog.clear()
     scaled = make_config(tmp_path / "ctx2", model_dir, data_file, data={"seq_len": 8192}, model={
         "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 8192})
-    with caplog.at_level(logging.WARNING, logger="oomb.trainer"):
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
         trainer = Trainer(scaled)
         trainer.setup()
     assert "exceeds" not in caplog.text
@@ -350,7 +350,7 @@ def test_missing_tensorboard_is_a_warning(tmp_path, model_dir, data_file, caplog
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     config = make_config(tmp_path / "tb", model_dir, data_file, train={"max_steps": 1},
                          logging={"tensorboard": True}, checkpoint={"export": False})
-    with caplog.at_level(logging.WARNING, logger="oomb.trainer"):
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
         assert Trainer(config).train().steps == 1
     assert "tensorboard package is not installed" in caplog.text
 
@@ -381,8 +381,8 @@ def test_optimizer_offload_steps_the_same_weights_on_the_host(tmp_path, model_di
 
 
 def test_warmup_then_cosine_schedule():
-    from oomb.train_config import OptimSection
-    from oomb.train_optim import lr_factor
+    from oomb.training.config import OptimSection
+    from oomb.training.optim import lr_factor
 
     options = OptimSection(warmup_steps=4, min_lr_ratio=0.1)
     factors = [lr_factor(step, options, max_steps=14) for step in range(15)]

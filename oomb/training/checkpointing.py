@@ -1,7 +1,7 @@
 """A Trainer's checkpoints: the state after a step, written and read back, with one or several processes.
 
-``Trainer`` (oomb/trainer.py) inherits these methods; the file format and the distributed gathering
-are oomb/checkpoint.py's. With several processes the shards are gathered into whole tensors on rank
+``Trainer`` (oomb/training/trainer.py) inherits these methods; the file format and the distributed gathering
+are oomb/training/checkpoint.py's. With several processes the shards are gathered into whole tensors on rank
 0, which writes what a single process writes; resuming reads them on rank 0 and sends every rank its
 shards, so a checkpoint resumes under any tensor/data-parallel layout.
 """
@@ -31,7 +31,7 @@ from .checkpoint import (
 )
 from .checkpoint import save_checkpoint as write_checkpoint
 from .data import DataPosition
-from .train_report import truncate_metrics
+from .report import truncate_metrics
 
 logger = logging.getLogger(__name__)
 

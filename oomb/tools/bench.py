@@ -37,12 +37,13 @@ from pathlib import Path
 
 import torch
 
-from . import machine, presets
-from .attention.backend import resolve_backend_name
+from .. import machine
+from ..attention.backend import resolve_backend_name
+from ..config import BACKENDS, SPARSE_POOLINGS, OOMBConfig, resolve_dtype
+from ..memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
+from ..models import unwrap_causal_lm
+from ..training import presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
-from .config import BACKENDS, SPARSE_POOLINGS, OOMBConfig, resolve_dtype
-from .memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
-from .models import unwrap_causal_lm
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ BENCH_MODES = ("hf", "dense", "dense+offload", "sparse+offload")
 """The modes of the side-by-side comparison (issue 7); "sparse" (without offload) may be added."""
 POLL_SECONDS = 0.5
 """How often the parent checks a silent worker for death or the time limit."""
-WORKER_PRELOAD = ["oomb.bench", "oomb.engine", "transformers", "transformers.models.qwen2.modeling_qwen2",
+WORKER_PRELOAD = ["oomb.tools.bench", "oomb.engine", "transformers", "transformers.models.qwen2.modeling_qwen2",
                   "transformers.models.llama.modeling_llama"]
 """Imported once by the fork server, so workers start in milliseconds."""
 
@@ -158,7 +159,7 @@ def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch
 
 def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
     """Plain HF with the tools a savvy user adds: SDPA, gradient checkpointing, a chunked loss."""
-    from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
+    from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
@@ -176,14 +177,14 @@ def make_step(mode: str, options: BenchOptions):
     """The function running one step of ``mode``: (model, ids) -> loss."""
     if mode == "hf":
         return lambda model, ids: hf_step(model, ids, options.loss_chunk_tokens)
-    from .engine import forward_backward
+    from ..engine import forward_backward
 
     config = oomb_config_for(mode, options.oomb_config())
     progress = options.progress
     if not config.offload:
         return lambda model, ids: float(forward_backward(model, ids, config=config, progress=progress))
-    from .engine import store_options
-    from .kv.offload import HostSlabs, reserve_host_slabs
+    from ..engine import store_options
+    from ..kv.offload import HostSlabs, reserve_host_slabs
 
     slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .loss import IGNORE_INDEX
-from .train_config import DataSection
+from ..loss import IGNORE_INDEX
+from .config import DataSection
 
 logger = logging.getLogger(__name__)
 

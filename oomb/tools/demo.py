@@ -21,9 +21,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from .config import OOMBConfig
-from .engine import forward_backward
-from .presets import TINY_PRESET, preset_config
+from ..config import OOMBConfig
+from ..engine import forward_backward
+from ..training.presets import TINY_PRESET, preset_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class DemoOptions:
 
 
 def tiny_qwen2_config(max_positions: int) -> Qwen2Config:
-    """A Qwen2-shaped model small enough to train on 16K tokens on two CPU cores (oomb.presets)."""
+    """A Qwen2-shaped model small enough to train on 16K tokens on two CPU cores (oomb.training.presets)."""
     return preset_config(TINY_PRESET, max_positions)
 
 

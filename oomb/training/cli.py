@@ -10,10 +10,10 @@ import argparse
 import json
 import sys
 
-from .config import ATTENTION_MODES, BACKENDS
-from .train_config import TrainerConfig
+from ..config import ATTENTION_MODES, BACKENDS
+from ..units import parse_tokens
+from .config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult
-from .units import parse_tokens
 
 EXIT_ERROR = 1
 EXIT_MEMORY = 3

@@ -25,8 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv.summaries import SUMMARY_KINDS, summarize_pages
-from .sparse import SparseOptions, block_scores, selection_from_scores
+from ..kv.summaries import SUMMARY_KINDS, summarize_pages
+from ..sparse import SparseOptions, block_scores, selection_from_scores
 
 CAPTURE_NAME = "oomb_capture"
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from . import presets
-from .config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
-from .engine import forward_backward
+from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
+from ..engine import forward_backward
+from ..sparse import SparseOptions
+from ..training import presets
+from ..training.config import ModelSection
 from .plan import parse_tokens
-from .sparse import SparseOptions
-from .train_config import ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ REAL_TEXT = "python-docs"
 def _load(options: GradcheckOptions):
     """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
     if options.model == REAL_MODEL:
-        from .real_model import smollm2_dir
+        from ..real_model import smollm2_dir
 
         options = replace(options, model=str(smollm2_dir()))
     is_preset = options.model in presets.PRESETS
@@ -143,7 +143,7 @@ def _load(options: GradcheckOptions):
         source = "random token ids"
     else:
         if options.text == REAL_TEXT:
-            from .real_model import english_text
+            from ..real_model import english_text
 
             text, source = english_text(), "Python's help topics"
         else:

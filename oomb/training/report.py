@@ -8,9 +8,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .train_config import TrainerConfig
+from .config import TrainerConfig
 
-logger = logging.getLogger("oomb.trainer")  # the trainer's log, wherever a line comes from
+logger = logging.getLogger("oomb.training.trainer")  # the trainer's log, wherever a line comes from
 
 
 class Reporter:

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from . import machine, presets
-from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
-from .config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
-from .memory import (
+from .. import machine
+from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
+from ..memory import (
     GIB,
     GPU_TERMS,
     HOST_TERMS,
@@ -36,7 +35,9 @@ from .memory import (
     TrainingSetup,
     predict,
 )
-from .units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
+from ..training import presets
+from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
+from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
 SAFETY_MARGIN = 0.05
 """Fraction of GPU and host memory the planner keeps free: allocator fragmentation and temporaries
@@ -50,7 +51,7 @@ GROWTH_TOKENS = 10_000
 DEFAULT_CONTEXT = 131072
 
 def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
-    """A transformers config of preset ``name`` (oomb.presets, shared with `oomb train`)."""
+    """A transformers config of preset ``name`` (oomb.training.presets, shared with `oomb train`)."""
     return presets.preset_config(name, max_positions)
 
 
@@ -203,7 +204,7 @@ class Plan:
     reports: list[ModeReport]
     hints: list[str]
     choice: Choice | None = None
-    """oomb.autoconfig's fastest configuration that fits (the attention mode as given)."""
+    """oomb.training.autoconfig's fastest configuration that fits (the attention mode as given)."""
     choice_error: str | None = None
     """Why no configuration fits, when none does."""
 
@@ -225,7 +226,7 @@ def make_plan(
     fixed: dict | None = None,
 ) -> Plan:
     """Predictions, fit and largest context of every mode in ``modes`` (default: all), and the
-    configuration oomb.autoconfig chooses for ``config.attention`` keeping the options in ``fixed``
+    configuration oomb.training.autoconfig chooses for ``config.attention`` keeping the options in ``fixed``
     (None: every option of ``config`` fixed but the backend: no choice beyond that)."""
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()

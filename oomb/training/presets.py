@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from .models import SUPPORTED_MODEL_TYPES
-from .train_config import LoraSection, ModelSection
+from ..models import SUPPORTED_MODEL_TYPES
+from .config import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
 

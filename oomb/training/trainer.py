@@ -13,7 +13,7 @@ returns (``TrainResult.interrupted``); ``checkpoint.resume="latest"`` continues 
 
 Several processes (torchrun): checkpoints hold whole tensors, gathered on rank 0 (which alone
 writes files), and are resumed by any number of processes, any tp x dp layout
-(oomb/train_checkpointing.py, with oomb/checkpoint.py: gather_full_state, load_full_state).
+(oomb/training/checkpointing.py, with oomb/training/checkpoint.py: gather_full_state, load_full_state).
 """
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import machine
+from .. import machine
+from ..engine import forward_backward
+from ..kv.offload import HostSlabs
+from ..memory import GIB, ModelShape, estimate_step_memory
+from ..models import unwrap_causal_lm
+from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
 from .checkpoint import (
     atomic_directory,
     latest_checkpoint,
 )
+from .checkpointing import Checkpointing
+from .config import TrainerConfig
 from .data import PackedSequences, resolve_files
-from .engine import forward_backward
-from .kv.offload import HostSlabs
-from .memory import GIB, ModelShape, estimate_step_memory
-from .models import unwrap_causal_lm
-from .parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
+from .optim import MasterWeights, build_optimizer, build_scheduler
 from .presets import (
     TINY_PRESET,
     apply_lora,
@@ -57,10 +60,7 @@ from .presets import (
     load_model_config,
     load_tokenizer,
 )
-from .train_checkpointing import Checkpointing
-from .train_config import TrainerConfig
-from .train_optim import MasterWeights, build_optimizer, build_scheduler
-from .train_report import Reporter
+from .report import Reporter
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Trainer(Checkpointing):
         self._last_metrics: dict | None = None
         self._peak_gpu = 0.0
         self._owns_process_group = False  # setup() joined torchrun's process group: close() leaves it
-        self.choice: Choice | None = None  # what oomb.autoconfig chose for the oomb options left unset
+        self.choice: Choice | None = None  # what oomb.training.autoconfig chose for the oomb options left unset
         self._auto_refusal: str | None = None  # why the chooser found nothing that fits
         self._step_times: list[float] = []  # this session's step times (first step reported apart)
         self.parallel = ParallelSetup()
@@ -295,7 +295,7 @@ class Trainer(Checkpointing):
 
     def _auto_configure(self, causal_lm) -> None:
         """Replace the oomb options left to the chooser (train.auto_config, TrainerConfig.oomb_auto) by
-        the fastest configuration that fits the memory free now (oomb.autoconfig.choose_config).
+        the fastest configuration that fits the memory free now (oomb.training.autoconfig.choose_config).
         Several processes choose from the smallest free memory of any rank, so all choose alike."""
         cfg = self.config
         if not cfg.train.auto_config or not cfg.oomb_auto:

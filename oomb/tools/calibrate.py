@@ -5,7 +5,7 @@
 
 A few layers of a pretrained model attend diffusely and need many pages (or all of them); most need
 few (DuoAttention, MoA). One forward over the sample records every layer's queries and keys; for
-each layer and candidate budget, oomb/sparse_recall.py measures the dense attention mass the
+each layer and candidate budget, oomb/tools/sparse_recall.py measures the dense attention mass the
 selection keeps (its recall). Budgets are then handed out greedily, always to the layer whose next
 step buys the most recall per page read, until the history read reaches ``max_read``; a layer
 whose best step is "all pages" becomes a dense layer. The plan (per-layer budgets and dense layers,
@@ -30,7 +30,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from .sparse import SparseOptions
+from ..sparse import SparseOptions
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def format_plan(plan: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb calibrate` (the model and data options are gradcheck's)."""
-    from .config import SPARSE_POOLINGS, SPARSE_SCORES
+    from ..config import SPARSE_POOLINGS, SPARSE_SCORES
     from .plan import parse_tokens
 
     parser.add_argument("--model", default="smollm2", help="a local HF model directory, or 'smollm2'")

@@ -42,11 +42,11 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 
-from .config import OOMBConfig
-from .engine import forward_backward
-from .kv.offload import HostSlabs
-from .loss import IGNORE_INDEX, shift_labels
-from .models import unwrap_causal_lm
+from ..config import OOMBConfig
+from ..engine import forward_backward
+from ..kv.offload import HostSlabs
+from ..loss import IGNORE_INDEX, shift_labels
+from ..models import unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 

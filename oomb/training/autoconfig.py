@@ -26,8 +26,8 @@ from typing import Literal
 
 import torch
 
-from .config import OOMBConfig, resolve_dtype
-from .memory import (
+from ..config import OOMBConfig, resolve_dtype
+from ..memory import (
     FP32_BYTES,
     GIB,
     MODES,
@@ -38,7 +38,7 @@ from .memory import (
     TrainingSetup,
     predict,
 )
-from .units import format_tokens
+from ..units import format_tokens
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size")
 """OOMBConfig options the chooser decides unless the user fixed them."""
@@ -502,7 +502,7 @@ def _against(c: Candidate, resources: Resources) -> str:
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
     """The largest multiple of the page size below the asked length for which some configuration of
     the free options fits (memory grows with the context, so the search is monotone)."""
-    from .plan import largest_context  # the planner's search (plan imports heavier things)
+    from ..tools.plan import largest_context  # the planner's search (plan imports heavier things)
 
     def fits(tokens: int) -> bool:
         w = dataclasses.replace(workload, seq_len=tokens)

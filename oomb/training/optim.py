@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .train_config import OptimSection
+from .config import OptimSection
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
