@@ -163,3 +163,37 @@ def test_page_means_tiles_give_the_same_result(monkeypatch):
     tiled = page_means_forward(q, km, vm, selection, P, 0.3)
     torch.testing.assert_close(tiled[0], whole[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(tiled[1], whole[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_gpu_page_means_match_the_oracle_and_offload(backend, selections):
+    """On CUDA: the kernels' sparse part merged with the page means. triton float32 against the
+    full-sequence oracle (<= 1e-5) and with offload bitwise; cudnn bf16 with offload: same loss."""
+    dtype = torch.float32 if backend == "triton" else torch.bfloat16
+    model = build_tiny_model("llama", seed=43, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model = model.to("cuda", dtype)
+    ids = random_ids(1, TOKENS, seed=43).cuda()
+
+    def step(**options):
+        model.zero_grad(set_to_none=True)
+        config = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend=backend, attention="sparse", sparse_budget=2,
+                            sparse_unselected="page_means", **options)
+        return oomb.forward_backward(model, ids, config=config), grads(model)
+
+    loss, got = step()
+    off_loss, off_grads = step(offload=True)
+    if backend == "cudnn":
+        torch.testing.assert_close(off_loss, loss, rtol=2e-3, atol=0)
+        return
+    assert torch.equal(off_loss, loss) and all(torch.equal(off_grads[n], got[n]) for n in got)
+    masks = [tuple(m.cuda() for m in _masks(selections, layer, 1, 2, TOKENS)) for layer in range(2)]
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation(ORACLE)
+    try:
+        want_loss = model(input_ids=ids, labels=ids, page_means_masks=masks).loss
+        want_loss.backward()
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=0)
+    assert relative_error(got, grads(model)) <= GRAD_RTOL
