@@ -45,7 +45,7 @@ def tiny_qwen2_config(max_positions: int) -> Qwen2Config:
 
 def embedded_corpus() -> bytes:
     """This package's own source files, concatenated: text that ships with oomb."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the oomb package, not only oomb/tools/
     return b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
 
 

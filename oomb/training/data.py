@@ -82,7 +82,7 @@ class Sample:
 
 def embedded_corpus_files() -> list[DataFile]:
     """The default corpus: oomb's own Python source, shipped with the package."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the oomb package, not only oomb/training/
     return [DataFile(p, "text") for p in sorted(root.rglob("*.py"))]
 
 
