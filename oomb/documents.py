@@ -14,6 +14,14 @@ a document knows where that document began. Per row b and token t:
 Both are non-decreasing in t, which is what lets attention skip key blocks: a key block wholly
 before ``start`` of a tile's first query is invisible to the whole tile, and the queries that see a
 key j are t in [j, end[b, j]).
+
+Sliding-window layers (key j visible to query t iff t - window < j <= t) are the same kind of bound:
+``window_bounds`` intersects the documents (or plain causality) with a window, giving
+
+    start[b, t] = max(doc_start[b, t], t - window + 1)      end[b, j] = min(doc_end[b, j], j + window)
+
+which keep both properties (non-decreasing, and start[b, t] <= j iff t < end[b, j] for t >= j), so
+every backend that masks documents masks windows exactly and skips the key blocks before them.
 """
 
 from __future__ import annotations
@@ -164,3 +172,24 @@ def resolve_documents(
         start_cpu=starts,
         positions=positions.to(device=device, dtype=torch.long).contiguous(),
     )
+
+
+def window_bounds(documents: Documents | None, window: int, shape: tuple[int, int], device: torch.device) -> Documents:
+    """The key bounds of a sliding-window layer (module docstring): the step's documents (None: one
+    document per row) intersected with ``window``. Attention backends take it in place of the
+    documents, so a window layer reads only the pages its queries' windows overlap."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding window must be a positive int, got {window!r}")
+    batch, tokens = shape
+    index = torch.arange(tokens).expand(batch, tokens)
+    if documents is None:
+        doc_start, positions = torch.zeros_like(index), index.to(device)
+        doc_end = torch.full_like(index, tokens)
+    else:
+        doc_start, positions = documents.start_cpu, documents.positions
+        doc_end = documents.end.to("cpu", torch.long)
+    start = torch.maximum(doc_start, index - window + 1)
+    end = torch.minimum(doc_end, index + window)
+    return Documents(start=start.to(device=device, dtype=torch.int32).contiguous(),
+                     end=end.to(device=device, dtype=torch.int32).contiguous(),
+                     start_cpu=start, positions=positions)

@@ -30,7 +30,8 @@ from collections.abc import Mapping
 import torch
 from tqdm.auto import tqdm
 
-from .attention.backend import select_backend
+from .attention.backend import TORCH_BACKEND, AttentionBackend, select_backend
+from .attention.variants import check_backend_supports
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients
@@ -40,7 +41,19 @@ from .kv.capacity import PageShape, check_pages_fit
 from .kv.offload import HostSlabs, OffloadedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from .machine import host_available_bytes
-from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
+from .models import (
+    Stage,
+    StepState,
+    attention_variants,
+    history_start,
+    layer_checkpointing,
+    layer_windows,
+    loss_head,
+    oomb_attention,
+    step_window_bounds,
+    unwrap_causal_lm,
+)
+from .moe import RouterBalanceLoss
 from .parallel import ParallelSetup, check_setup
 from .sparse import SparseOptions
 
@@ -108,27 +121,20 @@ def forward_backward(
     num_targets = int((targets != IGNORE_INDEX).sum())
     if num_targets == 0:
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
-    window = sliding_window_limit(causal_lm)
-    if window is not None and num_tokens > window:
-        raise NotImplementedError(
-            f"sliding-window attention (window {window}) over {num_tokens} tokens is not supported; "
-            "use a model config with sliding_window=None"
-        )
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
+    backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
-    # "auto": cudnn for bf16/fp16 on CUDA (the measured fast path), triton for float32 or when
-    # deterministic; packed documents stay on triton, whose kernels mask inside a document's first page.
-    weights_dtype = None if documents is not None else causal_lm.get_input_embeddings().weight.dtype
-    backend = select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
-    split_documents = _check_documents(documents, config, backend.name)
-    for chunk in chunks if split_documents is not None else ():
-        store.history_starts[chunk.index] = split_documents.history_start(chunk.start, config.page_size)
+    bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
+    set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
-    lm_head = causal_lm.get_output_embeddings()
+    lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
-    def run_chunk(chunk: ChunkSpan, stage: Stage) -> torch.Tensor:
+    router_loss = RouterBalanceLoss.of(causal_lm)  # MoE with output_router_logits: HF adds it to the loss
+    router_kwargs = {} if router_loss is None else {"output_router_logits": True}
+
+    def run_chunk(chunk: ChunkSpan, stage: Stage):
         if documents is None:
             positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
         else:
@@ -138,9 +144,11 @@ def forward_backward(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
             use_cache=False,
-            oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse, split_documents),
+            oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse, split_documents, windows,
+                                bounds),
+            **router_kwargs,
         )
-        return out.last_hidden_state
+        return out.last_hidden_state, getattr(out, "router_logits", None)
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
     rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
@@ -154,7 +162,9 @@ def forward_backward(
                 for chunk in chunks:
                     rng_states.append(_rng_state(device))
                     store.allocate(chunk)
-                    run_chunk(chunk, Stage.FILL)
+                    _, router_logits = run_chunk(chunk, Stage.FILL)
+                    if router_loss is not None:  # the counts of every chunk, before any chunk's loss
+                        router_loss.observe(router_logits)
                     bar.update()
             rng_after_step = _rng_state(device)
 
@@ -168,10 +178,12 @@ def forward_backward(
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
                     _set_rng_state(device, rng_states[chunk.index])
-                    hidden = run_chunk(chunk, Stage.GRAD)
+                    hidden, router_logits = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(
                         hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens
                     )
+                    if router_loss is not None:
+                        loss = loss + router_loss.chunk_loss(router_logits)
                     if loss.requires_grad:  # False when the chunk has no counted label
                         loss.backward()
                     else:
@@ -193,6 +205,45 @@ def forward_backward(
         parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
+
+
+def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tokens: int,
+                    documents: Documents | None) -> tuple[AttentionBackend, Documents | None, tuple[int | None, ...]]:
+    """The step's attention backend, the documents attention must respect (None: plain causal) and
+    each layer's sliding window (None: global); refuses, before any allocation, what the backend or
+    the mode cannot compute."""
+    windows = layer_windows(causal_lm)
+    binding_windows = any(w is not None and w < num_tokens for w in windows)
+    backend = _select_step_backend(causal_lm, config, device, documents is not None or binding_windows)
+    split_documents = _check_documents(documents, config, backend.name)
+    softcap, sinks = attention_variants(causal_lm)
+    check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
+                           family=causal_lm.config.model_type, sparse=config.attention == "sparse")
+    return backend, split_documents, windows
+
+
+def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tuple[int | None, ...],
+                       bounds: Mapping[int, Documents], documents: Documents | None) -> None:
+    """Tell the store, per chunk, the first history page any layer reads (documents, or windows when
+    every layer slides): earlier pages are neither read nor staged."""
+    for chunk in chunks:
+        first = history_start(chunk, windows, bounds, documents, store.page_size)
+        if first:
+            store.history_starts[chunk.index] = first
+
+
+def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
+    """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
+    triton for float32 or when deterministic; packed documents and sliding windows (``masked``) stay
+    on triton, whose kernels mask a per-query first key; logit softcapping (Gemma 2) on torch, the one
+    backend that has it."""
+    if config.backend == "auto" and attention_variants(causal_lm)[0]:
+        if device.type == "cuda":
+            logger.warning("attention logit softcapping (%s) runs on the torch backend: the Triton and cuDNN "
+                           "kernels do not have it", causal_lm.config.model_type)
+        return TORCH_BACKEND
+    weights_dtype = None if masked else causal_lm.get_input_embeddings().weight.dtype
+    return select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
 
 
 def _check_documents(documents: Documents | None, config: OOMBConfig, backend: str) -> Documents | None:

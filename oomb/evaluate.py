@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention.backend import select_backend
 from .config import OOMBConfig
-from .engine import _make_store, _validated_inputs
+from .engine import _make_store, _validated_inputs, attention_setup, set_history_starts
 from .kv import split_into_chunks
-from .models import Stage, StepState, layer_checkpointing, oomb_attention, sliding_window_limit, unwrap_causal_lm
+from .models import Stage, StepState, layer_checkpointing, oomb_attention, step_window_bounds, unwrap_causal_lm
 from .sparse import SparseOptions
 
 
@@ -34,25 +33,23 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, config: OOMB
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, _ = _validated_inputs(causal_lm, input_ids, None, device)
     batch, num_tokens = input_ids.shape
-    window = sliding_window_limit(causal_lm)
-    if window is not None and num_tokens > window:
-        raise NotImplementedError(f"sliding-window attention (window {window}) over {num_tokens} tokens is not "
-                                  "supported; use a model config with sliding_window=None")
     sparse = SparseOptions.from_config(config)
+    backend, _, windows = attention_setup(causal_lm, config, device, num_tokens, None)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse)
-    backend = select_backend(config.backend, device, dtype=causal_lm.get_input_embeddings().weight.dtype,
-                             deterministic=config.deterministic)
+    chunks = split_into_chunks(num_tokens, config.chunk_size)
+    bounds = step_window_bounds(windows, None, (batch, num_tokens), device)
+    set_history_starts(store, chunks, windows, bounds, None)
     decoder = causal_lm.get_decoder()
     hidden = []
     try:
         with oomb_attention(causal_lm), layer_checkpointing(decoder, False):
-            for chunk in split_into_chunks(num_tokens, config.chunk_size):
+            for chunk in chunks:
                 store.allocate(chunk)
                 out = decoder(
                     input_ids=input_ids[:, chunk.start:chunk.end],
                     position_ids=torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1),
                     use_cache=False,
-                    oomb_step=StepState(store, chunk, Stage.FILL, backend, None, sparse),
+                    oomb_step=StepState(store, chunk, Stage.FILL, backend, None, sparse, None, windows, bounds),
                 )
                 hidden.append(out.last_hidden_state)
     finally:

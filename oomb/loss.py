@@ -30,6 +30,18 @@ def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Mod
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+class SoftcappedHead(nn.Module):
+    """An LM head whose logits are softcapped, cap * tanh(logits / cap), as Gemma 2 and 3 do with
+    final_logit_softcapping before their loss (in the head's dtype, as Hugging Face does)."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
     """Whether each slice of ``slice_tokens`` positions has a counted label: one read from the
     device for all slices (a device synchronisation), not one per slice."""

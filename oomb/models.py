@@ -2,12 +2,21 @@
 
 The step's state reaches our attention function as one keyword argument, ``oomb_step``, that
 ``model(...)`` forwards unchanged to every attention module. No model code is copied or patched.
+
+Per-layer attention kinds come from what each family hands the attention interface: a
+``sliding_window`` (None on global layers; key j visible to query i iff i - window < j <= i), a logit
+``softcap`` (Gemma 2) and learned sink logits ``s_aux`` (gpt-oss). A window layer attends with its
+window's key bounds (documents.window_bounds) instead of the step's documents, so it reads only
+the pages its window overlaps; in sparse mode it reads its window densely (it is bounded) and only
+global layers select pages. Softcapping and sinks specialise the step's backend for the layer
+(attention/variants.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import partial
 from typing import Any
@@ -18,12 +27,33 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from .attention.backend import AttentionBackend
 from .attention.function import PagedAttentionCall, fill_and_attend, paged_attention
-from .documents import Documents
+from .attention.variants import SinkGradient, attach_sinks, layer_backend
+from .documents import Documents, window_bounds
 from .kv import ChunkSpan, PagedKVStore
 from .sparse import SparseOptions
 
 ATTENTION_NAME = "oomb"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
+                         "olmo2", "gpt_oss")
+"""config.model_type of the families tested exact against a full-sequence HF backward (docs/models.md)."""
+
+REFUSED_MODEL_TYPES = {
+    "deepseek_v2": "multi-head latent attention (keys and values of different head dims from a compressed "
+                   "latent; the paged store holds one head dim for K and V)",
+    "deepseek_v3": "multi-head latent attention (keys and values of different head dims from a compressed "
+                   "latent; the paged store holds one head dim for K and V)",
+    "qwen3_next": "linear-attention hybrid layers (Gated DeltaNet keeps a recurrent state, not KV pages)",
+    "qwen3_5": "linear-attention hybrid layers (Gated DeltaNet keeps a recurrent state, not KV pages)",
+    "qwen3_5_moe": "linear-attention hybrid layers (Gated DeltaNet keeps a recurrent state, not KV pages)",
+    "falcon_h1": "state-space (Mamba) hybrid layers, which keep a recurrent state, not KV pages",
+    "granitemoehybrid": "state-space (Mamba) hybrid layers, which keep a recurrent state, not KV pages",
+    "olmo_hybrid": "linear-attention hybrid layers, which keep a recurrent state, not KV pages",
+    "gemma3n": "KV sharing across layers (later layers attend to earlier layers' pages) and AltUp",
+    "llama4": "chunked local attention (attention_chunk_size: a block-diagonal mask, not a sliding window)",
+    "gemma3": "the multimodal Gemma3ForConditionalGeneration (pass the text model, Gemma3ForCausalLM)",
+    "gpt2": "learned absolute position embeddings (n_positions), which cannot reach long contexts",
+}
+"""model_type -> what oomb lacks for it: the refusal names it."""
 
 
 class Stage(Enum):
@@ -42,6 +72,19 @@ class StepState:
     recompute_cache: dict | None = None  # stage 2 with layer checkpointing: layer -> (out, lse)
     sparse: SparseOptions | None = None  # sparse mode's options; None: dense
     documents: Documents | None = None  # packed documents (oomb/documents.py); None: plain causal
+    windows: tuple[int | None, ...] = ()  # per layer: the sliding window planned from the config (None: global)
+    window_bounds: Mapping[int, Documents] = field(default_factory=dict)
+    """window -> key bounds (documents.window_bounds), for the windows shorter than the step."""
+
+    def layer_bounds(self, layer: int, sliding_window: int | None) -> Documents | None:
+        """The key bounds of ``layer``'s attention: its window's (a window layer), else the documents."""
+        if self.windows and sliding_window != self.windows[layer]:
+            raise RuntimeError(f"layer {layer} attends with sliding_window={sliding_window}, but the step was "
+                               f"planned with {self.windows[layer]} from the model config (layer_types, "
+                               "sliding_window): the config and the attention modules disagree")
+        if sliding_window is None or sliding_window not in self.window_bounds:
+            return self.documents  # global, or a window covering the whole step
+        return self.window_bounds[sliding_window]
 
 
 def oomb_attention_forward(
@@ -53,10 +96,15 @@ def oomb_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     oomb_step: StepState | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The attention function registered with transformers as "oomb"."""
+    """The attention function registered with transformers as "oomb".
+
+    ``sliding_window``: this layer's window (None: global); ``softcap``: attention logit softcapping;
+    ``s_aux``: (Hq,) learned sink logits (gpt-oss)."""
     if oomb_step is None:
         raise RuntimeError(
             "attn_implementation='oomb' only works inside oomb.forward_backward; "
@@ -65,19 +113,20 @@ def oomb_attention_forward(
     if dropout:
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by oomb; set it to 0")
     chunk = oomb_step.chunk
-    if sliding_window is not None and chunk.end > sliding_window:
-        raise NotImplementedError(
-            f"sliding-window attention (window {sliding_window}) over {chunk.end} tokens is not supported; "
-            "use a model config with sliding_window=None"
-        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     store, layer = oomb_step.store, module.layer_idx
-    call = PagedAttentionCall(store, layer, chunk, oomb_step.backend, scale, oomb_step.sparse,
-                              documents=oomb_step.documents)
+    bounds = oomb_step.layer_bounds(layer, sliding_window)
+    # A window layer reads its (bounded) window densely, also in sparse mode.
+    sparse = oomb_step.sparse if bounds is oomb_step.documents else None
+    sink_grad = SinkGradient() if s_aux is not None else None
+    backend = layer_backend(oomb_step.backend, softcap=softcap, sinks=s_aux, sink_grad=sink_grad)
+    if s_aux is not None:
+        query = attach_sinks(query, s_aux, sink_grad)
+    call = PagedAttentionCall(store, layer, chunk, backend, scale, sparse, documents=bounds)
     if oomb_step.stage is Stage.FILL:
         out = fill_and_attend(query, key, value, call)  # sparse: selects the pages and keeps the selection
     else:
-        if oomb_step.sparse is not None:  # stage 2 reads exactly the pages stage 1 selected
+        if sparse is not None:  # stage 2 reads exactly the pages stage 1 selected
             call = replace(call, selection=store.selection(layer, chunk))
         out = paged_attention(query, key, value, call, oomb_step.recompute_cache)
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
@@ -92,11 +141,19 @@ def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     if not isinstance(inner, PreTrainedModel):
         raise TypeError(f"expected a transformers PreTrainedModel (or a PEFT wrapper), got {type(model).__name__}")
     model_type = getattr(inner.config, "model_type", None)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model type {model_type!r} ({type(inner).__name__}) is not supported: oomb lacks "
+            f"{REFUSED_MODEL_TYPES[model_type]}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
             f"model type {model_type!r} ({type(inner).__name__}) is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if getattr(inner.config, "use_bidirectional_attention", False):
+        raise NotImplementedError(f"{type(inner).__name__} with use_bidirectional_attention=True is not supported: "
+                                  "oomb trains causal language models (keys never come from later chunks)")
     if inner.get_output_embeddings() is None:
         raise TypeError(f"{type(inner).__name__} has no LM head; pass a *ForCausalLM model")
     return inner
@@ -113,14 +170,62 @@ def oomb_attention(causal_lm: PreTrainedModel):
         causal_lm.set_attn_implementation(previous)
 
 
-def sliding_window_limit(causal_lm: PreTrainedModel) -> int | None:
-    """The attention window of a model whose layers use one, else None."""
+def layer_windows(causal_lm: PreTrainedModel) -> tuple[int | None, ...]:
+    """Per layer, the sliding window its attention uses (None: global), as the families set it: from
+    ``layer_types`` where the config has them (gemma2/3, gpt-oss, qwen2), else ``sliding_window`` on
+    every layer (mistral, phi3, qwen3_moe)."""
     cfg = causal_lm.config
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return window
+    if layer_types is None:
+        return (window,) * cfg.num_hidden_layers
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise NotImplementedError(f"layer types {unknown} are not supported; oomb supports full_attention and "
+                                  "sliding_attention layers")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def attention_variants(causal_lm: PreTrainedModel) -> tuple[bool, bool]:
+    """(softcap, sinks): whether the model's attention softcaps its logits (Gemma 2's
+    attn_logit_softcapping) and has learned sink logits (gpt-oss), which backends must support."""
+    cfg = causal_lm.config
+    softcap = cfg.model_type == "gemma2" and getattr(cfg, "attn_logit_softcapping", None) is not None
+    return softcap, cfg.model_type == "gpt_oss"
+
+
+def loss_head(causal_lm: PreTrainedModel) -> nn.Module:
+    """The module that turns final hidden states into the logits the loss sees: the LM head, softcapped
+    where the family softcaps its final logits (Gemma 2/3 ``final_logit_softcapping``)."""
+    head = causal_lm.get_output_embeddings()
+    cap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    if causal_lm.config.model_type in ("gemma2", "gemma3_text") and cap is not None:
+        from .loss import SoftcappedHead
+
+        return SoftcappedHead(head, cap)
+    return head
+
+
+def sliding_window_limit(causal_lm: PreTrainedModel) -> int | None:
+    """The shortest attention window of a model whose layers use one, else None."""
+    windows = [w for w in layer_windows(causal_lm) if w is not None]
+    return min(windows) if windows else None
+
+
+def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],
+                       device: torch.device) -> dict[int, Documents]:
+    """window -> key bounds for every layer window shorter than the step's ``shape[1]`` tokens (longer
+    ones are plain causal attention)."""
+    return {w: window_bounds(documents, w, shape, device) for w in sorted({w for w in windows if w is not None})
+            if w < shape[1]}
+
+
+def history_start(chunk: ChunkSpan, windows: tuple[int | None, ...], bounds: Mapping[int, Documents],
+                  documents: Documents | None, page_size: int) -> int:
+    """The first (page-aligned) history key any layer's query of ``chunk`` sees: pages before it are
+    neither read nor staged by any layer (a store keeps one such bound per chunk, for all layers)."""
+    starts = [(bounds.get(w) if w is not None else None) or documents for w in windows]
+    return min(0 if b is None else b.history_start(chunk.start, page_size) for b in starts)
 
 
 @contextlib.contextmanager

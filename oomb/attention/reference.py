@@ -2,9 +2,10 @@
 
 The contract every backend implements (see ``oomb.attention.backend``):
 
-    forward(q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None, out_dtype=None) -> (out, lse)
+    forward(q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None, out_dtype=None,
+            documents=None, softcap=None) -> (out, lse)
     backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool, dv_pool,
-             *, key_range=None, delta=None, dq_accumulator=None) -> dq
+             *, key_range=None, delta=None, dq_accumulator=None, documents=None, softcap=None) -> dq
     backward_delta(out, dout) -> delta   rowsum(dO * O), (B, Hq, Lq) float32
 
     q          (B, Hq, Lq, D)         queries of one chunk, any strides, model dtype
@@ -47,6 +48,13 @@ Packed documents (oomb/documents.py):
                of a tile's first query are skipped; a block holding some row's document start is
                masked per query. A query may then see no key of a window: its partial output is 0
                and its lse -inf, which merge_window folds in as an empty window.
+
+Sliding-window layers pass their key bounds as ``documents`` (documents.window_bounds): the same
+per-query first key, so they are masked exactly and read only the pages their windows overlap.
+
+Logit softcapping (Gemma 2): ``softcap`` c replaces every score s = scale * q.k by c * tanh(s / c)
+before the softmax (forward and backward; None: off). Attention sinks are a backend wrapper
+(attention/variants.py), not a backend argument.
 
 Queries are processed in tiles and keys in blocks with an online softmax, so no score matrix over
 the whole context ever exists; key blocks wholly in a tile's future are skipped. All arithmetic is
@@ -239,17 +247,20 @@ def paged_attention_forward(
     key_range: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk's queries over its paged history and itself (or one key window).
 
     ``out_dtype`` (default q's dtype): float32 keeps a window's partial output unrounded until the merge.
-    ``documents``: attention stays inside each query's document (module docstring)."""
+    ``documents``: attention stays inside each query's document (or sliding window; module docstring).
+    ``softcap``: scores become softcap * tanh(score / softcap) (Gemma 2); None: off."""
     B, Hq, Lq, D = q.shape
     Hkv, P = k_pool.shape[1], k_pool.shape[2]
     window = check_key_range(key_range, query_start, Lq, P)
     _check(q, k_pool, page_table, query_start, None if window is None else window[1])
     G = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, G, Lq, D) * scale
+    # With softcapping the scale goes inside the tanh: score = softcap * tanh(scale * q.k / softcap).
+    qf = q.float().reshape(B, Hkv, G, Lq, D) * (scale if softcap is None else scale / softcap)
     row_max = torch.full((B, Hkv, G, Lq), float("-inf"), device=q.device)
     row_sum = torch.zeros((B, Hkv, G, Lq), device=q.device)
     acc = torch.zeros((B, Hkv, G, Lq, D), device=q.device)
@@ -258,6 +269,8 @@ def paged_attention_forward(
         k = _gather_block(k_pool, page_table, first, last)  # (B, Hkv, n, D)
         v = _gather_block(v_pool, page_table, first, last)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., q0:q1, :], k)
+        if softcap is not None:
+            scores = scores.tanh_().mul_(softcap)
         if needs_mask:
             visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device, documents)
             scores.masked_fill_(~visible, float("-inf"))
@@ -298,6 +311,7 @@ def paged_attention_backward(
     delta: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV of every page the chunk read into dk_pool, dv_pool in place.
 
@@ -323,6 +337,10 @@ def paged_attention_backward(
         v = _gather_block(v_pool, page_table, first, last)
         q_t, do_t = qf[..., q0:q1, :], do[..., q0:q1, :]
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).mul_(scale)
+        if softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            tanh = scores.div_(softcap).tanh_()
+            dcap = 1 - tanh * tanh
+            scores = tanh.mul(softcap)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         if needs_mask:
             visible = _visible(query_start + q0, q1 - q0, first * P, k.shape[2], window, q.device, documents)
@@ -330,6 +348,8 @@ def paged_attention_backward(
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
         dprobs = torch.einsum("bhgqd,bhkd->bhgqk", do_t, v)
         dscores = probs.mul_(dprobs.sub_(delta[..., q0:q1, None]))
+        if softcap is not None:
+            dscores.mul_(dcap)
         dq[..., q0:q1, :] += torch.einsum("bhgqk,bhkd->bhgqd", dscores, k).mul_(scale)
         dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, q_t).mul_(scale)
         _scatter_add_block(dk_pool, page_table, first, last, dk)
@@ -351,15 +371,26 @@ def _scatter_add_block(
 
 
 def dense_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain attention over contiguous (B, H, L, D) tensors, bottom-right causal: a test oracle."""
+    """Plain attention over contiguous (B, H, L, D) tensors, bottom-right causal: a test oracle.
+
+    ``window``: query i sees only keys i - window < j <= i; ``softcap``: scores c * tanh(s / c);
+    ``sinks``: (Hq,) an extra logit per head in every softmax denominator (gpt-oss), no value."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     k = k.float().repeat_interleave(G, dim=1)
     v = v.float().repeat_interleave(G, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     visible = _causal_mask(Lk - Lq, Lq, 0, Lk, q.device)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    if window is not None:
+        visible &= ~_causal_mask(Lk - Lq - window, Lq, 0, Lk, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None, None].expand(B, Hq, Lq, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :Lk]
     return torch.einsum("bhqk,bhkd->bhqd", probs, v)

@@ -1,0 +1,357 @@
+"""Families with sliding-window layers, logit softcapping, attention sinks, qk-norm and MoE routers
+against a full-sequence Hugging Face backward (eager attention: the one HF path with every variant).
+
+Every case: fp32 on CPU, GQA (4 query heads, 2 KV heads), 150 tokens in chunks of 32 and pages of 8,
+windows of 40 tokens (shorter than the sequence, not a multiple of the page, chunk boundaries inside
+every window), history read one page per key window (stream_block_pages=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers as tr
+from helpers import grads, perturb_, random_ids, relative_error
+
+import oomb
+from oomb import OOMBConfig
+from oomb.attention import reference
+from oomb.attention.backend import TORCH_BACKEND
+from oomb.attention.variants import SinkGradient, check_backend_supports, layer_backend
+from oomb.documents import resolve_documents, window_bounds
+from oomb.kv.offload import HostSlabs
+from oomb.models import layer_windows
+
+GRAD_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+WINDOW = 40
+TOKENS = 150
+CONFIG = OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=1, loss_chunk_tokens=50)
+TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=160,
+            intermediate_size=128, max_position_embeddings=4096)
+QUERY_GAIN = 40.0
+"""gemma2's query weights are scaled by this: random weights give scores far below its softcap."""
+LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention"]
+FAMILIES = {
+    # name: (config class, model class, options, what makes it differ from plain causal attention)
+    "mistral": (tr.MistralConfig, tr.MistralForCausalLM, dict(sliding_window=WINDOW), {"sliding_window": None}),
+    # qwen2: layers >= max_window_layers slide; layer 0 is global.
+    "qwen2": (tr.Qwen2Config, tr.Qwen2ForCausalLM,
+              dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), {"sliding_window": None}),
+    # gemma3: local/global layers with their own RoPE bases, qk-norm, query_pre_attn_scalar scaling,
+    # final logit softcapping.
+    "gemma3_text": (tr.Gemma3TextConfig, tr.Gemma3ForCausalLM,
+                    dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL, head_dim=16, query_pre_attn_scalar=24,
+                         final_logit_softcapping=3.0), {"layer_types": ["full_attention"] * 3}),
+    # gemma2: sliding window on alternate layers, attention and final logit softcapping (strong caps,
+    # so that they matter), query_pre_attn_scalar scaling.
+    "gemma2": (tr.Gemma2Config, tr.Gemma2ForCausalLM,
+               dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0), {"attn_logit_softcapping": None}),
+    # qwen3_moe: 4 experts, top 2, the router's load-balancing loss in the loss.
+    "qwen3_moe": (tr.Qwen3MoeConfig, tr.Qwen3MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                       output_router_logits=True, router_aux_loss_coef=0.5), {"output_router_logits": False}),
+    "phi3": (tr.Phi3Config, tr.Phi3ForCausalLM, dict(sliding_window=WINDOW, pad_token_id=0), {"sliding_window": None}),
+    # olmo2: qk-norm over the full q/k projections (before the heads split).
+    "olmo2": (tr.Olmo2Config, tr.Olmo2ForCausalLM, dict(), {}),
+    # gpt_oss: alternating windows, learned per-head sinks, MoE with the load-balancing loss.
+    "gpt_oss": (tr.GptOssConfig, tr.GptOssForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=WINDOW,
+                     layer_types=LOCAL_GLOBAL, output_router_logits=True), {"layer_types": ["full_attention"] * 3}),
+}
+
+
+def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, options, _ = FAMILIES[family]
+    config = config_cls(**{**TINY, **options, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    perturb_(model, seed)
+    if family == "gemma2":  # scores of a few units, so that the attention softcap of 2 bends them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(QUERY_GAIN)
+    return model
+
+
+def hf_step(model, ids: torch.Tensor, **forward) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, **forward).loss
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def oomb_step(model, ids: torch.Tensor, config: OOMBConfig = CONFIG, **step) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = oomb.forward_backward(model, ids, None, config, **step)
+    return loss, grads(model)
+
+
+def assert_matches(got_loss, got, want_loss, want) -> float:
+    torch.testing.assert_close(got_loss, want_loss, rtol=LOSS_RTOL, atol=0)
+    error = relative_error(got, want)
+    assert error <= GRAD_RTOL, f"gradient relative error {error:.2e}"
+    return error
+
+
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_equals_full_sequence_backward(family, checkpoint_layers):
+    model = build(family)
+    ids = random_ids(2, TOKENS, seed=3)
+    want_loss, want = hf_step(model, ids)
+    got_loss, got = oomb_step(model, ids, replace(CONFIG, checkpoint_layers=checkpoint_layers))
+    assert_matches(got_loss, got, want_loss, want)
+    assert all(g is not None for g in got.values()), "every parameter should receive a gradient"
+    assert model.config._attn_implementation == "eager"
+    # What the family adds (window, softcap, router loss) changes the loss: the test exercises it.
+    plain = FAMILIES[family][3]
+    if plain:
+        other = build(family, **plain)
+        with torch.no_grad():
+            assert abs(float(other(input_ids=ids, labels=ids, use_cache=False).loss) - float(want_loss)) > 1e-4
+
+
+def test_layer_kinds_come_from_the_config():
+    assert layer_windows(build("gemma3_text")) == (WINDOW, None, WINDOW)
+    assert layer_windows(build("qwen2")) == (None, WINDOW, WINDOW)
+    assert layer_windows(build("mistral")) == (WINDOW,) * 3
+    assert layer_windows(build("gpt_oss")) == (WINDOW, None, WINDOW)
+    assert layer_windows(build("olmo2")) == (None,) * 3
+
+
+def test_sink_gradients_are_exact():
+    """gpt-oss's sinks get their own gradient (the extra logit of every softmax)."""
+    model = build("gpt_oss", seed=4)
+    ids = random_ids(1, TOKENS, seed=4)
+    _, want = hf_step(model, ids)
+    _, got = oomb_step(model, ids)
+    sinks = [name for name in want if name.endswith("sinks")]
+    assert len(sinks) == 3
+    for name in sinks:
+        assert float(want[name].norm()) > 0
+        assert relative_error({name: got[name]}, {name: want[name]}) <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_window_layers_with_offload(resident):
+    """Host offload (synchronous on CPU) of a local/global model: the same gradients, exact."""
+    model = build("gemma3_text", seed=5)
+    ids = random_ids(1, TOKENS, seed=5)
+    want_loss, want = hf_step(model, ids)
+    config = replace(CONFIG, offload=True, offload_resident_layers=resident)
+    got_loss, got = oomb_step(model, ids, config, host_slabs=HostSlabs(pin=False))
+    assert_matches(got_loss, got, want_loss, want)
+
+
+def test_all_window_layers_skip_history_pages_in_every_layer(monkeypatch):
+    """When every layer slides (mistral), no layer is handed history before its chunk's windows: the
+    store's per-chunk first key moves with the window."""
+    model = build("mistral", seed=6)
+    ids = random_ids(1, TOKENS, seed=6)
+    seen = []
+
+    def recording_forward(q, k_pool, v_pool, page_table, query_start, scale, *args, key_range=None, **kwargs):
+        seen.append((query_start, key_range))
+        return reference.paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale, *args,
+                                                 key_range=key_range, **kwargs)
+
+    recording = replace(TORCH_BACKEND, forward=recording_forward)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda *args, **kwargs: recording)
+    want_loss, want = hf_step(model, ids)
+    got_loss, got = oomb_step(model, ids)
+    assert_matches(got_loss, got, want_loss, want)
+    for query_start, (lo, _) in seen:
+        # The chunk's first query sees keys from query_start - WINDOW + 1 on: earlier pages are never asked for.
+        assert lo >= max(0, (query_start - WINDOW + 1) // 8 * 8)
+    assert any(query_start > WINDOW for query_start, _ in seen)
+
+
+def test_window_layers_with_packed_documents():
+    """Windows and documents together: the sum of separate full-sequence backwards of each document."""
+    model = build("gemma3_text", seed=7)
+    lengths = [13, 70, 1, 66]
+    ids = random_ids(1, TOKENS, seed=7)
+    model.zero_grad(set_to_none=True)
+    counted = sum(n - 1 for n in lengths)
+    want_loss, start = 0.0, 0
+    for n in lengths:
+        if n > 1:
+            doc = ids[:, start:start + n]
+            loss = model(input_ids=doc, labels=doc).loss * ((n - 1) / counted)
+            loss.backward()
+            want_loss += float(loss.detach())
+        start += n
+    want = grads(model)
+    cu = [0, 13, 83, 84, 150]
+    got_loss, got = oomb_step(model, ids, cu_seqlens=cu)
+    assert abs(float(got_loss) - want_loss) <= LOSS_RTOL * want_loss
+    assert relative_error(got, want) <= GRAD_RTOL
+
+
+def test_sparse_mode_reads_windows_densely_and_covering_budget_is_exact():
+    """Sparse mode: window layers read their (bounded) window densely, global layers select pages; a
+    budget covering every page equals the dense step."""
+    model = build("gemma3_text", seed=8)
+    ids = random_ids(1, TOKENS, seed=8)
+    want_loss, want = hf_step(model, ids)
+    sparse = replace(CONFIG, attention="sparse", sparse_budget=TOKENS // 8 + 1)
+    got_loss, got = oomb_step(model, ids, sparse)
+    assert_matches(got_loss, got, want_loss, want)
+
+
+# --- the backend pieces --------------------------------------------------------------------------
+def _paged(B=2, Hq=4, Hkv=2, T=96, D=16, P=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, T, D, generator=gen)
+    v = torch.randn(B, Hkv, T, D, generator=gen)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    n = T // P
+    ids = torch.randperm(B * n, generator=gen).reshape(B, n).to(torch.int32)
+    k_pool = torch.empty(B * n, Hkv, P, D)
+    v_pool = torch.empty_like(k_pool)
+    k_pool[ids.long()] = k.reshape(B, Hkv, n, P, D).permute(0, 2, 1, 3, 4)
+    v_pool[ids.long()] = v.reshape(B, Hkv, n, P, D).permute(0, 2, 1, 3, 4)
+    return q, k, v, k_pool, v_pool, ids
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_reference_window_softcap_sinks_against_dense_oracle(softcap, sinks):
+    """The last chunk (queries 64..95) over pages whose keys before every query's window are NaN:
+    never read, and the output and gradients equal plain attention with the same window, cap, sinks."""
+    B, Hq, T, D, P, W, start = 2, 4, 96, 16, 8, 20, 64
+    q, k, v, k_pool, v_pool, ids = _paged(B, Hq, 2, T, D, P)
+    sink = torch.randn(Hq, generator=torch.Generator().manual_seed(1)) if sinks else None
+    poisoned_k, poisoned_v = k_pool.clone(), v_pool.clone()
+    first_page = (start - W + 1) // P  # pages before it are outside every query's window
+    poisoned_k[ids[:, :first_page].long()] = float("nan")
+    poisoned_v[ids[:, :first_page].long()] = float("nan")
+    bounds = window_bounds(None, W, (B, T), torch.device("cpu"))
+    sink_grad = SinkGradient()
+    backend = layer_backend(TORCH_BACKEND, softcap=softcap, sinks=sink, sink_grad=sink_grad)
+    q_chunk = q[:, :, start:].clone()
+    out = lse = None
+    windows = [(lo, lo + P) for lo in range(0, start, P)] + [(start, T)]
+    for key_range in windows:
+        o, s = backend.forward(q_chunk, poisoned_k, poisoned_v, ids, start, D**-0.5, key_range=key_range,
+                               out_dtype=torch.float32, documents=bounds)
+        out, lse = (o, s) if out is None else reference.merge_window(out, lse, o, s)
+    qr = q.clone().requires_grad_()
+    kr, vr = k.clone().requires_grad_(), v.clone().requires_grad_()
+    sr = sink.clone().requires_grad_() if sinks else None
+    want = reference.dense_causal_attention(qr, kr, vr, D**-0.5, window=W, softcap=softcap, sinks=sr)
+    torch.testing.assert_close(out, want[:, :, start:], rtol=1e-5, atol=1e-6)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    want[:, :, start:].backward(dout)
+    dk, dv = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    delta = reference.backward_delta(out, dout)
+    dq = torch.zeros(q_chunk.shape)
+    for key_range in windows:
+        backend.backward(q_chunk, poisoned_k, poisoned_v, ids, start, D**-0.5, out, dout, lse, dk, dv,
+                         key_range=key_range, delta=delta, dq_accumulator=dq, documents=bounds)
+    torch.testing.assert_close(dq, qr.grad[:, :, start:], rtol=1e-5, atol=1e-6)
+    got_dk = dk[ids.long()].permute(0, 2, 1, 3, 4).reshape(k.shape)
+    torch.testing.assert_close(got_dk, kr.grad, rtol=1e-5, atol=1e-6)
+    assert not dk[ids[:, :first_page].long()].any()  # pages outside every window get no gradient
+    if sinks:
+        torch.testing.assert_close(sink_grad.grad, sr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_window_bounds_intersect_documents():
+    docs = resolve_documents(None, [0, 10, 30], (1, 30), torch.device("cpu"))
+    bounds = window_bounds(docs, 4, (1, 30), torch.device("cpu"))
+    assert bounds.start_cpu[0, [0, 3, 4, 9, 10, 12, 13, 29]].tolist() == [0, 0, 1, 6, 10, 10, 10, 26]
+    assert bounds.end[0, [0, 6, 7, 9, 10, 29]].tolist() == [4, 10, 10, 10, 14, 30]
+    assert window_bounds(None, 4, (1, 6), torch.device("cpu")).start_cpu.tolist() == [[0, 0, 0, 0, 1, 2]]
+    with pytest.raises(ValueError, match="positive int"):
+        window_bounds(None, 0, (1, 6), torch.device("cpu"))
+
+
+# --- refusals ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("backend", "kinds", "match"), [
+    ("cudnn", dict(windows=True), "backend 'cudnn' does not support sliding-window layers"),
+    ("cudnn", dict(sinks=True), "backend 'cudnn' does not support attention sinks"),
+    ("triton", dict(softcap=True), "backend 'triton' does not support attention logit softcapping"),
+    ("torch", dict(softcap=True, sparse=True), "sparse mode does not support attention logit softcapping"),
+])
+def test_backends_without_a_variant_refuse_it(backend, kinds, match):
+    options = dict(softcap=False, sinks=False, windows=False, family="gemma2") | kinds
+    with pytest.raises(NotImplementedError, match=match):
+        check_backend_supports(backend, **options)
+    check_backend_supports("triton", softcap=False, sinks=True, windows=True, family="gpt_oss")
+
+
+def test_gemma2_refuses_sparse_mode_before_allocating():
+    model = build("gemma2")
+    match = r"sparse mode does not support attention logit softcapping \(gemma2\)"
+    with pytest.raises(NotImplementedError, match=match):
+        oomb.forward_backward(model, random_ids(1, 64, seed=1), None, replace(CONFIG, attention="sparse"))
+
+
+@pytest.mark.parametrize(("config_cls", "model_cls", "options", "match"), [
+    (tr.DeepseekV3Config, tr.DeepseekV3ForCausalLM,
+     dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+          num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=3, n_group=1, topk_group=1),
+     "multi-head latent attention"),
+    (tr.Qwen3NextConfig, tr.Qwen3NextForCausalLM, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                       head_dim=16), "linear-attention hybrid"),
+    (tr.GPT2Config, tr.GPT2LMHeadModel, dict(n_embd=32, n_layer=1, n_head=2, vocab_size=160),
+     "learned absolute position embeddings"),
+])
+def test_refused_families_say_what_is_missing(config_cls, model_cls, options, match):
+    base = {} if config_cls is tr.GPT2Config else TINY
+    model = model_cls(config_cls(**{**base, **options}))
+    with pytest.raises(NotImplementedError, match=match):
+        oomb.forward_backward(model, random_ids(1, 16, seed=1), None, CONFIG)
+
+
+def test_bidirectional_gemma3_is_refused():
+    model = build("gemma3_text", use_bidirectional_attention=True)
+    with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
+        oomb.forward_backward(model, random_ids(1, 16, seed=1), None, CONFIG)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+@pytest.mark.parametrize("sinks", [False, True])
+def test_triton_masks_windows_through_the_document_bounds(sinks):
+    """The Triton kernels (interpreted on CPU) take a window's key bounds as documents: forward and
+    backward equal the reference, per history page window and for the chunk, NaN pages unread."""
+    pytest.importorskip("oomb.attention.triton_paged")
+    from oomb.attention.backend import _triton_backend
+
+    B, Hq, T, D, P, W, start = 1, 4, 48, 16, 8, 12, 32
+    q, k, v, k_pool, v_pool, ids = _paged(B, Hq, 2, T, D, P, seed=3)
+    first_page = (start - W + 1) // P
+    k_pool[ids[:, :first_page].long()] = float("nan")
+    v_pool[ids[:, :first_page].long()] = float("nan")
+    bounds = window_bounds(None, W, (B, T), torch.device("cpu"))
+    sink = torch.randn(Hq, generator=torch.Generator().manual_seed(1)) if sinks else None
+    q_chunk = q[:, :, start:].clone()
+    dout = torch.randn(q_chunk.shape, generator=torch.Generator().manual_seed(2))
+    windows = [(lo, lo + P) for lo in range(0, start, P)] + [(start, T)]  # early ones hold NaN pages only
+    results = []
+    for base in (TORCH_BACKEND, _triton_backend()):
+        sink_grad = SinkGradient()
+        backend = layer_backend(base, sinks=sink, sink_grad=sink_grad)
+        out = lse = None
+        for key_range in windows:
+            o, s = backend.forward(q_chunk, k_pool, v_pool, ids, start, D**-0.5, key_range=key_range,
+                                   out_dtype=torch.float32, documents=bounds)
+            out, lse = (o, s) if out is None else reference.merge_window(out, lse, o, s)
+        dk, dv = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+        dq = torch.zeros(q_chunk.shape)
+        delta = reference.backward_delta(out, dout)
+        for key_range in windows:
+            backend.backward(q_chunk, k_pool, v_pool, ids, start, D**-0.5, out, dout, lse, dk, dv,
+                             key_range=key_range, delta=delta, dq_accumulator=dq, documents=bounds)
+        results.append((out, lse, dq, dk.nan_to_num(), dv.nan_to_num(), sink_grad.grad))
+    assert torch.isfinite(results[1][0]).all()
+    for got, want in zip(results[1], results[0], strict=True):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
