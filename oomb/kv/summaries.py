@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-SUMMARY_KINDS = ("key_min", "key_max", "key_mean", "value_mean")
+KEY_SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
+"""The summaries read from the keys alone (what sparse scoring can use)."""
+SUMMARY_KINDS = (*KEY_SUMMARY_KINDS, "value_mean")
 SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",)}
 """Which summaries each sparse score rule reads (oomb.sparse)."""
 
