@@ -20,7 +20,6 @@ BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("minmax", "mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax")
-SPARSE_UNSELECTED = ("drop", "page_means")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -70,11 +69,6 @@ class OOMBConfig:
     """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
     per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
     estimate of the block's attention mass on the page)."""
-    sparse_unselected: Literal["drop", "page_means"] = "drop"
-    """Sparse: what a query block does with the history pages it did not select. "drop": nothing (they
-    get no attention); "page_means": attend to each as one key, its mean key (logit + log P) and mean
-    value, merged exactly into the block's softmax (oomb/attention/page_means.py): the dropped mass
-    comes back, at one dot product per page."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -136,9 +130,6 @@ class OOMBConfig:
             raise ValueError(f"sparse_query_block_pages={self.sparse_query_block_pages!r} must be an integer >= 1")
         if self.sparse_pooling not in SPARSE_POOLINGS:
             raise ValueError(f"sparse_pooling={self.sparse_pooling!r} is not supported; use one of: {SPARSE_POOLINGS}")
-        if self.sparse_unselected not in SPARSE_UNSELECTED:
-            raise ValueError(f"sparse_unselected={self.sparse_unselected!r} is not supported; "
-                             f"use one of: {SPARSE_UNSELECTED}")
         self._check_layer_options()
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")

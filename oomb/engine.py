@@ -336,7 +336,6 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         device=device,
         summaries=sparse.summaries if sparse is not None else (),
         stream_block_pages=config.stream_block_pages,
-        page_means=sparse is not None and sparse.page_means,
     )
 
 

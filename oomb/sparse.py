@@ -64,7 +64,6 @@ class SparseOptions:
     pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax"
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
-    unselected: str = "drop"  # "drop" | "page_means": unselected pages as their means (attention/page_means.py)
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -74,19 +73,12 @@ class SparseOptions:
         budgets = config.sparse_layer_budgets
         return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
                    config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_pooling,
-                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers),
-                   config.sparse_unselected)
+                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers))
 
     @property
     def summaries(self) -> tuple[str, ...]:
-        """The page summaries the score (and "page_means") reads (oomb/kv/summaries.py)."""
-        means = ("key_mean", "value_mean") if self.page_means else ()
-        return tuple(dict.fromkeys(SUMMARIES_OF_SCORE[self.score] + means))
-
-    @property
-    def page_means(self) -> bool:
-        """Whether unselected history pages are attended through their means."""
-        return self.unselected == "page_means"
+        """The page summaries the score reads (oomb/kv/summaries.py)."""
+        return SUMMARIES_OF_SCORE[self.score]
 
     def budget_of(self, layer: int) -> int:
         """Top-scored pages a block of ``layer`` reads besides the sinks."""

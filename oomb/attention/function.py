@@ -21,10 +21,7 @@ backend masks keys before each query's own document start.
 In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
 selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
 makes the selection after writing the chunk's pages and keeps it in the store; stage 2 is handed
-the same tensor, so it recomputes exactly the attention stage 1 computed. With
-``sparse_unselected="page_means"`` the pages a block did not select join its softmax as their mean
-key and value (page_means.py): merged by log-sum-exp like a window, backward with the merged
-statistics, and the means' gradients collected per page until the page's chunk takes its dK, dV.
+the same tensor, so it recomputes exactly the attention stage 1 computed.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ from ..documents import Documents
 from ..kv import ChunkSpan, PagedKVStore
 from ..sparse import SparseOptions, select_pages
 from .backend import AttentionBackend
-from .page_means import page_means_backward, page_means_forward
 from .reference import merge_window
 
 
@@ -63,27 +59,11 @@ class PagedAttentionCall:
         return {} if self.documents is None else {"documents": self.documents}
 
 
-def _page_means(call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(B, n_hist, Hkv, D) mean keys and values of the history pages, when this sparse call attends to
-    its unselected pages through them; else None."""
-    if call.selection is None or call.sparse is None or not call.sparse.page_means:
-        return None
-    n_hist = call.chunk.start // call.store.page_size
-    means = call.store.history_summaries(call.layer, n_hist, ("key_mean", "value_mean"))
-    return means["key_mean"], means["value_mean"]
-
-
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=False) as view:
-            out, lse = call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                                   call.selection)
-        means = _page_means(call)
-        if means is None:
-            return out, lse
-        out_m, lse_m = page_means_forward(q, *means, call.selection, call.store.page_size, call.scale)
-        out, lse = merge_window(out.float(), lse, out_m, lse_m)
-        return out.to(q.dtype), lse
+            return call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                               call.selection)
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
     # With several windows (any history) the partial outputs stay float32 until the merge is complete.
     out_dtype = torch.float32 if call.chunk.start > 0 else None
@@ -99,17 +79,8 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     """dQ; dK, dV of every page read are added into the page gradients (of the tier holding them)."""
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=True) as view:
-            dq = call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                              call.selection, out, dout, lse, view.dk, view.dv)
-        means = _page_means(call)
-        if means is None:
-            return dq
-        dout = dout.to(q.dtype)  # what the kernels read
-        delta = (dout.float() * out.float()).sum(-1)
-        dq_m, dk_mean, dv_mean = page_means_backward(q, *means, call.selection, call.store.page_size, call.scale,
-                                                     dout, delta, lse)
-        call.store.add_page_mean_grads(call.layer, means[0].shape[1], dk_mean, dv_mean)
-        return (dq.float() + dq_m).to(q.dtype)
+            return call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                                call.selection, out, dout, lse, view.dk, view.dv)
     dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
     delta = call.backend.backward_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -143,9 +114,6 @@ class _PagedAttention(torch.autograd.Function):
         call: PagedAttentionCall = ctx.call
         dq = _attention_backward(q, out, dout, lse, call)
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
-        if call.store.mean_grads is not None:  # what later chunks sent through these pages' means
-            dk_mean, dv_mean = call.store.page_mean_grads(call.layer, call.chunk)
-            dk, dv = dk.float() + dk_mean, dv.float() + dv_mean
         return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
 
 

@@ -146,7 +146,7 @@ class OffloadedKVStore(PagedKVStore):
         k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
         self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
-        self._write_summaries(self.offloaded_summaries[index], chunk, k_pages, v_pages)
+        self._write_summaries(self.offloaded_summaries[index], chunk, k_pages)
         with self._on_copy_stream(after_compute=True):
             for b in range(self.batch_size):
                 self.host["k"][index, b, first:last].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)

@@ -8,8 +8,6 @@ Layout (one layer; every layer shares the page ids)::
     k, v    (num_pages, Hkv, P, D)     model dtype, post-RoPE
     dk, dv  (num_pages, Hkv, P, D)     kv_grad_dtype, zeroed when a page is allocated
     summaries[name] (num_pages, Hkv, D) sparse mode only: per-page key summaries (kv/summaries.py)
-    mean_grads      (num_pages, Hkv, D) x 2, float32, every layer: sparse_unselected="page_means" only,
-                    the gradients of the pages' mean key and value (attention/page_means.py)
 
 Chunks start on page boundaries (chunk_size is a multiple of page_size), so a chunk owns whole
 pages; the tail of a partial last page is written with zeros, never left uninitialised.
@@ -110,11 +108,9 @@ class PagedKVStore:
         summaries: tuple[str, ...] = (),
         stream_block_pages: int = 256,
         gpu_layers: int | None = None,
-        page_means: bool = False,
     ) -> None:
         """``gpu_layers``: allocate pools for only the first this many layers (the rest live in a
-        host tier, kv/offload.py); None: all. ``page_means``: keep float32 gradients of every page's
-        mean key and value, for all layers on the GPU (sparse_unselected="page_means")."""
+        host tier, kv/offload.py); None: all."""
         unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
         assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
@@ -138,11 +134,6 @@ class PagedKVStore:
             for _ in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))
         ]
         self.summary_kinds = tuple(summaries)
-        mean_shape = (self.pool.capacity, num_kv_heads, head_dim)
-        self.mean_grads = [
-            (torch.empty(mean_shape, device=device), torch.empty(mean_shape, device=device))
-            for _ in range(num_layers)
-        ] if page_means else None
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
         self._selections: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk index, layer) -> selection
@@ -184,9 +175,6 @@ class PagedKVStore:
         for layer in self.layers:
             layer.dk.index_fill_(0, index, 0)
             layer.dv.index_fill_(0, index, 0)
-        for dk_mean, dv_mean in self.mean_grads or ():
-            dk_mean.index_fill_(0, index, 0)
-            dv_mean.index_fill_(0, index, 0)
 
     def free(self, chunk: ChunkSpan) -> None:
         """Return the chunk's pages: no remaining chunk attends to them."""
@@ -222,19 +210,16 @@ class PagedKVStore:
         pages = self.layers[layer]
         k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
         pages.k.index_copy_(0, index, k_pages)
-        v_pages = self._to_pages(v).to(pages.v.dtype)
-        pages.v.index_copy_(0, index, v_pages)
-        self._write_summaries(pages.summaries, chunk, k_pages, v_pages)
+        pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
+        self._write_summaries(pages.summaries, chunk, k_pages)
 
-    def _write_summaries(self, summaries: dict[str, torch.Tensor], chunk: ChunkSpan, k_pages: torch.Tensor,
-                         v_pages: torch.Tensor) -> None:
-        """Sparse mode: the summaries of the chunk's (B * n, Hkv, P, D) pages, by page id."""
+    def _write_summaries(self, summaries: dict[str, torch.Tensor], chunk: ChunkSpan, k_pages: torch.Tensor) -> None:
+        """Sparse mode: the key summaries of the chunk's (B * n, Hkv, P, D) pages, by page id."""
         if not self.summary_kinds:
             return
         valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
         by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
-        values = v_pages.reshape(by_sequence.shape)
-        for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds, values).items():
+        for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds).items():
             summaries[name].index_copy_(0, self._chunk_ids(chunk), summary.flatten(0, 1).to(summaries[name].dtype))
 
     def _layer_summaries(self, layer: int) -> dict[str, torch.Tensor]:
@@ -289,21 +274,6 @@ class PagedKVStore:
             self._from_pages(pages.dk.index_select(0, index), chunk.length),
             self._from_pages(pages.dv.index_select(0, index), chunk.length),
         )
-
-    def add_page_mean_grads(self, layer: int, num_pages: int, dk_mean: torch.Tensor, dv_mean: torch.Tensor) -> None:
-        """Add (B, num_pages, Hkv, D) gradients of the first ``num_pages`` pages' mean key and value."""
-        ids = self.page_table[:, :num_pages].reshape(-1).long()
-        acc_k, acc_v = self.mean_grads[layer]
-        acc_k.index_add_(0, ids, dk_mean.flatten(0, 1).float())
-        acc_v.index_add_(0, ids, dv_mean.flatten(0, 1).float())
-
-    def page_mean_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Hkv, L, D) float32: what the chunk's keys and values receive through their pages' means,
-        1/P of each page's mean gradient per slot (a page a later chunk reads as a mean is full)."""
-        index = self._chunk_ids(chunk)
-        P = self.page_size
-        spread = [acc.index_select(0, index)[:, :, None].expand(-1, -1, P, -1) / P for acc in self.mean_grads[layer]]
-        return self._from_pages(spread[0], chunk.length), self._from_pages(spread[1], chunk.length)
 
     def _to_pages(self, x: torch.Tensor) -> torch.Tensor:
         B, H, L, D = x.shape

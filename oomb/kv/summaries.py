@@ -5,8 +5,7 @@ writes them (``PagedKVStore.write``)::
 
     key_min  (num_pages, Hkv, D)   elementwise min of the page's keys   } the Quest bound ("minmax")
     key_max  (num_pages, Hkv, D)   elementwise max of the page's keys   }
-    key_mean (num_pages, Hkv, D)   mean key of the page                   ("mean"; "page_means")
-    value_mean (num_pages, Hkv, D) mean value of the page                 (sparse_unselected="page_means")
+    key_mean (num_pages, Hkv, D)   mean key of the page                   ("mean")
 
 They live next to the pool tensors, indexed by page id like K and V, so they are freed (reused)
 with their pages. With host offload they are the part of the store that stays on the GPU: 2 x Hkv x
@@ -18,22 +17,18 @@ from __future__ import annotations
 
 import torch
 
-KEY_SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
-"""The summaries read from the keys alone (what sparse scoring can use)."""
-SUMMARY_KINDS = (*KEY_SUMMARY_KINDS, "value_mean")
+SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
 SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",)}
 """Which summaries each sparse score rule reads (oomb.sparse)."""
 
 
-def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...],
-                    values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Summaries of a chunk's pages.
 
     Args:
         pages: (B, n, Hkv, P, D) keys of the chunk's n pages in every sequence, token order in a page.
         valid: tokens written in the last page (1..P); earlier pages are full.
         kinds: names out of SUMMARY_KINDS.
-        values: (B, n, Hkv, P, D) the pages' values; needed for "value_mean".
     Returns:
         name -> (B, n, Hkv, D) tensor in the pages' dtype (min and max are exact; the mean is taken in fp32).
     """
@@ -46,9 +41,7 @@ def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...],
         out["key_min"] = pages.masked_fill(~slot_ok, float("inf")).amin(dim=3)
     if "key_max" in kinds:
         out["key_max"] = pages.masked_fill(~slot_ok, float("-inf")).amax(dim=3)
-    count = slot_ok.sum(dim=2).float()  # (n, 1, 1): keys per page
-    for name, x in (("key_mean", pages), ("value_mean", values)):
-        if name in kinds:
-            assert x is not None, f"{name} needs the pages' values"
-            out[name] = (x.float().masked_fill(~slot_ok, 0.0).sum(dim=3) / count).to(x.dtype)
+    if "key_mean" in kinds:
+        count = slot_ok.sum(dim=2).float()  # (n, 1, 1): keys per page
+        out["key_mean"] = (pages.float().masked_fill(~slot_ok, 0.0).sum(dim=3) / count).to(pages.dtype)
     return out

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, SPARSE_UNSELECTED, OOMBConfig, resolve_dtype
+from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
 from ..engine import forward_backward
 from ..sparse import SparseOptions
 from ..training import presets
@@ -56,7 +56,6 @@ class GradcheckOptions:
     budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
     scores: list[str] = field(default_factory=lambda: list(SPARSE_SCORES))
     poolings: list[str] = field(default_factory=lambda: ["max"])
-    unselected: list[str] = field(default_factory=lambda: ["drop"])
     layer_budgets: list[int] | None = None
     dense_layers: list[int] = field(default_factory=list)
     sparse_plan: str | None = None
@@ -217,19 +216,18 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
     budgets = [None] if layer_budgets is not None else options.budgets
-    for score, pooling, unselected, budget in itertools.product(options.scores, options.poolings, options.unselected,
-                                                                budgets):
+    for score, pooling, budget in itertools.product(options.scores, options.poolings, budgets):
         config = OOMBConfig(**{**asdict(base), "attention": "sparse",
                                "sparse_budget": budget if budget is not None else max(layer_budgets),
                                "sparse_sink_pages": options.sink_pages, "sparse_score": score,
                                "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
                                "sparse_query_block_pages": options.query_block_pages, "sparse_pooling": pooling,
                                "sparse_layer_budgets": layer_budgets,
-                               "sparse_dense_layers": dense_layers, "sparse_unselected": unselected})
+                               "sparse_dense_layers": dense_layers})
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config))
-        runs.append({"score": score, "pooling": pooling, "unselected": unselected,
+        runs.append({"score": score, "pooling": pooling,
                      "budget": budget if budget is not None else "per layer", "loss": loss,
                      "seconds": time.perf_counter() - start,
                      "history_read": history_read(ids.shape[1], config, model_layers(model)),
@@ -261,8 +259,7 @@ def format_report(report: dict) -> str:
     if not runs:
         return "\n".join(lines)
     lines.append("sparse vs dense parameter gradients (cosine / relative error):")
-    headers = [f"{r['score']}/{r.get('pooling', 'max')}{'+means' if r.get('unselected') == 'page_means' else ''}"
-               f" k={r['budget']}" for r in runs]
+    headers = [f"{r['score']}/{r.get('pooling', 'max')} k={r['budget']}" for r in runs]
     width = max(18, *(len(h) for h in headers))
     lines.append(f"{'':<12}" + "".join(f" | {h:>{width}}" for h in headers))
     lines.append("-" * 12 + ("-+-" + "-" * width) * len(runs))
@@ -289,8 +286,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scores", nargs="+", choices=SPARSE_SCORES, default=d.scores, help="score rules to compare")
     parser.add_argument("--poolings", nargs="+", choices=SPARSE_POOLINGS, default=d.poolings,
                         help="how a block's rows combine into a page score (max, softmax)")
-    parser.add_argument("--unselected", nargs="+", choices=SPARSE_UNSELECTED, default=d.unselected,
-                        help="what blocks do with the pages they did not select (OOMBConfig.sparse_unselected)")
     parser.add_argument("--layer-budgets", type=int, nargs="+", default=None, help="a budget per layer")
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers read densely")
     parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")

@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..kv.summaries import KEY_SUMMARY_KINDS, summarize_pages
+from ..kv.summaries import SUMMARY_KINDS, summarize_pages
 from ..sparse import SparseOptions, block_scores, selection_from_scores
 
 CAPTURE_NAME = "oomb_capture"
@@ -84,7 +84,7 @@ def history_summaries(k: torch.Tensor, page_size: int, n_hist: int) -> dict[str,
     """Summaries (1, n_hist, Hkv, D) of the first n_hist (full) pages of keys (1, Hkv, T, D)."""
     _, Hkv, _, D = k.shape
     pages = k[:, :, : n_hist * page_size].reshape(1, Hkv, n_hist, page_size, D).permute(0, 2, 1, 3, 4)
-    return summarize_pages(pages, page_size, KEY_SUMMARY_KINDS)
+    return summarize_pages(pages, page_size, SUMMARY_KINDS)
 
 
 def oracle_selection(mass: torch.Tensor, chunk_start: int, chunk_len: int, page_size: int, Hkv: int,
