@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import VOCAB, build_tiny_model, random_ids
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaModel, OPTConfig, OPTForCausalLM
 
 import oomb
 from oomb import OOMBConfig
@@ -175,10 +175,15 @@ def test_unsupported_model_family():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
     ids = random_ids(1, 10, seed=5, vocab=64)
     with pytest.raises(NotImplementedError,
-                       match=r"model type 'gpt2' \(GPT2LMHeadModel\) is not supported; "
-                             r"supported: llama, mistral, qwen2, qwen3"):
+                       match=r"model type 'gpt2' \(GPT2LMHeadModel\) is not supported: oomb lacks learned absolute "
+                             r"position embeddings .*; supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma2"):
         _step(gpt2, ids)
     assert all(p.grad is None for p in gpt2.parameters())
+    opt = OPTForCausalLM(OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64,
+                                   vocab_size=64, word_embed_proj_dim=32))
+    with pytest.raises(NotImplementedError, match=r"model type 'opt' \(OPTForCausalLM\) is not supported; "
+                                                  r"supported: llama, mistral, qwen2, qwen3, "):
+        _step(opt, ids)
 
 
 def test_models_that_are_not_causal_lms():
