@@ -91,10 +91,11 @@ def forward_backward(
             A trainer with fp32 master weights passes the masters' gradient buffers.
         host_slabs: with ``config.offload``, the pinned host memory to keep the pages in; pass the
             same object every step to reuse it (pinning tens of GiB takes seconds). None: a new one.
-        parallel: the ``oomb.parallel.setup_parallel`` result of a tensor/data-parallel model (each rank
-            calls this with its own sequences; the gradients are reduced over data-parallel ranks
+        parallel: the ``oomb.parallel.setup_parallel`` result of a tensor/data/context-parallel model (each
+            rank calls this with its own sequences; the gradients are reduced over data-parallel ranks
             once, in the last chunk's backward). Not with grad_targets under data parallel: FSDP sums
-            the chunks' gradients in fp32 itself.
+            the chunks' gradients in fp32 itself. Context-parallel ranks pass the same sequences and each
+            holds the pages of every cp-th chunk (oomb/context_parallel.py).
         sync_gradients: data parallel: reduce the gradients over ranks in this step's last backward
             (True), or keep summing them locally for a later step that syncs (gradient accumulation).
         position_ids: (B, T) or (T,) packed documents as HF's padding-free collators give them: positions
@@ -110,7 +111,7 @@ def forward_backward(
     """
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
-    parallel = check_setup(model, parallel, grad_targets)
+    parallel = check_setup(model, parallel, grad_targets, config)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
     batch, num_tokens = input_ids.shape
@@ -309,7 +310,9 @@ def _make_store(
     parallel: ParallelSetup | None = None,
 ) -> PagedKVStore:
     options = store_options(causal_lm, batch, num_tokens, config, device, sparse, parallel)
-    shape = PageShape(options["num_layers"], batch, num_tokens, options["num_kv_heads"], options["head_dim"],
+    context = options["context"]
+    own_tokens = num_tokens if context is None else context.owned_pages(num_tokens, config.page_size) * config.page_size
+    shape = PageShape(options["num_layers"], batch, own_tokens, options["num_kv_heads"], options["head_dim"],
                       options["kv_dtype"])
     _check_pages(shape, config, device, host_slabs)
     if not config.offload:
@@ -337,6 +340,7 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         summaries=sparse.summaries if sparse is not None else (),
         stream_block_pages=config.stream_block_pages,
     )
+        context=parallel.context_shard(config.chunk_size),  # context parallel: this rank's chunks only
 
 
 def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, host_slabs: HostSlabs | None) -> None:

@@ -1,6 +1,9 @@
-"""Several GPUs through torch.distributed: tensor parallel (DTensor plans) and data parallel (FSDP2).
+"""Several GPUs through torch.distributed: tensor parallel (DTensor plans), data parallel (FSDP2) and
+context parallel (a sequence's pages spread over ranks, oomb/context_parallel.py).
 
     mesh (dp, tp)        ranks r = dp_rank * tp + tp_rank; a TP group shares its sequences
+    mesh (dp, cp, tp)    with cp > 1: r = (dp_rank * cp + cp_rank) * tp + tp_rank; the cp ranks of a
+                         data-parallel group share its sequences and split their pages by chunk
     tensor parallel      per decoder layer: q/k/v, gate/up column-wise, o/down row-wise
                          (parallelize_module); an untied LM head column-wise (vocabulary-sharded), its
                          cross-entropy through loss_parallel: full-vocabulary logits never exist on
@@ -12,6 +15,9 @@
                          gradient sync is off for every chunk but the last backward of the step, so
                          the chunks' gradients sum in fp32 inside FSDP (reduce_dtype=float32) and are
                          reduce-scattered (averaged over dp) once.
+    context parallel     the model stays replicated over cp (TP-sharded inside each cp rank); each
+                         attention call merges the cp ranks' partial attentions, so activations and
+                         parameter gradients are identical on every cp rank and need no reduction.
 
 Why the engine needs hooks: it runs one backward per chunk (DESIGN.md section 2), which FSDP would
 otherwise treat as separate steps, and it sizes the page store before any attention call.
@@ -41,29 +47,35 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .context_parallel import ContextShard, check_context_parallel
+
 logger = logging.getLogger(__name__)
 
 MESH_DIMS = ("dp", "tp")
+CP_MESH_DIMS = ("dp", "cp", "tp")
+"""Mesh dimensions with context parallelism (cp > 1); without it the mesh keeps MESH_DIMS."""
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of parallelism; tp * dp must equal the number of processes."""
+    """Degrees of parallelism; tp * dp * cp must equal the number of processes."""
 
     tp: int = 1
     """Tensor-parallel degree: ranks that split every layer's heads and MLP columns."""
     dp: int = 1
     """Data-parallel degree: ranks that train on different sequences (FSDP2 shards weights over them)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that share one sequence and hold 1/cp of its KV pages each."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp"):
+        for name in ("tp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel {name}={value!r} must be an integer >= 1")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.cp
 
 
 def layer_plan() -> dict[str, object]:
@@ -101,7 +113,7 @@ def check_tp_degree(model_config, tp: int) -> None:
 class ParallelSetup:
     """What a parallel step and the trainer need: degrees, ranks and the device mesh.
 
-    ``mesh`` is None for a single process; its dimension names are MESH_DIMS.
+    ``mesh`` is None for a single process; its dimension names are MESH_DIMS (CP_MESH_DIMS with cp > 1).
     """
 
     config: ParallelConfig = field(default_factory=ParallelConfig)
@@ -123,8 +135,22 @@ class ParallelSetup:
         return self.config.dp
 
     @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp % self.cp
+
+    def context_shard(self, chunk_size: int) -> ContextShard | None:
+        """This rank's share of the sequence's pages under context parallelism (None: cp == 1)."""
+        if self.cp == 1:
+            return None
+        return ContextShard(self.cp_rank, self.cp, chunk_size, self.mesh.get_group("cp"))
 
     @property
     def is_main(self) -> bool:
@@ -168,8 +194,9 @@ class ParallelSetup:
         return float(tensor) / self.dp
 
 
-def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets) -> ParallelSetup:
-    """The step's ParallelSetup (a single-process one for None), refusing a parallelized model without it."""
+def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets, config=None) -> ParallelSetup:
+    """The step's ParallelSetup (a single-process one for None), refusing a parallelized model without it,
+    and (given the step's OOMBConfig) the options context parallelism does not support."""
     if parallel is None:
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise ValueError("the model has DTensor (tensor- or data-parallel) parameters: pass the ParallelSetup "
@@ -178,6 +205,10 @@ def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets) 
     if parallel.fsdp and grad_targets:
         raise ValueError("grad_targets cannot be used with data parallel (FSDP): FSDP sums the chunks' gradients "
                          "in fp32 and leaves them in the sharded parameters' .grad")
+    if parallel.cp > 1 and config is not None:
+        from .models import unwrap_causal_lm
+
+        check_context_parallel(config, unwrap_causal_lm(model))
     return parallel
 
 
@@ -201,19 +232,21 @@ def init_distributed(device_type: str) -> int:
     return world
 
 
-def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, device_type: str | None = None) -> ParallelSetup:
-    """Parallelize ``model`` in place: tensor parallel over ``tp`` ranks, then FSDP2 over ``dp``.
+def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, cp: int = 1,
+                   device_type: str | None = None) -> ParallelSetup:
+    """Parallelize ``model`` in place: tensor parallel over ``tp`` ranks, then FSDP2 over ``dp``; the
+    ``cp`` context-parallel ranks of each (dp, tp) position keep replicas and split the pages.
 
     Args:
         model: a supported *ForCausalLM (PEFT-wrapped only with tp=1), on this rank's device.
-        tp, dp: degrees; tp * dp must be the world size of the initialized process group.
+        tp, dp, cp: degrees; tp * dp * cp must be the world size of the initialized process group.
         device_type: "cuda" or "cpu"; default: the device of the model's parameters.
     Returns:
         The ParallelSetup to pass to ``forward_backward(parallel=)`` and the trainer.
     """
     from .models import unwrap_causal_lm
 
-    config = ParallelConfig(tp=tp, dp=dp)
+    config = ParallelConfig(tp=tp, dp=dp, cp=cp)
     causal_lm = unwrap_causal_lm(model)
     check_tp_degree(causal_lm.config, tp)
     if config.world_size == 1:
@@ -221,15 +254,20 @@ def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, device_type: s
     if tp > 1 and causal_lm is not model:
         raise NotImplementedError("tensor parallel with a PEFT (LoRA) model is not supported; use dp only, "
                                   "or full fine-tuning with tp")
+    degrees = f"tp={tp} x dp={dp}" + (f" x cp={cp}" if cp > 1 else "")
     if not dist.is_initialized():
-        raise RuntimeError(f"tp={tp} x dp={dp} needs torch.distributed: start with torchrun --nproc-per-node "
+        raise RuntimeError(f"{degrees} needs torch.distributed: start with torchrun --nproc-per-node "
                            f"{config.world_size} (or call init_distributed first)")
     world = dist.get_world_size()
     if world != config.world_size:
-        raise ValueError(f"tp={tp} x dp={dp} = {config.world_size} ranks, but the process group has {world}: "
-                         f"start {config.world_size} processes or change tp/dp")
+        raise ValueError(f"{degrees} = {config.world_size} ranks, but the process group has {world}: "
+                         f"start {config.world_size} processes or change tp/dp/cp")
     device_type = device_type or next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    if cp > 1:
+        mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=CP_MESH_DIMS)
+        logger.info("context parallel over %d ranks: each holds the pages of every %d-th chunk", cp, cp)
+    else:
+        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
     if tp > 1:
         apply_tensor_parallel(causal_lm, mesh["tp"])
     root = apply_data_parallel(model, causal_lm, mesh["dp"]) if dp > 1 else None

@@ -12,7 +12,10 @@ blocks of history pages, then the chunk itself (a backend may ask for the GPU-re
 one block: ``AttentionBackend.whole_history``). Forward merges the windows' partial results by
 their log-sum-exp; backward runs each window with the merged statistics. Unless the backend asks for
 the whole history, the windows are the same whether pages live on the GPU or stream from host memory
-(kv/offload.py), so both compute the same float operations in the same order.
+(kv/offload.py), so both compute the same float operations in the same order. Under context
+parallelism (oomb/context_parallel.py) the store yields only the windows on this rank's pages, and
+three hooks make the call exact on every rank: the partial (out, lse) merged across ranks, the dQ
+shares summed, the chunk's own dK/dV taken from the rank that holds its pages.
 
 With packed documents (oomb/documents.py) a dense call carries the step's Documents: the store's
 windows start at the chunk's earliest document start (kv/store.py ``history_starts``) and the
@@ -66,12 +69,16 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
                                                call.selection)
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
     # With several windows (any history) the partial outputs stay float32 until the merge is complete.
-    out_dtype = torch.float32 if call.chunk.start > 0 else None
+    # Context parallel: this rank's windows (its own pages), then the ranks' partials merged the same way.
+    context = call.store.context
+    out_dtype = torch.float32 if call.chunk.start > 0 or context is not None else None
     out = lse = None
     for view in call.store.stream(call.layer, call.chunk, grads=False, whole_history=call.backend.whole_history):
         out_w, lse_w = call.backend.forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
                                             key_range=view.key_range, out_dtype=out_dtype, **call.document_kwargs())
         out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
+    if context is not None:
+        out, lse = context.merge(q, out, lse)
     return out.to(q.dtype), lse
 
 
@@ -89,6 +96,8 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
                               view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq,
                               **call.document_kwargs())
     return dq.to(q.dtype)
+    if call.store.context is not None:  # context parallel: the dQ shares of every rank's pages
+        dq = call.store.context.sum(dq)
 
 
 class _PagedAttention(torch.autograd.Function):
@@ -115,6 +124,8 @@ class _PagedAttention(torch.autograd.Function):
         dq = _attention_backward(q, out, dout, lse, call)
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
         return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
+        if call.store.context is not None:  # context parallel: as the chunk's owner holds them
+            dk, dv = call.store.context.from_owner(call.chunk.index, dk, dv)
 
 
 def paged_attention(

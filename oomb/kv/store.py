@@ -15,6 +15,10 @@ pages; the tail of a partial last page is written with zeros, never left uniniti
 In sparse mode the store also keeps, per (chunk, layer), the page selection stage 1 made (int32
 (B, Hkv, n_blocks, K) page-table positions, or None when the chunk reads every earlier page), so
 that stage 2 reads exactly the same pages; it is freed with the chunk.
+
+Under context parallelism (``context``, oomb/context_parallel.py) the store holds only the chunks
+this rank owns: its pool is sized for them, other chunks get no pages (their page-table entries are
+never read), and ``windows`` yields only the parts of a chunk's key windows on its own pages.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .pool import PagePool
 from .summaries import SUMMARY_KINDS, summarize_pages
+
+if TYPE_CHECKING:
+    from ..context_parallel import ContextShard
 
 
 @dataclass(frozen=True)
@@ -108,9 +116,11 @@ class PagedKVStore:
         summaries: tuple[str, ...] = (),
         stream_block_pages: int = 256,
         gpu_layers: int | None = None,
+        context: ContextShard | None = None,
     ) -> None:
         """``gpu_layers``: allocate pools for only the first this many layers (the rest live in a
-        host tier, kv/offload.py); None: all."""
+        host tier, kv/offload.py); None: all. ``context``: this rank's share of a context-parallel
+        group (pages of its own chunks only); None: every page."""
         unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
         assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
@@ -119,7 +129,9 @@ class PagedKVStore:
         self.stream_block_pages = stream_block_pages
         self.device = torch.device(device)
         self.max_pages_per_seq = -(-num_tokens // page_size)
-        self.pool = PagePool(batch_size * self.max_pages_per_seq)
+        self.context = context
+        own_pages = self.max_pages_per_seq if context is None else context.owned_pages(num_tokens, page_size)
+        self.pool = PagePool(batch_size * max(own_pages, 1))  # a rank may own no chunk of a short step
         shape = (self.pool.capacity, num_kv_heads, page_size, head_dim)
         self.layers = [
             LayerPages(
@@ -166,6 +178,9 @@ class PagedKVStore:
         """Give the chunk its pages in every sequence and zero their gradient buffers."""
         if chunk.index in self._chunk_pages:
             raise RuntimeError(f"chunk {chunk.index} already has pages")
+        if not self.owns(chunk):
+            self._chunk_pages[chunk.index] = []  # another context-parallel rank holds them
+            return
         first, last = self._page_range(chunk)
         ids = self.pool.allocate(self.batch_size * (last - first))
         self._chunk_pages[chunk.index] = ids
@@ -199,13 +214,19 @@ class PagedKVStore:
         kept = self._scoring_queries.get(layer)
         return kept[1] if kept is not None and kept[0] == chunk.index - 1 else None
 
+    def owns(self, chunk: ChunkSpan) -> bool:
+        """Whether this store holds the chunk's pages (always, without context parallelism)."""
+        return self.context is None or self.context.owns(chunk.index)
+
     @property
     def is_empty(self) -> bool:
         return self.pool.num_used == 0 and not self._chunk_pages and not self._selections
 
     def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one;
-        in sparse mode also the pages' key summaries."""
+        in sparse mode also the pages' key summaries. Nothing on a context-parallel rank not owning it."""
+        if not self.owns(chunk):
+            return
         index = self._chunk_ids(chunk)
         pages = self.layers[layer]
         k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
@@ -254,8 +275,10 @@ class PagedKVStore:
         return self._selections[chunk.index, layer]
 
     def windows(self, chunk: ChunkSpan, whole_history: bool = False) -> list[tuple[int, int]]:
-        return attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages,
-                                 self.history_starts.get(chunk.index, 0))
+        """The chunk's key windows on this store's pages (context parallel: the parts on its own)."""
+        windows = attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages,
+                                    self.history_starts.get(chunk.index, 0))
+        return windows if self.context is None else self.context.own_windows(windows, chunk.index)
 
     def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
         """The chunk's key windows in order, ready to read (and, with grads, to add dK/dV into);
@@ -267,9 +290,14 @@ class PagedKVStore:
                              pages.dk if grads else None, pages.dv if grads else None)
 
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk."""
-        index = self._chunk_ids(chunk)
+        """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk.
+        Zeros on a context-parallel rank not owning it (the owner's are broadcast, attention/function.py)."""
         pages = self.layers[layer]
+        if not self.owns(chunk):
+            shape = (self.batch_size, pages.dk.shape[1], chunk.length, pages.dk.shape[3])
+            return (torch.zeros(shape, dtype=pages.dk.dtype, device=self.device),
+                    torch.zeros(shape, dtype=pages.dv.dtype, device=self.device))
+        index = self._chunk_ids(chunk)
         return (
             self._from_pages(pages.dk.index_select(0, index), chunk.length),
             self._from_pages(pages.dv.index_select(0, index), chunk.length),

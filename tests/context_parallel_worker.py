@@ -1,0 +1,149 @@
+"""Worker of tests/test_context_parallel.py: one process of a 2-, 3- or 4-rank gloo group.
+
+Each scenario builds the same tiny model on every rank, runs the single-process oomb step on one
+copy (the reference, itself checked against a full-sequence Hugging Face backward) and the
+context-parallel step on another, and reports per rank: the relative error of the gradients, the
+loss, a hash of every gradient's bytes (ranks must agree bit for bit) and the pages the rank's
+store allocated. Every rank's results go to a JSON file the test reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error
+
+import oomb.engine
+from oomb import OOMBConfig, forward_backward
+from oomb.parallel import full_tensor, setup_parallel
+
+CONFIG = OOMBConfig(chunk_size=16, page_size=8, backend="torch")
+STREAMED = replace(CONFIG, stream_block_pages=1)  # history windows of one page: cut at chunk boundaries
+TOKENS = 75  # 5 chunks of 16, the last one 11 tokens: a partial chunk and a partial page
+
+
+def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
+
+
+def _digest(named: dict[str, torch.Tensor | None]) -> str:
+    h = hashlib.sha256()
+    for name, g in sorted(named.items()):
+        h.update(name.encode())
+        if g is not None:
+            h.update(g.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class _StoreSpy:
+    """Records the page store of every step (its pool capacity is what the rank allocated)."""
+
+    def __init__(self) -> None:
+        self.stores = []
+        self._real = oomb.engine._make_store
+
+    def __enter__(self):
+        def make_store(*args, **kwargs):
+            store = self._real(*args, **kwargs)
+            self.stores.append(store)
+            return store
+
+        oomb.engine._make_store = make_store
+        return self
+
+    def __exit__(self, *exc) -> None:
+        oomb.engine._make_store = self._real
+
+
+def context_parallel(rank: int, world: int, family: str, *, batch: int = 2, tokens: int = TOKENS,
+                     config: OOMBConfig = STREAMED, tp: int = 1, documents: bool = False, **overrides) -> dict:
+    """cp = world / tp ranks on one batch: gradients against the single-process oomb step."""
+    ids = random_ids(batch, tokens, seed=7)
+    kwargs = {}
+    if documents:  # packed documents: positions restart at 0 inside chunks and inside pages
+        starts = [0, 21, 40]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*starts[1:], tokens], strict=True)])
+        kwargs["position_ids"] = positions.expand(batch, -1)
+    hf = build_tiny_model(family, **overrides)
+    hf_loss = None
+    if not documents:
+        hf_loss = float(hf_step(hf, ids, ids))
+    single = build_tiny_model(family, **overrides)
+    want_loss = float(forward_backward(single, ids, config=config, **kwargs))
+    want = grads(single)
+    model = build_tiny_model(family, **overrides)
+    setup = setup_parallel(model, tp=tp, cp=world // tp)
+    with _StoreSpy() as spy:
+        loss = forward_backward(model, ids, config=config, parallel=setup, **kwargs)
+    got = _gathered_grads(model)
+    store = spy.stores[0]
+    chunks = -(-tokens // config.chunk_size)
+    own = [c for c in range(chunks) if c % setup.cp == setup.cp_rank]
+    own_pages = sum(-(-min((c + 1) * config.chunk_size, tokens) // config.page_size) - c * config.chunk_size
+                    // config.page_size for c in own)
+    return {
+        "error": relative_error(got, want),
+        "single_vs_hf": None if documents else relative_error(want, grads(hf)),
+        "loss": float(loss), "want_loss": want_loss, "hf_loss": hf_loss,
+        "digest": _digest(got),
+        "pool_pages": store.pool.capacity, "own_pages": batch * max(own_pages, 1),
+        "full_pages": batch * -(-tokens // config.page_size),
+        "cp_rank": setup.cp_rank,
+    }
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What context parallelism refuses, before anything is allocated (no collective runs)."""
+    model = build_tiny_model("llama")
+    setup = setup_parallel(model, cp=world)
+    ids = random_ids(1, 40, seed=1)
+    messages = {}
+    for name, config in {"offload": replace(CONFIG, offload=True),
+                         "sparse": replace(CONFIG, attention="sparse", sparse_budget=2)}.items():
+        try:
+            forward_backward(model, ids, config=config, parallel=setup)
+            messages[name] = None
+        except NotImplementedError as err:
+            messages[name] = str(err)
+    dist.barrier()
+    return messages
+
+
+SCENARIOS = {
+    # Batch 2, ragged (partial chunk and page), history windows of one page cut at chunk boundaries.
+    "llama_batch2": lambda rank, world: context_parallel(rank, world, "llama"),
+    # One history window per chunk (cut into the rank's own chunks), q/k/v biases, a tied head.
+    "qwen2_tied": lambda rank, world: context_parallel(rank, world, "qwen2", batch=1, config=CONFIG,
+                                                       tie_word_embeddings=True),
+    # Packed documents (masks by position inside every rank's windows) without layer checkpointing.
+    "llama_documents": lambda rank, world: context_parallel(
+        rank, world, "llama", batch=1, documents=True, config=replace(STREAMED, checkpoint_layers=False)),
+    # Sliding-window layers: the windows start at each chunk's first visible page.
+    "mistral_window": lambda rank, world: context_parallel(rank, world, "mistral", sliding_window=20),
+    # One chunk only: every rank but the owner holds no page of the step.
+    "one_chunk": lambda rank, world: context_parallel(rank, world, "llama", tokens=13),
+    "refusals": refusals,
+    # A 2 x 2 grid: tensor parallel inside each context-parallel rank (4 processes).
+    "tp2_llama": lambda rank, world: context_parallel(rank, world, "llama", tp=2),
+}
+
+
+def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+    """Entry point of torch.multiprocessing.spawn."""
+    torch.set_num_threads(1)  # several ranks on a two-core machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name](rank, world)
+        except Exception:  # reported by the test, which then fails with the traceback
+            results[name] = {"traceback": traceback.format_exc()}
+            break  # the ranks may no longer agree on the collectives that come next
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()

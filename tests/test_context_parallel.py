@@ -1,0 +1,137 @@
+"""Context parallelism (oomb/context_parallel.py) on the CPU: 2, 3 and 4 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from context_parallel_worker import run
+
+from oomb.context_parallel import ContextShard
+from oomb.kv import ChunkSpan, PagedKVStore
+from oomb.kv.store import attention_windows
+
+GRAD_RTOL = 1e-5
+SCENARIOS_BY_WORLD = {
+    2: ["llama_batch2", "qwen2_tied", "llama_documents", "mistral_window", "one_chunk", "refusals"],
+    3: ["llama_batch2", "one_chunk"],
+    4: ["tp2_llama"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, names: list[str], out) -> list[dict]:
+    mp.spawn(run, args=(world, _free_port(), str(out), names), nprocs=world, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, rank in enumerate(ranks):
+        for name in names:
+            assert name in rank, f"rank {r} did not reach {name}"
+            assert "traceback" not in rank[name], f"rank {r}, {name}:\n{rank[name]['traceback']}"
+    return ranks
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
+def world_results(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    """Every scenario of a world size, run once by that many spawned ranks: (world, per-rank results)."""
+    world = request.param
+    return world, _spawn(world, SCENARIOS_BY_WORLD[world], tmp_path_factory.mktemp(f"cp{world}"))
+
+
+def _step_scenarios(world: int) -> list[str]:
+    return [n for n in SCENARIOS_BY_WORLD[world] if n != "refusals"]
+
+
+def test_gradients_equal_one_process(world_results):
+    world, ranks = world_results
+    for name in _step_scenarios(world):
+        for r, rank in enumerate(ranks):
+            res = rank[name]
+            assert res["error"] <= GRAD_RTOL, (world, name, r, res["error"])
+            if res["single_vs_hf"] is not None:  # the reference is itself HF's gradient
+                assert res["single_vs_hf"] <= GRAD_RTOL, (world, name, res["single_vs_hf"])
+                assert abs(res["want_loss"] - res["hf_loss"]) <= 1e-5 * res["hf_loss"]
+            assert abs(res["loss"] - res["want_loss"]) <= 1e-6 * res["want_loss"], (world, name, r)
+
+
+def test_every_rank_holds_the_same_loss_and_gradients(world_results):
+    """Bit for bit: the ranks' merges run the same float operations, nothing rank-local leaks."""
+    world, ranks = world_results
+    for name in _step_scenarios(world):
+        assert len({rank[name]["loss"] for rank in ranks}) == 1, (world, name, [rank[name]["loss"] for rank in ranks])
+        assert len({rank[name]["digest"] for rank in ranks}) == 1, (world, name)
+
+
+def test_each_rank_allocates_only_its_own_chunks(world_results):
+    world, ranks = world_results
+    for name in _step_scenarios(world):
+        for rank in ranks:
+            res = rank[name]
+            assert res["pool_pages"] == res["own_pages"], (world, name, res)
+        if name != "one_chunk":  # every page of the step on exactly one cp rank (per tp rank)
+            tp = 2 if name.startswith("tp2") else 1
+            assert sum(rank[name]["pool_pages"] for rank in ranks) == tp * ranks[0][name]["full_pages"]
+
+
+def test_unsupported_combinations_are_refused(world_results):
+    world, ranks = world_results
+    if "refusals" not in SCENARIOS_BY_WORLD[world]:
+        pytest.skip("refusals run in the 2-rank group")
+    for rank in ranks:
+        messages = rank["refusals"]
+        assert "offload=True is not supported yet" in messages["offload"]
+        assert "attention='sparse' is not supported yet" in messages["sparse"]
+
+
+# ---- ownership, without processes -----------------------------------------------------------------
+
+def test_owned_pages_partition_the_sequence():
+    for size in (1, 2, 3, 5):
+        for tokens in (1, 16, 75, 200):
+            shards = [ContextShard(r, size, chunk_size=16) for r in range(size)]
+            assert sum(s.owned_pages(tokens, 8) for s in shards) == -(-tokens // 8)
+
+
+def test_own_windows_are_the_ranks_share_of_every_window():
+    """The windows of all ranks cover the chunk's windows exactly once, each inside one owned chunk."""
+    chunk = ChunkSpan(5, 80, 96)
+    for block_pages in (None, 1, 3):
+        windows = attention_windows(chunk, 8, block_pages, first_key=16)
+        shards = [ContextShard(r, 3, chunk_size=16) for r in range(3)]
+        pieces = sorted(w for s in shards for w in s.own_windows(windows, chunk.index))
+        covered = [k for lo, hi in pieces for k in range(lo, hi)]
+        assert covered == list(range(16, 96))
+        for shard in shards:
+            for lo, hi in shard.own_windows(windows, chunk.index):
+                assert shard.owns(lo // 16) and (hi - 1) // 16 == lo // 16 and lo % 8 == 0
+    assert ContextShard(2, 3, 16).own_windows([(0, 80), (80, 96)], 5)[-1] == (80, 96)  # 5 % 3: the owner
+    assert ContextShard(0, 3, 16).own_windows([(0, 80), (80, 96)], 5) == [(0, 16), (48, 64)]
+
+
+def test_store_of_a_rank_holds_only_its_chunks():
+    shard = ContextShard(1, 2, chunk_size=16)
+    store = PagedKVStore(num_layers=1, batch_size=2, num_tokens=75, num_kv_heads=2, head_dim=4, page_size=8,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device="cpu", context=shard)
+    assert store.pool.capacity == 2 * 4  # chunks 1 and 3: two pages each, per sequence
+    chunks = [ChunkSpan(i, 16 * i, min(16 * i + 16, 75)) for i in range(5)]
+    for chunk in chunks:
+        store.allocate(chunk)
+        store.write(0, chunk, torch.randn(2, 2, chunk.length, 4), torch.randn(2, 2, chunk.length, 4))
+    assert store.pool.num_free == 0
+    dk, dv = store.chunk_grads(0, chunks[2])  # not ours: zeros of the chunk's shape (the owner's are broadcast)
+    assert dk.shape == (2, 2, 16, 4) and not dk.any() and not dv.any()
+    for chunk in reversed(chunks):
+        store.free(chunk)
+    assert store.is_empty
+
+
+def test_bad_shard_is_refused():
+    with pytest.raises(ValueError, match="rank 2 of 2 ranks"):
+        ContextShard(2, 2, 16)
