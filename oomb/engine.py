@@ -339,8 +339,8 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         device=device,
         summaries=sparse.summaries if sparse is not None else (),
         stream_block_pages=config.stream_block_pages,
-    )
         context=parallel.context_shard(config.chunk_size),  # context parallel: this rank's chunks only
+    )
 
 
 def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, host_slabs: HostSlabs | None) -> None:

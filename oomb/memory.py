@@ -219,6 +219,7 @@ def estimate_step_memory(
     dtype: torch.dtype = torch.bfloat16,
     trainable_params: int = 0,
     fp32_targets: bool = False,
+    context_parallel: int = 1,
 ) -> StepMemory:
     """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
@@ -228,10 +229,12 @@ def estimate_step_memory(
     caller's fp32 tensors receive the gradients (a trainer's master weights, counted by the caller):
     no sums, and the same few low-precision ``.grad``. With ``config.offload``
     the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
+    ``context_parallel``: ranks sharing the sequence; the pages of the busiest one.
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
     kv = PagedKVStore.bytes_needed(
-        num_layers=shape.num_layers, batch_size=batch_size, num_tokens=num_tokens,
+        num_layers=shape.num_layers, batch_size=batch_size,
+        num_tokens=context_parallel_tokens(num_tokens, config.chunk_size, config.page_size, context_parallel),
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=config.page_size,
         kv_dtype=dtype, grad_dtype=config.grad_dtype,
     )
@@ -287,8 +290,13 @@ class TrainingSetup:
     """Keep an fp32 master copy of low-precision trainable parameters (4 bytes each)."""
     lora_rank: int = 0
     """0: full fine-tuning. r > 0: LoRA of rank r on every linear projection, base weights frozen."""
+    context_parallel: int = 1
+    """Ranks sharing each sequence (oomb/context_parallel.py): each holds the pages of every cp-th
+    chunk; the busiest one (rank 0, which holds chunk 0) is planned. Dense mode without offload only."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ValueError(f"context_parallel={self.context_parallel!r} must be an integer >= 1")
         if self.batch_size <= 0:
             raise ValueError(f"batch_size={self.batch_size} must be a positive integer")
         if self.lora_rank < 0:
@@ -352,6 +360,16 @@ class MemoryPrediction:
 GPU_TERMS = ("weights", "param grads", "fp32 grad sums", "optimizer", "activations", "KV working set",
              "page summaries", "page tables")
 HOST_TERMS = ("process", "KV pages", "KV grad pages", "selections")
+
+
+def context_parallel_tokens(tokens: int, chunk_size: int, page_size: int, cp: int) -> int:
+    """Token slots (whole pages) of a sequence whose pages the busiest of ``cp`` context-parallel ranks
+    holds: rank 0, with chunks 0, cp, 2 cp, ... (``tokens`` itself when cp is 1)."""
+    if cp == 1:
+        return tokens
+    from .context_parallel import ContextShard
+
+    return ContextShard(0, cp, chunk_size).owned_pages(tokens, page_size) * page_size
 
 
 def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
@@ -423,6 +441,9 @@ def predict(
     sparse = sparse or SparseAssumptions()
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")
+    if setup.context_parallel > 1 and mode.name != "dense":
+        raise ValueError(f"mode {mode.name!r} with context parallelism (cp={setup.context_parallel}) is not "
+                         "supported: context parallelism runs oomb dense without offload only")
     b = setup.dtype.itemsize
     B, P, L = setup.batch_size, config.page_size, shape.num_layers
     low_precision = b < FP32_BYTES
@@ -487,8 +508,9 @@ def predict(
         offload_config = replace(config, offload=True, offload_resident_layers=resident)
         host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
             page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
-    else:
-        gpu["KV working set"] = L * pages * page_bytes
+    else:  # context parallel: the pages of the busiest rank's chunks
+        own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)
+        gpu["KV working set"] = L * _num_pages(own_tokens, P, B) * page_bytes
 
     if mode.attention == "sparse":
         summaries = L * pages * sparse.summary_vectors * shape.kv_dim * b

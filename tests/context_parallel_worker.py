@@ -1,4 +1,5 @@
-"""Worker of tests/test_context_parallel.py: one process of a 2-, 3- or 4-rank gloo group.
+"""Worker of tests/test_context_parallel.py: one process of a 2-, 3- or 4-rank group (gloo on the
+CPU, NCCL on GPUs).
 
 Each scenario builds the same tiny model on every rank, runs the single-process oomb step on one
 copy (the reference, itself checked against a full-sequence Hugging Face backward) and the
@@ -37,7 +38,7 @@ def _digest(named: dict[str, torch.Tensor | None]) -> str:
     for name, g in sorted(named.items()):
         h.update(name.encode())
         if g is not None:
-            h.update(g.contiguous().numpy().tobytes())
+            h.update(g.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -61,26 +62,30 @@ class _StoreSpy:
         oomb.engine._make_store = self._real
 
 
-def context_parallel(rank: int, world: int, family: str, *, batch: int = 2, tokens: int = TOKENS,
-                     config: OOMBConfig = STREAMED, tp: int = 1, documents: bool = False, **overrides) -> dict:
-    """cp = world / tp ranks on one batch: gradients against the single-process oomb step."""
-    ids = random_ids(batch, tokens, seed=7)
+def context_parallel(rank: int, world: int, device: torch.device, family: str, *, batch: int = 2, tokens: int = TOKENS,
+                     config: OOMBConfig = STREAMED, tp: int = 1, dp: int = 1, documents: bool = False,
+                     **overrides) -> dict:
+    """cp = world / (tp * dp) ranks per batch (dp > 1: dp groups, one row each): gradients against the
+    single-process oomb step over the whole batch."""
+    ids = random_ids(batch, tokens, seed=7).to(device)
     kwargs = {}
     if documents:  # packed documents: positions restart at 0 inside chunks and inside pages
         starts = [0, 21, 40]
         positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*starts[1:], tokens], strict=True)])
-        kwargs["position_ids"] = positions.expand(batch, -1)
-    hf = build_tiny_model(family, **overrides)
+        kwargs["position_ids"] = positions.expand(batch, -1).to(device)
+    hf = build_tiny_model(family, **overrides).to(device)
     hf_loss = None
     if not documents:
         hf_loss = float(hf_step(hf, ids, ids))
-    single = build_tiny_model(family, **overrides)
+    single = build_tiny_model(family, **overrides).to(device)
     want_loss = float(forward_backward(single, ids, config=config, **kwargs))
     want = grads(single)
-    model = build_tiny_model(family, **overrides)
-    setup = setup_parallel(model, tp=tp, cp=world // tp)
+    model = build_tiny_model(family, **overrides).to(device)
+    setup = setup_parallel(model, tp=tp, dp=dp, cp=world // (tp * dp))
+    rows = slice(setup.dp_rank * batch // dp, (setup.dp_rank + 1) * batch // dp)
+    kwargs = {name: value[rows] for name, value in kwargs.items()}
     with _StoreSpy() as spy:
-        loss = forward_backward(model, ids, config=config, parallel=setup, **kwargs)
+        loss = setup.all_mean(float(forward_backward(model, ids[rows], config=config, parallel=setup, **kwargs)))
     got = _gathered_grads(model)
     store = spy.stores[0]
     chunks = -(-tokens // config.chunk_size)
@@ -92,17 +97,17 @@ def context_parallel(rank: int, world: int, family: str, *, batch: int = 2, toke
         "single_vs_hf": None if documents else relative_error(want, grads(hf)),
         "loss": float(loss), "want_loss": want_loss, "hf_loss": hf_loss,
         "digest": _digest(got),
-        "pool_pages": store.pool.capacity, "own_pages": batch * max(own_pages, 1),
+        "pool_pages": store.pool.capacity, "own_pages": batch // dp * max(own_pages, 1),
         "full_pages": batch * -(-tokens // config.page_size),
         "cp_rank": setup.cp_rank,
     }
 
 
-def refusals(rank: int, world: int) -> dict:
+def refusals(rank: int, world: int, device: torch.device) -> dict:
     """What context parallelism refuses, before anything is allocated (no collective runs)."""
-    model = build_tiny_model("llama")
+    model = build_tiny_model("llama").to(device)
     setup = setup_parallel(model, cp=world)
-    ids = random_ids(1, 40, seed=1)
+    ids = random_ids(1, 40, seed=1).to(device)
     messages = {}
     for name, config in {"offload": replace(CONFIG, offload=True),
                          "sparse": replace(CONFIG, attention="sparse", sparse_budget=2)}.items():
@@ -117,31 +122,40 @@ def refusals(rank: int, world: int) -> dict:
 
 SCENARIOS = {
     # Batch 2, ragged (partial chunk and page), history windows of one page cut at chunk boundaries.
-    "llama_batch2": lambda rank, world: context_parallel(rank, world, "llama"),
+    "llama_batch2": lambda rank, world, device: context_parallel(rank, world, device, "llama"),
     # One history window per chunk (cut into the rank's own chunks), q/k/v biases, a tied head.
-    "qwen2_tied": lambda rank, world: context_parallel(rank, world, "qwen2", batch=1, config=CONFIG,
+    "qwen2_tied": lambda rank, world, device: context_parallel(rank, world, device, "qwen2", batch=1, config=CONFIG,
                                                        tie_word_embeddings=True),
     # Packed documents (masks by position inside every rank's windows) without layer checkpointing.
-    "llama_documents": lambda rank, world: context_parallel(
-        rank, world, "llama", batch=1, documents=True, config=replace(STREAMED, checkpoint_layers=False)),
+    "llama_documents": lambda rank, world, device: context_parallel(
+        rank, world, device, "llama", batch=1, documents=True, config=replace(STREAMED, checkpoint_layers=False)),
     # Sliding-window layers: the windows start at each chunk's first visible page.
-    "mistral_window": lambda rank, world: context_parallel(rank, world, "mistral", sliding_window=20),
+    "mistral_window": lambda rank, world, device: context_parallel(rank, world, device, "mistral", sliding_window=20),
     # One chunk only: every rank but the owner holds no page of the step.
-    "one_chunk": lambda rank, world: context_parallel(rank, world, "llama", tokens=13),
+    "one_chunk": lambda rank, world, device: context_parallel(rank, world, device, "llama", tokens=13),
     "refusals": refusals,
+    # The Triton kernels (GPU; interpreted on the CPU is too slow for a 2-process test).
+    "llama_batch2_triton": lambda rank, world, device: context_parallel(
+        rank, world, device, "llama", config=replace(STREAMED, backend="triton")),
     # A 2 x 2 grid: tensor parallel inside each context-parallel rank (4 processes).
-    "tp2_llama": lambda rank, world: context_parallel(rank, world, "llama", tp=2),
+    "tp2_llama": lambda rank, world, device: context_parallel(rank, world, device, "llama", tp=2),
+    # FSDP2 over 2 data-parallel groups of 2 context-parallel ranks, one sequence per group.
+    "dp2_llama": lambda rank, world, device: context_parallel(rank, world, device, "llama", dp=2),
 }
 
 
-def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
     """Entry point of torch.multiprocessing.spawn."""
     torch.set_num_threads(1)  # several ranks on a two-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     results = {}
     for name in names:
         try:
-            results[name] = SCENARIOS[name](rank, world)
+            results[name] = SCENARIOS[name](rank, world, device)
         except Exception:  # reported by the test, which then fails with the traceback
             results[name] = {"traceback": traceback.format_exc()}
             break  # the ranks may no longer agree on the collectives that come next

@@ -18,7 +18,7 @@ GRAD_RTOL = 1e-5
 SCENARIOS_BY_WORLD = {
     2: ["llama_batch2", "qwen2_tied", "llama_documents", "mistral_window", "one_chunk", "refusals"],
     3: ["llama_batch2", "one_chunk"],
-    4: ["tp2_llama"],
+    4: ["tp2_llama", "dp2_llama"],
 }
 
 
@@ -28,8 +28,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, names: list[str], out) -> list[dict]:
-    mp.spawn(run, args=(world, _free_port(), str(out), names), nprocs=world, join=True)
+def _spawn(world: int, names: list[str], out, device_type: str = "cpu") -> list[dict]:
+    mp.spawn(run, args=(world, _free_port(), str(out), names, device_type), nprocs=world, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r, rank in enumerate(ranks):
         for name in names:
@@ -47,6 +47,24 @@ def world_results(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 def _step_scenarios(world: int) -> list[str]:
     return [n for n in SCENARIOS_BY_WORLD[world] if n != "refusals"]
+
+
+GPU_SCENARIOS = ["llama_batch2", "llama_batch2_triton", "qwen2_tied", "llama_documents", "mistral_window",
+                 "one_chunk"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_nccl_context_parallel(tmp_path):
+    """The 2-rank scenarios on two GPUs with NCCL (fp32; torch and triton backends): gradients within
+    1e-5 of one GPU, bit-identical on both ranks."""
+    ranks = _spawn(2, GPU_SCENARIOS, tmp_path, "cuda")
+    for name in GPU_SCENARIOS:
+        for r, rank in enumerate(ranks):
+            assert rank[name]["error"] <= GRAD_RTOL, (name, r, rank[name]["error"])
+            assert rank[name]["pool_pages"] == rank[name]["own_pages"], (name, r)
+        assert len({rank[name]["loss"] for rank in ranks}) == 1, name
+        assert len({rank[name]["digest"] for rank in ranks}) == 1, name
 
 
 def test_gradients_equal_one_process(world_results):
@@ -135,3 +153,64 @@ def test_store_of_a_rank_holds_only_its_chunks():
 def test_bad_shard_is_refused():
     with pytest.raises(ValueError, match="rank 2 of 2 ranks"):
         ContextShard(2, 2, 16)
+
+
+# ---- trainer and planner ----------------------------------------------------------------------------
+
+def test_oomb_train_with_cp_under_torchrun_matches_one_process(tmp_path):
+    """`oomb train --cp 2` under torchrun (2 CPU processes) ends with the weights of a one-process run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from oomb.cli import main as oomb_main
+
+    # 1000 tokens, chunks of 256: 4 chunks (the last one partial), two on each rank. optim.eps=1e-3 as in
+    # tests/test_parallel.py: AdamW's update stays continuous in gradients that nearly cancel.
+    common = ["--steps", "2", "--seq-len", "1000", "--set", "logging.progress=false", "--set", "oomb.chunk_size=256",
+              "--set", "optim.eps=1e-3", "--no-auto-config"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "oomb.cli", "train", "--cp", "2", "--output-dir", str(tmp_path / "cp"), *common]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("oomb train: done") == 1  # rank 0 alone prints
+    assert "cp=2" in done.stdout
+    assert oomb_main(["train", "--output-dir", str(tmp_path / "one"), *common]) == 0
+    parallel, single = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("cp", "one"))
+    assert parallel.keys() == single.keys()
+    diffs = {name: (parallel[name] - weight).abs().max().item() for name, weight in single.items()}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= 1e-5, (worst, diffs[worst])
+
+
+def test_plan_with_cp_divides_the_pages():
+    import argparse
+
+    from oomb.memory import MODES, TrainingSetup, context_parallel_tokens, predict
+    from oomb.tools.plan import add_arguments, load_model_shape, plan_from_args
+
+    shape = load_model_shape("qwen2.5-7b")
+    tokens = 1 << 20  # 256 chunks of 4096: 64 on each of 4 ranks
+    one = predict("dense", shape, tokens)
+    four = predict("dense", shape, tokens, setup=TrainingSetup(context_parallel=4))
+    assert one.gpu["KV working set"] == 4 * four.gpu["KV working set"]
+    assert one.gpu["activations"] == four.gpu["activations"]
+    # Ragged: 5 chunks of 16 tokens over 2 ranks (page 8), the last one 11 tokens: rank 0 holds 3.
+    assert context_parallel_tokens(75, 16, 8, 2) == 16 + 16 + 16
+    with pytest.raises(ValueError, match="context parallelism runs oomb dense without offload only"):
+        predict("sparse", shape, tokens, setup=TrainingSetup(context_parallel=2))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139",
+                                             "--host-gib", "125", "--cp", "4"]))
+    assert [r.mode.name for r in plan.reports] == ["dense"] and plan.reports[0].fits
+    assert plan.reports[0].prediction.gpu["KV working set"] == four.gpu["KV working set"]
+    assert "dense" in MODES
+    with pytest.raises(ValueError, match="--cp 2 plans the dense mode only"):
+        plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--cp", "2", "--modes", "sparse",
+                                          "--gpu-gib", "139", "--host-gib", "125"]))

@@ -95,9 +95,9 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
         call.backend.backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale, out, dout, lse,
                               view.dk, view.dv, key_range=view.key_range, delta=delta, dq_accumulator=dq,
                               **call.document_kwargs())
-    return dq.to(q.dtype)
     if call.store.context is not None:  # context parallel: the dQ shares of every rank's pages
         dq = call.store.context.sum(dq)
+    return dq.to(q.dtype)
 
 
 class _PagedAttention(torch.autograd.Function):
@@ -123,9 +123,9 @@ class _PagedAttention(torch.autograd.Function):
         call: PagedAttentionCall = ctx.call
         dq = _attention_backward(q, out, dout, lse, call)
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
         if call.store.context is not None:  # context parallel: as the chunk's owner holds them
             dk, dv = call.store.context.from_owner(call.chunk.index, dk, dv)
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
 
 
 def paged_attention(

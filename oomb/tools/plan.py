@@ -323,7 +323,9 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"oomb plan: {plan.model}: {s.num_params() / 1e9:.2f} B parameters, {s.num_layers} layers, "
         f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}"
-        + (f", per GPU of tp={s.tp}" if s.tp > 1 else ""),
+        + (f", per GPU of tp={s.tp}" if s.tp > 1 else "")
+        + (f", pages of every {st.context_parallel}-th chunk per GPU (cp={st.context_parallel})"
+           if st.context_parallel > 1 else ""),
         f"step: {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) x batch {st.batch_size}, {_dtype(st.dtype)}, "
         f"{training}, {optimizer}{', fp32 master weights' if st.master_weights else ''}",
         f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.grad_dtype)}, fp32 grad sums "
@@ -459,6 +461,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-weights", action="store_true", help="fp32 master copy of trainable weights")
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: predict one GPU's share of weights, KV heads and activations")
+    group.add_argument("--cp", type=int, default=1,
+                       help="context-parallel GPUs per sequence: page memory per GPU divided by about cp (dense only)")
     group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
     group = parser.add_argument_group("oomb step (OOMBConfig; the chosen configuration keeps what is given here)")
     group.add_argument("--attention", choices=ATTENTION_MODES, default=defaults.attention,
@@ -503,14 +507,20 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
                         sparse_sink_pages=args.sink_pages, sparse_query_block_pages=args.query_block_pages)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
-                          args.master_weights, args.lora_rank)
+                          args.master_weights, args.lora_rank, context_parallel=args.cp)
+    modes = args.modes
+    if args.cp > 1:  # context parallelism runs dense without offload; the chooser does not plan it yet
+        if args.modes != list(MODES) and args.modes != ["dense"]:
+            raise ValueError(f"--cp {args.cp} plans the dense mode only (context parallelism supports neither "
+                             f"offload nor sparse attention yet); got --modes {' '.join(args.modes)}")
+        modes, fixed = ["dense"], None
     offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
                                query_block_pages=args.query_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
-                     args.modes, fixed)
+                     modes, fixed)
 
 
 def main(args: argparse.Namespace) -> int:

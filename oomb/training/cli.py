@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps (train.max_steps)")
     parser.add_argument("--output-dir", help="where checkpoints, metrics and the final model go (train.output_dir)")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree under torchrun (parallel.tp)")
+    parser.add_argument("--cp", type=int, help="context-parallel degree under torchrun: GPUs sharing each sequence's "
+                        "pages (parallel.cp)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (lora.enabled=true)")
     parser.add_argument("--lora-rank", type=int, help="LoRA adapter rank (lora.r; implies --lora)")
     group = parser.add_argument_group("oomb step (unset: chosen for speed within the free memory, train.auto_config)")
@@ -64,7 +66,8 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
     pairs = [("model.path", args.model), ("data.paths", args.data), ("data.seq_len", args.seq_len),
              ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
-             ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("lora.r", args.lora_rank),
+             ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("parallel.cp", args.cp),
+             ("lora.r", args.lora_rank),
              ("oomb.attention", args.attention), ("oomb.chunk_size", args.chunk_size),
              ("oomb.page_size", args.page_size), ("oomb.backend", args.backend),
              ("oomb.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload", args.offload),
@@ -123,7 +126,8 @@ def _header(trainer: Trainer) -> str:
     mode = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
     start = f", resuming at step {trainer.step} from {trainer.resumed_from}" if trainer.resumed_from else ""
     p = trainer.parallel
-    ranks = f" x {p.tp * p.dp} processes (tp={p.tp}, dp={p.dp})" if p.mesh is not None else ""
+    ranks = (f" x {p.tp * p.dp * p.cp} processes (tp={p.tp}, dp={p.dp}{f', cp={p.cp}' if p.cp > 1 else ''})"
+             if p.mesh is not None else "")
     o = cfg.oomb
     attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
                  f"{o.sparse_score}{', leak-free' if o.sparse_leak_free else ''})" if o.attention == "sparse" else "")

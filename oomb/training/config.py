@@ -8,7 +8,7 @@
       train       steps, accumulation, seed, device, output directory
       checkpoint  how often, how many kept, resume, final export
       logging     progress bar, metrics.jsonl, TensorBoard
-      parallel    tensor- and data-parallel degrees (several GPUs under torchrun)
+      parallel    tensor-, data- and context-parallel degrees (several GPUs under torchrun)
       oomb        the chunk-recurrent step (oomb.config.OOMBConfig)
 
 Precedence: dataclass defaults < YAML file < command-line overrides (``--set section.key=value``,
@@ -185,8 +185,11 @@ class ParallelSection:
     """Tensor-parallel degree: GPUs that split every layer's heads and MLP (and each GPU's page store
     holds num_key_value_heads / tp heads). Must divide num_attention_heads and num_key_value_heads."""
     dp: int | None = None
-    """Data-parallel degree: groups of tp GPUs that train on different sequences (FSDP2).
-    Empty: the number of processes (torchrun --nproc-per-node) / tp."""
+    """Data-parallel degree: groups of tp x cp GPUs that train on different sequences (FSDP2).
+    Empty: the number of processes (torchrun --nproc-per-node) / (tp x cp)."""
+    cp: int = 1
+    """Context-parallel degree: GPUs that share each sequence, each holding the KV pages of every cp-th
+    chunk (oomb/context_parallel.py; dense attention without offload). Page memory per GPU / cp."""
 
 
 SECTIONS: dict[str, type] = {
@@ -450,5 +453,5 @@ _RULES = {
               _train_rules),
     "checkpoint": (_positive("checkpoint.every", True), _positive("checkpoint.keep_last", True), _checkpoint_rules),
     "logging": (),
-    "parallel": (_positive("parallel.tp"), _positive("parallel.dp")),
+    "parallel": (_positive("parallel.tp"), _positive("parallel.dp"), _positive("parallel.cp")),
 }

@@ -158,15 +158,16 @@ class Trainer(Checkpointing):
         if world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
-        tp = cfg.parallel.tp
-        dp = cfg.parallel.dp or max(1, world // tp)
-        if tp * dp != world:  # checked before anything is loaded or written, on every rank alike
+        tp, cp = cfg.parallel.tp, cfg.parallel.cp
+        dp = cfg.parallel.dp or max(1, world // (tp * cp))
+        if tp * dp * cp != world:  # checked before anything is loaded or written, on every rank alike
+            degrees = f"parallel.tp={tp} x parallel.dp={dp}" + (f" x parallel.cp={cp}" if cp > 1 else "")
             if world == 1:
-                raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} needs {tp * dp} processes: start with "
-                                 f"torchrun --nproc-per-node {tp * dp} -m oomb.cli train ...")
-            raise ValueError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp} processes, but {world} were "
-                             "started: tp must divide the number of processes (leave parallel.dp empty: "
-                             "processes / tp)")
+                raise ValueError(f"{degrees} needs {tp * dp * cp} processes: start with "
+                                 f"torchrun --nproc-per-node {tp * dp * cp} -m oomb.cli train ...")
+            raise ValueError(f"{degrees} = {tp * dp * cp} processes, but {world} were "
+                             "started: tp x cp must divide the number of processes (leave parallel.dp empty: "
+                             "processes / (tp x cp))")
         if world > 1 and cfg.optim.offload:
             raise NotImplementedError("optim.offload is not supported with several processes: the optimizer state "
                                       "stays on the GPUs, sharded over them (set optim.offload=false; more "
@@ -192,7 +193,7 @@ class Trainer(Checkpointing):
         self.model.train()
         causal_lm = unwrap_causal_lm(self.model)
         self.trainable, self.total_params = count_parameters(self.model)  # before sharding: whole-model counts
-        self.parallel = setup_parallel(self.model, tp=tp, dp=dp)
+        self.parallel = setup_parallel(self.model, tp=tp, dp=dp, cp=cp)
         self.device = causal_lm.get_input_embeddings().weight.device
         vocab = causal_lm.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > vocab:
@@ -302,6 +303,8 @@ class Trainer(Checkpointing):
             return
         fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb)
                  if f.name not in cfg.oomb_auto}
+        if cfg.parallel.cp > 1:  # context parallelism runs without offload (the chooser plans all pages: safe)
+            fixed.setdefault("offload", False)
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         cuda = self.device.type == "cuda"
         if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
@@ -344,7 +347,8 @@ class Trainer(Checkpointing):
         # optimizer): no separate fp32 sums, and a low-precision .grad only outside linear layers.
         step = estimate_step_memory(shape, cfg.data.seq_len, cfg.oomb, dtype=self.dtype,
                                     trainable_params=self.trainable,
-                                    fp32_targets=cfg.optim.master_weights and not cfg.optim.offload)
+                                    fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
+                                    context_parallel=cfg.parallel.cp)
         terms = {
             "KV and KV-gradient pages": step.kv_pages,
             "activations of one chunk": step.chunk_activations,
