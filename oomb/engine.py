@@ -252,10 +252,11 @@ def _check_documents(documents: Documents | None, config: OOMBConfig, backend: s
     modes that do not support them yet."""
     if documents is None or not documents.split:
         return None
-    if config.attention == "sparse":
+    if config.attention == "sparse" and backend != "torch":
         raise NotImplementedError(
-            "packed documents (position_ids restarting at 0, or cu_seqlens) are not supported in sparse mode yet: "
-            "page selection does not know document boundaries; use attention='dense'"
+            f"packed documents in sparse mode run on the torch backend only (the {backend} sparse kernels do not "
+            "mask document starts yet): use backend='torch', or attention='dense' (which the triton backend runs "
+            "with documents)"
         )
     if backend == "cudnn":
         raise NotImplementedError(

@@ -34,6 +34,12 @@ first token, so that no query changes which pages an earlier query of its block 
 
 When the sinks plus the budget cover every history page there is nothing to choose: the selection
 is ``None`` and the chunk runs the dense code path (so a large budget is dense attention, bit for bit).
+
+Packed documents (oomb/documents.py): a block chooses only among the pages of its first query's
+document (pages wholly before that document's first page are invisible to the whole block, since
+document starts never decrease along the sequence), and its sinks are that document's first pages.
+A block whose document holds fewer history pages than it reads fills its selection with invisible
+pages, which the backend masks (keys before each query's document start get no attention).
 """
 
 from __future__ import annotations
@@ -176,16 +182,21 @@ def block_scores(
     return out
 
 
-def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
+def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
+              first_pages: torch.Tensor | None = None) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
 
     Args:
         scores: (B, Hkv, n_blocks, n_hist) from block_scores.
+        first_pages: packed documents: (B, n_blocks) the first page of each block's first query's
+            document; the block's sinks start there and earlier pages are chosen only to fill up.
     Returns:
         (B, Hkv, n_blocks, K) int32 page-table positions, K = options.num_selected(n_hist); each row
         distinct and ascending.
     """
     B, Hkv, n_blocks, n_hist = scores.shape
+    if first_pages is not None:
+        return _top_pages_in_documents(scores, options, layer, first_pages)
     sinks = min(options.sink_pages, n_hist)
     k = options.num_selected(n_hist, layer) - sinks
     chosen = torch.topk(scores[..., sinks:], k, dim=-1, sorted=False).indices + sinks
@@ -194,13 +205,32 @@ def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> t
     return selection.to(torch.int32)
 
 
+def _top_pages_in_documents(scores: torch.Tensor, options: SparseOptions, layer: int,
+                            first_pages: torch.Tensor) -> torch.Tensor:
+    """top_pages with per-block documents: the sinks are the document's first pages (always chosen),
+    pages before the document rank below every page of it (chosen only when it has too few)."""
+    n_hist = scores.shape[3]
+    page = torch.arange(n_hist, device=scores.device)
+    first = first_pages.to(scores.device, torch.long)[:, None, :, None]  # (B, 1, n_blocks, 1)
+    ranked = scores.masked_fill(page < first, float("-inf"))
+    ranked = ranked.masked_fill((page >= first) & (page < first + options.sink_pages), float("inf"))
+    chosen = torch.topk(ranked, options.num_selected(n_hist, layer), dim=-1, sorted=False).indices
+    return chosen.sort(dim=-1).values.to(torch.int32)
+
+
+def block_first_pages(documents, chunk: ChunkSpan, page_size: int) -> torch.Tensor:
+    """(B, n_blocks) first page of the document of each query block's first query (packed documents)."""
+    firsts = documents.start[:, chunk.start: chunk.end: page_size]
+    return torch.div(firsts, page_size, rounding_mode="floor")
+
+
 @torch.no_grad()
 def select_pages(
     q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
-    scale: float | None = None,
+    scale: float | None = None, documents=None,
 ) -> torch.Tensor | None:
     """The history pages each query block of ``chunk`` reads in ``layer`` (stage 1, after its pages
-    and summaries were written).
+    and summaries were written); ``documents``: packed documents (oomb/documents.py), or None.
 
     Returns:
         (B, Hkv, n_blocks, K) int32 page-table positions (see top_pages), or None when the sinks and
@@ -216,16 +246,21 @@ def select_pages(
         return None
     scores = block_scores(q, store.history_summaries(layer, n_hist, SUMMARIES_OF_SCORE[options.score]), P, options,
                           scale, previous)
-    return selection_from_scores(scores, options, layer)
+    first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
+    return selection_from_scores(scores, options, layer, first_pages)
 
 
-def selection_from_scores(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
-    """(B, Hkv, n_blocks, K) selection from block scores, one per group of query_block_pages blocks."""
+def selection_from_scores(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
+                          first_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, Hkv, n_blocks, K) selection from block scores, one per group of query_block_pages blocks
+    (``first_pages``: packed documents, see top_pages; a group takes its first block's)."""
     group = options.query_block_pages
     if group == 1:
-        return top_pages(scores, options, layer)
+        return top_pages(scores, options, layer, first_pages)
     n_blocks = scores.shape[2]
-    selection = top_pages(group_scores(scores, group, options.leak_free, options.pooling), options, layer)
+    grouped_first = first_pages[:, ::group] if first_pages is not None else None
+    selection = top_pages(group_scores(scores, group, options.leak_free, options.pooling), options, layer,
+                          grouped_first)
     if selection.shape[2] == 1:
         # One group covers the chunk: a view with stride 0 over the blocks says so without reading
         # the values (cudnn_sparse.py then needs no device synchronisation to find its groups).

@@ -359,13 +359,12 @@ def test_triton_step_with_documents_equals_torch_step():
 
 
 # --- modes that refuse documents -----------------------------------------------------------------
-def test_sparse_mode_and_cudnn_refuse_documents():
-    model = build_tiny_model("llama", seed=1)
-    ids = random_ids(1, 40, seed=1)
+def test_sparse_kernels_and_cudnn_refuse_documents():
+    """Sparse mode with documents runs on the torch backend (tests/test_sparse_documents.py)."""
     sparse = replace(CONFIG, attention="sparse", sparse_budget=1)
-    with pytest.raises(NotImplementedError, match="sparse mode"):
-        oomb.forward_backward(model, ids, None, sparse, cu_seqlens=[0, 20, 40])
     docs = resolve_documents(None, [0, 20, 40], (1, 40), CPU)
+    with pytest.raises(NotImplementedError, match="sparse mode"):
+        oomb.engine._check_documents(docs, sparse, "triton")
     with pytest.raises(NotImplementedError, match="cudnn"):
         oomb.engine._check_documents(docs, CONFIG, "cudnn")
     one = resolve_documents(None, [0, 40], (1, 40), CPU)  # one document: nothing to refuse
@@ -428,13 +427,14 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
     assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
 
 
-@pytest.mark.parametrize(("option", "value"), [("attention", "sparse"), ("backend", "cudnn")])
-def test_trainer_refuses_separate_documents_in_sparse_mode_cudnn_and_contradictions(option, value):
+@pytest.mark.parametrize("options", [{"attention": "sparse", "backend": "triton"}, {"backend": "cudnn"}])
+def test_trainer_refuses_separate_documents_in_sparse_kernels_cudnn_and_contradictions(options):
     from oomb import Trainer, TrainerConfig
     from oomb.training.config import DataSection
 
     config = TrainerConfig()
-    setattr(config.oomb, option, value)
+    for option, value in options.items():
+        setattr(config.oomb, option, value)
     with pytest.raises(ValueError, match="data.documents"):
         Trainer(config).setup()
     with pytest.raises(ValueError, match="contradicts"):

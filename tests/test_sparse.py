@@ -597,9 +597,9 @@ def test_stage_two_reads_stage_one_selection(monkeypatch, recorded):
     select_calls, stage_two = [], []
     real_select, real_attention = oomb.attention.function.select_pages, oomb.models.paged_attention
 
-    def counting_select(q, store, layer, chunk, options, scale=None):
+    def counting_select(q, store, layer, chunk, options, scale=None, documents=None):
         select_calls.append((layer, chunk.index))
-        return real_select(q, store, layer, chunk, options, scale)
+        return real_select(q, store, layer, chunk, options, scale, documents)
 
     def recording_attention(q, k, v, call, recompute_cache=None):
         stage_two.append((call.layer, call.chunk.index, call.selection))

@@ -54,7 +54,7 @@ class PagedAttentionCall:
     selection: torch.Tensor | None = None
     """(B, Hkv, n_blocks, K) int32 history pages per query block (reference_sparse.py); None: all."""
     documents: Documents | None = None
-    """Packed documents of the step (dense only); None: plain causal attention."""
+    """Packed documents of the step (dense; sparse on the torch backend); None: plain causal attention."""
 
     def document_kwargs(self) -> dict:
         """The backend keyword for documents, only when there are some (backends without support keep
@@ -66,7 +66,7 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=False) as view:
             return call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                               call.selection)
+                                               call.selection, **call.document_kwargs())
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
     # With several windows (any history) the partial outputs stay float32 until the merge is complete.
     # Context parallel: this rank's windows (its own pages), then the ranks' partials merged the same way.
@@ -87,7 +87,8 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=True) as view:
             return call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                                call.selection, out, dout, lse, view.dk, view.dv)
+                                                call.selection, out, dout, lse, view.dk, view.dv,
+                                                **call.document_kwargs())
     dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
     delta = call.backend.backward_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -144,7 +145,7 @@ def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Pag
     each query block reads), then attend."""
     call.store.write(call.layer, call.chunk, k, v)
     if call.sparse is not None:
-        selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse, call.scale)
+        selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse, call.scale, call.documents)
         call.store.save_selection(call.layer, call.chunk, selection)
         call = replace(call, selection=selection)
     out, _ = _attention_forward(q, call)

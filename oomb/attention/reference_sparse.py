@@ -22,12 +22,17 @@ chunk's own pages.
 
 Each block is one softmax over its K * P selected keys followed by its own chunk's keys up to its
 last query. All arithmetic is float32.
+
+``documents`` (packed documents, oomb/documents.py; optional keyword of both functions): query t of
+row b also drops every key before ``documents.start[b, t]``, selected or its chunk's own. Every query
+sees its own key, so no row is empty.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..documents import Documents
 from .reference import _check, _gather_block, _scatter_add_block
 
 
@@ -65,6 +70,20 @@ def _own_mask(block: int, num_queries: int, page_size: int, device) -> torch.Ten
     return k_pos[None, :] <= q_pos[:, None]
 
 
+def _document_mask(documents: Documents, selection: torch.Tensor, block: int, q0: int, q1: int, query_start: int,
+                   page_size: int) -> torch.Tensor:
+    """(B, Hkv, 1, queries, K * P + (block + 1) * P) bool: the keys of block ``block`` (its selected
+    pages, then its chunk's own keys) at or after each query's document start."""
+    B, Hkv, _, K = selection.shape
+    P = page_size
+    slots = torch.arange(P, device=selection.device)
+    hist_pos = (selection[:, :, block, :].long()[..., None] * P + slots).reshape(B, Hkv, K * P)
+    own_pos = torch.arange(query_start, query_start + (block + 1) * P, device=selection.device)
+    key_pos = torch.cat([hist_pos, own_pos.expand(B, Hkv, -1)], dim=2)  # (B, Hkv, keys)
+    start = documents.start[:, query_start + q0: query_start + q1].to(selection.device, torch.long)  # (B, q)
+    return (key_pos[:, :, None, :] >= start[:, None, :, None])[:, :, None]
+
+
 def sparse_attention_forward(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -73,6 +92,7 @@ def sparse_attention_forward(
     query_start: int,
     scale: float,
     selection: torch.Tensor,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query block's attention over its selected history pages and its own chunk (causal)."""
     _check(q, k_pool, page_table, query_start)
@@ -95,6 +115,8 @@ def sparse_attention_forward(
         v = torch.cat([v_hist, v_own[:, :, : (j + 1) * P]], dim=2)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., q0:q1, :], k)
         scores[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), float("-inf"))
+        if documents is not None:
+            scores.masked_fill_(~_document_mask(documents, selection, j, q0, q1, query_start, P), float("-inf"))
         # Every query sees its own key: the row maximum is finite.
         block_lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(block_lse[..., None]).exp_()
@@ -116,6 +138,7 @@ def sparse_attention_backward(
     lse: torch.Tensor,
     dk_pool: torch.Tensor,
     dv_pool: torch.Tensor,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV into the selected history pages and the chunk's own pages, in place.
 
@@ -156,6 +179,8 @@ def sparse_attention_backward(
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).mul_(scale)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         probs[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), 0.0)
+        if documents is not None:
+            probs.masked_fill_(~_document_mask(documents, selection, j, q0, q1, query_start, P), 0.0)
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
         dprobs = torch.einsum("bhgqd,bhkd->bhgqk", do_t, v)
         dscores = probs.mul_(dprobs.sub_(delta[..., q0:q1, None]))

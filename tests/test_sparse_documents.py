@@ -1,0 +1,182 @@
+"""Sparse mode with packed documents: each block selects within its document, sinks are the
+document's first pages, and the backend masks keys before each query's document start.
+
+The oracle is a full-sequence HF backward (restarting positions, labels masked at document starts)
+whose attention reads, per query, exactly the keys oomb's step read: the selected pages and its own
+chunk, causally, from its document's first token on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import build_tiny_model, grads, random_ids, relative_error
+from transformers import AttentionInterface
+
+import oomb
+from oomb import OOMBConfig
+from oomb.documents import resolve_documents
+from oomb.kv import ChunkSpan, PagedKVStore
+from oomb.kv.offload import HostSlabs
+from oomb.sparse import SparseOptions, block_first_pages, top_pages
+
+TOKENS, CHUNK, PAGE = 200, 32, 8
+# Documents start mid-page and mid-chunk; one spans four chunks; a one-token document.
+LENGTHS = [13, 1, 70, 44, 72]
+LENGTHS_2 = [100, 9, 91]
+GRAD_RTOL = 1e-5
+ORACLE = "oomb_test_sparse_documents_oracle"
+CONFIG = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse", sparse_budget=2,
+                    sparse_sink_pages=1)
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+@pytest.fixture
+def selections(monkeypatch):
+    kept = {}
+    real_save = PagedKVStore.save_selection
+
+    def recording_save(self, layer, chunk, selection):
+        kept[layer, chunk.index] = (chunk, selection)
+        real_save(self, layer, chunk, selection)
+
+    monkeypatch.setattr(PagedKVStore, "save_selection", recording_save)
+    return kept
+
+
+def _visible(kept, layer, batch, kv_heads, starts):
+    visible = torch.zeros(batch, kv_heads, TOKENS, TOKENS, dtype=torch.bool)
+    for (sel_layer, _), (chunk, selection) in kept.items():
+        if sel_layer != layer:
+            continue
+        s, e = chunk.start, chunk.end
+        visible[:, :, s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        if selection is None:
+            visible[:, :, s:e, :s] = True
+            continue
+        for b in range(batch):
+            for h in range(kv_heads):
+                for j, pages in enumerate(selection[b, h].tolist()):
+                    for page in pages:
+                        visible[b, h, s + j * PAGE:min(e, s + (j + 1) * PAGE), page * PAGE:(page + 1) * PAGE] = True
+    keys = torch.arange(TOKENS)
+    return visible & (keys[None, None, :] >= starts[:, :, None])[:, None]
+
+
+def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    visible = kwargs["sparse_visible"][module.layer_idx]
+    G = query.shape[1] // key.shape[1]
+    scores = query @ key.repeat_interleave(G, 1).transpose(-1, -2) * scaling
+    scores = scores.masked_fill(~visible.repeat_interleave(G, 1), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ value.repeat_interleave(G, 1)).transpose(1, 2), None
+
+
+AttentionInterface.register(ORACLE, _oracle_attention)
+
+
+@pytest.mark.parametrize(("family", "sparse"), [
+    ("llama", {}),
+    ("qwen2", dict(sparse_selection="shared", sparse_leak_free=True, sparse_pooling="softmax")),
+    ("qwen3", dict(sparse_query_block_pages=2, sparse_sink_pages=2, sparse_budget=1)),
+], ids=["kv_head", "shared-leak_free-softmax", "query_groups"])
+def test_sparse_with_documents_is_exact_for_what_it_reads(family, sparse, selections):
+    model = build_tiny_model(family, seed=51)
+    ids = random_ids(2, TOKENS, seed=51)
+    cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
+    model.zero_grad(set_to_none=True)
+    loss = oomb.forward_backward(model, ids, None, replace(CONFIG, **sparse), cu_seqlens=cu)
+    got = grads(model)
+    assert sum(selection is not None for _, selection in selections.values()) > 0
+    docs = resolve_documents(None, cu, tuple(ids.shape), torch.device("cpu"))
+    for chunk, selection in selections.values():  # every block reads its document's first page (a sink)
+        if selection is not None:
+            firsts = block_first_pages(docs, chunk, PAGE)  # (B, n_blocks)
+            in_history = firsts < chunk.start // PAGE
+            has_sink = (selection.long() == firsts[:, None, :, None]).any(-1).all(1)  # (B, n_blocks)
+            assert bool(has_sink[in_history].all())
+    Hkv, L = model.config.num_key_value_heads, model.config.num_hidden_layers
+    visible = [_visible(selections, layer, 2, Hkv, docs.start_cpu) for layer in range(L)]
+    labels = docs.mask_labels(ids.clone())
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation(ORACLE)
+    try:
+        want_loss = model(input_ids=ids, labels=labels, position_ids=docs.positions, use_cache=False,
+                          sparse_visible=visible).loss
+        want_loss.backward()
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=0)
+    assert relative_error(got, grads(model)) <= GRAD_RTOL
+
+
+def test_blocks_select_within_their_document_and_sink_at_its_first_page():
+    """Block scores favour pages of earlier documents: the selection still takes the document's first
+    page as its sink and its best pages, and earlier pages only when the document has too few."""
+    B, Hkv, n_blocks, n_hist = 1, 2, 3, 12
+    scores = torch.zeros(B, Hkv, n_blocks, n_hist)
+    scores[..., :5] = 100.0  # earlier documents' pages score best
+    scores[..., 9] = 50.0
+    first_pages = torch.tensor([[6, 6, 11]])  # blocks 0, 1 in a document from page 6; block 2 from page 11
+    options = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    selection = top_pages(scores, options, first_pages=first_pages)
+    assert selection.shape == (B, Hkv, n_blocks, 3)
+    for h in range(Hkv):
+        for j in (0, 1):
+            row = selection[0, h, j].tolist()
+            assert 6 in row and 9 in row and all(p >= 6 for p in row)  # sink 6, best page 9, one more >= 6
+        row = selection[0, h, 2].tolist()  # one history page of its own document: 11, then fill-ups
+        assert 11 in row and len(set(row)) == 3
+
+
+def test_block_first_pages_are_the_first_querys_document():
+    docs = resolve_documents(None, [_cu(LENGTHS)], (1, TOKENS), torch.device("cpu"))
+    firsts = block_first_pages(docs, ChunkSpan(3, 96, 128), PAGE)
+    # blocks start at 96, 104, 112, 120: documents from 84 (page 10), then 128 > 120 is the next start
+    assert firsts.tolist() == [[10, 10, 10, 10]]
+
+
+def test_a_full_budget_with_documents_is_dense_bitwise():
+    model = build_tiny_model("llama", seed=52)
+    ids = random_ids(1, TOKENS, seed=52)
+    cu = [_cu(LENGTHS)]
+    dense_config = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch")
+    model.zero_grad(set_to_none=True)
+    dense_loss = oomb.forward_backward(model, ids, None, dense_config, cu_seqlens=cu)
+    dense = grads(model)
+    model.zero_grad(set_to_none=True)
+    sparse_loss = oomb.forward_backward(model, ids, None, replace(CONFIG, sparse_budget=TOKENS), cu_seqlens=cu)
+    assert torch.equal(sparse_loss, dense_loss)
+    assert all(torch.equal(grads(model)[n], dense[n]) for n in dense)
+
+
+def test_sparse_documents_with_offload_equal_without_bitwise():
+    model = build_tiny_model("qwen2", seed=53)
+    ids = random_ids(2, TOKENS, seed=53)
+    cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
+    results = []
+    for config, slabs in ((CONFIG, None), (replace(CONFIG, offload=True), HostSlabs(pin=False))):
+        model.zero_grad(set_to_none=True)
+        results.append((oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
+                        grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_sparse_kernels_refuse_documents():
+    model = build_tiny_model("llama", seed=54)
+    ids = random_ids(1, 40, seed=54)
+    docs = resolve_documents(None, [0, 20, 40], (1, 40), torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="torch backend only"):
+        oomb.engine._check_documents(docs, CONFIG, "triton")
+    assert oomb.engine._check_documents(docs, CONFIG, "torch") is docs
+    loss = oomb.forward_backward(model, ids, None, CONFIG, cu_seqlens=[0, 20, 40])
+    assert torch.isfinite(loss)
