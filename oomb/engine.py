@@ -252,12 +252,6 @@ def _check_documents(documents: Documents | None, config: OOMBConfig, backend: s
     modes that do not support them yet."""
     if documents is None or not documents.split:
         return None
-    if config.attention == "sparse" and backend != "torch":
-        raise NotImplementedError(
-            f"packed documents in sparse mode run on the torch backend only (the {backend} sparse kernels do not "
-            "mask document starts yet): use backend='torch', or attention='dense' (which the triton backend runs "
-            "with documents)"
-        )
     if backend == "cudnn":
         raise NotImplementedError(
             "packed documents are not supported by the cudnn backend (its key windows cannot mask a document "

@@ -359,12 +359,10 @@ def test_triton_step_with_documents_equals_torch_step():
 
 
 # --- modes that refuse documents -----------------------------------------------------------------
-def test_sparse_kernels_and_cudnn_refuse_documents():
-    """Sparse mode with documents runs on the torch backend (tests/test_sparse_documents.py)."""
+def test_cudnn_refuses_documents():
+    """Sparse mode with documents: tests/test_sparse_documents.py."""
     sparse = replace(CONFIG, attention="sparse", sparse_budget=1)
     docs = resolve_documents(None, [0, 20, 40], (1, 40), CPU)
-    with pytest.raises(NotImplementedError, match="sparse mode"):
-        oomb.engine._check_documents(docs, sparse, "triton")
     with pytest.raises(NotImplementedError, match="cudnn"):
         oomb.engine._check_documents(docs, CONFIG, "cudnn")
     one = resolve_documents(None, [0, 40], (1, 40), CPU)  # one document: nothing to refuse
@@ -427,8 +425,8 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
     assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
 
 
-@pytest.mark.parametrize("options", [{"attention": "sparse", "backend": "triton"}, {"backend": "cudnn"}])
-def test_trainer_refuses_separate_documents_in_sparse_kernels_cudnn_and_contradictions(options):
+@pytest.mark.parametrize("options", [{"attention": "sparse", "backend": "cudnn"}, {"backend": "cudnn"}])
+def test_trainer_refuses_separate_documents_on_cudnn_and_contradictions(options):
     from oomb import Trainer, TrainerConfig
     from oomb.training.config import DataSection
 

@@ -84,9 +84,10 @@ AttentionInterface.register(ORACLE, _oracle_attention)
 
 @pytest.mark.parametrize(("family", "sparse"), [
     ("llama", {}),
+    ("llama", dict(backend="triton")),
     ("qwen2", dict(sparse_selection="shared", sparse_leak_free=True, sparse_pooling="softmax")),
     ("qwen3", dict(sparse_query_block_pages=2, sparse_sink_pages=2, sparse_budget=1)),
-], ids=["kv_head", "shared-leak_free-softmax", "query_groups"])
+], ids=["kv_head", "triton", "shared-leak_free-softmax", "query_groups"])
 def test_sparse_with_documents_is_exact_for_what_it_reads(family, sparse, selections):
     model = build_tiny_model(family, seed=51)
     ids = random_ids(2, TOKENS, seed=51)
@@ -171,12 +172,9 @@ def test_sparse_documents_with_offload_equal_without_bitwise():
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
-def test_sparse_kernels_refuse_documents():
-    model = build_tiny_model("llama", seed=54)
-    ids = random_ids(1, 40, seed=54)
+def test_sparse_documents_run_on_torch_and_triton_not_cudnn():
     docs = resolve_documents(None, [0, 20, 40], (1, 40), torch.device("cpu"))
-    with pytest.raises(NotImplementedError, match="torch backend only"):
-        oomb.engine._check_documents(docs, CONFIG, "triton")
     assert oomb.engine._check_documents(docs, CONFIG, "torch") is docs
-    loss = oomb.forward_backward(model, ids, None, CONFIG, cu_seqlens=[0, 20, 40])
-    assert torch.isfinite(loss)
+    assert oomb.engine._check_documents(docs, CONFIG, "triton") is docs
+    with pytest.raises(NotImplementedError, match="cudnn"):
+        oomb.engine._check_documents(docs, CONFIG, "cudnn")

@@ -26,6 +26,10 @@ query block's page list:
 
 Supported: as triton_paged.py (bf16/fp16/fp32, head dims up to 256, any group size), with page
 sizes that make chunks start on page boundaries (query_start % P == 0, as the engine guarantees).
+Packed documents (``documents=``, constexpr ``DOCS``): every key before a row's document start is
+hidden, in the selected pages (per row) and in the chunk (every own-chunk tile then runs masked,
+with triton_paged's guard for rows that saw no key yet); the own pages' dK/dV kernel gets the
+documents shifted to the chunk like its page table.
 
 Caveats:
 * Tested under the interpreter and on an H200 (tests/test_triton_sparse.py, ``-m gpu``); tuned only
@@ -43,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..documents import Documents
 from .reference_sparse import shared_by_all_blocks
 from .triton_paged import (
     _DELTA_BLOCK_M,
@@ -58,6 +63,7 @@ from .triton_paged import (
     _delta_kernel,
     _dkdv_inner,
     _dkdv_kernel,
+    _document_args,
     _dq_inner,
     _fwd_inner,
     _load_tile,
@@ -65,8 +71,8 @@ from .triton_paged import (
 )
 
 # Also not specialized: the selection's length and strides (change with the chunk), the history length.
-_ROW_DYNAMIC_INTS = _DYNAMIC_INTS + ["num_selected", "stride_sb", "stride_sh", "stride_sj"]
-_ITEM_DYNAMIC_INTS = _DYNAMIC_INTS + ["num_history"]
+_ROW_DYNAMIC_INTS = _DYNAMIC_INTS + ["num_selected", "stride_sb", "stride_sh", "stride_sj", "stride_db"]
+_ITEM_DYNAMIC_INTS = _DYNAMIC_INTS + ["num_history", "stride_db"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,9 +108,10 @@ def _fwd_pages_inner(
     acc, l_i, m_i, q, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, doc_start=0, DOCS: tl.constexpr = False,
 ):
-    """Online softmax over every key of the selected history pages (all visible to every row)."""
+    """Online softmax over every key of the selected history pages (all visible to every row; with
+    DOCS only keys at or after each row's document start)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     for s in range(0, num_selected):
         position = tl.load(sel_row_ptr + s)
@@ -124,8 +131,14 @@ def _fwd_pages_inner(
             if not EVEN_PAGE:
                 qk = tl.where(slot_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
+            m_ref = m_new
+            if DOCS:  # a row may see none of the tile (its document starts later): no exp2(-inf + inf)
+                keys = position * PAGE_SIZE + slots
+                qk = tl.where(keys[None, :] >= doc_start[:, None], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
@@ -137,9 +150,9 @@ def _dq_pages_inner(
     dq, q, do, lse2, delta, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, doc_start=0, DOCS: tl.constexpr = False,
 ):
-    """Accumulate dQ of one row tile over the keys of its selected history pages."""
+    """Accumulate dQ of one row tile over the keys of its selected history pages (DOCS: as the forward)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     for s in range(0, num_selected):
         position = tl.load(sel_row_ptr + s)
@@ -159,6 +172,9 @@ def _dq_pages_inner(
             p = tl.exp2(qk - lse2[:, None])
             if not EVEN_PAGE:
                 p = tl.where(slot_ok[None, :], p, 0.0)
+            if DOCS:
+                keys = position * PAGE_SIZE + slots
+                p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -171,20 +187,21 @@ def _dq_pages_inner(
 @triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, out_ptr, lse_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
     stride_tb,
     stride_sb, stride_sh, stride_sj,
     stride_ob, stride_oh, stride_ol, stride_od,
-    stride_lb, stride_lh, stride_ll,
+    stride_lb, stride_lh, stride_ll, stride_db,
     num_kv_heads, seq_len, query_start, scale, num_selected,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (n_blocks * tiles per block, B * Hkv): one row tile over its block's pages and its chunk."""
+    """Grid (n_blocks * tiles per block, B * Hkv): one row tile over its block's pages and its chunk
+    (DOCS: keys before each row's document start hidden, and every own-chunk tile masked)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_bh = tl.program_id(1)
@@ -209,11 +226,14 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    doc_start = 0
+    if DOCS:
+        doc_start = tl.load(doc_start_ptr + b * stride_db + q_pos)
 
     acc, l_i, m_i = _fwd_pages_inner(
         acc, l_i, m_i, q, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS,
     )
     # The chunk's own keys [query_start, .. ]: visible to every row up to the tile's first query.
     num_keys = query_start + seq_len
@@ -222,12 +242,12 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, full_end, num_keys, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, query_start + last_q + 1, num_keys,
         qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
     )
 
     out = acc / l_i[:, None]
@@ -244,7 +264,7 @@ def _fwd_kernel(
 @triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
@@ -252,10 +272,10 @@ def _dq_kernel(
     stride_sb, stride_sh, stride_sj,
     stride_gb, stride_gh, stride_gl, stride_gd,
     stride_lb, stride_lh, stride_ll,
-    stride_dqb, stride_dqh, stride_dql, stride_dqd,
+    stride_dqb, stride_dqh, stride_dql, stride_dqd, stride_db,
     num_kv_heads, seq_len, query_start, scale, num_selected,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): dQ of one row tile, same traversal as the forward."""
@@ -287,11 +307,14 @@ def _dq_kernel(
     table_row_ptr = table_ptr + b * stride_tb
     sel_row_ptr = sel_ptr + b * stride_sb + kvh.to(tl.int64) * stride_sh + j.to(tl.int64) * stride_sj
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    doc_start = 0
+    if DOCS:
+        doc_start = tl.load(doc_start_ptr + b * stride_db + q_pos)
 
     dq = _dq_pages_inner(
         dq, q, do, lse2, delta, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS,
     )
     num_keys = query_start + seq_len
     lo = query_start
@@ -299,12 +322,12 @@ def _dq_kernel(
     dq = _dq_inner(
         dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, lo, full_end, num_keys, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, query_start + last_q + 1, num_keys,
         qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
     )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
@@ -317,7 +340,7 @@ def _dq_kernel(
 @triton.jit(do_not_specialize=_ITEM_DYNAMIC_INTS)
 def _history_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    item_ptr, item_start_ptr, item_count_ptr, item_block_ptr,
+    item_ptr, item_start_ptr, item_count_ptr, item_block_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_vp, stride_vh, stride_vt, stride_vd,
@@ -325,14 +348,15 @@ def _history_dkdv_kernel(
     stride_gb, stride_gh, stride_gl, stride_gd,
     stride_lb, stride_lh, stride_ll,
     stride_dkp, stride_dkh, stride_dkt, stride_dkd,
-    stride_dvp, stride_dvh, stride_dvt, stride_dvd,
+    stride_dvp, stride_dvh, stride_dvt, stride_dvd, stride_db,
     num_kv_heads, seq_len, query_start, scale, num_history,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (key tiles per page, work items): dK, dV of one key tile of one selected history page,
-    from every block that selected it (ascending), added once into the pools."""
+    from every block that selected it (ascending), added once into the pools (DOCS: rows whose
+    document starts after a key give it nothing)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
@@ -367,13 +391,14 @@ def _history_dkdv_kernel(
         j = tl.load(item_block_ptr + i)
         lo = j * PAGE_SIZE * GROUP
         hi = tl.minimum((j + 1) * PAGE_SIZE, seq_len) * GROUP
-        # History keys are visible to every row of the block: no mask (rows >= hi are padding).
+        # History keys precede every row of the block: no causal mask (rows >= hi are padding); with
+        # DOCS the masked path hides keys before each row's document start (causality holds trivially).
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, slots, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, lo, hi,
+            dk, dv, k, v, position * PAGE_SIZE + slots, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, lo, hi,
             hi, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+            GROUP, BLOCK_M, EVEN_D, DOCS, UPCAST, DOT_PRECISION, doc_start_ptr + b * stride_db, DOCS,
         )
     dk = dk * scale
 
@@ -417,12 +442,14 @@ def sparse_attention_forward(
     query_start: int,
     scale: float,
     selection: torch.Tensor,
+    documents: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query block's attention over its selected history pages and its own chunk (causal).
 
     Args:
         q, k_pool, v_pool, page_table, query_start, scale: as triton_paged.paged_attention_forward.
         selection: int32 (B, Hkv, ceil(Lq / P), K) page-table positions < query_start / P.
+        documents: packed documents: keys before each query's document start are hidden.
     Returns:
         out (B, Hq, Lq, D) in q's dtype and layout, lse (B, Hq, Lq) float32 natural log.
     """
@@ -437,12 +464,13 @@ def sparse_attention_forward(
     def grid(meta):
         return (n_blocks * triton.cdiv(P * G, meta["BLOCK_M"]), B * Hkv)
 
+    doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
     _fwd_kernel[grid](
-        q, k_pool, v_pool, page_table, selection, out, lse,
+        q, k_pool, v_pool, page_table, selection, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *selection.stride()[:3],
-        *out.stride(), *lse.stride(),
+        *out.stride(), *lse.stride(), stride_db,
         Hkv, Lq, query_start, float(scale), selection.shape[3],
-        **_meta(q, Hq, Hkv, D, P),
+        DOCS=documents is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out, lse
 
@@ -486,10 +514,12 @@ def sparse_attention_backward(
     lse: torch.Tensor,
     dk_pool: torch.Tensor,
     dv_pool: torch.Tensor,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV into the selected history pages and the chunk's own pages.
 
-    Same arguments as triton_paged.paged_attention_backward plus the selection. Deterministic: no atomics.
+    Same arguments as triton_paged.paged_attention_backward plus the selection (and, as the forward,
+    the documents). Deterministic: no atomics.
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
     num_history = _check_selection(selection, q, k_pool, query_start)
@@ -515,23 +545,31 @@ def sparse_attention_backward(
     )
     common = (*q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0))
 
-    # The chunk's own pages: the dense dK/dV kernel on the table shifted to the chunk (no history).
+    doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
+    docs = documents is not None
+    # The chunk's own pages: the dense dK/dV kernel on the table shifted to the chunk (no history);
+    # documents in the same shifted positions (a start before the chunk becomes negative: all visible).
     own_table = page_table[:, num_history:]
+    own_docs = {}
+    if docs:
+        own_start = (documents.start[:, query_start:] - query_start).contiguous()
+        own_end = (documents.end[:, query_start:] - query_start).contiguous()
+        own_docs = dict(doc_start_ptr=own_start, doc_end_ptr=own_end, stride_db=own_start.stride(0), DOCS=True)
     _dkdv_kernel[lambda m: (triton.cdiv(Lq, m["BLOCK_N"]), B * Hkv)](
         q, k_pool, v_pool, own_table, dout, lse, delta, dk_pool, dv_pool,
         *common, *dout.stride(), *lse.stride(), *dk_pool.stride(), *dv_pool.stride(),
-        Hkv, Lq, 0, float(scale), **meta,
+        Hkv, Lq, 0, float(scale), **meta, **own_docs,
     )
     if K:
         items, starts, counts, blocks = _history_work_items(selection, num_history)
         _history_dkdv_kernel[lambda m: (triton.cdiv(P, m["BLOCK_N"]), items.numel())](
             q, k_pool, v_pool, page_table, dout, lse, delta, dk_pool, dv_pool, items, starts, counts, blocks,
-            *common, *dout.stride(), *lse.stride(), *dk_pool.stride(), *dv_pool.stride(),
-            Hkv, Lq, query_start, float(scale), num_history, **meta,
+            doc_start, *common, *dout.stride(), *lse.stride(), *dk_pool.stride(), *dv_pool.stride(), stride_db,
+            Hkv, Lq, query_start, float(scale), num_history, DOCS=docs, **meta,
         )
     _dq_kernel[lambda m: (n_blocks * triton.cdiv(P * G, m["BLOCK_M"]), B * Hkv)](
-        q, k_pool, v_pool, page_table, selection, dout, lse, delta, dq,
-        *common, *selection.stride()[:3], *dout.stride(), *lse.stride(), *dq.stride(),
-        Hkv, Lq, query_start, float(scale), K, **meta,
+        q, k_pool, v_pool, page_table, selection, dout, lse, delta, dq, doc_start,
+        *common, *selection.stride()[:3], *dout.stride(), *lse.stride(), *dq.stride(), stride_db,
+        Hkv, Lq, query_start, float(scale), K, DOCS=docs, **meta,
     )
     return dq

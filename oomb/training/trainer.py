@@ -148,14 +148,10 @@ class Trainer(Checkpointing):
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
-        # Documents on the CPU and backend "auto" resolve to the torch backend (oomb.engine).
-        on_torch = cfg.oomb.backend == "torch" or (cfg.oomb.backend == "auto" and self.device.type == "cpu")
-        sparse_off_torch = cfg.oomb.attention == "sparse" and not on_torch
-        if cfg.data.documents == "separate" and (sparse_off_torch or cfg.oomb.backend == "cudnn"):
-            raise ValueError("data.documents='separate' (attention inside each document) needs dense attention on "
-                             "the torch or triton backend, or sparse attention on the torch backend; the sparse "
-                             "kernels and cudnn do not mask documents yet: set data.documents to loss_only or "
-                             "joined, or change oomb.attention/oomb.backend")
+        if cfg.data.documents == "separate" and cfg.oomb.backend == "cudnn":
+            raise ValueError("data.documents='separate' (attention inside each document) needs the torch or triton "
+                             "backend (dense or sparse); cudnn does not mask documents yet: set data.documents to "
+                             "loss_only or joined, or oomb.backend to auto, triton or torch")
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
         self._owns_process_group = world > 1 and not joined_before
