@@ -131,3 +131,26 @@ def real_model_dir() -> Path:
             pytest.fail(f"the real model is required here (${REQUIRE_REAL_MODEL_ENV}=1 or $CI): {err}",
                         pytrace=False)
         pytest.skip(f"real model unavailable: {err}")
+
+
+def visible_from_selections(selections: dict, layer: int, batch: int, kv_heads: int, tokens: int,
+                            page_size: int) -> torch.Tensor:
+    """(B, Hkv, T, T) bool: what a sparse step read in ``layer``, from the selections stage 1 kept
+    ((layer, chunk index) -> (chunk, selection)): each chunk's own keys causally, and per query block
+    its selected history pages (all history where the selection is None)."""
+    visible = torch.zeros(batch, kv_heads, tokens, tokens, dtype=torch.bool)
+    for (sel_layer, _), (chunk, selection) in selections.items():
+        if sel_layer != layer:
+            continue
+        s, e = chunk.start, chunk.end
+        visible[:, :, s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        if selection is None:
+            visible[:, :, s:e, :s] = True
+            continue
+        for b in range(batch):
+            for h in range(kv_heads):
+                for j, pages in enumerate(selection[b, h].tolist()):
+                    rows = slice(s + j * page_size, min(e, s + (j + 1) * page_size))
+                    for page in pages:
+                        visible[b, h, rows, page * page_size:(page + 1) * page_size] = True
+    return visible

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import build_tiny_model, grads, random_ids, relative_error
+from helpers import build_tiny_model, grads, random_ids, relative_error, visible_from_selections
 from transformers import AttentionInterface
 
 import oomb
@@ -525,21 +525,7 @@ AttentionInterface.register(ORACLE_NAME, _oracle_attention)
 
 
 def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torch.Tensor:
-    visible = torch.zeros(batch, kv_heads, tokens, tokens, dtype=torch.bool)
-    for (sel_layer, _), (chunk, selection) in selections.items():
-        if sel_layer != layer:
-            continue
-        s, e = chunk.start, chunk.end
-        visible[:, :, s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        if selection is None:
-            visible[:, :, s:e, :s] = True
-            continue
-        for b in range(batch):
-            for h in range(kv_heads):
-                for j, pages in enumerate(selection[b, h].tolist()):
-                    for page in pages:
-                        visible[b, h, s + j * PAGE:min(e, s + (j + 1) * PAGE), page * PAGE:(page + 1) * PAGE] = True
-    return visible
+    return visible_from_selections(selections, layer, batch, kv_heads, tokens, PAGE)
 
 
 @pytest.mark.parametrize(

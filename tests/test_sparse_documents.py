@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import build_tiny_model, grads, random_ids, relative_error
+from helpers import build_tiny_model, grads, random_ids, relative_error, visible_from_selections
 from transformers import AttentionInterface
 
 import oomb
@@ -53,20 +53,7 @@ def selections(monkeypatch):
 
 
 def _visible(kept, layer, batch, kv_heads, starts):
-    visible = torch.zeros(batch, kv_heads, TOKENS, TOKENS, dtype=torch.bool)
-    for (sel_layer, _), (chunk, selection) in kept.items():
-        if sel_layer != layer:
-            continue
-        s, e = chunk.start, chunk.end
-        visible[:, :, s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        if selection is None:
-            visible[:, :, s:e, :s] = True
-            continue
-        for b in range(batch):
-            for h in range(kv_heads):
-                for j, pages in enumerate(selection[b, h].tolist()):
-                    for page in pages:
-                        visible[b, h, s + j * PAGE:min(e, s + (j + 1) * PAGE), page * PAGE:(page + 1) * PAGE] = True
+    visible = visible_from_selections(kept, layer, batch, kv_heads, TOKENS, PAGE)
     keys = torch.arange(TOKENS)
     return visible & (keys[None, None, :] >= starts[:, :, None])[:, None]
 
