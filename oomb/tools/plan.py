@@ -7,6 +7,11 @@ For every mode (plain HF, oomb dense/sparse with host offload off/on) it prints 
 GPU memory by term, the host RAM, whether the step fits the GPU and host budgets, and the largest
 context that does. The numbers come from ``oomb.memory.predict``; modes this version of oomb does
 not implement yet are modelled from the design and labelled "planned", never "measured".
+
+Sliding-window layers keep as many pages per token as global layers (their pages are stored for the
+whole step: stage 2 runs the chunks in reverse and needs every window's earlier K/V again; see
+``oomb.memory.predict``): a window bounds attention compute, not memory. Mixtures of experts count
+every expert's weights and a chunk's top-k routed rows of activations (``oomb.memory.ModelShape``).
 """
 
 from __future__ import annotations
@@ -323,6 +328,10 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"oomb plan: {plan.model}: {s.num_params() / 1e9:.2f} B parameters, {s.num_layers} layers, "
         f"{s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}, vocab {s.vocab_size:,}"
+        + (f"; MoE: {s.num_experts} experts of width {s.expert_intermediate_size}, {s.experts_per_token} per token "
+           f"({s.active_params() / 1e9:.2f} B active)" if s.is_moe else "")
+        + (f"; {s.sliding_window_layers} of {s.num_layers} layers slide (window {s.sliding_window:,}: fewer "
+           "pages read, as many kept)" if s.sliding_window_layers else "")
         + (f", per GPU of tp={s.tp}" if s.tp > 1 else "")
         + (f", pages of every {st.context_parallel}-th chunk per GPU (cp={st.context_parallel})"
            if st.context_parallel > 1 else ""),
