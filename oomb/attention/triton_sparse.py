@@ -39,6 +39,9 @@ Caveats:
   synchronisation per backward call (``unique_consecutive``).
 * Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to float32 before ``tl.dot`` and one
   small config is used, as in triton_paged.py.
+* float32 inputs use one config per kernel, pruned as the dense kernels' (triton_paged's
+  ``_prune_for_dtype``: tuning every float32 config compiled and timed for minutes there); not yet
+  measured on a GPU for these kernels.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from .triton_paged import (
     _FWD_CONFIGS,
     _LN2,
     _LOG2E,
+    _PRUNE,
     _TUNING_KEY,
     CACHE_TUNING,
     _check_inputs,
@@ -184,7 +188,7 @@ def _dq_pages_inner(
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, out_ptr, lse_ptr, doc_start_ptr,
@@ -261,7 +265,7 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING)
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
@@ -336,7 +340,7 @@ def _dq_kernel(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"],
-                 cache_results=CACHE_TUNING)
+                 cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
 @triton.jit(do_not_specialize=_ITEM_DYNAMIC_INTS)
 def _history_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
