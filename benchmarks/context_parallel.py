@@ -20,10 +20,7 @@ and the pages its store allocated. Rank 0 prints and writes OUT (JSON) after eve
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,13 +28,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from parallel import base_report, time_contexts  # noqa: E402  (benchmarks/parallel.py, this script's folder)
+
 import oomb.engine  # noqa: E402
 from oomb.config import OOMBConfig  # noqa: E402
 from oomb.context_parallel import ContextShard  # noqa: E402
 from oomb.engine import forward_backward  # noqa: E402
-from oomb.memory import GIB  # noqa: E402
 from oomb.parallel import ParallelConfig, ParallelSetup, init_distributed, setup_parallel  # noqa: E402
-from oomb.tools.bench import build_model, measure, token_ids  # noqa: E402
+from oomb.tools.bench import build_model  # noqa: E402
 from oomb.training.presets import PRESETS  # noqa: E402
 
 
@@ -88,34 +86,11 @@ def main() -> None:
         return store
 
     oomb.engine._make_store = make_store
-    vocab = model.config.vocab_size
-    report = {
-        "benchmark": "oomb dense step, context parallel", "cp": cp, "tp": args.tp, "cp_one_path": args.cp_one_path,
-        "preset": args.preset, "dtype": str(dtype), "chunk_size": args.chunk_size, "page_size": args.page_size,
-        "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-        "weights_gib_per_rank": round(weights / GIB, 3), "rows": [],
-    }
-    start = time.perf_counter()
-    measure(step, model, token_ids(vocab, args.warmup_tokens, args.seed, device), device)
-    report["warmup_s"] = round(time.perf_counter() - start, 1)
-    for tokens in args.contexts:
-        try:
-            row = measure(step, model, token_ids(vocab, tokens, args.seed, device), device)
-            row["store_pages"] = pages[-1]
-        except torch.OutOfMemoryError as err:
-            row = {"error": f"out of memory: {str(err).splitlines()[0]}"}
-        rows = _gather(row, world)
-        result = {"tokens": tokens, "seconds": max(r.get("seconds", float("nan")) for r in rows), "per_rank": rows}
-        report["rows"].append(result)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(report, indent=1))
-            peaks = [r.get("peak_gpu_above_weights_gib") for r in rows]
-            print(f"cp={cp} tp={args.tp} {tokens:,} tokens: {result['seconds']:.1f} s, peak GPU above weights per "
-                  f"rank {peaks} GiB, pages per rank {[r.get('store_pages') for r in rows]}", flush=True)
-        if any("error" in r for r in rows):
-            break
+    report = base_report("oomb dense step, context parallel", args, dtype, device, weights, cp=cp, tp=args.tp,
+                         cp_one_path=args.cp_one_path, backend=args.backend)
+    time_contexts(step, model, args, device, report, world, rank, f"cp={cp} tp={args.tp}",
+                  row_extras=lambda: {"store_pages": pages[-1]},
+                  describe=lambda rows: f", pages per rank {[r.get('store_pages') for r in rows]}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -129,15 +104,6 @@ def _one_rank_cp_setup() -> ParallelSetup:
             return ContextShard(0, 1, chunk_size, dist.group.WORLD)
 
     return OneRankCP(ParallelConfig())
-
-
-def _gather(row: dict, world: int) -> list[dict]:
-    """Every rank's measurement, on every rank (a small object collective; reporting only)."""
-    if world == 1 or not dist.is_initialized():
-        return [row]
-    rows: list = [None] * world
-    dist.all_gather_object(rows, row)
-    return rows
 
 
 if __name__ == "__main__":

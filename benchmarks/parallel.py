@@ -21,6 +21,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,39 +62,55 @@ def main() -> None:
     def step(m, ids):
         return float(forward_backward(m, ids, config=config, parallel=setup))
 
-    vocab = model.config.vocab_size
-    report = {
-        "benchmark": "oomb dense step, tensor parallel", "tp": tp, "preset": args.preset, "dtype": str(dtype),
-        "chunk_size": args.chunk_size, "page_size": args.page_size, "kv_grad_dtype": args.kv_grad_dtype,
+    report = base_report("oomb dense step, tensor parallel", args, dtype, device, weights, tp=tp)
+    time_contexts(step, model, args, device, report, tp, rank, f"tp={tp}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def base_report(benchmark: str, args: argparse.Namespace, dtype: torch.dtype, device: torch.device, weights: int,
+                **extra) -> dict:
+    """The JSON header of a parallel step benchmark: what ran, where, and the command."""
+    return {
+        "benchmark": benchmark, **extra, "preset": args.preset, "dtype": str(dtype), "chunk_size": args.chunk_size,
+        "page_size": args.page_size, "kv_grad_dtype": args.kv_grad_dtype,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
         "weights_gib_per_rank": round(weights / GIB, 3), "rows": [],
     }
+
+
+def time_contexts(step: Callable, model, args: argparse.Namespace, device: torch.device, report: dict, world: int,
+                  rank: int, label: str, row_extras: Callable[[], dict] | None = None,
+                  describe: Callable[[list[dict]], str] | None = None) -> None:
+    """A warm-up step, then one timed step per ``args.contexts``: every rank's row (plus ``row_extras()``)
+    gathered into ``report``, which rank 0 writes to ``args.out`` and summarises after each context
+    (``describe(rows)`` appends to its line). Stops at the first context some rank ran out of memory in."""
+    vocab = model.config.vocab_size
     start = time.perf_counter()
     measure(step, model, token_ids(vocab, args.warmup_tokens, args.seed, device), device)
     report["warmup_s"] = round(time.perf_counter() - start, 1)
     for tokens in args.contexts:
         try:
             row = measure(step, model, token_ids(vocab, tokens, args.seed, device), device)
+            row.update(row_extras() if row_extras is not None else {})
         except torch.OutOfMemoryError as err:
             row = {"error": f"out of memory: {str(err).splitlines()[0]}"}
-        rows = _gather(row, tp)
+        rows = _gather(row, world)
         result = {"tokens": tokens, "seconds": max(r.get("seconds", float("nan")) for r in rows), "per_rank": rows}
         report["rows"].append(result)
         if rank == 0:
             Path(args.out).write_text(json.dumps(report, indent=1))
             peaks = [r.get("peak_gpu_above_weights_gib") for r in rows]
-            print(f"tp={tp} {tokens:,} tokens: {result['seconds']:.1f} s, peak GPU above weights per rank {peaks} GiB",
-                  flush=True)
+            print(f"{label} {tokens:,} tokens: {result['seconds']:.1f} s, peak GPU above weights per rank {peaks} GiB"
+                  + (describe(rows) if describe is not None else ""), flush=True)
         if any("error" in r for r in rows):
             break
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _gather(row: dict, world: int) -> list[dict]:
     """Every rank's measurement, on every rank (a small object collective; reporting only)."""
-    if world == 1:
+    if world == 1 or not dist.is_initialized():
         return [row]
     rows: list = [None] * world
     dist.all_gather_object(rows, row)
