@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import OOMBConfig
+from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
 from .kv.summaries import SUMMARIES_OF_SCORE
@@ -218,7 +219,7 @@ def _top_pages_in_documents(scores: torch.Tensor, options: SparseOptions, layer:
     return chosen.sort(dim=-1).values.to(torch.int32)
 
 
-def block_first_pages(documents, chunk: ChunkSpan, page_size: int) -> torch.Tensor:
+def block_first_pages(documents: Documents, chunk: ChunkSpan, page_size: int) -> torch.Tensor:
     """(B, n_blocks) first page of the document of each query block's first query (packed documents)."""
     firsts = documents.start[:, chunk.start: chunk.end: page_size]
     return torch.div(firsts, page_size, rounding_mode="floor")
@@ -227,7 +228,7 @@ def block_first_pages(documents, chunk: ChunkSpan, page_size: int) -> torch.Tens
 @torch.no_grad()
 def select_pages(
     q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
-    scale: float | None = None, documents=None,
+    scale: float | None = None, documents: Documents | None = None,
 ) -> torch.Tensor | None:
     """The history pages each query block of ``chunk`` reads in ``layer`` (stage 1, after its pages
     and summaries were written); ``documents``: packed documents (oomb/documents.py), or None.
@@ -244,8 +245,7 @@ def select_pages(
         store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
-    scores = block_scores(q, store.history_summaries(layer, n_hist, SUMMARIES_OF_SCORE[options.score]), P, options,
-                          scale, previous)
+    scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
     first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
     return selection_from_scores(scores, options, layer, first_pages)
 

@@ -54,7 +54,8 @@ class PagedAttentionCall:
     selection: torch.Tensor | None = None
     """(B, Hkv, n_blocks, K) int32 history pages per query block (reference_sparse.py); None: all."""
     documents: Documents | None = None
-    """Packed documents of the step (dense; sparse on the torch backend); None: plain causal attention."""
+    """Packed documents of the step (dense, and sparse on the torch and triton backends); None: plain
+    causal attention."""
 
     def document_kwargs(self) -> dict:
         """The backend keyword for documents, only when there are some (backends without support keep

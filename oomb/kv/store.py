@@ -246,13 +246,10 @@ class PagedKVStore:
     def _layer_summaries(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer].summaries
 
-    def history_summaries(self, layer: int, num_pages: int, names: tuple[str, ...] | None = None,
-                          ) -> dict[str, torch.Tensor]:
-        """Summaries (all, or ``names``) of the first ``num_pages`` pages of every sequence:
-        name -> (B, num_pages, Hkv, D)."""
+    def history_summaries(self, layer: int, num_pages: int) -> dict[str, torch.Tensor]:
+        """Summaries of the first ``num_pages`` pages of every sequence: name -> (B, num_pages, Hkv, D)."""
         ids = self.page_table[:, :num_pages].long()  # (B, num_pages)
-        return {name: summary[ids] for name, summary in self._layer_summaries(layer).items()
-                if names is None or name in names}
+        return {name: summary[ids] for name, summary in self._layer_summaries(layer).items()}
 
     @contextmanager
     def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
