@@ -206,12 +206,6 @@ def loss_head(causal_lm: PreTrainedModel) -> nn.Module:
     return head
 
 
-def sliding_window_limit(causal_lm: PreTrainedModel) -> int | None:
-    """The shortest attention window of a model whose layers use one, else None."""
-    windows = [w for w in layer_windows(causal_lm) if w is not None]
-    return min(windows) if windows else None
-
-
 def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],
                        device: torch.device) -> dict[int, Documents]:
     """window -> key bounds for every layer window shorter than the step's ``shape[1]`` tokens (longer
