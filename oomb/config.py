@@ -17,7 +17,7 @@ _DTYPES = {
 }
 ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
-SPARSE_SCORES = ("minmax", "mean")
+SPARSE_SCORES = ("minmax", "mean", "exact")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax")
 
@@ -50,9 +50,11 @@ class OOMBConfig:
     A budget covering every earlier page is dense attention, bit for bit."""
     sparse_sink_pages: int = 1
     """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
-    sparse_score: Literal["minmax", "mean"] = "minmax"
+    sparse_score: Literal["minmax", "mean", "exact"] = "minmax"
     """Sparse: how a query block scores an earlier page from its summary. "minmax": Quest's upper
-    bound sum_d max(q_d min_d, q_d max_d) from the page's elementwise min and max key; "mean": q . mean key."""
+    bound sum_d max(q_d min_d, q_d max_d) from the page's elementwise min and max key; "mean": q . mean key;
+    "exact": the true attention probabilities from every history key (a diagnostic oracle that costs
+    a dense score pass: what a perfect summary score would select; no offload, not leak-free)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
     choice per query block for all heads (the best score of any head)."""
@@ -133,6 +135,9 @@ class OOMBConfig:
         self._check_layer_options()
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
+        if self.sparse_score == "exact" and (self.offload or self.sparse_leak_free):
+            raise ValueError("sparse_score='exact' reads every history key from the GPU pages and scores a block "
+                             "with its own queries: it cannot be combined with offload=True or sparse_leak_free=True")
         if self.sparse_selection not in SPARSE_SELECTIONS:
             raise ValueError(
                 f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"

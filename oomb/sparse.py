@@ -24,6 +24,10 @@ GPU, from tensor cores with exact products and float32 sums):
   ``sum_d max(q_d min_d, q_d max_d)`` is an upper bound of q . k over the page's keys. It is
   computed as two matmuls: ``relu(q) . max + min(q, 0) . min``.
 * "mean": q . mean key.
+* "exact" (a diagnostic, not a fast path): each query row's true attention probability on the
+  page's keys, normalised over every key the row sees (history and its own chunk, causally). It
+  reads every history key, as a dense score pass does, so it saves no time: it is the oracle a
+  summary-based score approximates, for `oomb gradcheck` to separate scoring error from budget error.
 
 A block's score for a page combines the block's rows (its queries x the G query heads of the KV
 head): "max" pooling keeps a page if any row wants it; "softmax" pooling sums each row's softmax over
@@ -64,7 +68,7 @@ class SparseOptions:
 
     budget: int
     sink_pages: int
-    score: str  # "minmax" | "mean"
+    score: str  # "minmax" | "mean" | "exact"
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection
@@ -183,6 +187,57 @@ def block_scores(
     return out
 
 
+def exact_block_scores(
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The "exact" score (the oracle of a summary score): every query row's true attention probability
+    on each history page, from the page's keys in the store, pooled over the block's rows as
+    block_scores pools (max: the largest probability any row puts on the page; softmax: the sum,
+    the block's attention mass there).
+
+    Args and result: as block_scores, with the keys read from ``store`` (every history page and
+    the chunk's own pages, written by stage 1 before selection).
+    """
+    B, Hq, Lq, D = q.shape
+    P = store.page_size
+    n_hist = chunk.start // P
+    n_blocks = -(-Lq // P)
+    pages = store.layers[layer]
+    Hkv = pages.k.shape[1]
+    G = Hq // Hkv
+    scale = scale if scale is not None else D ** -0.5
+
+    def keys(first: int, last: int) -> torch.Tensor:  # (B, Hkv, (last - first) * P, D) float32
+        ids = store.page_table[:, first:last].long()
+        return pages.k[ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+
+    history = keys(0, n_hist)
+    own = keys(n_hist, n_hist + n_blocks)[:, :, :Lq]
+    rows = q.float().reshape(B, Hkv, G, Lq, D)
+    position = torch.arange(Lq, device=q.device)
+    out = torch.zeros((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
+    per_block = B * Hq * P * (n_hist * P + Lq)
+    blocks_per_tile = max(1, (4 * SCORE_TILE_ELEMENTS) // max(1, per_block))
+    for b0 in range(0, n_blocks, blocks_per_tile):
+        b1 = min(b0 + blocks_per_tile, n_blocks)
+        r0, r1 = b0 * P, min(b1 * P, Lq)
+        r = rows[:, :, :, r0:r1]  # (B, Hkv, G, R, D)
+        s_hist = torch.einsum("bhgrd,bhkd->bhgrk", r, history) * scale
+        s_own = torch.einsum("bhgrd,bhkd->bhgrk", r, own[:, :, :r1]) * scale
+        s_own = s_own.masked_fill(position[None, :r1] > position[r0:r1, None], float("-inf"))
+        lse = torch.logaddexp(s_hist.logsumexp(dim=-1), s_own.logsumexp(dim=-1))  # (B, Hkv, G, R)
+        mass = (s_hist - lse[..., None]).exp().reshape(B, Hkv, G, r1 - r0, n_hist, P).sum(dim=-1)
+        pad = (b1 - b0) * P - (r1 - r0)  # rows past the chunk's end: zero mass changes neither pooling
+        mass = torch.nn.functional.pad(mass, (0, 0, 0, pad)).reshape(B, Hkv, G, b1 - b0, P, n_hist)
+        pooled = mass.sum(dim=(2, 4)) if options.pooling == "softmax" else mass.amax(dim=(2, 4))
+        out[:, :, b0:b1] = pooled
+    if options.selection == "shared":
+        pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
+        out = pooled.expand(B, Hkv, n_blocks, n_hist)
+    return out
+
+
 def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
               first_pages: torch.Tensor | None = None) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
@@ -245,7 +300,10 @@ def select_pages(
         store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
-    scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
+    if options.score == "exact":
+        scores = exact_block_scores(q, store, layer, chunk, options, scale)
+    else:
+        scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
     first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
     return selection_from_scores(scores, options, layer, first_pages)
 

@@ -19,7 +19,7 @@ from oomb.attention import reference, reference_sparse
 from oomb.evaluate import forward_hidden
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.summaries import summarize_pages
-from oomb.sparse import SparseOptions, block_scores, group_scores, select_pages, top_pages
+from oomb.sparse import SparseOptions, block_scores, exact_block_scores, group_scores, select_pages, top_pages
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_RTOL = 1e-5
@@ -284,6 +284,47 @@ def test_a_budget_covering_the_history_selects_nothing():
     assert store.is_empty
 
 
+@pytest.mark.parametrize("pooling", ["max", "softmax"])
+@pytest.mark.parametrize("length", [16, 13])
+def test_exact_score_is_the_true_attention_mass_of_each_page(pooling, length):
+    """score="exact": each row's softmax over every key it sees (history + own chunk, causal), summed
+    per history page, pooled over the block's rows and the KV head's query heads."""
+    P, Hkv, G, D, B = 4, 2, 3, 8, 2
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=40, num_kv_heads=Hkv, head_dim=D, page_size=P,
+                         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    history, chunk = ChunkSpan(0, 0, 20), ChunkSpan(1, 20, 20 + length)
+    keys = []
+    for span in (history, chunk):
+        store.allocate(span)
+        k = torch.randn(B, Hkv, span.length, D, generator=gen)
+        store.write(0, span, k, torch.randn_like(k))
+        keys.append(k)
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    got = exact_block_scores(q, store, 0, chunk, _options(pooling=pooling))
+    k_all = torch.cat(keys, dim=2).repeat_interleave(G, dim=1)  # (B, Hq, 20 + length, D)
+    logits = (q @ k_all.transpose(-1, -2)) * D ** -0.5
+    causal = torch.arange(20 + length)[None, :] > (20 + torch.arange(length))[:, None]
+    probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)[..., :20]
+    page_mass = probs.reshape(B, Hkv, G, length, 5, P).sum(-1)  # (B, Hkv, G, rows, pages)
+    n_blocks = -(-length // P)
+    want = torch.zeros(B, Hkv, n_blocks, 5)
+    for b in range(n_blocks):
+        rows = page_mass[:, :, :, b * P:(b + 1) * P]
+        want[:, :, b] = rows.sum(dim=(2, 3)) if pooling == "softmax" else rows.amax(dim=(2, 3))
+    torch.testing.assert_close(got, want, **TOL)
+    # Through select_pages: no summaries are needed, the selection is the top pages of these scores.
+    options = _options(score="exact", pooling=pooling, budget=2)
+    assert torch.equal(select_pages(q, store, 0, chunk, options), top_pages(want, options))
+    store.free_all()
+
+
+def test_exact_score_refuses_offload_and_leak_free():
+    for bad in (dict(offload=True), dict(sparse_leak_free=True)):
+        with pytest.raises(ValueError, match="sparse_score='exact'"):
+            OOMBConfig(attention="sparse", sparse_score="exact", **bad)
+
+
 # --------------------------------------------------------------------------------------------
 # The sparse reference backend against autograd on dense attention masked by the selection
 # --------------------------------------------------------------------------------------------
@@ -538,9 +579,10 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("mistral", dict(sparse_budget=5, sparse_sink_pages=1, checkpoint_layers=False)),
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=3)),
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=64)),
+        ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_score="exact")),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
-         "one_group_per_chunk"],
+         "one_group_per_chunk", "exact_oracle"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
-SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",)}
-"""Which summaries each sparse score rule reads (oomb.sparse)."""
+SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": ()}
+"""Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves)."""
 
 
 def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
