@@ -1,0 +1,43 @@
+"""examples/sft_trainer.py takes the step options an `oomb train` run chose (its config.yaml), flags over them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from oomb import OOMBConfig
+from oomb.training.config import TrainerConfig
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sft_trainer.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("sft_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_oomb_from_train_config_then_flags(tmp_path):
+    example = load_example()
+    config = TrainerConfig.load(None, ["oomb.chunk_size=1024", "oomb.backend=torch", "oomb.checkpoint_layers=false",
+                                       "oomb.kv_grad_dtype=bfloat16"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config.to_yaml())
+    base = ["--preset", "tiny-qwen2", "--data", "x.jsonl", "--seq-len", "2048"]
+    chosen = example.oomb_config_from(example.parse_args([*base, "--oomb-from", str(path)]))
+    assert chosen == config.oomb
+    assert (chosen.chunk_size, chosen.backend, chosen.checkpoint_layers) == (1024, "torch", False)
+    flagged = example.oomb_config_from(example.parse_args([*base, "--oomb-from", str(path), "--chunk-size", "512",
+                                                           "--checkpoint-layers"]))
+    assert (flagged.chunk_size, flagged.checkpoint_layers, flagged.backend) == (512, True, "torch")
+    assert example.oomb_config_from(example.parse_args(base)) == OOMBConfig()
+    unresolved = tmp_path / "auto.yaml"  # the chooser's options left "auto": OOMBConfig's defaults
+    unresolved.write_text(TrainerConfig.load(None, ["oomb.chunk_size=1024"]).to_yaml())
+    assert example.oomb_config_from(example.parse_args([*base, "--oomb-from", str(unresolved)])) == \
+        OOMBConfig(chunk_size=1024)
