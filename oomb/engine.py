@@ -226,7 +226,9 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
 def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tuple[int | None, ...],
                        bounds: Mapping[int, Documents], documents: Documents | None) -> None:
     """Tell the store, per chunk, the first history page any layer reads (documents, or windows when
-    every layer slides): earlier pages are neither read nor staged."""
+    every layer slides): earlier pages are neither read nor staged. With documents the store also
+    keeps each token's document start, for sparse offload to skip the selected pages no query sees."""
+    store.document_starts = None if documents is None else documents.start_cpu
     for chunk in chunks:
         first = history_start(chunk, windows, bounds, documents, store.page_size)
         if first:

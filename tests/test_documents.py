@@ -273,6 +273,28 @@ def test_offload_equals_no_offload_bitwise_and_stages_only_the_documents(residen
     assert with_documents == 6 * (2 - resident) and loaded.count((0, 8)) == 12 * (2 - resident)
 
 
+def test_dense_offload_stages_history_from_the_chunks_first_document(monkeypatch):
+    """The staged-pages counter: per call (stage 1, stage 2's forward and backward; 2 layers) each
+    chunk moves the history pages from its first query's document on, not the earlier ones."""
+    stores = []
+
+    class Recording(OffloadedKVStore):
+        def __init__(self, **options):
+            super().__init__(**options)
+            stores.append(self)
+
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+    model = build_tiny_model("llama", seed=1)
+    ids = random_ids(1, 150, seed=9)
+    offload = replace(CONFIG, offload=True)
+    for boundaries in ({"cu_seqlens": _cu(LENGTHS)}, {}):
+        oomb.forward_backward(model, ids, None, offload, host_slabs=HostSlabs(pin=False), **boundaries)
+    first_keys = {0: 0, 32: 8, 64: 8, 96: 72, 128: 112}  # as test_history_before_the_chunks_documents...
+    calls = 3 * model.config.num_hidden_layers
+    assert stores[0].staged_history_pages == calls * sum((s - f) // 8 for s, f in first_keys.items())  # 15
+    assert stores[1].staged_history_pages == calls * sum(s // 8 for s in first_keys)  # 40 without documents
+
+
 def _kernel_case(seed: int = 0):
     """A chunk of 24 queries at 16 over 40 keys (pages of 8), two rows with different documents; the V
     pages wholly before every query's document start are NaN, so reading one would show."""

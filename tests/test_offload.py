@@ -395,5 +395,5 @@ def test_a_selection_shared_by_every_block_stays_one_row_on_the_host():
     store.save_selection(0, chunk, row.expand(2, 2, 2, 1))
     back = store.selection(0, chunk)
     assert back.stride(2) == 0 and torch.equal(back, row.expand(2, 2, 2, 1))
-    assert store._selected_columns(0, chunk, back) == [0, 1]
+    assert store._selected_columns(0, chunk, back) == ([0, 1], False)  # no documents: nothing unseen
     store.free_all()

@@ -24,7 +24,9 @@ order on one side stream and are ordered with the compute stream by CUDA events:
 
 A sparse call (docs/sparse.md) stages only the pages its query blocks selected plus its own, gathered
 from the mapped slabs by one kernel per kind (kv/mapped.py); in stage 2 each call stages the next
-call's pages while it computes.
+call's pages while it computes. With packed documents neither mode moves pages no query of the
+call sees: dense windows start at the chunk's first document (kv/store.py ``history_starts``), and a
+sparse call leaves out the pages its blocks selected only to fill up (wholly before their document).
 
 In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
 reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
@@ -109,8 +111,9 @@ class OffloadedKVStore(PagedKVStore):
         """Attention calls whose first windows (sparse: selected pages) were loaded during the previous
         call (diagnostics)."""
         self.staged_history_pages = 0
-        """Sparse: history pages (per sequence) staged by the calls so far, the union of each call's
-        selections (diagnostics: what the selections cost in transfers)."""
+        """History pages (per sequence) staged by the calls so far (diagnostics: what the transfers
+        cost): dense, the pages of the history windows; sparse, the union of each call's selections
+        without the pages no query of the call sees (packed documents' fill-up pages)."""
 
     def _offloaded(self, layer: int) -> int | None:
         return layer - self.resident if layer >= self.resident else None
@@ -161,6 +164,8 @@ class OffloadedKVStore(PagedKVStore):
             yield from super().stream(layer, chunk, grads, whole_history)
             return
         windows = self.windows(chunk)
+        P = self.page_size
+        self.staged_history_pages += sum(-(-hi // P) - lo // P for lo, hi in windows if hi <= chunk.start)
         fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
         if fresh is not None:  # stage 1: the chunk's own pages are still on the GPU
             windows = windows[:-1]
@@ -297,16 +302,27 @@ class OffloadedKVStore(PagedKVStore):
             selection = host.expand(selection.shape)
         super().save_selection(layer, chunk, selection)
 
-    def _selected_columns(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> list[int]:
-        """The distinct history positions of ``selection`` (the one saved for (chunk, layer)). Read from
-        its host copy when there is one: in stage 2 that copy is long complete, so no device sync."""
+    def _selected_columns(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> tuple[list[int], bool]:
+        """The distinct history positions of ``selection`` (the one saved for (chunk, layer)) that some
+        query of the call sees, and whether it selects others. Packed documents: a query block whose
+        document holds fewer history pages than it reads fills its selection up with pages wholly
+        before the document (oomb/sparse.py), which the backend masks; those are not staged. Read from
+        the selection's host copy when there is one: in stage 2 that copy is long complete, so no
+        device sync."""
         host = self._selections.get((chunk.index, layer))
         if host is None or host.shape != selection.shape:
-            return torch.unique(selection).tolist()  # one device sync
-        copied = self._selection_copied.get((chunk.index, layer))
-        if copied is not None:
-            copied.synchronize()  # stage 1: waits for the copy just made (a sync, as unique would be)
-        return torch.unique(host).tolist()
+            host = selection.cpu()  # one device sync
+        else:
+            copied = self._selection_copied.get((chunk.index, layer))
+            if copied is not None:
+                copied.synchronize()  # stage 1: waits for the copy just made (a sync, as .cpu() would be)
+        if self.document_starts is None:
+            return torch.unique(host).tolist(), False
+        P, positions = self.page_size, host.long()
+        # Block j's queries see no key before its first query's document start (starts never decrease).
+        block_starts = self.document_starts[:, chunk.start:chunk.end:P]  # (B, n_blocks)
+        seen = (positions + 1) * P > block_starts[:, None, :, None]
+        return torch.unique(positions[seen]).tolist(), not bool(seen.all())
 
     def selection(self, layer: int, chunk: ChunkSpan) -> torch.Tensor | None:
         selection = super().selection(layer, chunk)
@@ -378,12 +394,15 @@ class OffloadedKVStore(PagedKVStore):
     def _stage_selection(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor,
                          grads: bool) -> _StagedSelection:
         """Start moving a sparse call's pages (and, for backward, gradients or zeros) to the GPU: the
-        union of its selections, then the chunk's own pages."""
+        union of its selections that some query sees, then the chunk's own pages. Selected pages no
+        query sees (packed documents) stay on the host: the page table sends them to one zero page
+        after every sequence's rows, so the backend, which masks their keys, reads finite values and
+        adds its zero gradients there (the result is bit-identical to reading the real pages)."""
         first, last = self._page_range(chunk)
-        history = self._selected_columns(layer, chunk, selection)
+        history, unseen = self._selected_columns(layer, chunk, selection)
         columns = history + list(range(first, last))
         n, B = len(columns), self.batch_size
-        table = torch.zeros((B, last), dtype=torch.int32)
+        table = torch.full((B, last), B * n if unseen else 0, dtype=torch.int32)
         table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
         table = table.to(self.device, non_blocking=True)
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
@@ -394,21 +413,25 @@ class OffloadedKVStore(PagedKVStore):
         if not bool(self.kv_on_host[index, from_host].all()):
             raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
         # Allocated on the compute stream, which reads them; filled on the copy stream.
-        staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype,
+        staged = {kind: torch.empty((B * n + int(unseen), *self.host[kind].shape[3:]), dtype=self.host[kind].dtype,
                                     device=self.device) for kind in kinds}
+        if unseen:
+            for pages in staged.values():
+                pages[B * n].zero_()  # the zero page of the unseen selections
+        rows = {kind: pages[:B * n] for kind, pages in staged.items()}  # every sequence's n pages
         with self._on_copy_stream(after_compute=True):
             if self.mapped_host is not None:
-                self._gather_pages(index, from_host, staged)
+                self._gather_pages(index, from_host, rows)
                 runs = None
             else:
                 runs = _runs(history, self.grad_on_host[index]) + _runs(
                     columns[len(history):], self.grad_on_host[index], offset=len(history))
-                self._copy_runs(index, [r for r in runs if fresh is None or r[0] < first], staged)
+                self._copy_runs(index, [r for r in runs if fresh is None or r[0] < first], rows)
             if fresh is not None:  # the chunk's own pages, after the history ones
                 own = last - first
                 for b in range(B):
                     for kind, pages in zip(("k", "v"), fresh, strict=True):
-                        staged[kind][b * n + len(history):(b + 1) * n].copy_(pages[b * own:(b + 1) * own])
+                        rows[kind][b * n + len(history):(b + 1) * n].copy_(pages[b * own:(b + 1) * own])
             ready = torch.cuda.Event() if self.copy_stream is not None else None
             if ready is not None:
                 ready.record(self.copy_stream)
@@ -481,12 +504,13 @@ class OffloadedKVStore(PagedKVStore):
 
 @dataclass
 class _StagedSelection:
-    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union, then the
-    chunk's own) and the page table of that layout."""
+    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union that some
+    query sees, then the chunk's own), after them one zero page where unseen selected pages point,
+    and the page table of that layout."""
 
     pages: dict[str, torch.Tensor]
     table: torch.Tensor
-    history: list[int]  # the selections' union: positions of the first rows
+    history: list[int]  # the selections' union (seen pages): positions of the first rows
     runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
     num_pages: int
     ready: torch.cuda.Event | None  # the copy stream has filled them

@@ -155,6 +155,10 @@ class PagedKVStore:
         self.history_starts: dict[int, int] = {}
         """Packed documents: chunk index -> first (page-aligned) history key any query of the chunk
         sees (oomb/documents.py); absent: 0. Set once per step, before stage 1."""
+        self.document_starts: torch.Tensor | None = None
+        """Packed documents: (B, T) int64 host copy of each token's document start (Documents.start_cpu),
+        or None (one document per row). With offload, a sparse call does not stage the selected pages
+        wholly before its query blocks' documents (kv/offload.py). Set once per step, before stage 1."""
 
     @staticmethod
     def bytes_needed(
