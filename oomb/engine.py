@@ -238,8 +238,9 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
 def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
     """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
     triton for float32 or when deterministic; packed documents and sliding windows (``masked``) stay
-    on triton, whose kernels mask a per-query first key; logit softcapping (Gemma 2) on torch, the one
-    backend that has it."""
+    on triton, whose kernels mask a per-query first key (backend="cudnn" runs dense documents as one
+    call per document segment, attention/cudnn_paged.py; which is faster is for benchmarks/documents.py
+    to measure); logit softcapping (Gemma 2) on torch, the one backend that has it."""
     if config.backend == "auto" and attention_variants(causal_lm)[0]:
         if device.type == "cuda":
             logger.warning("attention logit softcapping (%s) runs on the torch backend: the Triton and cuDNN "
@@ -254,10 +255,11 @@ def _check_documents(documents: Documents | None, config: OOMBConfig, backend: s
     modes that do not support them yet."""
     if documents is None or not documents.split:
         return None
-    if backend == "cudnn":
+    if backend == "cudnn" and config.attention == "sparse":
         raise NotImplementedError(
-            "packed documents are not supported by the cudnn backend (its key windows cannot mask a document "
-            "starting inside a page); use backend='triton' or 'torch'"
+            "packed documents in sparse mode are not supported by the cudnn backend (its selected pages run "
+            "as one call per group of query blocks, which cannot mask each query's document start); use "
+            "backend='triton' or 'torch', or attention='dense' (cudnn runs dense documents)"
         )
     return documents
 

@@ -285,3 +285,75 @@ def test_empty_inputs_never_reach_cudnn():
     sel = torch.zeros((1, 2, 0, 1), dtype=torch.int32)
     out, lse = SPARSE_MATH.sparse_attention_forward(empty_q, c.k_pool, c.v_pool, c.page_table, 16, c.scale, sel)
     assert out.shape == empty_q.shape and lse.shape == (1, 4, 0)
+
+
+# --- packed documents: segments of plain causal attention ------------------------------------------
+def test_document_segments_cut_the_chunk_at_document_starts():
+    from oomb.documents import resolve_documents
+
+    docs = resolve_documents(None, [[0, 9, 21, 22, 33, 40], [0, 11, 12, 37, 40]], (2, 40), torch.device("cpu"))
+    assert cudnn_paged.document_segments(docs, 16, 24) == [
+        [(0, 5, 9), (5, 6, 21), (6, 17, 22), (17, 24, 33)],  # the first document began before the chunk
+        [(0, 21, 12), (21, 24, 37)],
+    ]
+
+
+def test_windowed_documents_match_the_oracle_and_read_no_earlier_page():
+    """Per-row segments on the stand-in kernel vs autograd through masked attention: forward, key
+    windows (one before every document: lse -inf), dQ, dK, dV; the V pages before every document are
+    NaN, so reading one would show."""
+    from test_documents import _check_backend, _kernel_case
+
+    _check_backend(MATH, *_kernel_case(seed=2))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, offload):
+    """A whole dense step with packed documents (two rows, other boundaries; documents starting inside
+    pages and chunks, one-token documents) through the cudnn backend's code equals the torch backend's."""
+    from helpers import build_tiny_model, grads, random_ids, relative_error
+
+    import oomb
+    import oomb.engine
+    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+    from oomb.kv.offload import HostSlabs
+
+    model = build_tiny_model("qwen2", seed=42)
+    ids = random_ids(2, 150, seed=42)
+    cu = [[0, 13, 14, 15, 75, 115, 150], [0, 70, 75, 76, 142, 150]]
+    stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
+                                cudnn_paged.no_delta, whole_history=True)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, stream_block_pages=2, offload=offload)
+    results = {}
+    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
+        model.zero_grad(set_to_none=True)
+        slabs = HostSlabs(pin=False) if offload else None
+        results[name] = (oomb.forward_backward(model, ids, None, base, cu_seqlens=cu, host_slabs=slabs),
+                         grads(model))
+    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
+    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_documents_bf16_error_within_twice_reference():
+    """The segments on cuDNN in bf16 (documents starting inside pages and before the chunk, a one-token
+    document, rows with other boundaries) within twice the reference backend's bf16 error."""
+    from oomb.documents import resolve_documents
+
+    exact = make_case(2, 8, 2, 300, 256, 128, 64, torch.float32, device="cuda")
+    low = exact.at(torch.bfloat16)
+    docs = resolve_documents(None, [[0, 100, 301, 302, 420, 556], [0, 250, 251, 556]], (2, 556),
+                             torch.device("cuda"))
+    cudnn = cudnn_paged.WindowedAttention()
+
+    def run(impl, c):
+        out, lse = impl.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale,
+                                                documents=docs)
+        dk = torch.zeros(c.k_pool.shape, dtype=torch.float32, device="cuda")
+        dv = torch.zeros_like(dk)
+        dq = impl.paged_attention_backward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale, out, c.dout,
+                                           lse, dk, dv, documents=docs)
+        return out, lse, dq, dk, dv
+
+    _assert_within_twice_reference(run(cudnn, low), run(reference, low), run(reference, exact))

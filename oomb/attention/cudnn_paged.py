@@ -14,6 +14,16 @@ Backward hands the kernel the merged out and lse of the whole chunk (not the win
 window's dQ, dK, dV is its exact share of the full gradient; dK, dV are added into the page buffers
 and dQ into a float32 accumulator.
 
+Packed documents (``documents=``, oomb/documents.py) need no mask: per row, the chunk's queries are
+cut at the document starts inside it into segments, and each segment is plain attention with an
+offset. Only the first segment (the document the chunk starts in) has history: it sees every key
+of a history window from its document's start on, whole (a window, or its tail starting inside a
+page). Every segment sees its own keys causally from its first query on: a square, top-left causal
+call. Rows of a batch run one by one (their boundaries differ); a row's queries outside the first
+segment see no key of a history window (out 0, lse -inf, merged as empty). A chunk costs one
+kernel call per document in it (plus one per history window), so many tiny documents mean many
+small calls.
+
 Unlike the Triton kernels this is not bitwise deterministic (torch documents cuDNN attention's
 backward as non-deterministic), its window outputs are rounded to q's dtype before the merge, and
 each window's dK, dV reach the page buffers rounded to q's dtype. It takes bf16/fp16 CUDA tensors
@@ -160,12 +170,15 @@ class WindowedAttention:
         return ([(0, query_start)] if query_start else []) + [(query_start, query_start + Lq)]
 
     def paged_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, *, key_range=None,
-                                out_dtype=None):
+                                out_dtype=None, documents=None):
         windows = self._windows(q, k_pool, v_pool, page_table, query_start, key_range)
         B, Hq, Lq, D = q.shape
         Hkv = k_pool.shape[1]
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+        if documents is not None:
+            return self._documents_forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
+                                           documents)
         out = lse = None
         q_folded = _fold(q, Hkv) if windows[0][0] != query_start else None  # once for all history windows
         for lo, hi in windows:
@@ -182,7 +195,7 @@ class WindowedAttention:
         return out.to(out_dtype or q.dtype), lse
 
     def paged_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
-                                 dv_pool, *, key_range=None, delta=None, dq_accumulator=None):
+                                 dv_pool, *, key_range=None, delta=None, dq_accumulator=None, documents=None):
         windows = self._windows(q, k_pool, v_pool, page_table, query_start, key_range)
         _check_backward_extras(q, out, delta, dq_accumulator)
         if out is None:
@@ -193,6 +206,10 @@ class WindowedAttention:
         if B * Lq == 0:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        if documents is not None:
+            self._documents_backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                                     dv_pool, windows, dq, documents)
+            return dq if dq_accumulator is not None else dq.to(q.dtype)
         if windows[0][0] != query_start:  # history windows share one folded copy of each operand
             folded = _fold(dout, Hkv), _fold(q, Hkv), _fold(out, Hkv), lse.reshape(B, Hkv, -1).contiguous()
         for lo, hi in windows:
@@ -208,6 +225,98 @@ class WindowedAttention:
                 _add_into_pages(dv_pool, page_table, lo, dv)
             dq.add_(dq_w)
         return dq if dq_accumulator is not None else dq.to(q.dtype)
+
+    # --- packed documents: segments of plain attention (module docstring) ---------------------------
+    def _documents_forward(self, q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype, documents):
+        B, Hq, Lq, D = q.shape
+        Hkv = k_pool.shape[1]
+        out = lse = None
+        for lo, hi in windows:
+            out_w = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            lse_w = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+            for b, segments in enumerate(document_segments(documents, query_start, Lq)):
+                rows = slice(b, b + 1)
+                if lo == query_start:
+                    for a, e, _ in segments:
+                        k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
+                        out_w[rows, :, a:e], lse_w[rows, :, a:e] = self.kernel.forward(
+                            q[rows, :, a:e].contiguous(), k, v, True, scale)
+                    continue
+                _, e, start = segments[0]  # only the chunk's first document has history
+                first = max(lo, start)
+                if first >= hi:
+                    continue  # the document starts after this window: its queries see none of it
+                k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
+                o, s = self.kernel.forward(_fold(q[rows, :, :e], Hkv), k, v, False, scale)
+                out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, e), s.reshape(1, Hq, e)
+            out, lse = (out_w, lse_w) if out is None else merge_window(out.float(), lse, out_w.float(), lse_w)
+        return out.to(out_dtype or q.dtype), lse
+
+    def _documents_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                            dv_pool, windows, dq, documents) -> None:
+        """Adds each window's share of dQ into ``dq`` (float32) and of dK, dV into the pages."""
+        B, Hq, Lq, D = q.shape
+        Hkv, P = k_pool.shape[1], k_pool.shape[2]
+        for lo, hi in windows:
+            local = lo == query_start
+            if local:  # the chunk's own dK, dV, summed over segments and query heads, added once
+                dk_own = torch.zeros((B, Hkv, Lq, D), dtype=torch.float32, device=q.device)
+                dv_own = torch.zeros_like(dk_own)
+            for b, segments in enumerate(document_segments(documents, query_start, Lq)):
+                rows = slice(b, b + 1)
+                if local:
+                    for a, e, _ in segments:
+                        k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
+                        do_s, q_s, out_s, lse_s = (x[rows, :, a:e].contiguous() for x in (dout, q, out, lse))
+                        dq_s, dk, dv = self.kernel.backward(do_s, q_s, k, v, out_s, lse_s, True, scale)
+                        dq[rows, :, a:e] += dq_s
+                        dk_own[rows, :, a:e] = dk.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
+                        dv_own[rows, :, a:e] = dv.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
+                    continue
+                _, e, start = segments[0]
+                first = max(lo, start)
+                if first >= hi:
+                    continue
+                k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
+                do_f, q_f, out_f = (_fold(x[rows, :, :e], Hkv) for x in (dout, q, out))
+                lse_f = lse[rows, :, :e].reshape(1, Hkv, -1).contiguous()
+                dq_w, dk, dv = self.kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
+                dq[rows, :, :e] += _unfold(dq_w, Hkv, e)
+                pad = first - first // P * P  # keys before the document in its first page get zeros
+                for pool, grad in ((dk_pool, dk), (dv_pool, dv)):
+                    grad = torch.nn.functional.pad(grad, (0, 0, pad, 0))
+                    _add_into_pages(pool, page_table[rows], first - pad, grad)
+            if local:
+                _add_into_pages(dk_pool, page_table, query_start, dk_own)
+                _add_into_pages(dv_pool, page_table, query_start, dv_own)
+
+
+def document_segments(documents, query_start: int, num_queries: int) -> list[list[tuple[int, int, int]]]:
+    """Per row, the chunk's queries cut at document starts: (first, end, document start) with first and
+    end relative to ``query_start`` and the document start absolute, in order; the first segment's
+    document may start before the chunk, every other one's starts at its first query. Read from the
+    documents' host copy: no device synchronisation."""
+    starts = documents.start_cpu[:, query_start:query_start + num_queries]
+    rows = []
+    for row in starts:
+        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        firsts, ends = [0] + cuts, cuts + [num_queries]
+        rows.append([(a, e, int(row[a])) for a, e in zip(firsts, ends, strict=True)])
+    return rows
+
+
+def _segment_keys(group: int, k_pool, v_pool, page_table, query_start: int, a: int, e: int):
+    """A segment's own keys [query_start + a, query_start + e), K and V repeated per query head."""
+    lo, hi = query_start + a, query_start + e
+    return tuple(_gather_from(pool, page_table, lo, hi).repeat_interleave(group, dim=1) for pool in (k_pool, v_pool))
+
+
+def _gather_from(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Keys [lo, hi) as one contiguous (B, Hkv, hi - lo, D) block; ``lo`` may lie inside a page."""
+    P = pool.shape[2]
+    first = lo // P * P
+    block = _gather_block(pool, page_table, first // P, -(-hi // P), dtype=None)
+    return block[:, :, lo - first: hi - first].contiguous()
 
 
 def _fold(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

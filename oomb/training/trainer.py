@@ -148,10 +148,11 @@ class Trainer(Checkpointing):
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
-        if cfg.data.documents == "separate" and cfg.oomb.backend == "cudnn":
-            raise ValueError("data.documents='separate' (attention inside each document) needs the torch or triton "
-                             "backend (dense or sparse); cudnn does not mask documents yet: set data.documents to "
-                             "loss_only or joined, or oomb.backend to auto, triton or torch")
+        if cfg.data.documents == "separate" and cfg.oomb.backend == "cudnn" and cfg.oomb.attention == "sparse":
+            raise ValueError("data.documents='separate' (attention inside each document) in sparse mode needs the "
+                             "torch or triton backend; cudnn masks documents in dense mode only: set data.documents "
+                             "to loss_only or joined, oomb.backend to auto, triton or torch, or oomb.attention to "
+                             "dense")
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
         self._owns_process_group = world > 1 and not joined_before
@@ -308,7 +309,7 @@ class Trainer(Checkpointing):
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         cuda = self.device.type == "cuda"
         if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
-            fixed["backend"] = "triton"  # cudnn does not mask packed documents (oomb/engine.py refuses them)
+            fixed["backend"] = "triton"  # as the engine's "auto" with documents (oomb/engine.py, _select_step_backend)
         gpu_free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         host_free = host_available_bytes()
         if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels
