@@ -206,3 +206,30 @@ def test_time_limit_extrapolates_dense_quadratically_and_sparse_linearly():
     assert bench.expected_seconds("dense", (32768, 10.0), 131072) == pytest.approx(160.0)
     assert bench.expected_seconds("hf", (32768, 10.0), 65536) == pytest.approx(40.0)
     assert bench.expected_seconds("sparse+offload", (32768, 10.0), 131072) == pytest.approx(40.0)
+
+
+def test_documents_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/documents.py on the tiny preset (CPU): every measurement runs and the JSON holds them."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "documents.py"
+    spec = importlib.util.spec_from_file_location("documents_benchmark", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    lengths = script.document_lengths(2048, 256, 1024, 0)
+    assert sum(lengths) == 2048 and all(0 < n <= 1024 for n in lengths) and min(lengths[:-1]) >= 256
+    out = tmp_path / "documents.json"
+    monkeypatch.setattr(sys, "argv", [str(path), "--preset", "tiny-qwen2", "--device", "cpu", "--context", "2048",
+                                      "--min-doc", "256", "--max-doc", "1024", "--chunk-size", "512",
+                                      "--page-size", "64", "--warmup-tokens", "1024", "--out", str(out)])
+    script.main()
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["rows"]] == [
+        "oomb_documents[torch]", "oomb_cross_documents[torch]", "hf_per_document"]
+    assert all(r["seconds"] > 0 for r in report["rows"]), report["rows"]
+    assert report["documents"]["lengths"] == lengths and report["ratios"]["oomb_documents[torch]"]["vs_hf_per_document"]
+    documents, _, hf = report["rows"]
+    assert abs(documents["loss"] - hf["loss"]) < 1e-3  # the same documents, weighted alike up to first tokens
