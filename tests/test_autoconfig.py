@@ -145,12 +145,13 @@ def test_more_memory_never_picks_a_slower_plan():
 def test_backend_choice_and_resolution():
     assert choose_backend("cuda", torch.bfloat16, False)[0] == "cudnn"
     assert choose_backend("cuda", torch.bfloat16, True)[0] == "triton"
-    assert choose_backend("cuda", torch.float32, False)[0] == "triton"
+    assert choose_backend("cuda", torch.float32, False)[0] == "torch"
     assert choose_backend("cpu", torch.bfloat16, False)[0] == "torch"
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_backend_name("auto", cuda, torch.bfloat16) == "cudnn"
     assert resolve_backend_name("auto", cuda, torch.float16, deterministic=True) == "triton"
-    assert resolve_backend_name("auto", cuda, torch.float32) == "triton"
+    assert resolve_backend_name("auto", cuda, torch.float32) == "torch"
+    assert resolve_backend_name("auto", cuda, torch.float32, deterministic=True) == "triton"
     assert resolve_backend_name("auto", cuda) == "triton"  # dtype unknown (the engine today): as before
     assert resolve_backend_name("auto", cpu, torch.bfloat16) == "torch"
     assert resolve_backend_name("triton", cuda, torch.bfloat16) == "triton"

@@ -9,9 +9,9 @@
 source benchmarks/gpu/real_model_setup.sh
 export PYTHONUNBUFFERED=1 OOMB_TRITON_AUTOTUNE=0 OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}
 G="-m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda --hf off --seq-len 8192 --chunk-size 1024"
-timeout 240 python3 $G --page-size 64 --budgets 8 15 32 48 --scores minmax exact --poolings max softmax \
+timeout 200 python3 $G --page-size 64 --budgets 8 15 24 32 48 --scores minmax exact --poolings max softmax \
     --json $OUT/oracle_p64.json 2>&1 | grep -v Loading | tail -40
-timeout 120 python3 $G --page-size 32 --budgets 30 --scores minmax exact --poolings max softmax \
+timeout 90 python3 $G --page-size 32 --budgets 30 --scores minmax exact --poolings max softmax \
     --json $OUT/oracle_p32.json 2>&1 | grep -v Loading | tail -8
-timeout 120 python3 $G --page-size 16 --budgets 60 --scores minmax exact --poolings max softmax \
+timeout 90 python3 $G --page-size 16 --budgets 60 --scores minmax exact --poolings max softmax \
     --json $OUT/oracle_p16.json 2>&1 | grep -v Loading | tail -8

@@ -63,9 +63,10 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | N
     """The concrete backend for ``name`` ("auto" | "torch" | "triton" | "cudnn").
 
     "auto": torch off CUDA; on CUDA cudnn for bf16/fp16 (faster in every measured case, not bitwise
-    deterministic), triton when ``deterministic`` or for float32 (cuDNN's fused attention has no
-    float32 path; Triton's float32 kernels use one tile config, docs/kernels.md). Without ``dtype``
-    (a caller that does not know it) "auto" on CUDA stays triton, as before dtype-aware selection.
+    deterministic), torch for float32 (cuDNN's fused attention has no float32 path, and compiling
+    Triton's IEEE-float32 kernels took 184 s of a first step that the torch kernels start in 1.1 s,
+    fp32_first_step_h200_2026-12-02.json), triton when ``deterministic``. Without ``dtype`` (a caller
+    that does not know it) "auto" on CUDA stays triton, as before dtype-aware selection.
     """
     if name not in ("auto", "torch", "triton", "cudnn"):
         raise ValueError(f"backend={name!r} is not supported; use 'auto', 'torch', 'triton' or 'cudnn'")
@@ -77,6 +78,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | N
         return "torch"
     if dtype in (torch.bfloat16, torch.float16) and not deterministic:
         return "cudnn"
+    if dtype == torch.float32 and not deterministic:
+        return "torch"
     return "triton"
 
 

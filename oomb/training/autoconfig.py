@@ -217,9 +217,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def choose_backend(device: str, dtype: torch.dtype, deterministic: bool) -> tuple[str, str]:
     """(backend, why) for ``backend="auto"``: cudnn for bf16/fp16 on CUDA (faster in every measured
-    case), triton when bitwise determinism is asked for or for float32 (cuDNN's fused attention has
-    no float32 path; float32 Triton kernels use one tile config, no minutes of autotuning), torch on
-    a CPU."""
+    case), torch for float32 on CUDA (cuDNN has no float32 path; Triton's float32 kernels take minutes
+    to compile), triton when bitwise determinism is asked for, torch on a CPU."""
     if device != "cuda":
         return "torch", "on a CPU only the torch reference kernels run"
     if deterministic:
@@ -228,7 +227,9 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool) -> tupl
         f = SPEED_FACTS["triton_vs_cudnn_dense"]
         return "cudnn", (f"cudnn for {_dtype_name(dtype)} on CUDA: triton takes {f.factor:.2f}x as long "
                          f"({f.measured}); deterministic=True picks triton")
-    return "triton", "float32 on CUDA: cuDNN's fused attention has no float32 path; Triton with one tile config"
+    return "torch", ("float32 on CUDA: cuDNN's fused attention has no float32 path, and the torch kernels start "
+                     "in 1.1 s where Triton's float32 kernels compile for 184 s (2 layers, head_dim 128, 8K: "
+                     "fp32_first_step_h200_2026-12-02.json)")
 
 
 # ---------------------------------------------------------------------------------------------
