@@ -288,6 +288,10 @@ def test_empty_inputs_never_reach_cudnn():
 
 
 # --- packed documents: segments of plain causal attention ------------------------------------------
+# Segments shorter than 2 (one-token documents) take the short-segment kernel (plain torch), the others
+# the stand-in, as calls under cudnn_paged.SHORT_SEGMENT leave cuDNN.
+DOC_MATH = cudnn_paged.WindowedAttention(MATH.kernel, short_segment=2)
+
 def test_document_segments_cut_the_chunk_at_document_starts():
     from oomb.documents import resolve_documents
 
@@ -304,7 +308,8 @@ def test_windowed_documents_match_the_oracle_and_read_no_earlier_page():
     NaN, so reading one would show."""
     from test_documents import _check_backend, _kernel_case
 
-    _check_backend(MATH, *_kernel_case(seed=2))
+    _check_backend(DOC_MATH, *_kernel_case(seed=2))
+    _check_backend(MATH, *_kernel_case(seed=2))  # every segment of this case on the short-segment kernel
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -321,7 +326,7 @@ def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch,
     model = build_tiny_model("qwen2", seed=42)
     ids = random_ids(2, 150, seed=42)
     cu = [[0, 13, 14, 15, 75, 115, 150], [0, 70, 75, 76, 142, 150]]
-    stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
+    stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
                                 cudnn_paged.no_delta, whole_history=True)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, stream_block_pages=2, offload=offload)
     results = {}

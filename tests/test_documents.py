@@ -426,8 +426,9 @@ def test_gpu_triton_step_with_documents_equals_torch_backend_and_hf(offload):
 def test_gpu_cudnn_step_with_documents_within_twice_triton_bf16_error(offload):
     """bf16 on the GPU: the cudnn backend's document segments against the float32 Triton step with the
     same documents, their error at most twice the bf16 Triton step's (cuDNN rounds each segment's
-    dQ, dK, dV to bf16; Triton accumulates in float32)."""
-    model = _gpu_model()
+    dQ, dK, dV to bf16; Triton accumulates in float32). Head dim 64; one-token documents and segments
+    shorter than cudnn_paged.SHORT_SEGMENT (which leave cuDNN) as well as longer ones."""
+    model = build_tiny_model("llama", seed=2, hidden_size=256, num_attention_heads=4).cuda()
     ids = random_ids(2, 1000, seed=12).cuda()
     rows = [[100, 1, 300, 77, 1, 521], [640, 3, 357]]
     positions = torch.stack([_positions(r) for r in rows]).cuda()

@@ -102,6 +102,34 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 CUDNN_KERNEL = FusedKernel(_cudnn_forward, _cudnn_backward)
 
 
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _torch_forward(q, k, v, causal: bool, scale: float):
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def _torch_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    p = torch.exp(_scores(q, k, causal, scale) - lse.float()[..., None])
+    dout = dout.float()
+    ds = p * (dout @ v.float().transpose(-1, -2) - (dout * out.float()).sum(-1, keepdim=True))
+    grads = (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ dout
+    return tuple(g.to(q.dtype) for g in grads)  # as cuDNN: in the inputs' dtype
+
+
+TORCH_KERNEL = FusedKernel(_torch_forward, _torch_backward, (torch.bfloat16, torch.float16, torch.float32))
+"""The FusedKernel contract in plain float32 torch: packed documents' short segments run on it."""
+SHORT_SEGMENT = 64
+"""Packed documents: a segment call with fewer query rows (after folding) or keys than this runs on
+TORCH_KERNEL, not cuDNN (documents of a few tokens make such calls; see WindowedAttention)."""
+
+
 def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
     """The backend's backward_delta: none, since the fused kernel computes rowsum(dO * O) from out."""
     return None
@@ -156,8 +184,14 @@ def _local_keys(q, k_pool, v_pool, page_table, query_start: int):
 class WindowedAttention:
     """reference.py's dense contract on a :class:`FusedKernel`, one kernel call per key window."""
 
-    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
+    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL, short_kernel: FusedKernel = TORCH_KERNEL,
+                 short_segment: int = SHORT_SEGMENT) -> None:
         self.kernel = kernel
+        self.short_kernel, self.short_segment = short_kernel, short_segment
+
+    def _segment_kernel(self, queries: int, keys: int) -> FusedKernel:
+        """The kernel of a packed-documents call of ``queries`` rows and ``keys`` keys."""
+        return self.short_kernel if min(queries, keys) < self.short_segment else self.kernel
 
     def _windows(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
         """Validate the inputs; return the key windows to run: the given one, or history then chunk."""
@@ -239,7 +273,7 @@ class WindowedAttention:
                 if lo == query_start:
                     for a, e, _ in segments:
                         k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
-                        out_w[rows, :, a:e], lse_w[rows, :, a:e] = self.kernel.forward(
+                        out_w[rows, :, a:e], lse_w[rows, :, a:e] = self._segment_kernel(e - a, e - a).forward(
                             q[rows, :, a:e].contiguous(), k, v, True, scale)
                     continue
                 _, e, start = segments[0]  # only the chunk's first document has history
@@ -247,7 +281,8 @@ class WindowedAttention:
                 if first >= hi:
                     continue  # the document starts after this window: its queries see none of it
                 k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
-                o, s = self.kernel.forward(_fold(q[rows, :, :e], Hkv), k, v, False, scale)
+                o, s = self._segment_kernel(Hq // Hkv * e, hi - first).forward(_fold(q[rows, :, :e], Hkv), k, v,
+                                                                                False, scale)
                 out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, e), s.reshape(1, Hq, e)
             out, lse = (out_w, lse_w) if out is None else merge_window(out.float(), lse, out_w.float(), lse_w)
         return out.to(out_dtype or q.dtype), lse
@@ -268,7 +303,8 @@ class WindowedAttention:
                     for a, e, _ in segments:
                         k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
                         do_s, q_s, out_s, lse_s = (x[rows, :, a:e].contiguous() for x in (dout, q, out, lse))
-                        dq_s, dk, dv = self.kernel.backward(do_s, q_s, k, v, out_s, lse_s, True, scale)
+                        kernel = self._segment_kernel(e - a, e - a)
+                        dq_s, dk, dv = kernel.backward(do_s, q_s, k, v, out_s, lse_s, True, scale)
                         dq[rows, :, a:e] += dq_s
                         dk_own[rows, :, a:e] = dk.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
                         dv_own[rows, :, a:e] = dv.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
@@ -280,7 +316,8 @@ class WindowedAttention:
                 k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
                 do_f, q_f, out_f = (_fold(x[rows, :, :e], Hkv) for x in (dout, q, out))
                 lse_f = lse[rows, :, :e].reshape(1, Hkv, -1).contiguous()
-                dq_w, dk, dv = self.kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
+                kernel = self._segment_kernel(Hq // Hkv * e, hi - first)
+                dq_w, dk, dv = kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
                 dq[rows, :, :e] += _unfold(dq_w, Hkv, e)
                 pad = first - first // P * P  # keys before the document in its first page get zeros
                 for pool, grad in ((dk_pool, dk), (dv_pool, dv)):
