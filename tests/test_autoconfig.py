@@ -263,3 +263,16 @@ def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_di
     assert "configuration:" not in capsys.readouterr().out
     ran = yaml.safe_load((tmp_path / "out2" / "config.yaml").read_text())["oomb"]
     assert ran["checkpoint_layers"] is True and ran["backend"] == "auto"
+
+
+def test_float32_documents_on_cuda_take_the_torch_kernels():
+    """A masked step (packed documents, windows) of a float32 model on CUDA gets torch, as an unmasked one:
+    Triton's float32 kernels take minutes to compile (fp32_first_step_h200_2026-12-02.json)."""
+    from helpers import build_tiny_model
+
+    import oomb.engine
+
+    model = build_tiny_model("qwen2", seed=0)
+    for masked in (False, True):
+        backend = oomb.engine._select_step_backend(model, OOMBConfig(), torch.device("cuda"), masked)
+        assert backend.name == "torch"
