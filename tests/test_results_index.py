@@ -70,7 +70,7 @@ def test_index_entries_agree_with_their_json(suite, index):
         recorded = str(data.get("command", "")) if isinstance(data, dict) else ""
         if recorded:
             words = shlex.split(s["command"].split("&&")[-1].replace("<", "").replace(">", ""))
-            start = next(i for i, w in enumerate(words) if w == "oomb" or w.endswith(".py"))  # after launchers
+            start = next(i for i, w in enumerate(words) if w == "oomb" or w.endswith((".py", ".sh")))  # after launchers
             flags = [w for w in words[start:] if w.startswith("--")]
             absent = [f for f in flags if f not in recorded.split()]
             assert not absent, f"{s['name']}: {absent} not in the recorded command {recorded!r}"
