@@ -19,7 +19,7 @@ ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("minmax", "mean", "exact")
 SPARSE_SELECTIONS = ("kv_head", "shared")
-SPARSE_POOLINGS = ("max", "softmax")
+SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -67,10 +67,12 @@ class OOMBConfig:
     queries chooses its own pages. Larger groups read the same compute budget but select fewer
     distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
     Hkv x (sinks + budget) pages per chunk)."""
-    sparse_pooling: Literal["max", "softmax"] = "max"
+    sparse_pooling: Literal["max", "softmax", "softmax_max"] = "max"
     """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
     per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
-    estimate of the block's attention mass on the page)."""
+    estimate of the block's attention mass on the page); "softmax_max": each row's softmax over every
+    page it sees (history and own chunk), the best row's (an estimate of the largest probability any
+    query puts on the page)."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)

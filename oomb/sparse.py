@@ -30,11 +30,15 @@ GPU, from tensor cores with exact products and float32 sums):
   summary-based score approximates, for `oomb gradcheck` to separate scoring error from budget error.
 
 A block's score for a page combines the block's rows (its queries x the G query heads of the KV
-head): "max" pooling keeps a page if any row wants it; "softmax" pooling sums each row's softmax over
-the history pages (an estimate of the block's attention mass there, as InfLLM-v2 pools over a GQA
-group). ``leak_free`` scores a block with the queries of the block before it and its own first
-query (the previous chunk's last page for a chunk's first block), all at or before the block's
-first token, so that no query changes which pages an earlier query of its block reads.
+head): "max" pooling keeps a page if any row's score is high; "softmax" pooling sums each row's
+softmax over the history pages (an estimate of the block's attention mass there, as InfLLM-v2 pools
+over a GQA group); "softmax_max" keeps the largest estimated *probability* any row puts on the page:
+each row's scaled scores are normalised by their log-sum-exp over the history pages and the chunk's
+own pages the row can see, so a row with large logits everywhere no longer outvotes the rows that
+concentrate on a few pages (with the exact score, this per-row normalisation and the max over rows
+are what met the near-dense target on a real model: docs/real_model.md). ``leak_free`` scores a
+block with the queries of the block before it and its own first query (the previous chunk's last
+page for a chunk's first block), all at or before the block's first token, so that no query changes which pages an earlier query of its block reads.
 
 When the sinks plus the budget cover every history page there is nothing to choose: the selection
 is ``None`` and the chunk runs the dense code path (so a large budget is dense attention, bit for bit).
@@ -72,7 +76,7 @@ class SparseOptions:
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection
-    pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax"
+    pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax" | "softmax_max"
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
 
@@ -125,6 +129,7 @@ def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | Non
 def block_scores(
     q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions,
     scale: float | None = None, previous: torch.Tensor | None = None,
+    own: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Score of every (query block, history page) pair.
 
@@ -135,6 +140,9 @@ def block_scores(
         options: score rule, granularity, leak-free, pooling.
         scale: the attention's logit scale (default D**-0.5); pooling "softmax" needs it.
         previous: leak-free only: the previous chunk's last page of queries (leak_free_rows).
+        own: pooling "softmax_max" only: the summaries of the chunk's own pages, (B, n_blocks, Hkv, D)
+            each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
+            before the block's first query), None: history pages only.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -161,7 +169,13 @@ def block_scores(
         keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)  # (B, n_hist, Hkv, 2D)
     else:
         keys = summaries["key_mean"]
-    keys_t = keys.to(compute).permute(0, 2, 3, 1).reshape(B * Hkv, -1, n_hist)  # (B Hkv, D or 2D, n_hist), once
+    n_own = 0
+    if options.pooling == "softmax_max" and own is not None:
+        own_keys = torch.cat([own["key_max"], own["key_min"]], dim=-1) if options.score == "minmax" else own["key_mean"]
+        n_own = own_keys.shape[1]
+        keys = torch.cat([keys, own_keys], dim=1)
+    keys_t = keys.to(compute).permute(0, 2, 3, 1).reshape(B * Hkv, -1, n_hist + n_own)  # (B Hkv, D or 2D, pages), once
+    scale = scale if scale is not None else D ** -0.5
 
     rows_per_block = G * rows.shape[4]
     blocks_per_tile = max(1, SCORE_TILE_ELEMENTS // max(1, B * Hkv * rows_per_block * n_hist))
@@ -173,12 +187,22 @@ def block_scores(
             r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
         r = r.reshape(B * Hkv, -1, r.shape[-1])
         s = matmul_float32(r, keys_t, "scoring")
-        s = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist)
+        s = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist + n_own)
         if options.pooling == "softmax":
             # Each row's estimated share of its attention over the history, summed over the block's rows
             # (InfLLM-v2 pools softmaxed scores over a GQA group): a page many rows want beats one that a
             # single row scores high, and heads with large logits no longer outvote the others.
-            out[:, :, b0:b1] = torch.softmax(s * (scale if scale is not None else D ** -0.5), dim=-1).sum(dim=3)
+            out[:, :, b0:b1] = torch.softmax(s * scale, dim=-1).sum(dim=3)
+        elif options.pooling == "softmax_max":
+            # Each row's estimated log-probability of the page (its scores normalised over every page it
+            # sees: the history and its own chunk's pages up to its block), the best row's per page.
+            logits = s * scale
+            if n_own:
+                block = torch.arange(b0, b1, device=q.device)[:, None]  # (blocks, 1)
+                # Own pages after the block; leak-free, its own page too (its summary covers later keys).
+                hidden = torch.arange(n_own, device=q.device)[None, :] >= block + (0 if options.leak_free else 1)
+                logits[..., n_hist:] = logits[..., n_hist:].masked_fill(hidden[:, None, :], float("-inf"))
+            out[:, :, b0:b1] = (logits[..., :n_hist] - logits.logsumexp(dim=-1, keepdim=True)).amax(dim=3)
         else:
             out[:, :, b0:b1] = s.amax(dim=3)
     if options.selection == "shared":
@@ -230,6 +254,7 @@ def exact_block_scores(
         mass = (s_hist - lse[..., None]).exp().reshape(B, Hkv, G, r1 - r0, n_hist, P).sum(dim=-1)
         pad = (b1 - b0) * P - (r1 - r0)  # rows past the chunk's end: zero mass changes neither pooling
         mass = torch.nn.functional.pad(mass, (0, 0, 0, pad)).reshape(B, Hkv, G, b1 - b0, P, n_hist)
+        # "max" and "softmax_max" are the same here: the exact masses are already each row's probabilities.
         pooled = mass.sum(dim=(2, 4)) if options.pooling == "softmax" else mass.amax(dim=(2, 4))
         out[:, :, b0:b1] = pooled
     if options.selection == "shared":
@@ -302,6 +327,12 @@ def select_pages(
         return None
     if options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
+    elif options.pooling == "softmax_max":
+        n_own = -(-chunk.length // P)
+        pages = store.history_summaries(layer, n_hist + n_own)
+        history = {name: summary[:, :n_hist] for name, summary in pages.items()}
+        own = {name: summary[:, n_hist:] for name, summary in pages.items()}
+        scores = block_scores(q, history, P, options, scale, previous, own)
     else:
         scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
     first_pages = block_first_pages(documents, chunk, P) if documents is not None else None

@@ -165,9 +165,10 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
 
 
 @pytest.mark.parametrize("resident", [0, 1])
-@pytest.mark.parametrize(("selection", "group"), [("kv_head", 1), ("shared", 1), ("kv_head", 4)])
+@pytest.mark.parametrize(("selection", "group", "pooling"), [("kv_head", 1, "max"), ("shared", 1, "max"),
+                                                             ("kv_head", 4, "max"), ("kv_head", 1, "softmax_max")])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
-def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, staging,
+def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, pooling, staging,
                                                                  offload_stores, monkeypatch):
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
     Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies."""
@@ -175,7 +176,8 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
-                           sparse_selection=selection, sparse_query_block_pages=group, **SPARSE)
+                           sparse_selection=selection, sparse_query_block_pages=group, sparse_pooling=pooling,
+                           **SPARSE)
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
     offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -116,6 +116,41 @@ def test_block_scores_match_the_definition(score, leak_free, selection):
                                **TOL)
 
 
+@pytest.mark.parametrize("with_own", [True, False], ids=["own_pages", "history_only"])
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+def test_softmax_max_pooling_is_the_best_rows_estimated_log_probability(score, with_own):
+    """pooling="softmax_max": per row, scale x score of every page it sees (history pages; own pages up
+    to its block) normalised by their log-sum-exp; per page, the best row's value. (Leak-free: the
+    engine-level test below checks no later token changes a selection.)"""
+    s = _scoring(Lq=10, n_hist=9)
+    g = torch.Generator().manual_seed(9)
+    B, Hq, Lq, D = s.q.shape
+    Hkv, P = s.keys.shape[2], s.page
+    n_blocks = -(-Lq // P)
+    own_keys = torch.randn(B, n_blocks, Hkv, P, D, generator=g)
+    own = summarize_pages(own_keys, Lq - (n_blocks - 1) * P, ("key_min", "key_max", "key_mean")) if with_own else None
+    options = _options(score=score, pooling="softmax_max")
+    got = block_scores(s.q, s.summaries, P, options, scale=0.3, own=own)
+    raw = _brute_force_scores(s, _options(score=score))  # only to get the shapes; recomputed per row below
+    want = torch.empty_like(raw)
+    G = Hq // Hkv
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(n_blocks):
+                rows = s.q[b, h * G:(h + 1) * G, j * P:min(Lq, (j + 1) * P)].reshape(-1, D)
+                pages = [(s.summaries, p) for p in range(9)] + ([(own, p) for p in range(j + 1)] if with_own else [])
+                logits = []
+                for summary, p in pages:
+                    if score == "minmax":
+                        lo, hi = summary["key_min"][b, p, h], summary["key_max"][b, p, h]
+                        logits.append(torch.maximum(rows * lo, rows * hi).sum(-1))
+                    else:
+                        logits.append(rows @ summary["key_mean"][b, p, h])
+                logits = torch.stack(logits, dim=-1) * 0.3  # (rows, pages)
+                want[b, h, j] = (logits[:, :9] - logits.logsumexp(-1, keepdim=True)).amax(0)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", ["minmax", "mean"])
 def test_gpu_low_precision_scores_equal_float32_scores_up_to_summation_order(score):
@@ -200,6 +235,29 @@ def test_leak_free_selection_ignores_later_queries_of_the_block():
         else:
             assert not torch.equal(before[:, :, 1], after[:, :, 1])
             assert (after[:, :, 1] == target_page).any(-1).all()
+
+
+def test_leak_free_softmax_max_ignores_later_keys_of_the_chunk():
+    """softmax_max normalises with the chunk's own page summaries: leak-free, block j's selection may
+    use only own pages wholly before its first query, so keys from that query on change nothing."""
+    s = _scoring(Lq=12, P=4, n_hist=9)
+    g = torch.Generator().manual_seed(5)
+    own_keys = torch.randn(2, 3, 2, 4, 8, generator=g)  # (B, n_own pages, Hkv, P, D)
+    changed = own_keys.clone()
+    changed[:, 1, :, 1:] = 40.0  # tokens 5..7: after block 1's first query (token 4)
+    changed[:, 2] = -40.0  # block 2's page
+    options = _options(budget=2, sink_pages=1, leak_free=True, pooling="softmax_max")
+
+    def selection(keys):
+        own = summarize_pages(keys, 4, ("key_min", "key_max"))
+        return top_pages(block_scores(s.q, s.summaries, s.page, options, own=own), options)
+
+    before, after = selection(own_keys), selection(changed)
+    assert torch.equal(before[:, :, :2], after[:, :, :2])  # blocks 0 and 1 read the same pages
+    leaky = replace(options, leak_free=False)
+    scores = [block_scores(s.q, s.summaries, s.page, leaky, own=summarize_pages(k, 4, ("key_min", "key_max")))
+              for k in (own_keys, changed)]
+    assert not torch.equal(scores[0][:, :, 1], scores[1][:, :, 1])  # without leak_free page 1 counts
 
 
 def test_leak_free_scores_a_block_with_the_queries_before_it():
@@ -580,9 +638,12 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=3)),
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=64)),
         ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_score="exact")),
+        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max")),
+        ("qwen3", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max", sparse_leak_free=True,
+                       sparse_query_block_pages=2)),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
-         "one_group_per_chunk", "exact_oracle"],
+         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""
