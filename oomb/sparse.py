@@ -38,7 +38,8 @@ own pages the row can see, so a row with large logits everywhere no longer outvo
 concentrate on a few pages (with the exact score, this per-row normalisation and the max over rows
 are what met the near-dense target on a real model: docs/real_model.md). ``leak_free`` scores a
 block with the queries of the block before it and its own first query (the previous chunk's last
-page for a chunk's first block), all at or before the block's first token, so that no query changes which pages an earlier query of its block reads.
+page for a chunk's first block), all at or before the block's first token, so that no query changes
+which pages an earlier query of its block reads.
 
 When the sinks plus the budget cover every history page there is nothing to choose: the selection
 is ``None`` and the chunk runs the dense code path (so a large budget is dense attention, bit for bit).
