@@ -17,7 +17,7 @@ _DTYPES = {
 }
 ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
-SPARSE_SCORES = ("minmax", "mean", "gaussian", "exact")
+SPARSE_SCORES = ("minmax", "mean", "exact")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 
@@ -50,11 +50,9 @@ class OOMBConfig:
     A budget covering every earlier page is dense attention, bit for bit."""
     sparse_sink_pages: int = 1
     """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
-    sparse_score: Literal["minmax", "mean", "gaussian", "exact"] = "minmax"
+    sparse_score: Literal["minmax", "mean", "exact"] = "minmax"
     """Sparse: how a query block scores an earlier page from its summary. "minmax": Quest's upper
     bound sum_d max(q_d min_d, q_d max_d) from the page's elementwise min and max key; "mean": q . mean key;
-    "gaussian": the page's log attention mass if its keys were Gaussian with the page's per-dimension mean
-    and variance (s q.mean + s^2/2 q^2.var, s the logit scale);
     "exact": the true attention probabilities from every history key (a diagnostic oracle that costs
     a dense score pass: what a perfect summary score would select; no offload, not leak-free)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"

@@ -24,11 +24,6 @@ GPU, from tensor cores with exact products and float32 sums):
   ``sum_d max(q_d min_d, q_d max_d)`` is an upper bound of q . k over the page's keys. It is
   computed as two matmuls: ``relu(q) . max + min(q, 0) . min``.
 * "mean": q . mean key.
-* "gaussian": the page's log-sum-exp of scaled logits if its keys were independent Gaussians per
-  dimension with the page's mean and variance: ``log E[exp(s q.k)] = s q.mean + s^2/2 sum_d q_d^2 var_d``
-  (the log P all full pages share is left out), computed as one matmul ``[q, q^2] . [s mean; s^2/2 var]``.
-  It is an estimate of the page's attention mass, not a bound: the mean alone underestimates a page whose
-  keys spread (RoPE turns them with the position), the variance term puts the spread back.
 * "exact" (a diagnostic, not a fast path): each query row's true attention probability on the
   page's keys, normalised over every key the row sees (history and its own chunk, causally). It
   reads every history key, as a dense score pass does, so it saves no time: it is the oracle a
@@ -78,7 +73,7 @@ class SparseOptions:
 
     budget: int
     sink_pages: int
-    score: str  # "minmax" | "mean" | "gaussian" | "exact"
+    score: str  # "minmax" | "mean" | "exact"
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection
@@ -112,16 +107,6 @@ class SparseOptions:
         if layer in self.dense_layers:
             return history_pages
         return min(history_pages, self.sink_pages + self.budget_of(layer))
-
-
-def _score_keys(summaries: dict[str, torch.Tensor], score: str, scale: float) -> torch.Tensor:
-    """(B, pages, Hkv, D or 2D): what a score multiplies the query rows (or [q, q^2] rows) with."""
-    if score == "minmax":  # one matmul over 2D: [relu(q), min(q, 0)] . [max; min]
-        return torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)
-    if score == "gaussian":
-        return torch.cat([summaries["key_mean"].float() * scale, summaries["key_var"].float() * (scale * scale / 2)],
-                         dim=-1)
-    return summaries["key_mean"]
 
 
 def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | None) -> torch.Tensor:
@@ -180,15 +165,18 @@ def block_scores(
         if n_blocks * P > Lq:
             qf = torch.cat([qf, qf[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
         rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
-    scale = scale if scale is not None else D ** -0.5
-    keys = _score_keys(summaries, options.score, scale)
+    if options.score == "minmax":
+        # One matmul over 2D: [relu(q), min(q, 0)] . [max; min], so each tile's scores are written once.
+        keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)  # (B, n_hist, Hkv, 2D)
+    else:
+        keys = summaries["key_mean"]
     n_own = 0
     if options.pooling == "softmax_max" and own is not None:
-        own_keys = _score_keys(own, options.score, scale)
+        own_keys = torch.cat([own["key_max"], own["key_min"]], dim=-1) if options.score == "minmax" else own["key_mean"]
         n_own = own_keys.shape[1]
         keys = torch.cat([keys, own_keys], dim=1)
     keys_t = keys.to(compute).permute(0, 2, 3, 1).reshape(B * Hkv, -1, n_hist + n_own)  # (B Hkv, D or 2D, pages), once
-    logit_scale = 1.0 if options.score == "gaussian" else scale  # gaussian scores are scaled logits already
+    scale = scale if scale is not None else D ** -0.5
 
     rows_per_block = G * rows.shape[4]
     blocks_per_tile = max(1, SCORE_TILE_ELEMENTS // max(1, B * Hkv * rows_per_block * n_hist))
@@ -198,8 +186,6 @@ def block_scores(
         r = rows[:, :, :, b0:b1].permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, (b1 - b0) * rows_per_block, D)
         if options.score == "minmax":  # sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min
             r = torch.cat([r.clamp(min=0), r.clamp(max=0)], dim=-1)
-        elif options.score == "gaussian":  # s q.mean + s^2/2 q^2.var = [q, q^2] . [s mean; s^2/2 var]
-            r = torch.cat([r, r.square()], dim=-1)
         r = r.reshape(B * Hkv, -1, r.shape[-1])
         s = matmul_float32(r, keys_t, "scoring")
         s = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist + n_own)
@@ -207,11 +193,11 @@ def block_scores(
             # Each row's estimated share of its attention over the history, summed over the block's rows
             # (InfLLM-v2 pools softmaxed scores over a GQA group): a page many rows want beats one that a
             # single row scores high, and heads with large logits no longer outvote the others.
-            out[:, :, b0:b1] = torch.softmax(s * logit_scale, dim=-1).sum(dim=3)
+            out[:, :, b0:b1] = torch.softmax(s * scale, dim=-1).sum(dim=3)
         elif options.pooling == "softmax_max":
             # Each row's estimated log-probability of the page (its scores normalised over every page it
             # sees: the history and its own chunk's pages up to its block), the best row's per page.
-            logits = s * logit_scale
+            logits = s * scale
             if n_own:
                 block = torch.arange(b0, b1, device=q.device)[:, None]  # (blocks, 1)
                 # Own pages after the block; leak-free, its own page too (its summary covers later keys).

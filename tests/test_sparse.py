@@ -39,7 +39,7 @@ def test_store_writes_page_summaries(length):
     P, Hkv, D, B = 4, 2, 8, 2
     store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=20, num_kv_heads=Hkv, head_dim=D, page_size=P,
                          kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
-                         summaries=("key_min", "key_max", "key_mean", "key_var"))
+                         summaries=("key_min", "key_max", "key_mean"))
     chunk = ChunkSpan(0, 0, length)
     store.allocate(chunk)
     # All keys > 0: a zero of the padding would win the min if it counted.
@@ -52,7 +52,6 @@ def test_store_writes_page_summaries(length):
         torch.testing.assert_close(got["key_min"][:, page], keys.amin(2))
         torch.testing.assert_close(got["key_max"][:, page], keys.amax(2))
         torch.testing.assert_close(got["key_mean"][:, page], keys.mean(2))
-        torch.testing.assert_close(got["key_var"][:, page], keys.var(2, unbiased=False))
     store.free(chunk)
 
 
@@ -77,7 +76,7 @@ class Scoring:
 def _scoring(seed=0, B=2, Hkv=2, G=3, Lq=10, D=8, P=4, n_hist=9) -> Scoring:
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(B, n_hist, Hkv, P, D, generator=g)
-    summaries = summarize_pages(keys, P, ("key_min", "key_max", "key_mean", "key_var"))
+    summaries = summarize_pages(keys, P, ("key_min", "key_max", "key_mean"))
     return Scoring(torch.randn(B, Hkv * G, Lq, D, generator=g), keys, summaries, P)
 
 
@@ -99,10 +98,6 @@ def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
                     if options.score == "minmax":
                         lo, hi = s.summaries["key_min"][b, p, h], s.summaries["key_max"][b, p, h]
                         per_row = torch.maximum(rows * lo, rows * hi).sum(-1)
-                    elif options.score == "gaussian":  # log E exp(c q.k), k ~ N(mean, diag(var)), c = D**-0.5
-                        c = D ** -0.5
-                        mean, var = s.summaries["key_mean"][b, p, h], s.summaries["key_var"][b, p, h]
-                        per_row = c * rows @ mean + c * c / 2 * rows.square() @ var
                     else:
                         per_row = rows @ s.summaries["key_mean"][b, p, h]
                     out[b, h, j, p] = per_row.max()
@@ -113,7 +108,7 @@ def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
 
 @pytest.mark.parametrize("selection", ["kv_head", "shared"])
 @pytest.mark.parametrize("leak_free", [False, True], ids=["block", "leak_free"])
-@pytest.mark.parametrize("score", ["minmax", "mean", "gaussian"])
+@pytest.mark.parametrize("score", ["minmax", "mean"])
 def test_block_scores_match_the_definition(score, leak_free, selection):
     s = _scoring()
     options = _options(score=score, leak_free=leak_free, selection=selection)
@@ -122,7 +117,7 @@ def test_block_scores_match_the_definition(score, leak_free, selection):
 
 
 @pytest.mark.parametrize("with_own", [True, False], ids=["own_pages", "history_only"])
-@pytest.mark.parametrize("score", ["minmax", "mean", "gaussian"])
+@pytest.mark.parametrize("score", ["minmax", "mean"])
 def test_softmax_max_pooling_is_the_best_rows_estimated_log_probability(score, with_own):
     """pooling="softmax_max": per row, scale x score of every page it sees (history pages; own pages up
     to its block) normalised by their log-sum-exp; per page, the best row's value. (Leak-free: the
@@ -133,8 +128,7 @@ def test_softmax_max_pooling_is_the_best_rows_estimated_log_probability(score, w
     Hkv, P = s.keys.shape[2], s.page
     n_blocks = -(-Lq // P)
     own_keys = torch.randn(B, n_blocks, Hkv, P, D, generator=g)
-    kinds = ("key_min", "key_max", "key_mean", "key_var")
-    own = summarize_pages(own_keys, Lq - (n_blocks - 1) * P, kinds) if with_own else None
+    own = summarize_pages(own_keys, Lq - (n_blocks - 1) * P, ("key_min", "key_max", "key_mean")) if with_own else None
     options = _options(score=score, pooling="softmax_max")
     got = block_scores(s.q, s.summaries, P, options, scale=0.3, own=own)
     raw = _brute_force_scores(s, _options(score=score))  # only to get the shapes; recomputed per row below
@@ -149,13 +143,10 @@ def test_softmax_max_pooling_is_the_best_rows_estimated_log_probability(score, w
                 for summary, p in pages:
                     if score == "minmax":
                         lo, hi = summary["key_min"][b, p, h], summary["key_max"][b, p, h]
-                        logits.append(0.3 * torch.maximum(rows * lo, rows * hi).sum(-1))
-                    elif score == "gaussian":
-                        mean, var = summary["key_mean"][b, p, h], summary["key_var"][b, p, h]
-                        logits.append(0.3 * rows @ mean + 0.045 * rows.square() @ var)
+                        logits.append(torch.maximum(rows * lo, rows * hi).sum(-1))
                     else:
-                        logits.append(0.3 * rows @ summary["key_mean"][b, p, h])
-                logits = torch.stack(logits, dim=-1)  # (rows, pages), scaled logits
+                        logits.append(rows @ summary["key_mean"][b, p, h])
+                logits = torch.stack(logits, dim=-1) * 0.3  # (rows, pages)
                 want[b, h, j] = (logits[:, :9] - logits.logsumexp(-1, keepdim=True)).amax(0)
     torch.testing.assert_close(got, want, **TOL)
 
@@ -648,12 +639,11 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=64)),
         ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_score="exact")),
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max")),
-        ("mistral", dict(sparse_budget=2, sparse_sink_pages=1, sparse_score="gaussian", sparse_pooling="softmax_max")),
         ("qwen3", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max", sparse_leak_free=True,
                        sparse_query_block_pages=2)),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
-         "one_group_per_chunk", "exact_oracle", "softmax_max", "gaussian-softmax_max", "softmax_max-leak_free-groups"],
+         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

@@ -5,8 +5,7 @@ writes them (``PagedKVStore.write``)::
 
     key_min  (num_pages, Hkv, D)   elementwise min of the page's keys   } the Quest bound ("minmax")
     key_max  (num_pages, Hkv, D)   elementwise max of the page's keys   }
-    key_mean (num_pages, Hkv, D)   mean key of the page                   ("mean", "gaussian")
-    key_var  (num_pages, Hkv, D)   elementwise variance of the page's keys ("gaussian")
+    key_mean (num_pages, Hkv, D)   mean key of the page                   ("mean")
 
 They live next to the pool tensors, indexed by page id like K and V, so they are freed (reused)
 with their pages. With host offload they are the part of the store that stays on the GPU: 2 x Hkv x
@@ -18,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-SUMMARY_KINDS = ("key_min", "key_max", "key_mean", "key_var")
-SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "gaussian": ("key_mean", "key_var"),
-                      "exact": ()}
+SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
+SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": ()}
 """Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves)."""
 
 
@@ -43,13 +41,7 @@ def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> 
         out["key_min"] = pages.masked_fill(~slot_ok, float("inf")).amin(dim=3)
     if "key_max" in kinds:
         out["key_max"] = pages.masked_fill(~slot_ok, float("-inf")).amax(dim=3)
-    if "key_mean" in kinds or "key_var" in kinds:
+    if "key_mean" in kinds:
         count = slot_ok.sum(dim=2).float()  # (n, 1, 1): keys per page
-        keys = pages.float().masked_fill(~slot_ok, 0.0)
-        mean = keys.sum(dim=3) / count
-        if "key_mean" in kinds:
-            out["key_mean"] = mean.to(pages.dtype)
-        if "key_var" in kinds:
-            var = (keys.square().sum(dim=3) / count - mean.square()).clamp(min=0.0)
-            out["key_var"] = var.to(pages.dtype)
+        out["key_mean"] = (pages.float().masked_fill(~slot_ok, 0.0).sum(dim=3) / count).to(pages.dtype)
     return out
