@@ -56,7 +56,7 @@ def test_sizes_must_be_positive_integers(field, value):
         ({"sparse_query_block_pages": 0}, r"sparse_query_block_pages=0 must be an integer >= 1"),
         ({"sparse_query_block_pages": True}, r"sparse_query_block_pages=True must be an integer >= 1"),
         ({"sparse_sink_pages": True}, r"sparse_sink_pages=True must be an integer >= 0"),
-        ({"sparse_score": "max"}, r"sparse_score='max' is not supported; use one of: \('minmax', 'mean'\)"),
+        ({"sparse_score": "max"}, r"sparse_score='max' is not supported; use one of: \('minmax', 'mean', 'exact'\)"),
         ({"sparse_selection": "head"},
          r"sparse_selection='head' is not supported; use one of: \('kv_head', 'shared'\)"),
         ({"sparse_leak_free": 1}, r"sparse_leak_free=1 must be True or False"),
