@@ -214,7 +214,7 @@ def block_scores(
 
 def exact_block_scores(
     q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
-    scale: float | None = None,
+    scale: float | None = None, row_stride: int = 1,
 ) -> torch.Tensor:
     """The "exact" score (the oracle of a summary score): every query row's true attention probability
     on each history page, from the page's keys in the store, pooled over the block's rows as
@@ -222,7 +222,9 @@ def exact_block_scores(
     the block's attention mass there).
 
     Args and result: as block_scores, with the keys read from ``store`` (every history page and
-    the chunk's own pages, written by stage 1 before selection).
+    the chunk's own pages, written by stage 1 before selection). ``row_stride`` > 1 pools only every
+    row_stride-th query of a block (the last of each group), to measure how few queries an exact score
+    needs (benchmarks/sparse_exact_rows.py).
     """
     B, Hq, Lq, D = q.shape
     P = store.page_size
@@ -255,6 +257,7 @@ def exact_block_scores(
         mass = (s_hist - lse[..., None]).exp().reshape(B, Hkv, G, r1 - r0, n_hist, P).sum(dim=-1)
         pad = (b1 - b0) * P - (r1 - r0)  # rows past the chunk's end: zero mass changes neither pooling
         mass = torch.nn.functional.pad(mass, (0, 0, 0, pad)).reshape(B, Hkv, G, b1 - b0, P, n_hist)
+        mass = mass[:, :, :, :, row_stride - 1::row_stride]
         # "max" and "softmax_max" are the same here: the exact masses are already each row's probabilities.
         pooled = mass.sum(dim=(2, 4)) if options.pooling == "softmax" else mass.amax(dim=(2, 4))
         out[:, :, b0:b1] = pooled
