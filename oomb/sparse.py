@@ -109,6 +109,23 @@ class SparseOptions:
         return min(history_pages, self.sink_pages + self.budget_of(layer))
 
 
+def _score_vectors(summaries: dict[str, torch.Tensor], score: str) -> torch.Tensor:
+    """(B, pages, Hkv, D or 2D): what the query rows are multiplied with. minmax: one matmul over 2D,
+    [relu(q), min(q, 0)] . [max; min], so each tile's scores are written once."""
+    if score == "minmax":
+        return torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)
+    return summaries["key_mean"]
+
+
+def _share_over_heads(out: torch.Tensor, options: SparseOptions) -> torch.Tensor:
+    """selection="shared": every KV head gets the pooled score of all heads (summed for softmax pooling,
+    the best otherwise); "kv_head": ``out`` unchanged."""
+    if options.selection != "shared":
+        return out
+    pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
+    return pooled.expand_as(out)
+
+
 def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | None) -> torch.Tensor:
     """(B, Hq, n_blocks, P + 1, D): the rows that score each query block without a leak: the queries of
     the block before it (all earlier than the block's first token) and the block's first query. Block
@@ -165,14 +182,10 @@ def block_scores(
         if n_blocks * P > Lq:
             qf = torch.cat([qf, qf[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
         rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
-    if options.score == "minmax":
-        # One matmul over 2D: [relu(q), min(q, 0)] . [max; min], so each tile's scores are written once.
-        keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)  # (B, n_hist, Hkv, 2D)
-    else:
-        keys = summaries["key_mean"]
+    keys = _score_vectors(summaries, options.score)  # (B, n_hist, Hkv, D or 2D)
     n_own = 0
     if options.pooling == "softmax_max" and own is not None:
-        own_keys = torch.cat([own["key_max"], own["key_min"]], dim=-1) if options.score == "minmax" else own["key_mean"]
+        own_keys = _score_vectors(own, options.score)
         n_own = own_keys.shape[1]
         keys = torch.cat([keys, own_keys], dim=1)
     keys_t = keys.to(compute).permute(0, 2, 3, 1).reshape(B * Hkv, -1, n_hist + n_own)  # (B Hkv, D or 2D, pages), once
@@ -206,10 +219,7 @@ def block_scores(
             out[:, :, b0:b1] = (logits[..., :n_hist] - logits.logsumexp(dim=-1, keepdim=True)).amax(dim=3)
         else:
             out[:, :, b0:b1] = s.amax(dim=3)
-    if options.selection == "shared":
-        pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
-        out = pooled.expand(B, Hkv, n_blocks, n_hist)
-    return out
+    return _share_over_heads(out, options)
 
 
 def exact_block_scores(
@@ -261,10 +271,7 @@ def exact_block_scores(
         # "max" and "softmax_max" are the same here: the exact masses are already each row's probabilities.
         pooled = mass.sum(dim=(2, 4)) if options.pooling == "softmax" else mass.amax(dim=(2, 4))
         out[:, :, b0:b1] = pooled
-    if options.selection == "shared":
-        pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
-        out = pooled.expand(B, Hkv, n_blocks, n_hist)
-    return out
+    return _share_over_heads(out, options)
 
 
 def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
