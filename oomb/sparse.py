@@ -224,7 +224,7 @@ def block_scores(
 
 def exact_block_scores(
     q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
-    scale: float | None = None, row_stride: int = 1,
+    scale: float | None = None, row_stride: int = 1, kernel: bool | None = None,
 ) -> torch.Tensor:
     """The "exact" score (the oracle of a summary score): every query row's true attention probability
     on each history page, from the page's keys in the store, pooled over the block's rows as
@@ -234,10 +234,22 @@ def exact_block_scores(
     Args and result: as block_scores, with the keys read from ``store`` (every history page and
     the chunk's own pages, written by stage 1 before selection). ``row_stride`` > 1 pools only every
     row_stride-th query of a block (the last of each group), to measure how few queries an exact score
-    needs (benchmarks/sparse_exact_rows.py).
+    needs (benchmarks/sparse_exact_rows.py). ``kernel``: score with the fused Triton kernel
+    (oomb/attention/triton_scores.py; max pooling only); None: for CUDA tensors whose page size it
+    takes. The torch code below materialises tiles of logits: the reference, and the CPU's path.
     """
     B, Hq, Lq, D = q.shape
     P = store.page_size
+    if kernel is None:
+        kernel = q.is_cuda and P % 16 == 0 and options.pooling != "softmax"
+    if kernel:
+        if options.pooling == "softmax":
+            raise ValueError("the exact-score kernel pools by the best row (max); pooling 'softmax' runs in torch")
+        from .attention.triton_scores import exact_page_scores
+
+        scores = exact_page_scores(q, store.layers[layer].k, store.page_table, chunk.start,
+                                   scale if scale is not None else D ** -0.5, row_stride)
+        return _share_over_heads(scores, options)
     n_hist = chunk.start // P
     n_blocks = -(-Lq // P)
     pages = store.layers[layer]

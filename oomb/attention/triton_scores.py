@@ -1,0 +1,180 @@
+"""The exact sparse score in Triton: each query's true attention probability on every history page,
+the largest over a query block's rows (oomb/sparse.py ``exact_block_scores`` is the reference).
+
+    exact_page_scores(q, k_pool, page_table, query_start, scale, row_stride) -> (B, Hkv, n_blocks, n_hist)
+
+Why a kernel: the score needs every row's log-sum-exp over every key it sees before any page's
+probability is known, and materialising the (rows x history keys) logits costs far more memory
+traffic than the matmuls. One program owns a tile of one query block's rows (query x group head,
+packed as the attention kernels pack them) and makes two passes over the keys without storing a
+logit:
+
+1. the row's log-sum-exp over the history and its own chunk up to itself (causal), online;
+2. per history page, each row's probability ``sum_k exp(s_rk - lse_r)``, the tile's largest, folded
+   into ``out[b, h, j, page]`` by an atomic max (order-free, so the result is deterministic).
+
+``row_stride`` > 1 scores a block from every row_stride-th query only (the last of each group of
+queries), as the reference's ``row_stride`` does: an eighth of the rows is an eighth of the work.
+
+Pass 1 reads every key the rows see, pass 2 every history key: about one attention forward's
+``Q K^T`` twice, without the ``P V`` products. The keys must be in GPU memory (not offloaded).
+
+Supported: bf16/fp16/fp32, head dims up to 256, any group size, page sizes that are multiples of 16
+(a key tile lies in one page); query_start a multiple of the page size (chunks start on pages).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_paged import (
+    _LOG2E,
+    _TUNING_KEY,
+    CACHE_TUNING,
+    INTERPRET,
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _configs,
+    _key_offsets,
+    _load_tile,
+    _meta,
+    _prune_for_dtype,
+)
+
+_SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)])
+_DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_ob", "stride_oh",
+            "stride_oj"]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Key tiles must lie in one page (BLOCK_N divides P); float32 as the attention kernels (one config)."""
+    page = kwargs.get("PAGE_SIZE") or named_args.get("PAGE_SIZE")
+    fitting = [c for c in configs if page % c.kwargs["BLOCK_N"] == 0] or configs
+    return _prune_for_dtype(fitting, named_args, **kwargs)
+
+
+@triton.jit
+def _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
+                   stride_kp, stride_kt, stride_kd,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) base-2 logits of the rows against keys start_n + offs_n (one page)."""
+    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, offs_n < BLOCK_N, stride_kp, stride_kt,
+                          PAGE_SIZE, BLOCK_N, False)
+    k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n < BLOCK_N, d_ok, False, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+
+
+@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE"], cache_results=CACHE_TUNING,
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=_DYNAMIC)
+def _exact_scores_kernel(
+    q_ptr, k_ptr, table_ptr, out_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kp, stride_kh, stride_kt, stride_kd,
+    stride_tb, stride_ob, stride_oh, stride_oj,
+    num_kv_heads, seq_len, query_start, num_history, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    ROWS: tl.constexpr = (PAGE_SIZE // ROW_STRIDE) * GROUP  # scoring rows of a block
+    TILES: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kvh = pid_bh % num_kv_heads
+    j = tl.program_id(0) // TILES
+    local = (tl.program_id(0) % TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = j * PAGE_SIZE + (local // GROUP) * ROW_STRIDE + ROW_STRIDE - 1  # query index in the chunk
+    row_ok = (local < ROWS) & (qi < seq_len)
+    qi = tl.minimum(qi, seq_len - 1)  # rows past the chunk read a real query; their result is dropped
+    head = (kvh * GROUP + local % GROUP).to(tl.int64)
+    q_pos = query_start + qi
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = _load_tile(q_ptr + b * stride_qb + head[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_ql
+                   + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = scale * _LOG2E
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    table_row_ptr = table_ptr + b * stride_tb
+
+    # Pass 1: each row's base-2 log-sum-exp over every key it sees. Keys before the block's first
+    # query are visible to every row; the rest (the block itself) are masked causally.
+    block_first = query_start + j * PAGE_SIZE
+    last = tl.max(tl.where(row_ok, q_pos, 0))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, block_first, BLOCK_N):
+        s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
+                           stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    for start_n in range(block_first, last + 1, BLOCK_N):
+        s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
+                           stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
+        s = tl.where((start_n + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees its own key in the first such tile
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    lse2 = m_i + tl.log2(l_i)
+
+    # Pass 2: per history page, each row's probability there; the tile's largest, max-folded into out.
+    out_row = out_ptr + b * stride_ob + kvh.to(tl.int64) * stride_oh + j.to(tl.int64) * stride_oj
+    for page in range(0, num_history):
+        mass = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for slot in range(0, PAGE_SIZE, BLOCK_N):
+            s = _scaled_logits(q, k_base, table_row_ptr, page * PAGE_SIZE + slot, offs_n, offs_d, d_ok, qk_scale,
+                               stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
+            mass += tl.sum(tl.exp2(s - lse2[:, None]), 1)
+        tl.atomic_max(out_row + page, tl.max(tl.where(row_ok, mass, 0.0)))
+
+
+def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
+                      scale: float, row_stride: int = 1) -> torch.Tensor:
+    """The exact score with max pooling: (B, Hkv, n_blocks, n_hist) float32, the largest probability
+    any scoring row of a block puts on each history page (n_hist = query_start // P).
+
+    Args:
+        q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
+        k_pool: (num_pages, Hkv, P, D) keys in q's dtype, holding every history page and the chunk's own.
+        page_table: int32 (B, >= ceil((query_start + Lq) / P)).
+        query_start: position of query 0, a multiple of P. scale: the attention's logit scale.
+        row_stride: score from every row_stride-th query of a block (1: all of them).
+    """
+    B, Hq, Lq, D = q.shape
+    _, Hkv, P, _ = k_pool.shape
+    if q.dtype not in SUPPORTED_DTYPES or k_pool.dtype != q.dtype:
+        raise TypeError(f"q and k_pool must share a dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {k_pool.dtype}")
+    if P % 16 or query_start % P or not 1 <= D <= MAX_HEAD_DIM or Hq % Hkv:
+        raise ValueError(f"unsupported shape: page size {P} (a multiple of 16), query_start {query_start} "
+                         f"(a multiple of it), head_dim {D} (<= {MAX_HEAD_DIM}), {Hq} query heads over {Hkv}")
+    if not isinstance(row_stride, int) or not 1 <= row_stride <= P:
+        raise ValueError(f"row_stride={row_stride!r} must be an integer in 1..{P}")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    n_hist, n_blocks = query_start // P, -(-Lq // P)
+    out = torch.zeros((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
+    if B * Lq * n_hist == 0:
+        return out
+    rows = (P // row_stride) * (Hq // Hkv)
+
+    def grid(meta):
+        return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
+
+    _exact_scores_kernel[grid](
+        q, k_pool, page_table, out, *q.stride(), *k_pool.stride(), page_table.stride(0), *out.stride()[:3],
+        Hkv, Lq, query_start, n_hist, float(scale), ROW_STRIDE=row_stride, **_meta(q, Hq, Hkv, D, P),
+    )
+    return out

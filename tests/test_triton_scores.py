@@ -1,0 +1,69 @@
+"""The Triton exact score (oomb/attention/triton_scores.py) vs the torch reference
+(oomb.sparse.exact_block_scores). CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oomb.kv import ChunkSpan, PagedKVStore
+from oomb.sparse import SparseOptions, exact_block_scores
+
+triton_scores = pytest.importorskip("oomb.attention.triton_scores")
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIONS = SparseOptions(budget=2, sink_pages=1, score="exact", selection="kv_head", leak_free=False)
+
+
+def _store_and_queries(B, Hkv, G, D, P, history, length, dtype, seed=0):
+    """A store holding ``history`` tokens then a chunk of ``length`` (pages allocated out of order by
+    a throwaway chunk first), and the chunk's queries."""
+    gen = torch.Generator().manual_seed(seed)
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=history + length + 2 * P, num_kv_heads=Hkv,
+                         head_dim=D, page_size=P, kv_dtype=dtype, grad_dtype=torch.float32,
+                         device=torch.device(DEVICE))
+    spans = [ChunkSpan(0, 0, history), ChunkSpan(1, history, history + length)]
+    for span in spans:
+        store.allocate(span)
+        k = torch.randn(B, Hkv, span.length, D, generator=gen).to(DEVICE, dtype)
+        store.write(0, span, k, torch.randn_like(k))
+    q = (torch.randn(B, Hkv * G, length, D, generator=gen) * 2).to(DEVICE, dtype)
+    return store, spans[1], q
+
+
+@pytest.mark.parametrize("length,row_stride", [(32, 1), (29, 1), (32, 4), (45, 16)])
+def test_exact_scores_kernel_matches_the_reference(length, row_stride):
+    """Every row's probability per history page, the best row's per block: several row tiles per block
+    (G x P rows > the interpreter's 32), a partial last block, strided rows."""
+    B, Hkv, G, D, P = 2, 2, 3, 24, 16
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=48, length=length, dtype=torch.float32)
+    want = exact_block_scores(q, store, 0, chunk, OPTIONS, row_stride=row_stride)
+    got = triton_scores.exact_page_scores(q, store.layers[0].k, store.page_table, chunk.start, D ** -0.5,
+                                          row_stride=row_stride)
+    assert got.shape == want.shape == (B, Hkv, -(-length // P), 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    store.free_all()
+
+
+def test_exact_scores_kernel_in_bf16_and_through_select_pages():
+    """bf16 keys and queries: the reference on the same bf16 values (float32 sums in both); the engine's
+    scoring picks the kernel for CUDA tensors or when asked to."""
+    B, Hkv, G, D, P = 1, 1, 4, 32, 16
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=64, length=32, dtype=torch.bfloat16, seed=1)
+    want = exact_block_scores(q, store, 0, chunk, OPTIONS, kernel=False)
+    got = exact_block_scores(q, store, 0, chunk, OPTIONS, kernel=True)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5)
+    store.free_all()
+
+
+def test_exact_scores_kernel_refuses_what_it_cannot_score():
+    q = torch.zeros(1, 2, 8, 16)
+    k_pool = torch.zeros(4, 1, 8, 16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page size 8"):
+        triton_scores.exact_page_scores(q, k_pool, table, 16, 0.25)
+    with pytest.raises(TypeError, match="share a dtype"):
+        triton_scores.exact_page_scores(q.bfloat16(), torch.zeros(4, 1, 16, 16), table, 16, 0.25)
+    with pytest.raises(ValueError, match="row_stride"):
+        triton_scores.exact_page_scores(q, torch.zeros(4, 1, 16, 16), table, 16, 0.25, row_stride=0)
