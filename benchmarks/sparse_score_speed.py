@@ -7,6 +7,8 @@ Workload (as benchmarks/attention.py): one chunk of 4096 queries of the 7B shape
 
 * ``minmax``: oomb.sparse.block_scores from the pages' min/max summaries, then top_pages (budget 64);
 * ``exact`` (row stride 1, 2, 8): oomb/attention/triton_scores.py, then top_pages;
+* ``rerank`` (factor 2, 4): minmax picks factor x budget candidates, the kernel scores them exactly
+  (oomb.sparse.rerank_block_scores), then top_pages;
 * ``dense_fwd``: triton_paged.paged_attention_forward over the whole history and the chunk.
 
 A step's scoring time is then *estimated* (not measured) for a whole sequence of 28 layers from the
@@ -24,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--strides", type=int, nargs="+", default=[1, 2, 8])
+    p.add_argument("--factors", type=int, nargs="+", default=[2, 4], help="rerank: candidates / budget")
     p.add_argument("--layers", type=int, default=28, help="layers of the estimated step")
     p.add_argument("--steps", type=int, nargs="+", default=[131072, 1048576], help="sequence lengths to estimate")
     p.add_argument("--warmup", type=int, default=2)
@@ -49,14 +53,15 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.histories, args.chunk, args.heads, args.kv_heads = [32, 64], 32, 4, 2
         args.head_dim, args.page, args.budget, args.warmup, args.iters = 16, 16, 1, 0, 1
-        args.steps, args.strides = [128], [1, 4]
+        args.steps, args.strides, args.factors = [128], [1, 4], [2]
     return args
 
 
 def bench_history(args, history: int, device: torch.device, timer) -> dict:
     from oomb.attention import triton_paged, triton_scores
+    from oomb.kv import ChunkSpan
     from oomb.kv.summaries import summarize_pages
-    from oomb.sparse import SparseOptions, block_scores, top_pages
+    from oomb.sparse import SparseOptions, block_scores, candidate_options, rerank_block_scores, top_pages
 
     Hq, Hkv, D, P, Lq = args.heads, args.kv_heads, args.head_dim, args.page, args.chunk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -82,12 +87,28 @@ def bench_history(args, history: int, device: torch.device, timer) -> dict:
             scores = triton_scores.exact_page_scores(q, k_pool, table, history, scale, row_stride=stride)
             return top_pages(scores, options)
         row[f"exact_stride{stride}_ms"] = timer(exact, args.warmup, args.iters)
+    store = _StoreView(k_pool, table, P)
+    chunk = ChunkSpan(1, history, history + Lq)
+    for factor in args.factors:
+        def rerank(factor=factor):
+            candidates = top_pages(block_scores(q, summaries, P, options, scale),
+                                   candidate_options(replace(options, rerank_factor=factor), 0))
+            return top_pages(rerank_block_scores(q, store, 0, chunk, candidates, options, scale), options)
+        row[f"rerank_x{factor}_ms"] = timer(rerank, args.warmup, args.iters)
     row["dense_fwd_ms"] = timer(lambda: triton_paged.paged_attention_forward(q, k_pool, v_pool, table, history, scale),
                                 args.warmup, args.iters)
     # Same pages? The overlap of the two rules' selections (a diagnostic of random data, not of quality).
     chosen = top_pages(triton_scores.exact_page_scores(q, k_pool, table, history, scale), options)
     row["exact_vs_minmax_overlap"] = _overlap(chosen, minmax())
     return row
+
+
+class _StoreView:
+    """The parts of a PagedKVStore that rerank_block_scores reads: one layer's keys and the page table."""
+
+    def __init__(self, k_pool: torch.Tensor, page_table: torch.Tensor, page_size: int):
+        self.layers = [type("Layer", (), {"k": k_pool})()]
+        self.page_table, self.page_size = page_table, page_size
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,10 +151,12 @@ def main() -> None:
         r = rows[-1]
         print(f"history {history:>8}: minmax {r['minmax_ms']:8.2f} ms | "
               + " | ".join(f"exact/{s} {r[f'exact_stride{s}_ms']:8.2f} ms" for s in args.strides)
+              + " | " + " | ".join(f"rerank x{f} {r[f'rerank_x{f}_ms']:8.2f} ms" for f in args.factors)
               + f" | dense fwd {r['dense_fwd_ms']:8.2f} ms | overlap {r['exact_vs_minmax_overlap']:.2f}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    keys = ["minmax_ms", *(f"exact_stride{s}_ms" for s in args.strides), "dense_fwd_ms"]
+    keys = ["minmax_ms", *(f"exact_stride{s}_ms" for s in args.strides), *(f"rerank_x{f}_ms" for f in args.factors),
+            "dense_fwd_ms"]
     estimates = {str(n): {k.removesuffix("_ms"): estimate_step(rows, k, n, args.chunk, args.layers) for k in keys}
                  for n in args.steps}
     for n, est in estimates.items():

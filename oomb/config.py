@@ -17,7 +17,7 @@ _DTYPES = {
 }
 ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
-SPARSE_SCORES = ("minmax", "mean", "exact")
+SPARSE_SCORES = ("minmax", "mean", "exact", "rerank")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 
@@ -50,11 +50,13 @@ class OOMBConfig:
     A budget covering every earlier page is dense attention, bit for bit."""
     sparse_sink_pages: int = 1
     """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
-    sparse_score: Literal["minmax", "mean", "exact"] = "minmax"
+    sparse_score: Literal["minmax", "mean", "exact", "rerank"] = "minmax"
     """Sparse: how a query block scores an earlier page from its summary. "minmax": Quest's upper
     bound sum_d max(q_d min_d, q_d max_d) from the page's elementwise min and max key; "mean": q . mean key;
     "exact": the true attention probabilities from every history key (a diagnostic oracle that costs
-    a dense score pass: what a perfect summary score would select; no offload, not leak-free)."""
+    a dense score pass: what a perfect summary score would select; no offload, not leak-free);
+    "rerank": the minmax bound picks sparse_rerank_factor x budget candidate pages, then each query's
+    true attention probability over the candidates picks the budget (keys read: the candidates')."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
     choice per query block for all heads (the best score of any head)."""
@@ -73,6 +75,8 @@ class OOMBConfig:
     estimate of the block's attention mass on the page); "softmax_max": each row's softmax over every
     page it sees (history and own chunk), the best row's (an estimate of the largest probability any
     query puts on the page)."""
+    sparse_rerank_factor: int = 4
+    """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -130,6 +134,9 @@ class OOMBConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0 (a number of pages)")
+        if isinstance(self.sparse_rerank_factor, bool) or not isinstance(self.sparse_rerank_factor, int) \
+                or self.sparse_rerank_factor < 1:
+            raise ValueError(f"sparse_rerank_factor={self.sparse_rerank_factor!r} must be an integer >= 1")
         if isinstance(self.sparse_query_block_pages, bool) or not isinstance(self.sparse_query_block_pages, int) \
                 or self.sparse_query_block_pages < 1:
             raise ValueError(f"sparse_query_block_pages={self.sparse_query_block_pages!r} must be an integer >= 1")
@@ -138,9 +145,10 @@ class OOMBConfig:
         self._check_layer_options()
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
-        if self.sparse_score == "exact" and (self.offload or self.sparse_leak_free):
-            raise ValueError("sparse_score='exact' reads every history key from the GPU pages and scores a block "
-                             "with its own queries: it cannot be combined with offload=True or sparse_leak_free=True")
+        if self.sparse_score in ("exact", "rerank") and (self.offload or self.sparse_leak_free):
+            raise ValueError(f"sparse_score={self.sparse_score!r} reads history keys from the GPU pages and scores a "
+                             "block with its own queries: it cannot be combined with offload=True or "
+                             "sparse_leak_free=True")
         if self.sparse_selection not in SPARSE_SELECTIONS:
             raise ValueError(
                 f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"

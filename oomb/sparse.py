@@ -53,7 +53,7 @@ pages, which the backend masks (keys before each query's document start get no a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,6 +80,7 @@ class SparseOptions:
     pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax" | "softmax_max"
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
+    rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -89,7 +90,8 @@ class SparseOptions:
         budgets = config.sparse_layer_budgets
         return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
                    config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_pooling,
-                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers))
+                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers),
+                   config.sparse_rerank_factor)
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -286,6 +288,71 @@ def exact_block_scores(
     return _share_over_heads(out, options)
 
 
+def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
+    """The options whose top_pages are the "rerank" score's candidates: ``rerank_factor`` x the layer's
+    budget (the sinks besides), chosen by the minmax bound."""
+    return replace(options, budget=options.rerank_factor * options.budget_of(layer), layer_budgets=None,
+                   dense_layers=frozenset())
+
+
+def rerank_block_scores(
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, candidates: torch.Tensor,
+    options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
+) -> torch.Tensor:
+    """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
+    the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
+    that are not candidates (below every probability, so top_pages keeps candidates).
+
+    Args:
+        candidates: (B, Hkv, n_blocks, M) sorted page-table positions of each block's candidates
+            (top_pages of the minmax scores with candidate_options).
+        kernel: score with the Triton kernel (oomb/attention/triton_scores.py); None: for CUDA tensors
+            whose page size it takes. The torch code below is the reference and the CPU's path.
+    Returns:
+        (B, Hkv, n_blocks, n_hist) float32, as block_scores.
+    """
+    B, Hq, Lq, D = q.shape
+    P = store.page_size
+    n_hist, n_blocks = chunk.start // P, -(-Lq // P)
+    pages = store.layers[layer]
+    Hkv, M = pages.k.shape[1], candidates.shape[3]
+    G = Hq // Hkv
+    scale = scale if scale is not None else D ** -0.5
+    out = torch.full((B, Hkv, n_blocks, n_hist), -1.0, dtype=torch.float32, device=q.device)
+    if kernel is None:
+        kernel = q.is_cuda and P % 16 == 0
+    if kernel:
+        from .attention.triton_scores import exact_page_scores
+
+        listed = candidates.to(torch.int32).contiguous()
+        scores = exact_page_scores(q, pages.k, store.page_table, chunk.start, scale, pages=listed)
+        return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
+    ids = store.page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
+    heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
+    own_ids = store.page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
+    own = pages.k[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
+    pad = n_blocks * P - Lq
+    rows = q.float().reshape(B, Hkv, G, Lq, D)
+    rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
+    row_ok = (torch.arange(n_blocks * P, device=q.device) < Lq).reshape(n_blocks, P)
+    position = torch.arange(n_blocks * P, device=q.device).reshape(n_blocks, P)
+    per_block = B * Hq * P * (M * P + Lq)
+    blocks_per_tile = max(1, (4 * SCORE_TILE_ELEMENTS) // max(1, per_block))
+    for b0 in range(0, n_blocks, blocks_per_tile):
+        b1 = min(b0 + blocks_per_tile, n_blocks)
+        keys = pages.k[ids[:, :, b0:b1], heads].float()  # (B, Hkv, nb, M, P, D)
+        r = rows[:, :, :, b0:b1]  # (B, Hkv, G, nb, P, D)
+        s_cand = torch.einsum("bhgjrd,bhjmkd->bhgjrmk", r, keys) * scale
+        s_own = torch.einsum("bhgjrd,bhkd->bhgjrk", r, own) * scale
+        hidden = torch.arange(Lq, device=q.device) > position[b0:b1, :, None]  # (nb, P, Lq): causal
+        s_own = s_own.masked_fill(hidden, float("-inf"))
+        lse = torch.logaddexp(s_cand.flatten(-2).logsumexp(-1), s_own.logsumexp(-1))  # (B, Hkv, G, nb, P)
+        mass = (s_cand - lse[..., None, None]).exp().sum(-1)  # (B, Hkv, G, nb, P, M)
+        mass = mass.masked_fill(~row_ok[b0:b1, :, None], 0.0)
+        out[:, :, b0:b1].scatter_(3, candidates[:, :, b0:b1].long(), mass.amax(dim=(2, 4)))
+    return _share_over_heads(out, options)
+
+
 def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
               first_pages: torch.Tensor | None = None) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
@@ -348,8 +415,14 @@ def select_pages(
         store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
+    first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
     if options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
+    elif options.score == "rerank":
+        summary = replace(options, score="minmax", pooling="max")
+        minmax = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
+        candidates = top_pages(minmax, candidate_options(options, layer), layer, first_pages)
+        scores = rerank_block_scores(q, store, layer, chunk, candidates, options, scale)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)
@@ -358,7 +431,6 @@ def select_pages(
         scores = block_scores(q, history, P, options, scale, previous, own)
     else:
         scores = block_scores(q, store.history_summaries(layer, n_hist), P, options, scale, previous)
-    first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
     return selection_from_scores(scores, options, layer, first_pages)
 
 

@@ -377,10 +377,67 @@ def test_exact_score_is_the_true_attention_mass_of_each_page(pooling, length):
     store.free_all()
 
 
-def test_exact_score_refuses_offload_and_leak_free():
+@pytest.mark.parametrize("score", ["exact", "rerank"])
+def test_exact_scores_refuse_offload_and_leak_free(score):
     for bad in (dict(offload=True), dict(sparse_leak_free=True)):
-        with pytest.raises(ValueError, match="sparse_score='exact'"):
-            OOMBConfig(attention="sparse", sparse_score="exact", **bad)
+        with pytest.raises(ValueError, match=f"sparse_score='{score}'"):
+            OOMBConfig(attention="sparse", sparse_score=score, **bad)
+    with pytest.raises(ValueError, match="sparse_rerank_factor"):
+        OOMBConfig(attention="sparse", sparse_score="rerank", sparse_rerank_factor=0)
+
+
+def _filled_store(B, Hkv, D, P, spans, seed):
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
+                         page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_min", "key_max"))
+    gen = torch.Generator().manual_seed(seed)
+    for span in spans:
+        store.allocate(span)
+        k = torch.randn(B, Hkv, span.length, D, generator=gen)
+        store.write(0, span, k, torch.randn_like(k))
+    return store, gen
+
+
+@pytest.mark.parametrize("length", [16, 13])
+def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
+    """score="rerank": the minmax bound's top factor x budget pages (and the sinks) are the candidates;
+    each row's softmax over the candidates' keys and its own chunk (causal), per candidate page, the
+    best row's; other pages score -1. With every page a candidate it is the exact score."""
+    P, Hkv, G, D, B, n_hist = 4, 2, 3, 8, 2, 6
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=5)
+    chunk = spans[1]
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    options = _options(score="rerank", budget=1, rerank_factor=2)  # 1 sink + 2 candidates of 6 pages
+    minmax = block_scores(q, store.history_summaries(0, n_hist), P, _options())
+    candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
+    assert candidates.shape[-1] == 3
+    got = oomb.sparse.rerank_block_scores(q, store, 0, chunk, candidates, options)
+
+    k_all = torch.stack([store.layers[0].k[store.page_table[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)
+                         for b in range(B)])[:, :, :n_hist * P + length]  # (B, Hkv, tokens, D)
+    want = torch.full((B, Hkv, -(-length // P), n_hist), -1.0)
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(want.shape[2]):
+                pages = candidates[b, h, j].tolist()
+                best = torch.zeros(n_hist)
+                for g in range(G):
+                    for r in range(j * P, min((j + 1) * P, length)):
+                        visible = [t for p in pages for t in range(p * P, (p + 1) * P)]
+                        visible += list(range(n_hist * P, n_hist * P + r + 1))
+                        logits = (q[b, h * G + g, r] @ k_all[b, h, visible].T) * D ** -0.5
+                        probs = torch.softmax(logits, dim=0)
+                        for i, p in enumerate(pages):
+                            best[p] = max(best[p], probs[i * P:(i + 1) * P].sum())
+                want[b, h, j, pages] = best[pages]
+    torch.testing.assert_close(got, want, **TOL)
+    everything = oomb.sparse.rerank_block_scores(
+        q, store, 0, chunk, torch.arange(n_hist, dtype=torch.int32).expand(B, Hkv, want.shape[2], -1), options)
+    torch.testing.assert_close(everything, exact_block_scores(q, store, 0, chunk, options), **TOL)
+    # Through select_pages: the budget's best of the candidates.
+    assert torch.equal(select_pages(q, store, 0, chunk, options), top_pages(want, options))
+    store.free_all()
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,3 +67,24 @@ def test_exact_scores_kernel_refuses_what_it_cannot_score():
         triton_scores.exact_page_scores(q.bfloat16(), torch.zeros(4, 1, 16, 16), table, 16, 0.25)
     with pytest.raises(ValueError, match="row_stride"):
         triton_scores.exact_page_scores(q, torch.zeros(4, 1, 16, 16), table, 16, 0.25, row_stride=0)
+
+
+@pytest.mark.parametrize("length", [32, 29])
+def test_listed_pages_kernel_matches_the_rerank_reference(length):
+    """score="rerank": probabilities over each block's listed candidate pages (normaliser: those pages
+    and the chunk, causal), scattered into the history's columns, -1 elsewhere."""
+    B, Hkv, G, D, P = 2, 2, 3, 24, 16
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=80, length=length, dtype=torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    n_blocks = -(-length // P)
+    candidates = torch.stack([torch.randperm(5, generator=gen)[:3].sort().values
+                              for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 3)
+    candidates = candidates.to(DEVICE, torch.int32)
+    options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=False)
+    from oomb.sparse import rerank_block_scores
+
+    want = rerank_block_scores(q, store, 0, chunk, candidates, options, kernel=False)
+    got = rerank_block_scores(q, store, 0, chunk, candidates, options, kernel=True)
+    assert (got == -1).sum() == (want == -1).sum() == B * Hkv * n_blocks * 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    store.free_all()

@@ -2,9 +2,9 @@
 # H200 checks of the exact sparse score's Triton kernel, run from a clean export of the commit
 # (.gpu_carry/src.tar, `git archive --prefix=src/ HEAD`):
 #   its GPU tests, the per-call scoring cost (benchmarks/sparse_score_speed.py) and 128K steps of the
-#   7B shape's standard workload with the exact and the minmax score.
+#   7B shape's standard workload with the exact, rerank and minmax scores.
 # Usage (device tool, carry [".gpu_carry"]): bash benchmarks/gpu/exact_score.sh [PART...]
-#   PART: tests, speed, minmax, exact, exact_g32, minmax_g32 (default: tests speed minmax exact)
+#   PART: tests, speed, minmax, exact, rerank, rerank2, exact_g32, minmax_g32 (default: tests speed minmax exact)
 set -u
 ROOT=$PWD
 FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes back
@@ -29,6 +29,9 @@ for part in "${@:-tests speed minmax exact}"; do
       exact) run 150 bench_exact "${B[@]}" --sparse-score exact --name sparse_exact_128k ;;
       minmax_g32) run 150 bench_minmax_g32 "${B[@]}" --sparse-score minmax --query-block-pages 32 \
                       --name sparse_minmax_g32_128k ;;
+      rerank) run 150 bench_rerank "${B[@]}" --sparse-score rerank --name sparse_rerank_128k ;;
+      rerank2) run 150 bench_rerank2 "${B[@]}" --sparse-score rerank --sparse-rerank-factor 2 \
+                   --name sparse_rerank2_128k ;;
       exact_g32) run 150 bench_exact_g32 "${B[@]}" --sparse-score exact --query-block-pages 32 \
                      --name sparse_exact_g32_128k ;;
     esac

@@ -43,15 +43,19 @@ from .triton_paged import (
     _prune_for_dtype,
 )
 
-_SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)])
-_DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_ob", "stride_oh",
-            "stride_oj"]
+# The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits).
+_SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
+_DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
+            "stride_lj", "stride_ob", "stride_oh", "stride_oj"]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Key tiles must lie in one page (BLOCK_N divides P); float32 as the attention kernels (one config)."""
+    """Key tiles must lie in one page (BLOCK_N divides P), and the smallest tile only serves pages no
+    larger tile fits; float32 as the attention kernels (one config)."""
     page = kwargs.get("PAGE_SIZE") or named_args.get("PAGE_SIZE")
-    fitting = [c for c in configs if page % c.kwargs["BLOCK_N"] == 0] or configs
+    fitting = [c for c in configs if page % c.kwargs["BLOCK_N"] == 0]
+    larger = [c for c in fitting if c.kwargs["BLOCK_N"] > 16]
+    fitting = larger or fitting
     return _prune_for_dtype(fitting, named_args, **kwargs)
 
 
@@ -69,20 +73,29 @@ def _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_s
     return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE"], cache_results=CACHE_TUNING,
+@triton.jit
+def _online_lse(m_i, l_i, s):
+    """One tile of base-2 logits folded into the running (max, sum of exp2) of each row."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+
+
+@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _exact_scores_kernel(
-    q_ptr, k_ptr, table_ptr, out_ptr,
+    q_ptr, k_ptr, table_ptr, list_ptr, out_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
-    stride_tb, stride_ob, stride_oh, stride_oj,
+    stride_tb, stride_lb, stride_lh, stride_lj, stride_ob, stride_oh, stride_oj,
     num_kv_heads, seq_len, query_start, num_history, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows."""
+    """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
+    the history is the block's listed pages (``num_history`` of them, page-table positions in
+    ``list_ptr``) and ``out`` has one column per listed page; else every page before query_start."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -108,43 +121,55 @@ def _exact_scores_kernel(
     qk_scale = scale * _LOG2E
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     table_row_ptr = table_ptr + b * stride_tb
+    list_row_ptr = list_ptr + b * stride_lb + kvh.to(tl.int64) * stride_lh + j.to(tl.int64) * stride_lj
 
-    # Pass 1: each row's base-2 log-sum-exp over every key it sees. Keys before the block's first
-    # query are visible to every row; the rest (the block itself) are masked causally.
+    # Pass 1: each row's base-2 log-sum-exp over every key it sees: the history (or the listed pages),
+    # the chunk before the block (visible to every row), the block itself (causal).
     block_first = query_start + j * PAGE_SIZE
     last = tl.max(tl.where(row_ok, q_pos, 0))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(0, block_first, BLOCK_N):
+    if LISTED:
+        for i in range(0, num_history):
+            first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
+            for slot in range(0, PAGE_SIZE, BLOCK_N):
+                s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
+                                   stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
+                m_i, l_i = _online_lse(m_i, l_i, s)
+        own_first = query_start
+    else:
+        own_first = 0
+    for start_n in range(own_first, block_first, BLOCK_N):
         s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
                            stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-        m_i = m_new
+        m_i, l_i = _online_lse(m_i, l_i, s)
     for start_n in range(block_first, last + 1, BLOCK_N):
         s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
                            stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
         s = tl.where((start_n + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees its own key in the first such tile
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-        m_i = m_new
+        m_i, l_i = _online_lse(m_i, l_i, s)  # finite: every row sees its own key in the first such tile
     lse2 = m_i + tl.log2(l_i)
 
-    # Pass 2: per history page, each row's probability there; the tile's largest, max-folded into out.
+    # Pass 2: per history (listed) page, each row's probability there; the tile's largest, max-folded
+    # into out (atomics of a max: the result does not depend on the programs' order).
     out_row = out_ptr + b * stride_ob + kvh.to(tl.int64) * stride_oh + j.to(tl.int64) * stride_oj
-    for page in range(0, num_history):
+    for i in range(0, num_history):
+        if LISTED:
+            first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
+        else:
+            first_key = i * PAGE_SIZE
         mass = tl.zeros([BLOCK_M], dtype=tl.float32)
         for slot in range(0, PAGE_SIZE, BLOCK_N):
-            s = _scaled_logits(q, k_base, table_row_ptr, page * PAGE_SIZE + slot, offs_n, offs_d, d_ok, qk_scale,
+            s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
                                stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
             mass += tl.sum(tl.exp2(s - lse2[:, None]), 1)
-        tl.atomic_max(out_row + page, tl.max(tl.where(row_ok, mass, 0.0)))
+        tl.atomic_max(out_row + i, tl.max(tl.where(row_ok, mass, 0.0)))
 
 
 def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
-                      scale: float, row_stride: int = 1) -> torch.Tensor:
-    """The exact score with max pooling: (B, Hkv, n_blocks, n_hist) float32, the largest probability
-    any scoring row of a block puts on each history page (n_hist = query_start // P).
+                      scale: float, row_stride: int = 1, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact score with max pooling: the largest probability any scoring row of a block puts on
+    each history page.
 
     Args:
         q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
@@ -152,6 +177,12 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         page_table: int32 (B, >= ceil((query_start + Lq) / P)).
         query_start: position of query 0, a multiple of P. scale: the attention's logit scale.
         row_stride: score from every row_stride-th query of a block (1: all of them).
+        pages: None, or (B, Hkv, n_blocks, M) int32 page-table positions of the history pages each
+            block scores ("rerank"'s candidates): the rows' probabilities are then normalised over
+            these pages' keys and the chunk's own (causal), not over the whole history.
+    Returns:
+        (B, Hkv, n_blocks, n_hist) float32, n_hist = query_start // P; with ``pages``: (B, Hkv,
+        n_blocks, M), the score of each listed page.
     """
     B, Hq, Lq, D = q.shape
     _, Hkv, P, _ = k_pool.shape
@@ -164,17 +195,26 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         raise ValueError(f"row_stride={row_stride!r} must be an integer in 1..{P}")
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    n_hist, n_blocks = query_start // P, -(-Lq // P)
-    out = torch.zeros((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
-    if B * Lq * n_hist == 0:
+    n_blocks = -(-Lq // P)
+    if pages is not None:
+        if pages.dtype != torch.int32 or pages.shape[:3] != (B, Hkv, n_blocks) or pages.stride(3) != 1:
+            raise ValueError(f"pages must be int32 (B, Hkv, n_blocks, M) = ({B}, {Hkv}, {n_blocks}, M) with "
+                             f"contiguous rows; got {pages.dtype} {tuple(pages.shape)}")
+        n_scored = pages.shape[3]
+    else:
+        n_scored = query_start // P
+    out = torch.zeros((B, Hkv, n_blocks, n_scored), dtype=torch.float32, device=q.device)
+    if B * Lq * n_scored == 0:
         return out
     rows = (P // row_stride) * (Hq // Hkv)
+    listed = pages if pages is not None else out  # an unused pointer when nothing is listed
 
     def grid(meta):
         return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
 
     _exact_scores_kernel[grid](
-        q, k_pool, page_table, out, *q.stride(), *k_pool.stride(), page_table.stride(0), *out.stride()[:3],
-        Hkv, Lq, query_start, n_hist, float(scale), ROW_STRIDE=row_stride, **_meta(q, Hq, Hkv, D, P),
+        q, k_pool, page_table, listed, out, *q.stride(), *k_pool.stride(), page_table.stride(0),
+        *listed.stride()[:3], *out.stride()[:3], Hkv, Lq, query_start, n_scored, float(scale),
+        ROW_STRIDE=row_stride, LISTED=pages is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 
 SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
-SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": ()}
-"""Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves)."""
+SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": (),
+                      "rerank": ("key_min", "key_max")}
+"""Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves, "rerank"
+the minmax bounds for its candidates, then the candidates' keys)."""
 
 
 def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -85,6 +85,8 @@ class BenchOptions:
     """Sparse modes: how a block's score rows combine (OOMBConfig.sparse_pooling)."""
     sparse_score: str = OOMBConfig.sparse_score
     """Sparse modes: how a block scores a page (OOMBConfig.sparse_score)."""
+    sparse_rerank_factor: int = OOMBConfig.sparse_rerank_factor
+    """Sparse modes, score "rerank": candidates per block / budget (OOMBConfig.sparse_rerank_factor)."""
     warmup_tokens: int = 8192
     progress: bool = False
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
@@ -123,7 +125,8 @@ class BenchOptions:
                           checkpoint_layers=self.checkpoint_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
-                          sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score)
+                          sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
+                          sparse_rerank_factor=self.sparse_rerank_factor)
 
     def sparse_assumptions(self) -> SparseAssumptions:
         """The planner's view of the sparse options (for the predicted column)."""
@@ -535,6 +538,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {d.sparse_budget})")
     parser.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help=f"default {d.sparse_pooling}")
     parser.add_argument("--sparse-score", choices=SPARSE_SCORES, help=f"default {d.sparse_score}")
+    parser.add_argument("--sparse-rerank-factor", type=int,
+                        help=f"score rerank: candidate pages / budget (default {d.sparse_rerank_factor})")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--progress", action="store_true", default=None,
                         help="show each oomb step's progress over its chunks (stderr)")
@@ -549,8 +554,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
                  "deterministic", "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget",
-                 "sparse_pooling", "sparse_score", "warmup_tokens", "progress", "max_seconds", "seed", "threads",
-                 "out_dir", "name"):
+                 "sparse_pooling", "sparse_score", "sparse_rerank_factor", "warmup_tokens", "progress",
+                 "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.no_checkpoint_layers:

@@ -63,6 +63,7 @@ class GradcheckOptions:
     selection: str = "kv_head"
     leak_free: bool = False
     query_block_pages: int = 1
+    rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -216,8 +217,12 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
     budgets = [None] if layer_budgets is not None else options.budgets
-    for score, pooling, budget in itertools.product(options.scores, options.poolings, budgets):
-        config = OOMBConfig(**{**asdict(base), "attention": "sparse",
+    arms = [(score, pooling, budget, factor) for score, pooling, budget in
+            itertools.product(options.scores, options.poolings, budgets)
+            for factor in (options.rerank_factors if score == "rerank" else [None])]
+    for score, pooling, budget, factor in arms:
+        extra = {"sparse_rerank_factor": factor} if factor is not None else {}
+        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse",
                                "sparse_budget": budget if budget is not None else max(layer_budgets),
                                "sparse_sink_pages": options.sink_pages, "sparse_score": score,
                                "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
@@ -227,7 +232,7 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config))
-        runs.append({"score": score, "pooling": pooling,
+        runs.append({"score": score if factor is None else f"rerank x{factor}", "pooling": pooling,
                      "budget": budget if budget is not None else "per layer", "loss": loss,
                      "seconds": time.perf_counter() - start,
                      "history_read": history_read(ids.shape[1], config, model_layers(model)),
@@ -294,6 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--leak-free", action="store_true", help="score each block with its first query only")
     parser.add_argument("--query-block-pages", type=int, default=d.query_block_pages,
                         help="consecutive query blocks (pages of queries) sharing one selection")
+    parser.add_argument("--rerank-factors", type=int, nargs="+", default=d.rerank_factors,
+                        help="score rerank: candidate pages per block as multiples of the budget")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
