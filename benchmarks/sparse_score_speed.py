@@ -87,13 +87,12 @@ def bench_history(args, history: int, device: torch.device, timer) -> dict:
             scores = triton_scores.exact_page_scores(q, k_pool, table, history, scale, row_stride=stride)
             return top_pages(scores, options)
         row[f"exact_stride{stride}_ms"] = timer(exact, args.warmup, args.iters)
-    store = _StoreView(k_pool, table, P)
     chunk = ChunkSpan(1, history, history + Lq)
     for factor in args.factors:
         def rerank(factor=factor):
             candidates = top_pages(block_scores(q, summaries, P, options, scale),
                                    candidate_options(replace(options, rerank_factor=factor), 0))
-            return top_pages(rerank_block_scores(q, store, 0, chunk, candidates, options, scale), options)
+            return top_pages(rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale), options)
         row[f"rerank_x{factor}_ms"] = timer(rerank, args.warmup, args.iters)
     row["dense_fwd_ms"] = timer(lambda: triton_paged.paged_attention_forward(q, k_pool, v_pool, table, history, scale),
                                 args.warmup, args.iters)
@@ -101,14 +100,6 @@ def bench_history(args, history: int, device: torch.device, timer) -> dict:
     chosen = top_pages(triton_scores.exact_page_scores(q, k_pool, table, history, scale), options)
     row["exact_vs_minmax_overlap"] = _overlap(chosen, minmax())
     return row
-
-
-class _StoreView:
-    """The parts of a PagedKVStore that rerank_block_scores reads: one layer's keys and the page table."""
-
-    def __init__(self, k_pool: torch.Tensor, page_table: torch.Tensor, page_size: int):
-        self.layers = [type("Layer", (), {"k": k_pool})()]
-        self.page_table, self.page_size = page_table, page_size
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -56,7 +56,8 @@ class OOMBConfig:
     "exact": the true attention probabilities from every history key (a diagnostic oracle that costs
     a dense score pass: what a perfect summary score would select; no offload, not leak-free);
     "rerank": the minmax bound picks sparse_rerank_factor x budget candidate pages, then each query's
-    true attention probability over the candidates picks the budget (keys read: the candidates')."""
+    true attention probability over the candidates picks the budget (keys read: the candidates'; with
+    offload they move to the GPU in stage 1; not leak-free)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
     choice per query block for all heads (the best score of any head)."""
@@ -145,10 +146,12 @@ class OOMBConfig:
         self._check_layer_options()
         if self.sparse_score not in SPARSE_SCORES:
             raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
-        if self.sparse_score in ("exact", "rerank") and (self.offload or self.sparse_leak_free):
-            raise ValueError(f"sparse_score={self.sparse_score!r} reads history keys from the GPU pages and scores a "
-                             "block with its own queries: it cannot be combined with offload=True or "
-                             "sparse_leak_free=True")
+        if self.sparse_score == "exact" and self.offload:
+            raise ValueError("sparse_score='exact' reads every history key from the GPU pages: it cannot be "
+                             "combined with offload=True (sparse_score='rerank' reads only its candidates' keys)")
+        if self.sparse_score in ("exact", "rerank") and self.sparse_leak_free:
+            raise ValueError(f"sparse_score={self.sparse_score!r} scores a block with its own queries: it cannot be "
+                             "combined with sparse_leak_free=True")
         if self.sparse_selection not in SPARSE_SELECTIONS:
             raise ValueError(
                 f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"

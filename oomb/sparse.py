@@ -296,7 +296,7 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
 
 
 def rerank_block_scores(
-    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, candidates: torch.Tensor,
+    q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
@@ -304,6 +304,8 @@ def rerank_block_scores(
     that are not candidates (below every probability, so top_pages keeps candidates).
 
     Args:
+        k_pool, page_table: keys (num_pages, Hkv, P, D) and the table that places the candidates and
+            the chunk's own pages in them (PagedKVStore.scoring_keys).
         candidates: (B, Hkv, n_blocks, M) sorted page-table positions of each block's candidates
             (top_pages of the minmax scores with candidate_options).
         kernel: score with the Triton kernel (oomb/attention/triton_scores.py); None: for CUDA tensors
@@ -312,10 +314,9 @@ def rerank_block_scores(
         (B, Hkv, n_blocks, n_hist) float32, as block_scores.
     """
     B, Hq, Lq, D = q.shape
-    P = store.page_size
+    _, Hkv, P, _ = k_pool.shape
     n_hist, n_blocks = chunk.start // P, -(-Lq // P)
-    pages = store.layers[layer]
-    Hkv, M = pages.k.shape[1], candidates.shape[3]
+    M = candidates.shape[3]
     G = Hq // Hkv
     scale = scale if scale is not None else D ** -0.5
     out = torch.full((B, Hkv, n_blocks, n_hist), -1.0, dtype=torch.float32, device=q.device)
@@ -325,12 +326,12 @@ def rerank_block_scores(
         from .attention.triton_scores import exact_page_scores
 
         listed = candidates.to(torch.int32).contiguous()
-        scores = exact_page_scores(q, pages.k, store.page_table, chunk.start, scale, pages=listed)
+        scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed)
         return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
-    ids = store.page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
+    ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
-    own_ids = store.page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
-    own = pages.k[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
+    own_ids = page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
+    own = k_pool[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
     pad = n_blocks * P - Lq
     rows = q.float().reshape(B, Hkv, G, Lq, D)
     rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
@@ -340,7 +341,7 @@ def rerank_block_scores(
     blocks_per_tile = max(1, (4 * SCORE_TILE_ELEMENTS) // max(1, per_block))
     for b0 in range(0, n_blocks, blocks_per_tile):
         b1 = min(b0 + blocks_per_tile, n_blocks)
-        keys = pages.k[ids[:, :, b0:b1], heads].float()  # (B, Hkv, nb, M, P, D)
+        keys = k_pool[ids[:, :, b0:b1], heads].float()  # (B, Hkv, nb, M, P, D)
         r = rows[:, :, :, b0:b1]  # (B, Hkv, G, nb, P, D)
         s_cand = torch.einsum("bhgjrd,bhjmkd->bhgjrmk", r, keys) * scale
         s_own = torch.einsum("bhgjrd,bhkd->bhgjrk", r, own) * scale
@@ -422,7 +423,8 @@ def select_pages(
         summary = replace(options, score="minmax", pooling="max")
         minmax = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
         candidates = top_pages(minmax, candidate_options(options, layer), layer, first_pages)
-        scores = rerank_block_scores(q, store, layer, chunk, candidates, options, scale)
+        with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
+            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)

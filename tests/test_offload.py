@@ -165,19 +165,22 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
 
 
 @pytest.mark.parametrize("resident", [0, 1])
-@pytest.mark.parametrize(("selection", "group", "pooling"), [("kv_head", 1, "max"), ("shared", 1, "max"),
-                                                             ("kv_head", 4, "max"), ("kv_head", 1, "softmax_max")])
+@pytest.mark.parametrize(("selection", "group", "pooling", "score"),
+                         [("kv_head", 1, "max", "minmax"), ("shared", 1, "max", "minmax"),
+                          ("kv_head", 4, "max", "minmax"), ("kv_head", 1, "softmax_max", "minmax"),
+                          ("kv_head", 1, "max", "rerank")])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
-def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, pooling, staging,
+def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, pooling, score, staging,
                                                                  offload_stores, monkeypatch):
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
-    Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies."""
+    Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies.
+    Score "rerank": its candidates' keys are staged in stage 1 for scoring."""
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
                            sparse_selection=selection, sparse_query_block_pages=group, sparse_pooling=pooling,
-                           **SPARSE)
+                           sparse_score=score, sparse_rerank_factor=2, **SPARSE)
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
     offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})

@@ -379,7 +379,9 @@ def test_exact_score_is_the_true_attention_mass_of_each_page(pooling, length):
 
 @pytest.mark.parametrize("score", ["exact", "rerank"])
 def test_exact_scores_refuse_offload_and_leak_free(score):
-    for bad in (dict(offload=True), dict(sparse_leak_free=True)):
+    """Both score with a block's own queries (no leak-free variant); exact reads every history key from
+    the GPU (no offload), rerank only its candidates' (staged with offload)."""
+    for bad in ((dict(offload=True),) if score == "exact" else ()) + (dict(sparse_leak_free=True),):
         with pytest.raises(ValueError, match=f"sparse_score='{score}'"):
             OOMBConfig(attention="sparse", sparse_score=score, **bad)
     with pytest.raises(ValueError, match="sparse_rerank_factor"):
@@ -412,7 +414,7 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
     minmax = block_scores(q, store.history_summaries(0, n_hist), P, _options())
     candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
     assert candidates.shape[-1] == 3
-    got = oomb.sparse.rerank_block_scores(q, store, 0, chunk, candidates, options)
+    got = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options)
 
     k_all = torch.stack([store.layers[0].k[store.page_table[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)
                          for b in range(B)])[:, :, :n_hist * P + length]  # (B, Hkv, tokens, D)
@@ -432,8 +434,8 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
                             best[p] = max(best[p], probs[i * P:(i + 1) * P].sum())
                 want[b, h, j, pages] = best[pages]
     torch.testing.assert_close(got, want, **TOL)
-    everything = oomb.sparse.rerank_block_scores(
-        q, store, 0, chunk, torch.arange(n_hist, dtype=torch.int32).expand(B, Hkv, want.shape[2], -1), options)
+    every_page = torch.arange(n_hist, dtype=torch.int32).expand(B, Hkv, want.shape[2], -1)
+    everything = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, every_page, options)
     torch.testing.assert_close(everything, exact_block_scores(q, store, 0, chunk, options), **TOL)
     # Through select_pages: the budget's best of the candidates.
     assert torch.equal(select_pages(q, store, 0, chunk, options), top_pages(want, options))

@@ -83,8 +83,8 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length):
     options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=False)
     from oomb.sparse import rerank_block_scores
 
-    want = rerank_block_scores(q, store, 0, chunk, candidates, options, kernel=False)
-    got = rerank_block_scores(q, store, 0, chunk, candidates, options, kernel=True)
+    want = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options, kernel=False)
+    got = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options, kernel=True)
     assert (got == -1).sum() == (want == -1).sum() == B * Hkv * n_blocks * 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     store.free_all()

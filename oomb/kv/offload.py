@@ -391,6 +391,43 @@ class OffloadedKVStore(PagedKVStore):
             self._finish_selected_backward(index, chunk, staged)
         self._prefetch(self._next_call(layer, chunk, grads, stage_one=staged.stage_one))
 
+    @contextmanager
+    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Stage 1 of an offloaded layer: only keys move, those of the distinct pages in ``history``
+        (from the host, as selected pages move) and the chunk's own (still on the GPU), with a page
+        table of the staged layout. One device sync, to read the positions."""
+        index = self._offloaded(layer)
+        fresh = self._fresh_kv.get((layer, chunk.index))
+        if index is None:
+            with super().scoring_keys(layer, chunk, history) as keys:
+                yield keys
+            return
+        if fresh is None:
+            raise RuntimeError(f"scoring keys of offloaded layer {layer} are staged in stage 1, after its write")
+        first, last = self._page_range(chunk)
+        positions = torch.unique(history.cpu()).tolist()
+        columns = positions + list(range(first, last))
+        n, B, own = len(columns), self.batch_size, last - first
+        table = torch.zeros((B, last), dtype=torch.int32)
+        table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
+        table = table.to(self.device, non_blocking=True)
+        keys = torch.empty((B * n, *self.host["k"].shape[3:]), dtype=self.host["k"].dtype, device=self.device)
+        with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
+            if self.mapped_host is not None:
+                self._gather_pages(index, positions, {"k": keys})
+            else:
+                self._copy_runs(index, _runs(positions, self.grad_on_host[index]), {"k": keys})
+            ready = torch.cuda.Event() if self.copy_stream is not None else None
+            if ready is not None:
+                ready.record(self.copy_stream)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        self._keep_alive(keys)
+        for b in range(B):
+            keys[b * n + len(positions):(b + 1) * n].copy_(fresh[0][b * own:(b + 1) * own])
+        yield keys, table
+
     def _stage_selection(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor,
                          grads: bool) -> _StagedSelection:
         """Start moving a sparse call's pages (and, for backward, gradients or zeros) to the GPU: the

@@ -256,6 +256,14 @@ class PagedKVStore:
         return {name: summary[ids] for name, summary in self._layer_summaries(layer).items()}
 
     @contextmanager
+    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(k_pool, page_table) holding the keys of the history pages at the page-table positions in
+        ``history`` (any shape) and of the chunk's own pages, as stage 1 wrote them: what an exact page
+        score over candidate pages reads (oomb/sparse.py). Here: the layer's pool and table."""
+        yield self.layers[layer].k, self.page_table
+
+    @contextmanager
     def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
         """Sparse mode: where the pages ``selection`` names and the chunk's own pages can be read
         (and, with grads, their gradients added), as a WindowView over all keys up to the chunk's end."""
