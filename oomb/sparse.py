@@ -422,7 +422,9 @@ def select_pages(
     elif options.score == "rerank":
         summary = replace(options, score="minmax", pooling="max")
         minmax = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
-        candidates = top_pages(minmax, candidate_options(options, layer), layer, first_pages)
+        # Candidates per group of query_block_pages blocks (the group shares its selection): with
+        # offload, stage 1 then moves at most one candidate set per group and KV head.
+        candidates = selection_from_scores(minmax, candidate_options(options, layer), layer, first_pages)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale)
     elif options.pooling == "softmax_max":

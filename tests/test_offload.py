@@ -168,7 +168,7 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
 @pytest.mark.parametrize(("selection", "group", "pooling", "score"),
                          [("kv_head", 1, "max", "minmax"), ("shared", 1, "max", "minmax"),
                           ("kv_head", 4, "max", "minmax"), ("kv_head", 1, "softmax_max", "minmax"),
-                          ("kv_head", 1, "max", "rerank")])
+                          ("kv_head", 1, "max", "rerank"), ("kv_head", 4, "max", "rerank")])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
 def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, pooling, score, staging,
                                                                  offload_stores, monkeypatch):
