@@ -53,7 +53,6 @@ pages, which the backend masks (keys before each query's document start get no a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -296,51 +295,13 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
                    dense_layers=frozenset())
 
 
-def rest_log_mass(q: torch.Tensor, key_mean: torch.Tensor, candidates: torch.Tensor, page_size: int,
-                  scale: float, first_pages: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, Hq, Lq) float32: each query row's estimated log attention mass (unnormalised, natural log) on
-    the history pages that are *not* its block's candidates, from the pages' mean keys:
-    ``logsumexp_p (scale q . mean_p + log P)``, a page's log-sum-exp if its keys all equalled their
-    mean (by Jensen's inequality, no more than the true one). -inf when every page is a candidate.
-
-    Args:
-        key_mean: (B, n_hist, Hkv, D) the history pages' mean keys. candidates: (B, Hkv, n_blocks, M).
-        first_pages: packed documents: (B, n_blocks) each block's document's first page; pages before
-            it are invisible to the block and count nothing.
-    """
-    B, Hq, Lq, D = q.shape
-    n_hist, Hkv = key_mean.shape[1], key_mean.shape[2]
-    G, P = Hq // Hkv, page_size
-    n_blocks = -(-Lq // P)
-    compute = q.dtype if tensor_cores_give_float32(q, key_mean) else torch.float32
-    means_t = key_mean.to(compute).permute(0, 2, 3, 1).reshape(B * Hkv, D, n_hist)
-    out = torch.empty((B, Hkv, G, n_blocks * P), dtype=torch.float32, device=q.device)
-    qf = q.to(compute)
-    if n_blocks * P > Lq:
-        qf = torch.cat([qf, qf[:, :, -1:].expand(B, Hq, n_blocks * P - Lq, D)], dim=2)
-    rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
-    blocks_per_tile = max(1, SCORE_TILE_ELEMENTS // max(1, B * Hq * P * n_hist))
-    for b0 in range(0, n_blocks, blocks_per_tile):
-        b1 = min(b0 + blocks_per_tile, n_blocks)
-        r = rows[:, :, :, b0:b1].permute(0, 1, 3, 2, 4, 5).reshape(B * Hkv, -1, D)  # (B Hkv, nb G P, D)
-        s = matmul_float32(r, means_t, "scoring").reshape(B, Hkv, b1 - b0, G * P, n_hist) * scale
-        s = s.scatter(4, candidates[:, :, b0:b1, None, :].long().expand(-1, -1, -1, G * P, -1), float("-inf"))
-        if first_pages is not None:
-            before = torch.arange(n_hist, device=q.device) < first_pages[:, b0:b1, None].to(q.device)  # (B, nb, n)
-            s = s.masked_fill(before[:, None, :, None, :], float("-inf"))
-        lse = (s.logsumexp(dim=-1) + math.log(P)).reshape(B, Hkv, b1 - b0, G, P)
-        out[..., b0 * P:b1 * P] = lse.permute(0, 1, 3, 2, 4).reshape(B, Hkv, G, -1)
-    return out[..., :Lq].reshape(B, Hq, Lq)
-
-
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
-    rest: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
-    the candidates' keys, the row's own chunk (causally) and ``rest``, the best row's per block; -1 for
-    pages that are not candidates (below every probability, so top_pages keeps candidates).
+    the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
+    that are not candidates (below every probability, so top_pages keeps candidates).
 
     Args:
         k_pool, page_table: keys (num_pages, Hkv, P, D) and the table that places the candidates and
@@ -349,8 +310,6 @@ def rerank_block_scores(
             (top_pages of the minmax scores with candidate_options).
         kernel: score with the Triton kernel (oomb/attention/triton_scores.py); None: for CUDA tensors
             whose page size it takes. The torch code below is the reference and the CPU's path.
-        rest: (B, Hq, Lq) float32 log mass each row puts on the pages that are not candidates
-            (rest_log_mass), added to its normaliser; None: nothing.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores.
     """
@@ -367,7 +326,7 @@ def rerank_block_scores(
         from .attention.triton_scores import exact_page_scores
 
         listed = candidates.to(torch.int32).contiguous()
-        scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed, rest=rest)
+        scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed)
         return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
     ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
@@ -376,9 +335,6 @@ def rerank_block_scores(
     pad = n_blocks * P - Lq
     rows = q.float().reshape(B, Hkv, G, Lq, D)
     rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
-    if rest is not None:
-        rest = torch.nn.functional.pad(rest.float().reshape(B, Hkv, G, Lq), (0, pad), value=float("-inf"))
-        rest = rest.reshape(B, Hkv, G, n_blocks, P)
     row_ok = (torch.arange(n_blocks * P, device=q.device) < Lq).reshape(n_blocks, P)
     position = torch.arange(n_blocks * P, device=q.device).reshape(n_blocks, P)
     per_block = B * Hq * P * (M * P + Lq)
@@ -392,8 +348,6 @@ def rerank_block_scores(
         hidden = torch.arange(Lq, device=q.device) > position[b0:b1, :, None]  # (nb, P, Lq): causal
         s_own = s_own.masked_fill(hidden, float("-inf"))
         lse = torch.logaddexp(s_cand.flatten(-2).logsumexp(-1), s_own.logsumexp(-1))  # (B, Hkv, G, nb, P)
-        if rest is not None:
-            lse = torch.logaddexp(lse, rest[:, :, :, b0:b1])
         mass = (s_cand - lse[..., None, None]).exp().sum(-1)  # (B, Hkv, G, nb, P, M)
         mass = mass.masked_fill(~row_ok[b0:b1, :, None], 0.0)
         out[:, :, b0:b1].scatter_(3, candidates[:, :, b0:b1].long(), mass.amax(dim=(2, 4)))
@@ -467,15 +421,12 @@ def select_pages(
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
     elif options.score == "rerank":
         summary = replace(options, score="minmax", pooling="max")
-        summaries = store.history_summaries(layer, n_hist)
-        minmax = block_scores(q, summaries, P, summary, scale)
+        minmax = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
         candidates = selection_from_scores(minmax, candidate_options(options, layer), layer, first_pages)
-        rest = rest_log_mass(q, summaries["key_mean"], candidates, P,
-                             scale if scale is not None else q.shape[-1] ** -0.5, first_pages)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
-            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, rest=rest)
+            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)

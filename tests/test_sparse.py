@@ -388,10 +388,10 @@ def test_exact_scores_refuse_offload_and_leak_free(score):
         OOMBConfig(attention="sparse", sparse_score="rerank", sparse_rerank_factor=0)
 
 
-def _filled_store(B, Hkv, D, P, spans, seed, summaries=("key_min", "key_max")):
+def _filled_store(B, Hkv, D, P, spans, seed):
     store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
                          page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
-                         summaries=summaries)
+                         summaries=("key_min", "key_max"))
     gen = torch.Generator().manual_seed(seed)
     for span in spans:
         store.allocate(span)
@@ -400,13 +400,24 @@ def _filled_store(B, Hkv, D, P, spans, seed, summaries=("key_min", "key_max")):
     return store, gen
 
 
-def _rerank_brute_force(q, k_all, candidates, n_hist, P, length, mean=None):
-    """Per block and KV head: each row's probability on each candidate page, its softmax taken over the
-    candidates' keys and its chunk up to itself, plus (``mean`` given) P exp(q . mean_p / sqrt(D)) for
-    every other page p; the best row's; -1 off the candidates."""
-    B, Hq, _, D = q.shape
-    Hkv = k_all.shape[1]
-    G = Hq // Hkv
+@pytest.mark.parametrize("length", [16, 13])
+def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
+    """score="rerank": the minmax bound's top factor x budget pages (and the sinks) are the candidates;
+    each row's softmax over the candidates' keys and its own chunk (causal), per candidate page, the
+    best row's; other pages score -1. With every page a candidate it is the exact score."""
+    P, Hkv, G, D, B, n_hist = 4, 2, 3, 8, 2, 6
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=5)
+    chunk = spans[1]
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    options = _options(score="rerank", budget=1, rerank_factor=2)  # 1 sink + 2 candidates of 6 pages
+    minmax = block_scores(q, store.history_summaries(0, n_hist), P, _options())
+    candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
+    assert candidates.shape[-1] == 3
+    got = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options)
+
+    k_all = torch.stack([store.layers[0].k[store.page_table[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)
+                         for b in range(B)])[:, :, :n_hist * P + length]  # (B, Hkv, tokens, D)
     want = torch.full((B, Hkv, -(-length // P), n_hist), -1.0)
     for b in range(B):
         for h in range(Hkv):
@@ -415,52 +426,18 @@ def _rerank_brute_force(q, k_all, candidates, n_hist, P, length, mean=None):
                 best = torch.zeros(n_hist)
                 for g in range(G):
                     for r in range(j * P, min((j + 1) * P, length)):
-                        row = q[b, h * G + g, r]
                         visible = [t for p in pages for t in range(p * P, (p + 1) * P)]
                         visible += list(range(n_hist * P, n_hist * P + r + 1))
-                        weights = ((row @ k_all[b, h, visible].T) * D ** -0.5).exp()
-                        total = weights.sum()
-                        if mean is not None:
-                            total += sum(P * ((row @ mean[b, p, h]) * D ** -0.5).exp()
-                                         for p in range(n_hist) if p not in pages)
+                        logits = (q[b, h * G + g, r] @ k_all[b, h, visible].T) * D ** -0.5
+                        probs = torch.softmax(logits, dim=0)
                         for i, p in enumerate(pages):
-                            best[p] = max(best[p], weights[i * P:(i + 1) * P].sum() / total)
+                            best[p] = max(best[p], probs[i * P:(i + 1) * P].sum())
                 want[b, h, j, pages] = best[pages]
-    return want
-
-
-@pytest.mark.parametrize("length", [16, 13])
-def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
-    """score="rerank": the minmax bound's top factor x budget pages (and the sinks) are the candidates;
-    each row's softmax over the candidates' keys, its own chunk (causal) and the estimated mass of the
-    other pages (P keys equal to the page's mean each), per candidate page, the best row's; other pages
-    score -1. With every page a candidate (and so no rest) it is the exact score."""
-    P, Hkv, G, D, B, n_hist = 4, 2, 3, 8, 2, 6
-    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
-    store, gen = _filled_store(B, Hkv, D, P, spans, seed=5, summaries=("key_min", "key_max", "key_mean"))
-    chunk = spans[1]
-    q = torch.randn(B, Hkv * G, length, D, generator=gen)
-    options = _options(score="rerank", budget=1, rerank_factor=2)  # 1 sink + 2 candidates of 6 pages
-    summaries = store.history_summaries(0, n_hist)
-    minmax = block_scores(q, summaries, P, _options())
-    candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
-    assert candidates.shape[-1] == 3
-    k_all = torch.stack([store.layers[0].k[store.page_table[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)
-                         for b in range(B)])[:, :, :n_hist * P + length]  # (B, Hkv, tokens, D)
-    k_pool, table = store.layers[0].k, store.page_table
-
-    got = oomb.sparse.rerank_block_scores(q, k_pool, table, chunk, candidates, options)
-    torch.testing.assert_close(got, _rerank_brute_force(q, k_all, candidates, n_hist, P, length), **TOL)
-    rest = oomb.sparse.rest_log_mass(q, summaries["key_mean"], candidates, P, D ** -0.5)
-    with_rest = oomb.sparse.rerank_block_scores(q, k_pool, table, chunk, candidates, options, rest=rest)
-    want = _rerank_brute_force(q, k_all, candidates, n_hist, P, length, mean=summaries["key_mean"])
-    torch.testing.assert_close(with_rest, want, **TOL)
+    torch.testing.assert_close(got, want, **TOL)
     every_page = torch.arange(n_hist, dtype=torch.int32).expand(B, Hkv, want.shape[2], -1)
-    no_rest = oomb.sparse.rest_log_mass(q, summaries["key_mean"], every_page, P, D ** -0.5)
-    assert torch.isneginf(no_rest).all()
-    everything = oomb.sparse.rerank_block_scores(q, k_pool, table, chunk, every_page, options, rest=no_rest)
+    everything = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, every_page, options)
     torch.testing.assert_close(everything, exact_block_scores(q, store, 0, chunk, options), **TOL)
-    # Through select_pages: the budget's best of the candidates, the rest's mass estimated.
+    # Through select_pages: the budget's best of the candidates.
     assert torch.equal(select_pages(q, store, 0, chunk, options), top_pages(want, options))
     store.free_all()
 

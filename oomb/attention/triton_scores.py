@@ -46,7 +46,7 @@ from .triton_paged import (
 # The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits).
 _SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
 _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
-            "stride_lj", "stride_rb", "stride_rh", "stride_rl", "stride_ob", "stride_oh", "stride_oj"]
+            "stride_lj", "stride_ob", "stride_oh", "stride_oj"]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -80,23 +80,22 @@ def _online_lse(m_i, l_i, s):
     return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED", "REST"], cache_results=CACHE_TUNING,
+@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _exact_scores_kernel(
-    q_ptr, k_ptr, table_ptr, list_ptr, rest_ptr, out_ptr,
+    q_ptr, k_ptr, table_ptr, list_ptr, out_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
-    stride_tb, stride_lb, stride_lh, stride_lj, stride_rb, stride_rh, stride_rl, stride_ob, stride_oh, stride_oj,
+    stride_tb, stride_lb, stride_lh, stride_lj, stride_ob, stride_oh, stride_oj,
     num_kv_heads, seq_len, query_start, num_history, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
-    REST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
     the history is the block's listed pages (``num_history`` of them, page-table positions in
-    ``list_ptr``) and ``out`` has one column per listed page; else every page before query_start.
-    REST: each row's normaliser starts from ``rest_ptr``'s log mass (natural log, may be -inf)."""
+    ``list_ptr``) and ``out`` has one column per listed page; else every page before query_start."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -130,11 +129,6 @@ def _exact_scores_kernel(
     last = tl.max(tl.where(row_ok, q_pos, 0))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if REST:  # the estimated mass of the pages not listed, as a running (max, sum) of one term
-        rest = tl.load(rest_ptr + b * stride_rb + head * stride_rh + qi.to(tl.int64) * stride_rl, mask=row_ok,
-                       other=float("-inf"))
-        m_i = rest * _LOG2E
-        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     if LISTED:
         for i in range(0, num_history):
             first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
@@ -173,8 +167,7 @@ def _exact_scores_kernel(
 
 
 def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
-                      scale: float, row_stride: int = 1, pages: torch.Tensor | None = None,
-                      rest: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, row_stride: int = 1, pages: torch.Tensor | None = None) -> torch.Tensor:
     """The exact score with max pooling: the largest probability any scoring row of a block puts on
     each history page.
 
@@ -187,8 +180,6 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         pages: None, or (B, Hkv, n_blocks, M) int32 page-table positions of the history pages each
             block scores ("rerank"'s candidates): the rows' probabilities are then normalised over
             these pages' keys and the chunk's own (causal), not over the whole history.
-        rest: None, or (B, Hq, Lq) float32: each row's log mass on the pages not listed (an estimate,
-            oomb.sparse.rest_log_mass), added to its normaliser.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_hist = query_start // P; with ``pages``: (B, Hkv,
         n_blocks, M), the score of each listed page.
@@ -217,16 +208,13 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         return out
     rows = (P // row_stride) * (Hq // Hkv)
     listed = pages if pages is not None else out  # an unused pointer when nothing is listed
-    if rest is not None and (rest.dtype != torch.float32 or rest.shape != (B, Hq, Lq)):
-        raise ValueError(f"rest must be float32 ({B}, {Hq}, {Lq}); got {rest.dtype} {tuple(rest.shape)}")
-    rest_t = rest if rest is not None else q  # an unused pointer without one
 
     def grid(meta):
         return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
 
     _exact_scores_kernel[grid](
-        q, k_pool, page_table, listed, rest_t, out, *q.stride(), *k_pool.stride(), page_table.stride(0),
-        *listed.stride()[:3], *rest_t.stride()[:3], *out.stride()[:3], Hkv, Lq, query_start, n_scored, float(scale),
-        ROW_STRIDE=row_stride, LISTED=pages is not None, REST=rest is not None, **_meta(q, Hq, Hkv, D, P),
+        q, k_pool, page_table, listed, out, *q.stride(), *k_pool.stride(), page_table.stride(0),
+        *listed.stride()[:3], *out.stride()[:3], Hkv, Lq, query_start, n_scored, float(scale),
+        ROW_STRIDE=row_stride, LISTED=pages is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out

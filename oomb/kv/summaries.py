@@ -19,9 +19,9 @@ import torch
 
 SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
 SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": (),
-                      "rerank": ("key_min", "key_max", "key_mean")}
+                      "rerank": ("key_min", "key_max")}
 """Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves, "rerank"
-the minmax bounds for its candidates, the mean keys for the rest's mass, then the candidates' keys)."""
+the minmax bounds for its candidates, then the candidates' keys)."""
 
 
 def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
