@@ -532,6 +532,15 @@ class SparseAssumptions:
     """Keep stage 1's selection (int32 page ids per query block, layer and KV head) for stage 2;
     False: recompute it deterministically in stage 2 (no memory)."""
 
+    @classmethod
+    def from_config(cls, config) -> SparseAssumptions:
+        """The assumptions of an OOMBConfig's sparse options (its score decides the summaries kept)."""
+        from .kv.summaries import SUMMARIES_OF_SCORE
+
+        return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
+                   query_block_pages=config.sparse_query_block_pages,
+                   summary_vectors=len(SUMMARIES_OF_SCORE[config.resolved_sparse_score]))
+
 
 @dataclass(frozen=True)
 class MemoryPrediction:

@@ -88,10 +88,10 @@ class SparseOptions:
         if config.attention != "sparse":
             return None
         budgets = config.sparse_layer_budgets
-        return cls(config.sparse_budget, config.sparse_sink_pages, config.sparse_score, config.sparse_selection,
-                   config.sparse_leak_free, config.sparse_query_block_pages, config.sparse_pooling,
-                   tuple(budgets) if budgets is not None else None, frozenset(config.sparse_dense_layers),
-                   config.sparse_rerank_factor)
+        return cls(config.sparse_budget, config.sparse_sink_pages, config.resolved_sparse_score,
+                   config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
+                   config.sparse_pooling, tuple(budgets) if budgets is not None else None,
+                   frozenset(config.sparse_dense_layers), config.sparse_rerank_factor)
 
     @property
     def summaries(self) -> tuple[str, ...]:

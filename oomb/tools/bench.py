@@ -131,8 +131,7 @@ class BenchOptions:
     def sparse_assumptions(self) -> SparseAssumptions:
         """The planner's view of the sparse options (for the predicted column)."""
         config = self.oomb_config()
-        return SparseAssumptions(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
-                                 query_block_pages=config.sparse_query_block_pages)
+        return SparseAssumptions.from_config(config)
 
 
 QUICK = dict(preset=presets.TINY_PRESET, contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,

@@ -241,8 +241,7 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     relative step time of ``config``."""
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
-    sparse = SparseAssumptions(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
-                               query_block_pages=config.sparse_query_block_pages)
+    sparse = SparseAssumptions.from_config(config)
     p = predict(mode, workload.shape, workload.seq_len, config, workload.setup(), offload=offload, sparse=sparse)
     gpu = dict(p.gpu)
     if workload.trainable_params is not None:

@@ -130,7 +130,8 @@ def _header(trainer: Trainer) -> str:
              if p.mesh is not None else "")
     o = cfg.oomb
     attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
-                 f"{o.sparse_score}{', leak-free' if o.sparse_leak_free else ''})" if o.attention == "sparse" else "")
+                 f"{o.resolved_sparse_score}{', leak-free' if o.sparse_leak_free else ''})"
+                 if o.attention == "sparse" else "")
     if o.offload:
         attention += f", KV pages in pinned host memory ({o.offload_resident_layers} layers resident on the GPU)"
     choice = f"\n  {trainer.choice.describe()}" if trainer.choice is not None else ""
