@@ -59,6 +59,24 @@ class OOMBConfig:
     from every history key (the oracle: costs more than a dense forward; no offload, not leak-free).
     "auto" (default): "rerank", or "minmax" with sparse_leak_free=True (docs/sparse.md: rerank keeps
     the loss within 0.35 % of dense on a real model at a quarter of the pages, minmax 2.8 %)."""
+    sparse_selection: Literal["kv_head", "shared"] = "kv_head"
+    """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
+    choice per query block for all heads (the best score of any head)."""
+    sparse_leak_free: bool = False
+    """Sparse: score a block's pages with its first query only, so no query influences which pages an
+    earlier query reads. False (default): every query of the block votes (better recall; a later
+    query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
+    sparse_query_block_pages: int = 1
+    """Sparse: consecutive query blocks (pages of queries) that share one selection. 1: every page of
+    queries chooses its own pages. Larger groups read the same compute budget but select fewer
+    distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
+    Hkv x (sinks + budget) pages per chunk)."""
+    sparse_pooling: Literal["max", "softmax", "softmax_max"] = "max"
+    """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
+    per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
+    estimate of the block's attention mass on the page); "softmax_max": each row's softmax over every
+    page it sees (history and own chunk), the best row's (an estimate of the largest probability any
+    query puts on the page)."""
     sparse_rerank_factor: int = 4
     """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
     sparse_layer_budgets: list[int] | None = None
