@@ -196,13 +196,20 @@ def chosen_configs() -> dict:
     return picks
 
 
+def kernel_device(smoke: bool) -> torch.device:
+    """The GPU, or with ``smoke`` the CPU through the Triton interpreter (chosen before any kernel
+    module is imported); exits without a GPU otherwise."""
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    if device.type != "cuda" and not smoke:
+        sys.exit("needs a CUDA device (or --smoke for a CPU check through the Triton interpreter)")
+    return device
+
+
 def main() -> None:
     args = parse_args()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        sys.exit("needs a CUDA device (or --smoke for a CPU check through the Triton interpreter)")
+    device = kernel_device(args.smoke)
     import triton
 
     timer = Timer(device)

@@ -11,14 +11,8 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 export OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}
-run() {  # run SECONDS NAME COMMAND...
-    local limit=$1 name=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "   exit $? (limit ${limit} s)"
-    tail -n 12 "$OUT/$name.log"
-}
+TAIL=12
+source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
 common=(--steps 3 --set logging.progress=false --set checkpoint.export=false --set checkpoint.every=0)
 run 110 fp32_tiny python -m oomb train --seq-len 8K --set model.dtype=float32 --output-dir /tmp/r1 "${common[@]}"
 run 80 fp32_d128 python benchmarks/fp32_first_step.py

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -127,13 +126,10 @@ def estimate_step(rows: list[dict], key: str, seq_len: int, chunk: int, layers: 
 
 def main() -> None:
     args = parse_args()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        sys.exit("needs a CUDA device (or --smoke for a CPU check through the Triton interpreter)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from attention import Timer
+    from attention import Timer, kernel_device
+
+    device = kernel_device(args.smoke)
 
     timer = Timer(device)
     rows = []

@@ -11,14 +11,8 @@ mkdir -p /tmp/keep && cp -n .gpu_carry/gguf.part* /tmp/keep/ 2>/dev/null  # a re
 FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes back
 rm -rf /tmp/src && tar -xf .gpu_carry/src.tar -C /tmp && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1
-run() {  # run SECONDS NAME COMMAND...
-    local limit=$1 name=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "   exit $? (limit ${limit} s)"
-    tail -n 8 "$OUT/$name.log"
-}
+TAIL=8
+source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
 B=(python -m oomb bench --modes sparse --contexts 128K --backend cudnn --kv-grad-dtype bf16 --out-dir "$OUT")
 for part in "${@:-tests speed minmax exact}"; do
   for p in $part; do

@@ -12,14 +12,8 @@ FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes bac
 mkdir -p /tmp/keep && cp -n .gpu_carry/gguf.part* /tmp/keep/ 2>/dev/null
 rm -rf /tmp/src && tar -xf .gpu_carry/src.tar -C /tmp && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1 OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}
-run() {  # run SECONDS NAME COMMAND...
-    local limit=$1 name=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "   exit $? (limit ${limit} s)"
-    tail -n 6 "$OUT/$name.log"
-}
+TAIL=6
+source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
 run 240 gpu_tests python -m pytest -q -m gpu -p no:cacheprovider tests/test_documents.py \
     tests/test_calibrate.py tests/test_triton_sparse.py
 run 90 fp32_first_step python benchmarks/fp32_first_step.py
