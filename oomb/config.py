@@ -57,7 +57,8 @@ class OOMBConfig:
     stage 1; not leak-free). "minmax": Quest's upper bound sum_d max(q_d min_d, q_d max_d) from the
     page's elementwise min and max key; "mean": q . mean key; "exact": the true attention probabilities
     from every history key (the oracle: costs more than a dense forward; no offload, not leak-free).
-    "auto" (default): "rerank", or "minmax" with sparse_leak_free=True (docs/sparse.md: rerank keeps
+    "auto" (default): "rerank", or "minmax" with sparse_leak_free=True or a sparse_pooling other than
+    "max" (docs/sparse.md: rerank keeps
     the loss within 0.35 % of dense on a real model at a quarter of the pages, minmax 2.8 %)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
@@ -150,6 +151,9 @@ class OOMBConfig:
         if self.sparse_score == "exact" and self.offload:
             raise ValueError("sparse_score='exact' reads every history key from the GPU pages: it cannot be "
                              "combined with offload=True (sparse_score='rerank' reads only its candidates' keys)")
+        if self.sparse_score == "rerank" and self.sparse_pooling != "max":
+            raise ValueError(f"sparse_score='rerank' pools a block's rows by the best row's probability: "
+                             f"sparse_pooling={self.sparse_pooling!r} does not apply (use 'max')")
         if self.sparse_score in ("exact", "rerank") and self.sparse_leak_free:
             raise ValueError(f"sparse_score={self.sparse_score!r} scores a block with its own queries: it cannot be "
                              "combined with sparse_leak_free=True")
@@ -185,10 +189,11 @@ class OOMBConfig:
 
     @property
     def resolved_sparse_score(self) -> str:
-        """The score rule sparse mode runs: sparse_score, with "auto" resolved (rerank; minmax when leak-free)."""
+        """The score rule sparse mode runs: sparse_score, with "auto" resolved (rerank; minmax when leak-free
+        or with a pooling other than max, which rerank does not take)."""
         if self.sparse_score != "auto":
             return self.sparse_score
-        return "minmax" if self.sparse_leak_free else "rerank"
+        return "minmax" if self.sparse_leak_free or self.sparse_pooling != "max" else "rerank"
 
     @property
     def grad_dtype(self) -> torch.dtype:

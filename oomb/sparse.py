@@ -24,10 +24,14 @@ GPU, from tensor cores with exact products and float32 sums):
   ``sum_d max(q_d min_d, q_d max_d)`` is an upper bound of q . k over the page's keys. It is
   computed as two matmuls: ``relu(q) . max + min(q, 0) . min``.
 * "mean": q . mean key.
-* "exact" (a diagnostic, not a fast path): each query row's true attention probability on the
-  page's keys, normalised over every key the row sees (history and its own chunk, causally). It
-  reads every history key, as a dense score pass does, so it saves no time: it is the oracle a
-  summary-based score approximates, for `oomb gradcheck` to separate scoring error from budget error.
+* "exact" (the oracle, a diagnostic): each query row's true attention probability on the page's keys,
+  normalised over every key the row sees (history and its own chunk, causally). It reads every
+  history key (oomb/attention/triton_scores.py on a GPU), costing more than a dense attention forward:
+  what a summary score approximates, for `oomb gradcheck` to separate scoring error from budget error.
+* "rerank" (the default, via "auto"): minmax picks rerank_factor x budget candidate pages per block
+  (per group of query_block_pages blocks), then the exact probabilities over the candidates only
+  (normalised over their keys and the chunk's) pick the budget: the oracle's rule at a cost that no
+  longer grows with the history (docs/sparse.md, "Score: rerank").
 
 A block's score for a page combines the block's rows (its queries x the G query heads of the KV
 head): "max" pooling keeps a page if any row's score is high; "softmax" pooling sums each row's
@@ -73,7 +77,7 @@ class SparseOptions:
 
     budget: int
     sink_pages: int
-    score: str  # "minmax" | "mean" | "exact"
+    score: str  # "minmax" | "mean" | "exact" | "rerank" (OOMBConfig's "auto" resolved)
     selection: str  # "kv_head" | "shared"
     leak_free: bool
     query_block_pages: int = 1  # consecutive query blocks sharing one selection

@@ -386,6 +386,16 @@ def test_exact_scores_refuse_offload_and_leak_free(score):
             OOMBConfig(attention="sparse", sparse_score=score, **bad)
     with pytest.raises(ValueError, match="sparse_rerank_factor"):
         OOMBConfig(attention="sparse", sparse_score="rerank", sparse_rerank_factor=0)
+    with pytest.raises(ValueError, match="sparse_pooling='softmax' does not apply"):
+        OOMBConfig(attention="sparse", sparse_score="rerank", sparse_pooling="softmax")
+
+
+def test_auto_score_is_rerank_unless_leak_free_or_another_pooling():
+    assert OOMBConfig(attention="sparse").resolved_sparse_score == "rerank"
+    assert OOMBConfig(attention="sparse", sparse_leak_free=True).resolved_sparse_score == "minmax"
+    assert OOMBConfig(attention="sparse", sparse_pooling="softmax_max").resolved_sparse_score == "minmax"
+    assert OOMBConfig(attention="sparse", sparse_score="mean").resolved_sparse_score == "mean"
+    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).score == "rerank"
 
 
 def _filled_store(B, Hkv, D, P, spans, seed):
