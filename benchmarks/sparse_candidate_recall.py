@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from oomb.kv import ChunkSpan
 from oomb.kv.summaries import summarize_pages
-from oomb.real_model import english_text, smollm2_dir
+from oomb.real_model import english_text, smollm2_dir, with_yarn
 from oomb.sparse import (
     SparseOptions,
     block_scores,
@@ -56,12 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     P, C, sinks = 64, 1024, 1
     path = smollm2_dir()
-    config = AutoConfig.from_pretrained(path)
-    if args.yarn:
-        original = config.max_position_embeddings
-        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": args.yarn,
-                                  "original_max_position_embeddings": original}
-        config.max_position_embeddings = int(original * args.yarn)
+    config = with_yarn(AutoConfig.from_pretrained(path), args.yarn)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(english_text(), return_tensors="pt").input_ids[:, :args.seq_len]
     T = ids.shape[1] // C * C

@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from oomb.real_model import english_text, smollm2_dir
+from oomb.real_model import english_text, smollm2_dir, with_yarn
 from oomb.sparse import SparseOptions
 from oomb.tools.calibrate import pages_read
 from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
@@ -54,12 +54,7 @@ def main() -> int:
     torch.manual_seed(0)
     path = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    config = AutoConfig.from_pretrained(path)
-    if args.yarn:
-        original = config.max_position_embeddings
-        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": args.yarn,
-                                  "original_max_position_embeddings": original}
-        config.max_position_embeddings = int(original * args.yarn)
+    config = with_yarn(AutoConfig.from_pretrained(path), args.yarn)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval().to(args.device)
     ids = torch.tensor(tokenizer(english_text())["input_ids"][: args.seq_len])[None].to(args.device)
     start = time.perf_counter()

@@ -121,3 +121,15 @@ def english_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def with_yarn(config, factor: float | None):
+    """``config`` (a transformers model config) with its RoPE extended by YaRN by ``factor`` (e.g. 4:
+    8K -> 32K positions), in place; unchanged for None. How the real model is run past its training
+    length (gradcheck --yarn, the recall benchmarks)."""
+    if factor:
+        original = config.max_position_embeddings
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": factor,
+                                  "original_max_position_embeddings": original}
+        config.max_position_embeddings = int(original * factor)
+    return config

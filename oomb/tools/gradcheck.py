@@ -35,6 +35,7 @@ import transformers
 
 from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
 from ..engine import forward_backward
+from ..real_model import with_yarn
 from ..sparse import SparseOptions
 from ..training import presets
 from ..training.config import ModelSection
@@ -119,12 +120,7 @@ def _load(options: GradcheckOptions):
     device = torch.device(options.device)
     dtype = resolve_dtype(options.dtype, "--dtype") if options.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
-    config = presets.load_model_config(section, options.seq_len)
-    if options.yarn:
-        original = config.max_position_embeddings
-        config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": options.yarn,
-                                  "original_max_position_embeddings": original}
-        config.max_position_embeddings = int(original * options.yarn)
+    config = with_yarn(presets.load_model_config(section, options.seq_len), options.yarn)
     torch.manual_seed(options.seed)
     model = presets.build_model(section, config, dtype, device).eval()
     if options.text is not None and options.ids is not None:
