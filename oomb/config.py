@@ -58,8 +58,8 @@ class OOMBConfig:
     page's elementwise min and max key; "mean": q . mean key; "exact": the true attention probabilities
     from every history key (the oracle: costs more than a dense forward; no offload, not leak-free).
     "auto" (default): "rerank", or "minmax" with sparse_leak_free=True or a sparse_pooling other than
-    "max" (docs/sparse.md: rerank keeps
-    the loss within 0.35 % of dense on a real model at a quarter of the pages, minmax 2.8 %)."""
+    "max" (docs/sparse.md: rerank keeps the loss within 0.35 % of dense on a real model at a quarter of
+    the pages, minmax 2.8 %)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
     choice per query block for all heads (the best score of any head)."""
