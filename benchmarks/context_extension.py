@@ -6,11 +6,12 @@
     python benchmarks/context_extension.py run --data .gpu_carry/ctx --out $OUT/ctx --steps 40
 
 Arms: "hf" (transformers + SDPA + gradient checkpointing, one full-sequence backward), "dense" (oomb,
-exact), and "sparse" (oomb sparse mode with the settings given by --sparse, default: OOMBConfig's
-sparse defaults). Every trained adapter, and the untrained model, is evaluated with an ordinary HF
-forward (dense attention): held-out perplexity by position bucket (0-8K, 8-16K, 16-32K) on English
-documentation and on code, and passkey retrieval at 8K/16K/32K with a fixed set of prompts. Writes
-one JSON (losses per step, evaluations, timings) and a PNG of the learning curves.
+exact), and "sparse" (oomb sparse mode with the settings given by --sparse, default: OOMBConfig's sparse
+defaults), plus any further sparse arms named by --sparse-arm. Every trained adapter, and the untrained
+model, is evaluated with an ordinary HF forward (dense attention): held-out perplexity by position
+bucket (0-8K, 8-16K, 16-32K) on English documentation and on code, and passkey retrieval at 8K/16K/32K
+with a fixed set of prompts. Writes one JSON (losses per step, evaluations, timings) and a PNG of the
+learning curves.
 
 Training data: Python's standard library source (each module a document, concatenated with EOS),
 cut into sequences of --seq-len tokens; held out: the last sequences of that stream and Python's
@@ -157,8 +158,8 @@ def train_arm(arm: str, args, device: torch.device) -> dict:
     config = None
     if arm != "hf":
         options = dict(chunk_size=args.chunk_size, page_size=args.page_size, backend=args.backend)
-        if arm == "sparse":
-            options.update(attention="sparse", **json.loads(args.sparse))
+        if arm.startswith("sparse"):
+            options.update(attention="sparse", **sparse_options(arm, args))
         config = OOMBConfig(**options)
     train = torch.from_numpy(np.load(args.data / "train.npy").astype(np.int64))
     model.train()
@@ -186,6 +187,16 @@ def train_arm(arm: str, args, device: torch.device) -> dict:
     print(f"{arm} eval {evaluation}", flush=True)
     return {"losses": losses, "step_seconds": times, "eval": evaluation,
             "oomb_config": asdict(config) if config is not None else None}
+
+
+def sparse_options(arm: str, args) -> dict:
+    """The OOMBConfig options of a sparse arm: --sparse for "sparse", --sparse-arm NAME=JSON for the others."""
+    if arm == "sparse":
+        return json.loads(args.sparse)
+    extra = dict(spec.split("=", 1) for spec in args.sparse_arm)
+    if arm not in extra:
+        raise SystemExit(f"arm {arm!r} needs --sparse-arm {arm}='{{...}}' (its OOMBConfig sparse options)")
+    return json.loads(extra[arm])
 
 
 def run(args) -> None:
@@ -245,6 +256,9 @@ def main() -> int:
     r.add_argument("--page-size", type=int, default=128)
     r.add_argument("--backend", default="cudnn")
     r.add_argument("--sparse", default="{}", help="JSON of OOMBConfig sparse options for the sparse arm")
+    r.add_argument("--sparse-arm", action="append", default=[], metavar="NAME=JSON",
+                   help="a further sparse arm (NAME starts with 'sparse', listed in --arms) and its options, "
+                        "e.g. sparse_b32='{\"sparse_budget\": 32}'")
     r.add_argument("--commit", default="unknown")
     args = parser.parse_args()
     if args.cmd == "prepare":

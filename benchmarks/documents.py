@@ -20,6 +20,8 @@ Results are printed and written to --out (JSON: date, machine, commit from $OOMB
 workload, documents, rows) after every measurement.
 
     PYTHONPATH=. python benchmarks/documents.py --out $OUT/documents_h200.json           # H200, 128K
+    PYTHONPATH=. python benchmarks/documents.py --context 1M --offload --kv-grad-dtype bf16 --skip cross \
+        --backends triton --out $OUT/documents_h200_1m.json                              # H200, 1M
     PYTHONPATH=. python benchmarks/documents.py --preset tiny-qwen2 --device cpu --context 4096 \\
         --min-doc 256 --max-doc 2048 --chunk-size 512 --page-size 64 --warmup-tokens 1024 \\
         --out /tmp/documents_cpu.json                                                    # CPU smoke test
@@ -44,8 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from oomb import engine as oomb_engine  # noqa: E402
 from oomb import machine  # noqa: E402
 from oomb.config import BACKENDS  # noqa: E402
-from oomb.engine import forward_backward  # noqa: E402
+from oomb.engine import forward_backward, store_options  # noqa: E402
+from oomb.kv.offload import HostSlabs, reserve_host_slabs  # noqa: E402
 from oomb.memory import GIB  # noqa: E402
+from oomb.models import unwrap_causal_lm  # noqa: E402
 from oomb.tools.bench import BenchOptions, build_model, hf_step, measure, token_ids  # noqa: E402
 from oomb.tools.plan import parse_tokens  # noqa: E402
 from oomb.training.presets import PRESETS  # noqa: E402
@@ -82,6 +86,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=parse_tokens, default=4096)
     parser.add_argument("--page-size", type=parse_tokens, default=128)
     parser.add_argument("--kv-grad-dtype", default="float32")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the pages in pinned host memory (a 1M step of the 7B shape needs it on one H200); "
+                             "the host memory is pinned before each timed step")
     parser.add_argument("--warmup-tokens", type=parse_tokens, default=8192)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", default="documents.json")
@@ -108,6 +115,8 @@ def main() -> None:
     ids = token_ids(vocab, args.context, args.seed, device)
     warm_ids = token_ids(vocab, warm, args.seed, device)
     base = options.oomb_config()  # the standard workload's OOMBConfig, backend "auto" resolved for the device
+    base = dataclasses.replace(base, offload=args.offload)
+    slabs = HostSlabs()  # with --offload: pinned once per size, reused by every step
     gpu = machine.detect_gpu(device) if device.type == "cuda" else None
     report = {
         "benchmark": "packed documents: oomb with document attention vs across documents vs HF per document",
@@ -157,13 +166,24 @@ def main() -> None:
         record(name, row)
 
     def oomb_step(config, boundaries):
-        return lambda m, x: float(forward_backward(m, x, config=config, **boundaries))
+        if not config.offload:
+            return lambda m, x: float(forward_backward(m, x, config=config, **boundaries))
+
+        def offload_step(m, x):
+            return float(forward_backward(m, x, config=config, host_slabs=slabs, **boundaries))
+        return offload_step
+
+    def pin_host(config) -> None:
+        """Pin the host memory of the full-length step before it is timed (as `oomb bench` does)."""
+        if config.offload:
+            reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers,
+                               **store_options(unwrap_causal_lm(model), 1, args.context, config, device))
 
     def documents(backend: str) -> None:
         config = dataclasses.replace(base, backend=backend)
         step, warm_step = oomb_step(config, {"cu_seqlens": cu}), oomb_step(config, {"cu_seqlens": warm_cu})
         run(f"oomb_documents[{backend}]", lambda: measure(step, model, ids, device),
-            lambda: warm_step(model, warm_ids))
+            lambda: (warm_step(model, warm_ids), pin_host(config)))
 
     # Order: the three comparisons first, then the document step on the other backends (on the H200,
     # Triton's first step autotunes for about 40 s).
@@ -172,7 +192,7 @@ def main() -> None:
     if "cross" not in args.skip:
         step = oomb_step(base, {})
         run(f"oomb_cross_documents[{base.backend}]", lambda: measure(step, model, ids, device),
-            lambda: step(model, warm_ids))
+            lambda: (step(model, warm_ids), pin_host(base)))
     if "hf" not in args.skip:
         def per_document() -> dict:
             rows = [measure(lambda m, x: hf_step(m, x, options.loss_chunk_tokens), model, ids[:, lo:hi], device)

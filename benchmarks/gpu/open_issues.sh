@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# H200 measurements of the open issues (2026-12-02), run from a clean export of the commit
+# (.gpu_carry/src.tar, `git archive --prefix=src/ HEAD`) so uncommitted work cannot leak in.
+# Usage (device tool): bash benchmarks/gpu/open_issues.sh PART...
+#   cudnn_documents  issue 20: the GPU tests of dense packed documents on cuDNN (OOMB_CUDNN_DOCUMENTS=1)
+#   rerank_fast      issue 18: HF vs sparse rerank with the fast settings (budget 32, one selection per
+#                    32 query blocks, no layer replay, bf16 page gradients, cudnn) at 128K
+#   documents_1m     issue 20: 1M tokens of packed 4K-64K documents, dense with offload, vs HF per document
+#   cp1              issue 24: the dense 128K step through the context-parallel code path (one rank) vs without
+#   ctx_extension    issue 18: SmolLM2 8K -> 32K context extension, sparse arms with today's defaults
+#                    (needs the real model: benchmarks/gpu/real_model_setup.sh after two calls carried the
+#                    GGUF halves, and .gpu_carry/ctx from `python benchmarks/context_extension.py prepare`)
+#   gradcheck_32k    issue 18: SmolLM2 32K (YaRN x4) sparse vs dense gradients at 25 % read, in the background
+#                    next to ctx_extension (the real model as above)
+# Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
+set -u
+ROOT=$PWD
+mkdir -p /tmp/keep && cp -n .gpu_carry/gguf.part* /tmp/keep/ 2>/dev/null
+FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes back
+rm -rf /tmp/src && tar -xf .gpu_carry/src.tar -C /tmp && cd /tmp/src || exit 1
+[ -d "$ROOT/.gpu_carry/ctx" ] && cp -r "$ROOT/.gpu_carry/ctx" /tmp/ctx
+[ -d "$ROOT/.gpu_carry/whl" ] && mkdir -p .gpu_carry && cp -r "$ROOT/.gpu_carry/whl" .gpu_carry/
+export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1 OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}
+TAIL=${TAIL:-10}
+source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
+real_model() { [ -n "${OOMB_CACHE:-}" ] || source benchmarks/gpu/real_model_setup.sh; }
+for part in "$@"; do
+  case $part in
+    cudnn_documents)
+      OOMB_CUDNN_DOCUMENTS=1 run 200 cudnn_documents python -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_documents.py tests/test_cudnn_paged.py -k "documents" ;;
+    rerank_fast)
+      run 200 rerank_fast python -m oomb bench --modes hf sparse --contexts 128K --backend cudnn \
+          --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
+          --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_128k ;;
+    documents_1m)
+      run 560 documents_1m python benchmarks/documents.py --context 1M --offload --kv-grad-dtype bf16 \
+          --skip cross --backends triton --out "$OUT/documents_1m_h200.json" ;;
+    cp1)
+      run 150 cp1_plain torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 131072 \
+          --out "$OUT/cp1_plain_128k.json"
+      run 150 cp1_path torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 131072 \
+          --cp-one-path --out "$OUT/cp1_path_128k.json" ;;
+    gradcheck_32k)
+      real_model
+      # The background run outlives this part; ctx_extension (or the end of the script) waits for it.
+      (timeout 480 python -m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda \
+          --seq-len 32K --yarn 4 --chunk-size 4096 --page-size 128 --budgets 32 --scores rerank minmax \
+          --poolings max --hf off --json "$OUT/gradcheck_smollm2_32k_k32.json" >"$OUT/gradcheck_32k.log" 2>&1;
+       echo "exit $?" >>"$OUT/gradcheck_32k.log") &
+      ;;
+    ctx_extension)
+      real_model
+      run 500 ctx_extension python benchmarks/context_extension.py run --data /tmp/ctx \
+          --model "$OOMB_CACHE/smollm2-135m-instruct" --out "$OUT/ctx" --steps 40 --arms sparse sparse_b32 \
+          --sparse-arm sparse_b32='{"sparse_budget": 32}' --commit "$OOMB_GIT_COMMIT" ;;
+  esac
+done
+wait
+tail -n 12 "$OUT/gradcheck_32k.log" 2>/dev/null
+cd "$ROOT"
+tar -czf "$FINAL/checks.tar.gz" -C /tmp checks
