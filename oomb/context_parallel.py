@@ -83,6 +83,23 @@ class ContextShard:
                 lo = end
         return own + ([local] if self.owns(chunk_index) else [])
 
+    def owned_positions(self, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+        """Bool tensor of ``positions``' shape: which page-table positions lie in this rank's chunks
+        (sparse mode: the selected pages this rank reads, and the candidates whose keys it scores)."""
+        assert self.chunk_size % page_size == 0, "chunks start on page boundaries"
+        return positions.long() // (self.chunk_size // page_size) % self.size == self.rank
+
+    def local_page(self, position: int, page_size: int) -> int:
+        """Where page ``position`` of a sequence lies among this rank's own pages, its chunks in order
+        (each whole but maybe the last): how the host tier addresses them (kv/offload.py), so that a
+        rank pins host memory for its own chunks only."""
+        chunk_pages = self.chunk_size // page_size
+        chunk = position // chunk_pages
+        if not self.owns(chunk):
+            raise RuntimeError(f"page {position} (chunk {chunk}) lives on context-parallel rank {self.owner(chunk)}, "
+                               f"not on rank {self.rank}")
+        return chunk // self.size * chunk_pages + position % chunk_pages
+
     # ---- collectives (every rank of the group calls each, in the same order) --------------------
 
     def merge(self, q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
@@ -107,6 +124,24 @@ class ContextShard:
             total += part
         return total
 
+    def logsumexp(self, partial: torch.Tensor) -> torch.Tensor:
+        """The log-sum-exp over every rank's keys from this rank's partial one (float32, -inf where it
+        holds none), folded in rank order: identical on every rank (sparse rerank's normaliser)."""
+        parts = self._all_gather(partial.float().contiguous())
+        total = parts[0]
+        for part in parts[1:]:
+            total = torch.logaddexp(total, part)
+        return total
+
+    def maximum(self, partial: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks (exact in any order): a score each rank knows only for its
+        own pages, below every real score elsewhere, becomes its owner's value on every rank."""
+        parts = self._all_gather(partial.contiguous())
+        total = parts[0]
+        for part in parts[1:]:
+            total = torch.maximum(total, part)
+        return total
+
     def from_owner(self, chunk_index: int, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's own accumulated (dK, dV), as its owner holds them, on every rank."""
         packed = torch.stack([dk, dv])  # (2, B, Hkv, L, D): one broadcast
@@ -126,15 +161,19 @@ class ContextShard:
 
 def check_context_parallel(config, causal_lm) -> None:
     """Refuse, before any allocation, what context parallelism does not support yet (with why)."""
-    if config.attention == "sparse":
+    from .models import attention_variants  # here: oomb.models imports the attention package
+
+    sparse = config.attention == "sparse"
+    if sparse and config.resolved_sparse_score == "exact" and config.sparse_pooling == "softmax":
         raise NotImplementedError(
-            "context parallelism (parallel cp > 1) with attention='sparse' is not supported yet: page selection "
-            "scores every history page's summary, and each rank holds only its own pages; use attention='dense'")
-    if config.offload:
+            "context parallelism (parallel cp > 1) with sparse_score='exact' and sparse_pooling='softmax' is not "
+            "supported: under cp the exact score runs rerank's code over every history page, which keeps the best "
+            "row's probability; use sparse_pooling='max' (or 'softmax_max', the same for the exact score)")
+    if sparse and attention_variants(causal_lm)[0]:
         raise NotImplementedError(
-            "context parallelism (parallel cp > 1) with offload=True is not supported yet: the host tier is "
-            "addressed by token position, so every rank would pin host memory for the whole sequence; use "
-            "offload=False (the pages are already divided over the cp ranks)")
+            "context parallelism (parallel cp > 1) with attention='sparse' and attention logit softcapping "
+            f"({causal_lm.config.model_type}) is not supported: the context-parallel sparse attention "
+            "(oomb/attention/context_sparse.py) has no softcapping; use attention='dense'")
     if causal_lm.config.model_type == "gpt_oss":
         raise NotImplementedError(
             "context parallelism (parallel cp > 1) with attention sinks (gpt-oss) is not supported yet: the sink "

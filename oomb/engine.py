@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention.backend import TORCH_BACKEND, AttentionBackend, select_backend
+from .attention.context_sparse import share_backend
 from .attention.variants import check_backend_supports
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
@@ -125,7 +126,8 @@ def forward_backward(
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
-    backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents)
+    backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents,
+                                                        context_parallel=parallel.cp > 1)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
@@ -210,10 +212,12 @@ def forward_backward(
 
 
 def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tokens: int,
-                    documents: Documents | None) -> tuple[AttentionBackend, Documents | None, tuple[int | None, ...]]:
+                    documents: Documents | None, *, context_parallel: bool = False,
+                    ) -> tuple[AttentionBackend, Documents | None, tuple[int | None, ...]]:
     """The step's attention backend, the documents attention must respect (None: plain causal) and
     each layer's sliding window (None: global); refuses, before any allocation, what the backend or
-    the mode cannot compute."""
+    the mode cannot compute. ``context_parallel`` sparse: the sparse calls read one rank's share of
+    the selected keys (attention/context_sparse.py), the dense ones keep the backend's kernels."""
     windows = layer_windows(causal_lm)
     binding_windows = any(w is not None and w < num_tokens for w in windows)
     backend = _select_step_backend(causal_lm, config, device, documents is not None or binding_windows)
@@ -221,6 +225,8 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     softcap, sinks = attention_variants(causal_lm)
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse")
+    if context_parallel and config.attention == "sparse":
+        backend = share_backend(backend)
     return backend, split_documents, windows
 
 

@@ -58,6 +58,7 @@ pages, which the backend masks (keys before each query's document start get no a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,6 +67,9 @@ from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
 from .kv.summaries import SUMMARIES_OF_SCORE
+
+if TYPE_CHECKING:
+    from .context_parallel import ContextShard
 
 SCORE_TILE_ELEMENTS = 1 << 24
 """At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
@@ -302,6 +306,7 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
+    context: ContextShard | None = None,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
     the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
@@ -314,6 +319,10 @@ def rerank_block_scores(
             (top_pages of the minmax scores with candidate_options).
         kernel: score with the Triton kernel (oomb/attention/triton_scores.py); None: for CUDA tensors
             whose page size it takes. The torch code below is the reference and the CPU's path.
+        context: context parallel: ``k_pool`` holds only this rank's pages (and the chunk's, on its
+            owner); each rank scores its own candidates with every rank's normaliser (a log-sum-exp
+            gathered per tile), and every rank ends with the same scores. Runs the torch code: the
+            kernel normalises over the keys it reads.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores.
     """
@@ -325,7 +334,9 @@ def rerank_block_scores(
     scale = scale if scale is not None else D ** -0.5
     out = torch.full((B, Hkv, n_blocks, n_hist), -1.0, dtype=torch.float32, device=q.device)
     if kernel is None:
-        kernel = q.is_cuda and P % 16 == 0
+        kernel = q.is_cuda and P % 16 == 0 and context is None
+    if kernel and context is not None:
+        raise ValueError("the rerank kernel normalises over the keys one process holds: context parallel runs torch")
     if kernel:
         from .attention.triton_scores import exact_page_scores
 
@@ -334,8 +345,11 @@ def rerank_block_scores(
         return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
     ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
-    own_ids = page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
-    own = k_pool[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
+    held = None if context is None else context.owned_positions(candidates, P)  # (B, Hkv, n_blocks, M)
+    own = None
+    if context is None or context.owns(chunk.index):
+        own_ids = page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
+        own = k_pool[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
     pad = n_blocks * P - Lq
     rows = q.float().reshape(B, Hkv, G, Lq, D)
     rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
@@ -348,13 +362,21 @@ def rerank_block_scores(
         keys = k_pool[ids[:, :, b0:b1], heads].float()  # (B, Hkv, nb, M, P, D)
         r = rows[:, :, :, b0:b1]  # (B, Hkv, G, nb, P, D)
         s_cand = torch.einsum("bhgjrd,bhjmkd->bhgjrmk", r, keys) * scale
-        s_own = torch.einsum("bhgjrd,bhkd->bhgjrk", r, own) * scale
-        hidden = torch.arange(Lq, device=q.device) > position[b0:b1, :, None]  # (nb, P, Lq): causal
-        s_own = s_own.masked_fill(hidden, float("-inf"))
-        lse = torch.logaddexp(s_cand.flatten(-2).logsumexp(-1), s_own.logsumexp(-1))  # (B, Hkv, G, nb, P)
+        if held is not None:  # other ranks' candidates: whatever their rows here hold, no key
+            s_cand.masked_fill_(~held[:, :, None, b0:b1, None, :, None], float("-inf"))
+        lse = s_cand.flatten(-2).logsumexp(-1)  # (B, Hkv, G, nb, P)
+        if own is not None:
+            s_own = torch.einsum("bhgjrd,bhkd->bhgjrk", r, own) * scale
+            hidden = torch.arange(Lq, device=q.device) > position[b0:b1, :, None]  # (nb, P, Lq): causal
+            lse = torch.logaddexp(lse, s_own.masked_fill(hidden, float("-inf")).logsumexp(-1))
+        if context is not None:
+            lse = context.logsumexp(lse)  # every rank's candidates and the chunk: finite in every row
         mass = (s_cand - lse[..., None, None]).exp().sum(-1)  # (B, Hkv, G, nb, P, M)
         mass = mass.masked_fill(~row_ok[b0:b1, :, None], 0.0)
-        out[:, :, b0:b1].scatter_(3, candidates[:, :, b0:b1].long(), mass.amax(dim=(2, 4)))
+        best = mass.amax(dim=(2, 4))  # (B, Hkv, nb, M)
+        if held is not None:  # each candidate's score from the rank holding it (the others' are -1)
+            best = context.maximum(best.masked_fill(~held[:, :, b0:b1], -1.0))
+        out[:, :, b0:b1].scatter_(3, candidates[:, :, b0:b1].long(), best)
     return _share_over_heads(out, options)
 
 
@@ -421,7 +443,14 @@ def select_pages(
     if options.num_selected(n_hist, layer) == n_hist:
         return None
     first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
-    if options.score == "exact":
+    if options.score == "exact" and store.context is not None:
+        # Context parallel: rerank's code with every history page a candidate is the exact score (max
+        # pooling), its normaliser gathered over the ranks that hold the pages.
+        B, Hkv, n_blocks = q.shape[0], store.num_kv_heads, -(-chunk.length // P)
+        every = torch.arange(n_hist, device=q.device).expand(B, Hkv, n_blocks, n_hist)
+        with store.scoring_keys(layer, chunk, every) as (k_pool, table):
+            scores = rerank_block_scores(q, k_pool, table, chunk, every, options, scale, context=store.context)
+    elif options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
     elif options.score == "rerank":
         summary = replace(options, score="minmax", pooling="max")
@@ -430,7 +459,7 @@ def select_pages(
         # offload, stage 1 then moves at most one candidate set per group and KV head.
         candidates = selection_from_scores(minmax, candidate_options(options, layer), layer, first_pages)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
-            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale)
+            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)

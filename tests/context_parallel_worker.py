@@ -5,7 +5,9 @@ Each scenario builds the same tiny model on every rank, runs the single-process 
 copy (the reference, itself checked against a full-sequence Hugging Face backward) and the
 context-parallel step on another, and reports per rank: the relative error of the gradients, the
 loss, a hash of every gradient's bytes (ranks must agree bit for bit) and the pages the rank's
-store allocated. Every rank's results go to a JSON file the test reads.
+store allocated. The offload and sparse scenarios (``variants``) run one reference and several
+context-parallel configurations, and also report a hash of every page selection and the pages of
+the host slabs. Every rank's results go to a JSON file the test reads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error
 
 import oomb.engine
 from oomb import OOMBConfig, forward_backward
+from oomb.kv import PagedKVStore
+from oomb.kv.offload import HostSlabs
 from oomb.parallel import full_tensor, setup_parallel
 
 CONFIG = OOMBConfig(chunk_size=16, page_size=8, backend="torch")
@@ -60,6 +64,82 @@ class _StoreSpy:
 
     def __exit__(self, *exc) -> None:
         oomb.engine._make_store = self._real
+
+
+class _SelectionSpy:
+    """Records every page selection stage 1 keeps, in order (a hash of their values)."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.sparse_calls = 0  # selections that leave pages out (None: the chunk reads every page)
+        self._real = PagedKVStore.save_selection
+
+    def __enter__(self):
+        spy = self
+
+        def save_selection(store, layer, chunk, selection):
+            values = "dense" if selection is None else selection.cpu().tolist()
+            spy.hash.update(repr((chunk.index, layer, values)).encode())
+            spy.sparse_calls += selection is not None
+            return spy._real(store, layer, chunk, selection)
+
+        PagedKVStore.save_selection = save_selection
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PagedKVStore.save_selection = self._real
+
+
+def _own_pages(setup, tokens: int, config: OOMBConfig) -> int:
+    chunks = -(-tokens // config.chunk_size)
+    own = [c for c in range(chunks) if c % setup.cp == setup.cp_rank]
+    return sum(-(-min((c + 1) * config.chunk_size, tokens) // config.page_size) - c * config.chunk_size
+               // config.page_size for c in own)
+
+
+def variants(rank: int, world: int, device: torch.device, family: str, reference: OOMBConfig,
+             configs: dict[str, OOMBConfig], *, batch: int = 2, tokens: int = TOKENS, copy_runs: bool = False,
+             documents: bool = False) -> dict:
+    """One single-process step with ``reference``, then a cp = world step with each of ``configs``: per
+    config the gradient error against the reference, the loss, the gradients' digest, a digest of the
+    page selections (the reference's too) and the rank's pool and host-slab pages (per sequence).
+    ``copy_runs``: offload copies pages run by run (devices that cannot map the host slabs)."""
+    ids = random_ids(batch, tokens, seed=11).to(device)
+    kwargs = {}
+    if documents:  # packed documents, boundaries inside chunks and pages
+        starts = [0, 27, 44]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*starts[1:], tokens], strict=True)])
+        kwargs["position_ids"] = positions.expand(batch, -1).to(device)
+    single = build_tiny_model(family).to(device)
+    with _SelectionSpy() as selections:
+        want_loss = float(forward_backward(single, ids, config=reference, **kwargs))
+    want = grads(single)
+    results = {"reference": {"selections": selections.hash.hexdigest(), "sparse_calls": selections.sparse_calls,
+                             "loss": want_loss}}
+    real_mapped = HostSlabs.mapped
+    if copy_runs:
+        HostSlabs.mapped = lambda *args: None
+    try:
+        for name, config in configs.items():
+            model = build_tiny_model(family).to(device)
+            setup = setup_parallel(model, cp=world)
+            with _StoreSpy() as stores, _SelectionSpy() as selections:
+                loss = float(forward_backward(model, ids, config=config, parallel=setup, **kwargs))
+            got = _gathered_grads(model)
+            store = stores.stores[0]
+            results[name] = {
+                "error": relative_error(got, want), "loss": loss, "digest": _digest(got),
+                "selections": selections.hash.hexdigest(), "sparse_calls": selections.sparse_calls,
+                "pool_pages": store.pool.capacity, "own_pages": batch * max(_own_pages(setup, tokens, config), 1),
+                "host_pages": getattr(store, "host_pages", None), "own_host_pages": _own_pages(setup, tokens, config),
+            }
+    finally:
+        HostSlabs.mapped = real_mapped
+    return results
+
+
+SPARSE = replace(STREAMED, attention="sparse", sparse_budget=2, sparse_sink_pages=1, sparse_rerank_factor=2)
+"""Rerank (the default score): 5 candidates of up to 8 history pages, 3 pages read per query block."""
 
 
 def context_parallel(rank: int, world: int, device: torch.device, family: str, *, batch: int = 2, tokens: int = TOKENS,
@@ -109,8 +189,8 @@ def refusals(rank: int, world: int, device: torch.device) -> dict:
     setup = setup_parallel(model, cp=world)
     ids = random_ids(1, 40, seed=1).to(device)
     messages = {}
-    for name, config in {"offload": replace(CONFIG, offload=True),
-                         "sparse": replace(CONFIG, attention="sparse", sparse_budget=2)}.items():
+    exact_softmax = replace(CONFIG, attention="sparse", sparse_budget=2, sparse_score="exact", sparse_pooling="softmax")
+    for name, config in {"exact_softmax": exact_softmax}.items():
         try:
             forward_backward(model, ids, config=config, parallel=setup)
             messages[name] = None
@@ -134,6 +214,31 @@ SCENARIOS = {
     # One chunk only: every rank but the owner holds no page of the step.
     "one_chunk": lambda rank, world, device: context_parallel(rank, world, device, "llama", tokens=13),
     "refusals": refusals,
+    # Offload under cp (layer 0 on the GPU tier, layer 1 on the host): against one process without offload,
+    # and bit for bit against cp without offload; each rank's host slabs hold its own chunks only.
+    "llama_offload": lambda rank, world, device: variants(
+        rank, world, device, "llama", STREAMED,
+        {"cp": STREAMED, "cp_offload": replace(STREAMED, offload=True, offload_resident_layers=1)},
+        copy_runs=world == 3),
+    # Sparse (rerank) under cp: the selections of one process, with and without offload (bit for bit).
+    "llama_sparse": lambda rank, world, device: variants(
+        rank, world, device, "llama", SPARSE,
+        {"cp": SPARSE, "cp_offload": replace(SPARSE, offload=True, offload_resident_layers=1)},
+        copy_runs=world == 3),
+    # Other scores and options: minmax leak-free with shared groups of 2 blocks and packed documents;
+    # the exact score; a budget covering the history (dense attention: against one dense process).
+    "sparse_options": lambda rank, world, device: {
+        **{f"minmax_{k}": v for k, v in variants(
+            rank, world, device, "llama", replace(SPARSE, sparse_score="minmax", sparse_leak_free=True,
+                                                  sparse_query_block_pages=2, sparse_selection="shared"),
+            {"cp": replace(SPARSE, sparse_score="minmax", sparse_leak_free=True, sparse_query_block_pages=2,
+                           sparse_selection="shared", offload=True)}, batch=1, documents=True).items()},
+        **{f"exact_{k}": v for k, v in variants(
+            rank, world, device, "llama", replace(SPARSE, sparse_score="exact"),
+            {"cp": replace(SPARSE, sparse_score="exact")}, batch=1).items()},
+        **{f"full_{k}": v for k, v in variants(
+            rank, world, device, "llama", STREAMED, {"cp": replace(SPARSE, sparse_budget=8)}, batch=1).items()},
+    },
     # The Triton kernels (GPU; interpreted on the CPU is too slow for a 2-process test).
     "llama_batch2_triton": lambda rank, world, device: context_parallel(
         rank, world, device, "llama", config=replace(STREAMED, backend="triton")),

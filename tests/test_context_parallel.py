@@ -1,4 +1,5 @@
-"""Context parallelism (oomb/context_parallel.py) on the CPU: 2, 3 and 4 gloo ranks against one process."""
+"""Context parallelism (oomb/context_parallel.py) on the CPU: 2, 3 and 4 gloo ranks against one process,
+dense and sparse, with and without host offload."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from oomb.kv.store import attention_windows
 
 GRAD_RTOL = 1e-5
 SCENARIOS_BY_WORLD = {
-    2: ["llama_batch2", "qwen2_tied", "llama_documents", "mistral_window", "one_chunk", "refusals"],
-    3: ["llama_batch2", "one_chunk"],
+    2: ["llama_batch2", "qwen2_tied", "llama_documents", "mistral_window", "one_chunk", "refusals", "llama_offload",
+        "llama_sparse", "sparse_options"],
+    3: ["llama_batch2", "one_chunk", "llama_offload", "llama_sparse"],
     4: ["tp2_llama", "dp2_llama"],
 }
+VARIANT_SCENARIOS = ("llama_offload", "llama_sparse", "sparse_options")
+"""Scenarios of context_parallel_worker.variants: one reference, several cp configurations each."""
 
 
 def _free_port() -> int:
@@ -46,7 +50,14 @@ def world_results(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 
 def _step_scenarios(world: int) -> list[str]:
-    return [n for n in SCENARIOS_BY_WORLD[world] if n != "refusals"]
+    return [n for n in SCENARIOS_BY_WORLD[world] if n != "refusals" and n not in VARIANT_SCENARIOS]
+
+
+def _variants(world_results, scenario: str) -> tuple[int, list[dict]]:
+    world, ranks = world_results
+    if scenario not in SCENARIOS_BY_WORLD[world]:
+        pytest.skip(f"{scenario} runs with {[w for w, names in SCENARIOS_BY_WORLD.items() if scenario in names]} ranks")
+    return world, [rank[scenario] for rank in ranks]
 
 
 GPU_SCENARIOS = ["llama_batch2", "llama_batch2_triton", "qwen2_tied", "llama_documents", "mistral_window",
@@ -104,8 +115,50 @@ def test_unsupported_combinations_are_refused(world_results):
         pytest.skip("refusals run in the 2-rank group")
     for rank in ranks:
         messages = rank["refusals"]
-        assert "offload=True is not supported yet" in messages["offload"]
-        assert "attention='sparse' is not supported yet" in messages["sparse"]
+        assert "sparse_score='exact' and sparse_pooling='softmax' is not supported" in messages["exact_softmax"]
+
+
+def test_offload_keeps_each_ranks_pages_in_its_host_memory(world_results):
+    """cp + offload (one layer on the GPU tier, one on the host; ragged: a partial chunk and page):
+    gradients within 1e-5 of one process without offload and bit-identical to cp without offload;
+    each rank's host slabs hold exactly its own chunks' pages (3 ranks: pages copied run by run)."""
+    world, ranks = _variants(world_results, "llama_offload")
+    for res in ranks:
+        assert res["cp_offload"]["error"] <= GRAD_RTOL, (world, res["cp_offload"]["error"])
+        assert res["cp_offload"]["digest"] == res["cp"]["digest"], world
+        assert res["cp_offload"]["host_pages"] == res["cp_offload"]["own_host_pages"], (world, res["cp_offload"])
+        assert res["cp_offload"]["pool_pages"] == res["cp_offload"]["own_pages"]  # the GPU tier's layer
+    assert sum(res["cp_offload"]["host_pages"] for res in ranks) == -(-75 // 8)  # per sequence, over the ranks
+    assert len({res["cp_offload"]["digest"] for res in ranks}) == 1
+
+
+def test_sparse_selects_as_one_process_and_offload_changes_nothing(world_results):
+    """Sparse (rerank: minmax candidates on every rank, exact probabilities normalised over the
+    candidates of all ranks): the selections of one process, gradients within 1e-5 of it, with
+    offload bit-identical to without, the same on every rank."""
+    world, ranks = _variants(world_results, "llama_sparse")
+    for res in ranks:
+        assert res["reference"]["sparse_calls"] > 0
+        for name in ("cp", "cp_offload"):
+            assert res[name]["error"] <= GRAD_RTOL, (world, name, res[name]["error"])
+            assert res[name]["selections"] == res["reference"]["selections"], (world, name)
+        assert res["cp_offload"]["digest"] == res["cp"]["digest"], world
+        assert res["cp_offload"]["host_pages"] == res["cp_offload"]["own_host_pages"]
+    assert len({res["cp"]["digest"] for res in ranks}) == 1
+
+
+def test_sparse_scores_and_options_under_cp(world_results):
+    """minmax leak-free, shared groups of two blocks, packed documents, with offload; the exact score;
+    a budget covering the history (every call dense: the gradients of one dense process)."""
+    world, ranks = _variants(world_results, "sparse_options")
+    for res in ranks:
+        for score in ("minmax", "exact"):
+            got, want = res[f"{score}_cp"], res[f"{score}_reference"]
+            assert got["error"] <= GRAD_RTOL, (score, got["error"])
+            assert want["sparse_calls"] > 0 and got["selections"] == want["selections"], score
+        assert res["full_cp"]["error"] <= GRAD_RTOL and res["full_cp"]["sparse_calls"] == 0
+    for name in ("minmax_cp", "exact_cp", "full_cp"):
+        assert len({res[name]["digest"] for res in ranks}) == 1, name
 
 
 # ---- ownership, without processes -----------------------------------------------------------------
@@ -148,6 +201,57 @@ def test_store_of_a_rank_holds_only_its_chunks():
     for chunk in reversed(chunks):
         store.free(chunk)
     assert store.is_empty
+
+
+def test_ranks_sparse_shares_merge_into_the_sparse_attention():
+    """attention/context_sparse.py without processes: each rank's partial attention over its selected
+    pages (and the chunk, on its owner), merged in rank order, is reference_sparse's attention; the dQ
+    shares sum to its dQ and the ranks' dK/dV to its. Pages a rank does not hold are NaN in its pools:
+    never read, never written."""
+    from oomb.attention import context_sparse, reference_sparse
+    from oomb.attention.reference import merge_window
+
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, P, chunk_size = 2, 4, 2, 8, 4, 8
+    chunk = ChunkSpan(4, 32, 39)  # 7 queries: two blocks, the last partial
+    n_pages = -(-chunk.end // P)
+    table = torch.randperm(B * n_pages, generator=gen).reshape(B, n_pages).to(torch.int32)
+    k_pool, v_pool = (torch.randn(B * n_pages, Hkv, P, D, generator=gen) for _ in range(2))
+    q = torch.randn(B, Hq, chunk.length, D, generator=gen)
+    dout = torch.randn(B, Hq, chunk.length, D, generator=gen)
+    selection = torch.stack([torch.randperm(8, generator=gen)[:3].sort().values for _ in range(B * Hkv * 2)])
+    selection = selection.reshape(B, Hkv, 2, 3).to(torch.int32)
+    scale = D ** -0.5
+    want, want_lse = reference_sparse.sparse_attention_forward(q, k_pool, v_pool, table, chunk.start, scale, selection)
+    want_dk, want_dv = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    want_dq = reference_sparse.sparse_attention_backward(q, k_pool, v_pool, table, chunk.start, scale, selection,
+                                                         want, dout, want_lse, want_dk, want_dv)
+    for size in (2, 3):
+        shards = [ContextShard(r, size, chunk_size) for r in range(size)]
+        pools, shares = [], []
+        for shard in shards:
+            held = shard.owned_positions(torch.arange(n_pages), P)
+            k_r, v_r = k_pool.clone(), v_pool.clone()
+            for pool in (k_r, v_r):
+                pool[table[:, ~held].flatten().long()] = float("nan")
+            pools.append((k_r, v_r))
+            shares.append(context_sparse.KeyShare(shard.owned_positions(selection, P), shard.owns(chunk.index)))
+        parts = [context_sparse.sparse_attention_forward(q, k_r, v_r, table, chunk.start, scale, selection, share=share)
+                 for (k_r, v_r), share in zip(pools, shares, strict=True)]
+        out, lse = parts[0]
+        for part in parts[1:]:
+            out, lse = merge_window(out, lse, *part)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-6)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+        for (k_r, v_r), share in zip(pools, shares, strict=True):
+            dk_r, dv_r = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+            dq += context_sparse.sparse_attention_backward(q, k_r, v_r, table, chunk.start, scale, selection, out,
+                                                           dout, lse, dk_r, dv_r, share=share)
+            assert not dk_r.isnan().any() and not dv_r.isnan().any()
+            dk, dv = dk + dk_r, dv + dv_r
+        for got, expected in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 def test_bad_shard_is_refused():

@@ -24,7 +24,9 @@ backend masks keys before each query's own document start.
 In sparse mode a call carries its page selection (oomb/sparse.py): each query block reads only its
 selected history pages and its own chunk, and backward adds dK, dV only into those pages. Stage 1
 makes the selection after writing the chunk's pages and keeps it in the store; stage 2 is handed
-the same tensor, so it recomputes exactly the attention stage 1 computed.
+the same tensor, so it recomputes exactly the attention stage 1 computed. Under context parallelism
+every rank holds the same selection and reads its share of the selected keys (attention/
+context_sparse.py); the same three hooks merge the ranks' results.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..documents import Documents
 from ..kv import ChunkSpan, PagedKVStore
 from ..sparse import SparseOptions, select_pages
 from .backend import AttentionBackend
+from .context_sparse import KeyShare
 from .reference import merge_window
 
 
@@ -62,16 +65,28 @@ class PagedAttentionCall:
         their signature)."""
         return {} if self.documents is None else {"documents": self.documents}
 
+    def sparse_kwargs(self) -> dict:
+        """The sparse backend's keywords: documents and, context parallel, this rank's share of the keys."""
+        context = self.store.context
+        if context is None:
+            return self.document_kwargs()
+        visible = context.owned_positions(self.selection, self.store.page_size)
+        return {**self.document_kwargs(), "share": KeyShare(visible, context.owns(self.chunk.index))}
+
 
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    context = call.store.context
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=False) as view:
-            return call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                               call.selection, **call.document_kwargs())
+            out, lse = call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                                   call.selection, **call.sparse_kwargs())
+        if context is None:
+            return out, lse
+        out, lse = context.merge(q, out, lse)  # context parallel: every rank's share of the selected keys
+        return out.to(q.dtype), lse
     # Dense: the chunk's key windows (history blocks, then the chunk) one at a time, merged exactly.
     # With several windows (any history) the partial outputs stay float32 until the merge is complete.
     # Context parallel: this rank's windows (its own pages), then the ranks' partials merged the same way.
-    context = call.store.context
     out_dtype = torch.float32 if call.chunk.start > 0 or context is not None else None
     out = lse = None
     for view in call.store.stream(call.layer, call.chunk, grads=False, whole_history=call.backend.whole_history):
@@ -87,9 +102,12 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     """dQ; dK, dV of every page read are added into the page gradients (of the tier holding them)."""
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=True) as view:
-            return call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                                call.selection, out, dout, lse, view.dk, view.dv,
-                                                **call.document_kwargs())
+            dq = call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
+                                              call.selection, out, dout, lse, view.dk, view.dv,
+                                              **call.sparse_kwargs())
+        if call.store.context is not None:  # context parallel: the float32 dQ shares of every rank
+            dq = call.store.context.sum(dq).to(q.dtype)
+        return dq
     dout = dout.to(q.dtype)  # the kernels' dots take dO in q's dtype; delta must see the same values
     delta = call.backend.backward_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -31,6 +31,13 @@ sparse call leaves out the pages its blocks selected only to fill up (wholly bef
 In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
 reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
 On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous copies.
+
+Under context parallelism (oomb/context_parallel.py) each rank's slabs hold only its own chunks'
+pages, packed in chunk order (``ContextShard.local_page``: host memory per rank about 1 / cp of the
+sequence's), and a rank moves only its own pages: the windows of its own chunks, the selected pages
+and rerank candidates on them, the chunk itself on its owner. Selected pages held by other ranks
+point at the zero page, like unseen ones. The per-position bookkeeping (``kv_on_host``,
+``grad_on_host``) stays full width: a bit per page.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +53,9 @@ from ..attention.reference_sparse import shared_by_all_blocks
 from .host_slabs import HostSlabs
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, PagedKVStore, WindowView
+
+if TYPE_CHECKING:
+    from ..context_parallel import ContextShard
 
 __all__ = ["HostSlabs", "OffloadedKVStore", "reserve_host_slabs"]
 
@@ -76,6 +87,7 @@ class OffloadedKVStore(PagedKVStore):
         B, P = self.batch_size, self.page_size
         Hkv, D = template["num_kv_heads"], template["head_dim"]
         self.host = reserve_host_slabs(slabs, resident_layers=resident_layers, **store_options)
+        self.host_pages = self.host["k"].shape[2]  # per sequence: all, or this cp rank's (module docstring)
         # Sparse mode gathers selected pages with kernels that read the host tensors in place (None:
         # the device cannot address them; copies per run of pages instead, kv/mapped.py).
         mapped = {kind: slabs.mapped(kind, tuple(t.shape), t.dtype, self.device) for kind, t in self.host.items()}
@@ -97,11 +109,13 @@ class OffloadedKVStore(PagedKVStore):
         if self.copy_stream is not None:  # the slots were zeroed on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         # Sparse mode: page summaries of the offloaded layers stay on the GPU (what grows with context).
-        summary_shape = (self.pool.capacity, Hkv, D)
+        summary_shape = (self.summary_rows, Hkv, D)
         self.offloaded_summaries = [
             {name: torch.empty(summary_shape, dtype=template["kv_dtype"], device=self.device)
              for name in self.summary_kinds} for _ in range(num_offloaded)]
-        self._fresh_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, chunk) -> pages
+        self._fresh_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        """Stage 1: (layer, chunk index) -> the chunk's K, V pages on the GPU, from its write until its
+        attention (None: another context-parallel rank holds them); present only in stage 1."""
         self._own_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> chunk's dK, dV pages
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
         self.chunk_size, self.num_tokens = chunk_size, store_options["num_tokens"]
@@ -117,6 +131,26 @@ class OffloadedKVStore(PagedKVStore):
 
     def _offloaded(self, layer: int) -> int | None:
         return layer - self.resident if layer >= self.resident else None
+
+    def _holds(self, position: int) -> bool:
+        """Whether page ``position`` lives on this rank (always, without context parallelism)."""
+        return self.context is None or self.context.owns(position * self.page_size // self.chunk_size)
+
+    def _host_range(self, first: int, last: int) -> slice:
+        """Where the page positions [first, last) lie in the host slabs: themselves, or under context
+        parallelism their places among this rank's pages (the range must be consecutive there)."""
+        if self.context is None:
+            return slice(first, last)
+        start = self.context.local_page(first, self.page_size)
+        assert last == first or self.context.local_page(last - 1, self.page_size) == start + last - 1 - first, \
+            f"pages {first}..{last - 1} are not consecutive on this context-parallel rank"
+        return slice(start, start + last - first)
+
+    def _host_positions(self, positions) -> list[int]:
+        """Host-slab places of page positions (this rank's own, under context parallelism)."""
+        if self.context is None:
+            return list(positions)
+        return [self.context.local_page(p, self.page_size) for p in positions]
 
     # --- page lifetime --------------------------------------------------------------------------
     def allocate(self, chunk: ChunkSpan) -> None:
@@ -147,13 +181,17 @@ class OffloadedKVStore(PagedKVStore):
         first, last = self._page_range(chunk)
         n = last - first
         k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
+        self._write_summaries(self.offloaded_summaries[index], chunk, k_pages)
+        if not self.owns(chunk):  # context parallel: another rank keeps the pages; the summaries are ours too
+            self._fresh_kv[layer, chunk.index] = None
+            return
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
         self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
-        self._write_summaries(self.offloaded_summaries[index], chunk, k_pages)
+        host = self._host_range(first, last)
         with self._on_copy_stream(after_compute=True):
             for b in range(self.batch_size):
-                self.host["k"][index, b, first:last].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
-                self.host["v"][index, b, first:last].copy_(v_pages[b * n:(b + 1) * n], non_blocking=True)
+                self.host["k"][index, b, host].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
+                self.host["v"][index, b, host].copy_(v_pages[b * n:(b + 1) * n], non_blocking=True)
         self._keep_alive(k_pages, v_pages)
         self.kv_on_host[index, first:last] = True
 
@@ -166,7 +204,8 @@ class OffloadedKVStore(PagedKVStore):
         windows = self.windows(chunk)
         P = self.page_size
         self.staged_history_pages += sum(-(-hi // P) - lo // P for lo, hi in windows if hi <= chunk.start)
-        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
+        stage_one = not grads and (layer, chunk.index) in self._fresh_kv
+        fresh = self._fresh_kv.pop((layer, chunk.index)) if stage_one else None
         if fresh is not None:  # stage 1: the chunk's own pages are still on the GPU
             windows = windows[:-1]
         loads = []
@@ -194,7 +233,7 @@ class OffloadedKVStore(PagedKVStore):
             k_pages, v_pages = fresh
             first, last = self._page_range(chunk)
             yield WindowView((chunk.start, chunk.end), k_pages, v_pages, self._window_table(first, last))
-        self._prefetch(self._next_call(layer, chunk, grads, stage_one=fresh is not None))
+        self._prefetch(self._next_call(layer, chunk, grads, stage_one=stage_one))
 
     def _next_call(self, layer: int, chunk: ChunkSpan, grads: bool, stage_one: bool):
         """(layer, chunk, grads) of the attention call that follows this one in a step, or None.
@@ -231,7 +270,8 @@ class OffloadedKVStore(PagedKVStore):
                 return  # a sparse call; stage 1 makes its selection only when the call comes
         history = [w for w in self.windows(chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
         index = self._offloaded(layer)
-        if history and bool(self.kv_on_host[index, :history[-1][1] // self.page_size].all()):
+        P = self.page_size
+        if history and all(bool(self.kv_on_host[index, lo // P: -(-hi // P)].all()) for lo, hi in history):
             loads = [self._load(index, w, self.slots[i % len(self.slots)], grads) for i, w in enumerate(history)]
             self._prefetched = ((layer, chunk.index, grads), loads)
 
@@ -254,14 +294,15 @@ class OffloadedKVStore(PagedKVStore):
             raise RuntimeError(f"pages {first}..{last - 1} of offloaded layer {index + self.resident} were never "
                                "written: stage 1 must store a chunk before any attention reads it")
         grad_valid = self.grad_on_host[index, first:last]
+        host = self._host_range(first, last)
         with self._on_copy_stream(after_compute=False, wait=slot.released):
             for b in range(self.batch_size):
                 rows = slice(b * self.slot_pages, b * self.slot_pages + n)
-                slot.k[rows].copy_(self.host["k"][index, b, first:last], non_blocking=True)
-                slot.v[rows].copy_(self.host["v"][index, b, first:last], non_blocking=True)
+                slot.k[rows].copy_(self.host["k"][index, b, host], non_blocking=True)
+                slot.v[rows].copy_(self.host["v"][index, b, host], non_blocking=True)
                 if grads:
                     for kind in ("dk", "dv"):
-                        _load_grads(getattr(slot, kind)[rows], self.host[kind][index, b, first:last], grad_valid)
+                        _load_grads(getattr(slot, kind)[rows], self.host[kind][index, b, host], grad_valid)
             if slot.loaded is not None:
                 slot.loaded.record(self.copy_stream)
         return slot, self._window_table(first, last, self.slot_pages)
@@ -277,11 +318,12 @@ class OffloadedKVStore(PagedKVStore):
             if slot.released is not None:
                 slot.released.record(torch.cuda.current_stream(self.device))
             return
+        host = self._host_range(first, last)
         with self._on_copy_stream(after_compute=True):
             for b in range(self.batch_size):
                 rows = slice(b * self.slot_pages, b * self.slot_pages + n)
-                self.host["dk"][index, b, first:last].copy_(slot.dk[rows], non_blocking=True)
-                self.host["dv"][index, b, first:last].copy_(slot.dv[rows], non_blocking=True)
+                self.host["dk"][index, b, host].copy_(slot.dk[rows], non_blocking=True)
+                self.host["dv"][index, b, host].copy_(slot.dv[rows], non_blocking=True)
             if slot.released is not None:
                 slot.released.record(self.copy_stream)
         self.grad_on_host[index, first:last] = True
@@ -334,7 +376,7 @@ class OffloadedKVStore(PagedKVStore):
 
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
         index = self._offloaded(layer)
-        if index is None:
+        if index is None or not self.owns(chunk):  # context parallel, not the owner: zeros
             return super().chunk_grads(layer, chunk)
         if index not in self._own_grads:
             raise RuntimeError(f"no gradients of chunk {chunk.index} in layer {layer}: its backward did not run")
@@ -396,23 +438,25 @@ class OffloadedKVStore(PagedKVStore):
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Stage 1 of an offloaded layer: only keys move, those of the distinct pages in ``history``
         (from the host, as selected pages move) and the chunk's own (still on the GPU), with a page
-        table of the staged layout. One device sync, to read the positions."""
+        table of the staged layout. One device sync, to read the positions. Context parallel: only the
+        pages this rank holds (the others' positions point at row 0; the score masks them)."""
         index = self._offloaded(layer)
-        fresh = self._fresh_kv.get((layer, chunk.index))
         if index is None:
             with super().scoring_keys(layer, chunk, history) as keys:
                 yield keys
             return
-        if fresh is None:
+        if (layer, chunk.index) not in self._fresh_kv:
             raise RuntimeError(f"scoring keys of offloaded layer {layer} are staged in stage 1, after its write")
+        fresh = self._fresh_kv[layer, chunk.index]  # None: another context-parallel rank holds the chunk
         first, last = self._page_range(chunk)
-        positions = torch.unique(history.cpu()).tolist()
-        columns = positions + list(range(first, last))
+        positions = [p for p in torch.unique(history.cpu()).tolist() if self._holds(p)]
+        columns = positions + (list(range(first, last)) if fresh is not None else [])
         n, B, own = len(columns), self.batch_size, last - first
         table = torch.zeros((B, last), dtype=torch.int32)
         table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
         table = table.to(self.device, non_blocking=True)
-        keys = torch.empty((B * n, *self.host["k"].shape[3:]), dtype=self.host["k"].dtype, device=self.device)
+        keys = torch.zeros if n == 0 else torch.empty  # no column: one zero row for the table's zeros
+        keys = keys((max(B * n, 1), *self.host["k"].shape[3:]), dtype=self.host["k"].dtype, device=self.device)
         with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
             if self.mapped_host is not None:
                 self._gather_pages(index, positions, {"k": keys})
@@ -424,8 +468,9 @@ class OffloadedKVStore(PagedKVStore):
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         self._keep_alive(keys)
-        for b in range(B):
-            keys[b * n + len(positions):(b + 1) * n].copy_(fresh[0][b * own:(b + 1) * own])
+        if fresh is not None:
+            for b in range(B):
+                keys[b * n + len(positions):(b + 1) * n].copy_(fresh[0][b * own:(b + 1) * own])
         yield keys, table
 
     def _stage_selection(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor,
@@ -434,16 +479,22 @@ class OffloadedKVStore(PagedKVStore):
         union of its selections that some query sees, then the chunk's own pages. Selected pages no
         query sees (packed documents) stay on the host: the page table sends them to one zero page
         after every sequence's rows, so the backend, which masks their keys, reads finite values and
-        adds its zero gradients there (the result is bit-identical to reading the real pages)."""
+        adds its zero gradients there (the result is bit-identical to reading the real pages).
+        Context parallel: only this rank's selected pages and, on its owner, the chunk's own move; the
+        selected pages of other ranks point at the zero page too (the backend reads none of them)."""
         first, last = self._page_range(chunk)
         history, unseen = self._selected_columns(layer, chunk, selection)
-        columns = history + list(range(first, last))
+        held = [p for p in history if self._holds(p)]
+        unseen, history = unseen or len(held) < len(history), held
+        own_chunk = self.owns(chunk)
+        columns = history + (list(range(first, last)) if own_chunk else [])
         n, B = len(columns), self.batch_size
         table = torch.full((B, last), B * n if unseen else 0, dtype=torch.int32)
         table[:, columns] = (torch.arange(B)[:, None] * n + torch.arange(n)[None, :]).to(torch.int32)
         table = table.to(self.device, non_blocking=True)
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
-        fresh = self._fresh_kv.pop((layer, chunk.index), None) if not grads else None
+        stage_one = not grads and (layer, chunk.index) in self._fresh_kv
+        fresh = self._fresh_kv.pop((layer, chunk.index)) if stage_one else None
         self.staged_history_pages += len(history)
         # Stage 1 attends to the chunk's own pages straight from the GPU; otherwise all come from the host.
         from_host = history if fresh is not None else columns
@@ -473,15 +524,17 @@ class OffloadedKVStore(PagedKVStore):
             if ready is not None:
                 ready.record(self.copy_stream)
         self._keep_alive(*staged.values())
-        return _StagedSelection(staged, table, history, runs, n, ready, stage_one=fresh is not None)
+        return _StagedSelection(staged, table, history, runs, n, ready, stage_one=stage_one, own_chunk=own_chunk)
 
     def _gather_pages(self, index: int, positions: list[int], staged: dict[str, torch.Tensor]) -> None:
         """One kernel per kind reads the pages at ``positions`` of every sequence from host memory into
         the first len(positions) of each sequence's rows of ``staged`` (gradients that were never
         written back this step read as zeros)."""
         B, count = self.batch_size, len(positions)
+        if count == 0:  # context parallel: no page of the call on this rank (nor in its slabs, maybe)
+            return
         n = staged["k"].shape[0] // B
-        source = self._rows(self.max_pages_per_seq, positions)
+        source = self._rows(self.host_pages, self._host_positions(positions))
         target = None if count == n else self._rows(n, range(count))
         on_host = self.grad_on_host[index, positions]
         stale = [b * n + j for b in range(B) for j in torch.nonzero(~on_host).flatten().tolist()]
@@ -509,7 +562,7 @@ class OffloadedKVStore(PagedKVStore):
             for b in range(self.batch_size):
                 rows = slice(b * n + column, b * n + column + stop - start)
                 for kind, pages in staged.items():
-                    source = self.host[kind][index, b, start:stop]
+                    source = self.host[kind][index, b, self._host_range(start, stop)]
                     if kind in ("dk", "dv"):
                         _load_grads(pages[rows], source, self.grad_on_host[index, start:stop])
                     else:
@@ -519,12 +572,14 @@ class OffloadedKVStore(PagedKVStore):
         """Keep the chunk's own page gradients; send the history pages' back to the host."""
         first, last = self._page_range(chunk)
         B, n, pages, history = self.batch_size, staged.num_pages, staged.pages, staged.history
-        own_rows = (torch.arange(B)[:, None] * n + torch.arange(n - (last - first), n)[None, :]).flatten()
-        own_rows = own_rows.to(self.device, non_blocking=True)
-        self._own_grads[index] = (pages["dk"].index_select(0, own_rows), pages["dv"].index_select(0, own_rows))
+        if staged.own_chunk:
+            own_rows = (torch.arange(B)[:, None] * n + torch.arange(n - (last - first), n)[None, :]).flatten()
+            own_rows = own_rows.to(self.device, non_blocking=True)
+            self._own_grads[index] = (pages["dk"].index_select(0, own_rows), pages["dv"].index_select(0, own_rows))
         with self._on_copy_stream(after_compute=True):
             if self.mapped_host is not None and history:
-                target, source = self._rows(self.max_pages_per_seq, history), self._rows(n, range(len(history)))
+                target = self._rows(self.host_pages, self._host_positions(history))
+                source = self._rows(n, range(len(history)))
                 for kind in ("dk", "dv"):
                     host = self.mapped_host[kind][index].flatten(0, 1)
                     rows_of(host).index_copy_(0, target, rows_of(pages[kind]).index_select(0, source))
@@ -532,10 +587,11 @@ class OffloadedKVStore(PagedKVStore):
                 for start, stop, column in staged.runs:
                     if start >= first:
                         continue
+                    host = self._host_range(start, stop)
                     for b in range(B):
                         rows = slice(b * n + column, b * n + column + stop - start)
-                        self.host["dk"][index, b, start:stop].copy_(pages["dk"][rows], non_blocking=True)
-                        self.host["dv"][index, b, start:stop].copy_(pages["dv"][rows], non_blocking=True)
+                        self.host["dk"][index, b, host].copy_(pages["dk"][rows], non_blocking=True)
+                        self.host["dv"][index, b, host].copy_(pages["dv"][rows], non_blocking=True)
         self.grad_on_host[index, history] = True
 
 
@@ -552,6 +608,7 @@ class _StagedSelection:
     num_pages: int
     ready: torch.cuda.Event | None  # the copy stream has filled them
     stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
+    own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
 
 
 def _load_grads(target: torch.Tensor, source: torch.Tensor, on_host: torch.Tensor) -> None:
@@ -580,11 +637,13 @@ def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> li
 
 def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: int, batch_size: int,
                        num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
-                       grad_dtype: torch.dtype, **_) -> dict[str, torch.Tensor]:
-    """The host tensors (layers, B, max_pages, Hkv, P, D) of a step, taken from ``slabs``. Calling it
-    ahead of a step pins the memory outside the step (as a benchmark does before timing)."""
+                       grad_dtype: torch.dtype, context: ContextShard | None = None, **_) -> dict[str, torch.Tensor]:
+    """The host tensors (layers, B, pages, Hkv, P, D) of a step, taken from ``slabs``: pages = every
+    page of a sequence, or with ``context`` this context-parallel rank's own. Calling it ahead of a
+    step pins the memory outside the step (as a benchmark does before timing)."""
     offloaded = max(0, num_layers - resident_layers)
-    shape = (offloaded, batch_size, -(-num_tokens // page_size), num_kv_heads, page_size, head_dim)
+    pages = -(-num_tokens // page_size) if context is None else context.owned_pages(num_tokens, page_size)
+    shape = (offloaded, batch_size, pages, num_kv_heads, page_size, head_dim)
     dtypes = {"k": kv_dtype, "v": kv_dtype, "dk": grad_dtype, "dv": grad_dtype}
     return {kind: slabs.take(kind, shape, dtypes[kind]) for kind in KINDS}
 

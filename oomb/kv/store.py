@@ -18,7 +18,11 @@ that stage 2 reads exactly the same pages; it is freed with the chunk.
 
 Under context parallelism (``context``, oomb/context_parallel.py) the store holds only the chunks
 this rank owns: its pool is sized for them, other chunks get no pages (their page-table entries are
-never read), and ``windows`` yields only the parts of a chunk's key windows on its own pages.
+never read), and ``windows`` yields only the parts of a chunk's key windows on its own pages. Page
+summaries are the exception: every rank summarises every chunk (its k is the same on every rank),
+indexed by position (row b * max_pages + p) rather than page id, so that each rank scores the whole
+history with exactly the inputs and code of one process, and every rank selects the same pages.
+They cost 1 / (2 P) of the K, V pages per summary vector (fp32 page gradients: less).
 """
 
 from __future__ import annotations
@@ -130,9 +134,12 @@ class PagedKVStore:
         self.device = torch.device(device)
         self.max_pages_per_seq = -(-num_tokens // page_size)
         self.context = context
+        self.num_kv_heads, self.head_dim, self.grad_dtype = num_kv_heads, head_dim, grad_dtype
         own_pages = self.max_pages_per_seq if context is None else context.owned_pages(num_tokens, page_size)
         self.pool = PagePool(batch_size * max(own_pages, 1))  # a rank may own no chunk of a short step
         shape = (self.pool.capacity, num_kv_heads, page_size, head_dim)
+        # Summary rows: by page id; context parallel, by position, for every chunk (module docstring).
+        self.summary_rows = self.pool.capacity if context is None else batch_size * self.max_pages_per_seq
         self.layers = [
             LayerPages(
                 k=torch.empty(shape, dtype=kv_dtype, device=device),
@@ -140,7 +147,8 @@ class PagedKVStore:
                 dk=torch.empty(shape, dtype=grad_dtype, device=device),
                 dv=torch.empty(shape, dtype=grad_dtype, device=device),
                 summaries={
-                    name: torch.empty(shape[:2] + shape[3:], dtype=kv_dtype, device=device) for name in summaries
+                    name: torch.empty((self.summary_rows, num_kv_heads, head_dim), dtype=kv_dtype, device=device)
+                    for name in summaries
                 },
             )
             for _ in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))
@@ -228,11 +236,14 @@ class PagedKVStore:
 
     def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one;
-        in sparse mode also the pages' key summaries. Nothing on a context-parallel rank not owning it."""
+        in sparse mode also the pages' key summaries. A context-parallel rank not owning the chunk keeps
+        only the summaries."""
+        pages = self.layers[layer]
         if not self.owns(chunk):
+            if self.summary_kinds:
+                self._write_summaries(pages.summaries, chunk, self._to_pages(k).to(pages.k.dtype))
             return
         index = self._chunk_ids(chunk)
-        pages = self.layers[layer]
         k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
         pages.k.index_copy_(0, index, k_pages)
         pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
@@ -244,16 +255,25 @@ class PagedKVStore:
             return
         valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
         by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
+        rows = self._summary_index(*self._page_range(chunk)).reshape(-1)
         for name, summary in summarize_pages(by_sequence, valid, self.summary_kinds).items():
-            summaries[name].index_copy_(0, self._chunk_ids(chunk), summary.flatten(0, 1).to(summaries[name].dtype))
+            summaries[name].index_copy_(0, rows, summary.flatten(0, 1).to(summaries[name].dtype))
+
+    def _summary_index(self, first: int, last: int) -> torch.Tensor:
+        """(B, last - first) rows of the summary tensors holding positions [first, last) of every
+        sequence: their page ids; context parallel, b * max_pages + position (module docstring)."""
+        if self.context is None:
+            return self.page_table[:, first:last].long()
+        positions = torch.arange(first, last, device=self.device)
+        return torch.arange(self.batch_size, device=self.device)[:, None] * self.max_pages_per_seq + positions
 
     def _layer_summaries(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer].summaries
 
     def history_summaries(self, layer: int, num_pages: int) -> dict[str, torch.Tensor]:
         """Summaries of the first ``num_pages`` pages of every sequence: name -> (B, num_pages, Hkv, D)."""
-        ids = self.page_table[:, :num_pages].long()  # (B, num_pages)
-        return {name: summary[ids] for name, summary in self._layer_summaries(layer).items()}
+        rows = self._summary_index(0, num_pages)  # (B, num_pages)
+        return {name: summary[rows] for name, summary in self._layer_summaries(layer).items()}
 
     @contextmanager
     def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor
@@ -301,11 +321,11 @@ class PagedKVStore:
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's accumulated dK, dV as (B, Hkv, L, D): contributions of it and every later chunk.
         Zeros on a context-parallel rank not owning it (the owner's are broadcast, attention/function.py)."""
-        pages = self.layers[layer]
         if not self.owns(chunk):
-            shape = (self.batch_size, pages.dk.shape[1], chunk.length, pages.dk.shape[3])
-            return (torch.zeros(shape, dtype=pages.dk.dtype, device=self.device),
-                    torch.zeros(shape, dtype=pages.dv.dtype, device=self.device))
+            shape = (self.batch_size, self.num_kv_heads, chunk.length, self.head_dim)
+            return (torch.zeros(shape, dtype=self.grad_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.grad_dtype, device=self.device))
+        pages = self.layers[layer]
         index = self._chunk_ids(chunk)
         return (
             self._from_pages(pages.dk.index_select(0, index), chunk.length),
