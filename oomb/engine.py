@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 from tqdm.auto import tqdm
 
-from .attention.backend import TORCH_BACKEND, AttentionBackend, select_backend
+from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.variants import check_backend_supports
 from .config import OOMBConfig
@@ -226,6 +226,10 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse")
     if context_parallel and config.attention == "sparse":
+        if softcap:  # before share_backend's functions are handed a softcap they do not take
+            raise NotImplementedError(f"context-parallel sparse attention (attention/context_sparse.py) does not "
+                                      f"support attention logit softcapping ({causal_lm.config.model_type}) yet; "
+                                      "use attention='dense' or one GPU")
         backend = share_backend(backend)
     return backend, split_documents, windows
 
@@ -246,12 +250,8 @@ def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, ma
     """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
     triton for float32 or when deterministic; packed documents and sliding windows (``masked``) stay
     on triton for bf16/fp16, whose kernels mask a per-query first key (float32: torch, as without them);
-    logit softcapping (Gemma 2) on torch, the one backend that has it."""
-    if config.backend == "auto" and attention_variants(causal_lm)[0]:
-        if device.type == "cuda":
-            logger.warning("attention logit softcapping (%s) runs on the torch backend: the Triton and cuDNN "
-                           "kernels do not have it", causal_lm.config.model_type)
-        return TORCH_BACKEND
+    so does logit softcapping (Gemma 2), which cuDNN's fused attention does not have."""
+    masked = masked or attention_variants(causal_lm)[0]
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
     if masked and weights_dtype != torch.float32:
         weights_dtype = None  # "auto" on CUDA without a dtype: triton

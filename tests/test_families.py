@@ -193,15 +193,34 @@ def test_window_layers_with_packed_documents():
     assert relative_error(got, want) <= GRAD_RTOL
 
 
-def test_sparse_mode_reads_windows_densely_and_covering_budget_is_exact():
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
+def test_sparse_mode_reads_windows_densely_and_covering_budget_is_exact(family):
     """Sparse mode: window layers read their (bounded) window densely, global layers select pages; a
-    budget covering every page equals the dense step."""
-    model = build("gemma3_text", seed=8)
+    budget covering every page equals the dense step (gemma2: with the capped sparse attention too)."""
+    model = build(family, seed=8)
     ids = random_ids(1, TOKENS, seed=8)
     want_loss, want = hf_step(model, ids)
     sparse = replace(CONFIG, attention="sparse", sparse_budget=TOKENS // 8 + 1)
     got_loss, got = oomb_step(model, ids, sparse)
     assert_matches(got_loss, got, want_loss, want)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_gemma2_on_triton_equals_torch_backend(attention):
+    """Gemma 2 (a window layer and a global one, both softcapped) through the Triton kernels, interpreted
+    on CPU: the dense step equals HF's full-sequence backward and the torch backend's; the sparse step
+    (a budget of 2 pages: not HF's attention) equals the torch backend's sparse step."""
+    pytest.importorskip("oomb.attention.triton_paged")
+    model = build("gemma2", seed=9, num_hidden_layers=2)
+    assert layer_windows(model) == (WINDOW, None)
+    ids = random_ids(1, 96, seed=9)
+    config = replace(CONFIG, attention=attention, sparse_budget=2, stream_block_pages=64)
+    want_loss, want = oomb_step(model, ids, config)
+    got_loss, got = oomb_step(model, ids, replace(config, backend="triton"))
+    assert_matches(got_loss, got, want_loss, want)
+    if attention == "dense":
+        assert_matches(got_loss, got, *hf_step(model, ids))
 
 
 # --- the backend pieces --------------------------------------------------------------------------
@@ -276,21 +295,34 @@ def test_window_bounds_intersect_documents():
 @pytest.mark.parametrize(("backend", "kinds", "match"), [
     ("cudnn", dict(windows=True), "backend 'cudnn' does not support sliding-window layers"),
     ("cudnn", dict(sinks=True), "backend 'cudnn' does not support attention sinks"),
-    ("triton", dict(softcap=True), "backend 'triton' does not support attention logit softcapping"),
-    ("torch", dict(softcap=True, sparse=True), "sparse mode does not support attention logit softcapping"),
+    ("cudnn", dict(softcap=True), "backend 'cudnn' does not support attention logit softcapping"),
+    ("cudnn", dict(softcap=True, sparse=True), "backend 'cudnn' does not support attention logit softcapping"),
 ])
 def test_backends_without_a_variant_refuse_it(backend, kinds, match):
     options = dict(softcap=False, sinks=False, windows=False, family="gemma2") | kinds
     with pytest.raises(NotImplementedError, match=match):
         check_backend_supports(backend, **options)
     check_backend_supports("triton", softcap=False, sinks=True, windows=True, family="gpt_oss")
+    for name in ("torch", "triton"):
+        check_backend_supports(name, softcap=True, sinks=False, windows=True, family="gemma2", sparse=True)
 
 
-def test_gemma2_refuses_sparse_mode_before_allocating():
-    model = build("gemma2")
-    match = r"sparse mode does not support attention logit softcapping \(gemma2\)"
+def test_gemma2_refuses_cudnn_before_allocating(monkeypatch):
+    """cudnn (chosen explicitly; a stand-in here, the CPU has none) is refused for a softcapped model."""
+    from oomb.attention.backend import AttentionBackend
+
+    stand_in = AttentionBackend("cudnn", *(lambda *a, **k: None,) * 3)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda *args, **kwargs: stand_in)
+    match = r"backend 'cudnn' does not support attention logit softcapping and sliding-window layers .*\(gemma2\)"
     with pytest.raises(NotImplementedError, match=match):
-        oomb.forward_backward(model, random_ids(1, 64, seed=1), None, replace(CONFIG, attention="sparse"))
+        oomb.forward_backward(build("gemma2"), random_ids(1, 64, seed=1), None, replace(CONFIG, backend="cudnn"))
+
+
+def test_context_parallel_sparse_refuses_softcapping():
+    """context_sparse.py's torch functions (sparse calls under context parallelism) have no softcap yet."""
+    with pytest.raises(NotImplementedError, match=r"context-parallel sparse .* logit softcapping \(gemma2\)"):
+        oomb.engine.attention_setup(build("gemma2"), replace(CONFIG, attention="sparse"), torch.device("cpu"),
+                                    TOKENS, None, context_parallel=True)
 
 
 @pytest.mark.parametrize(("config_cls", "model_cls", "options", "match"), [
@@ -318,15 +350,17 @@ def test_bidirectional_gemma3_is_refused():
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
-@pytest.mark.parametrize("sinks", [False, True])
-def test_triton_masks_windows_through_the_document_bounds(sinks):
+@pytest.mark.parametrize(("sinks", "softcap"), [(False, None), (True, None), (True, 1.5)])
+def test_triton_masks_windows_through_the_document_bounds(sinks, softcap):
     """The Triton kernels (interpreted on CPU) take a window's key bounds as documents: forward and
-    backward equal the reference, per history page window and for the chunk, NaN pages unread."""
+    backward equal the reference, per history page window and for the chunk, NaN pages unread; with
+    sinks and with the logit softcap too."""
     pytest.importorskip("oomb.attention.triton_paged")
     from oomb.attention.backend import _triton_backend
 
     B, Hq, T, D, P, W, start = 1, 4, 48, 16, 8, 12, 32
     q, k, v, k_pool, v_pool, ids = _paged(B, Hq, 2, T, D, P, seed=3)
+    q = q * 3.0  # scores of a few units: the cap of 1.5 bends them
     first_page = (start - W + 1) // P
     k_pool[ids[:, :first_page].long()] = float("nan")
     v_pool[ids[:, :first_page].long()] = float("nan")
@@ -338,7 +372,7 @@ def test_triton_masks_windows_through_the_document_bounds(sinks):
     results = []
     for base in (TORCH_BACKEND, _triton_backend()):
         sink_grad = SinkGradient()
-        backend = layer_backend(base, sinks=sink, sink_grad=sink_grad)
+        backend = layer_backend(base, softcap=softcap, sinks=sink, sink_grad=sink_grad)
         out = lse = None
         for key_range in windows:
             o, s = backend.forward(q_chunk, k_pool, v_pool, ids, start, D**-0.5, key_range=key_range,
@@ -355,3 +389,60 @@ def test_triton_masks_windows_through_the_document_bounds(sinks):
     for got, want in zip(results[1], results[0], strict=True):
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_runs_softcapping_on_triton_on_cuda():
+    """backend='auto' on CUDA: a bf16 Gemma 2 runs on triton (cuDNN has no softcap), fp32 on torch (as every
+    masked fp32 model: compiling the IEEE kernels costs more than they save); off CUDA torch. Only the
+    choice is checked: no CUDA tensor is made."""
+    pytest.importorskip("oomb.attention.triton_paged")
+    model = build("gemma2")
+    auto = replace(CONFIG, backend="auto")
+    cuda = torch.device("cuda")
+    assert oomb.engine._select_step_backend(model, auto, cuda, masked=False).name == "torch"
+    assert oomb.engine._select_step_backend(model, auto, torch.device("cpu"), masked=False).name == "torch"
+    model.to(torch.bfloat16)
+    assert oomb.engine._select_step_backend(model, auto, cuda, masked=False).name == "triton"
+    deterministic = replace(auto, deterministic=True)
+    assert oomb.engine._select_step_backend(model, deterministic, cuda, masked=False).name == "triton"
+
+
+# --- GPU (H200) ------------------------------------------------------------------------------------
+GPU_WINDOW = 300
+GPU_TOKENS = 1100
+GPU_CONFIG = OOMBConfig(chunk_size=256, page_size=64, backend="torch", loss_chunk_tokens=512)
+"""Windows of 300 over 1100 tokens in chunks of 256 and pages of 64: window edges inside pages and chunks."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "gpt_oss", "mistral"])
+def test_gpu_family_on_triton_equals_torch_backend_and_hf(family):
+    """fp32 on the GPU (IEEE dots): a family's windows, sinks (gpt_oss) and logit softcap (gemma2) through
+    the Triton kernels equal the torch backend on the same device and HF's full-sequence backward."""
+    model = build(family, seed=10, sliding_window=GPU_WINDOW).cuda()
+    ids = random_ids(2, GPU_TOKENS, seed=10).cuda()
+    hf_loss, hf = hf_step(model, ids)
+    want_loss, want = oomb_step(model, ids, GPU_CONFIG)
+    got_loss, got = oomb_step(model, ids, replace(GPU_CONFIG, backend="triton"))
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    assert relative_error(got, want) <= 1e-5
+    torch.testing.assert_close(got_loss, hf_loss, rtol=1e-4, atol=0)
+    assert relative_error(got, hf) <= 1e-4  # HF: eager attention and cuBLAS, other summation orders
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_gpu_gemma2_bf16_on_triton_within_twice_torch_backend_error(attention):
+    """bf16 Gemma 2 (softcapped windows and global layers; sparse: a budget of 4 pages) against the same
+    step in fp32 on the torch backend: the Triton kernels' gradient error is at most twice the torch
+    backend's in bf16 (which computes attention in fp32: its error is what bf16 weights alone cost)."""
+    model = build("gemma2", seed=11, sliding_window=GPU_WINDOW).cuda()
+    ids = random_ids(2, GPU_TOKENS, seed=11).cuda()
+    config = replace(GPU_CONFIG, attention=attention, sparse_budget=4)
+    _, exact = oomb_step(model, ids, config)
+    model.to(torch.bfloat16)
+    _, ref = oomb_step(model, ids, config)
+    _, got = oomb_step(model, ids, replace(config, backend="triton"))
+    ours, theirs = relative_error(got, exact), relative_error(ref, exact)
+    print(f"gemma2 bf16 {attention} gradient error: triton {ours:.3e}, torch backend {theirs:.3e}")
+    assert ours <= 2 * theirs

@@ -234,6 +234,100 @@ def test_launchers_reject_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
+# Logit softcapping (Gemma 2): scores c * tanh(scale * q.k / c), constexpr SOFTCAP in the kernels
+# ---------------------------------------------------------------------------------------------
+SOFTCAP = 1.5
+"""Strong enough to bend the scores of SOFTCAP_GAIN-scaled queries (a few units) hard."""
+SOFTCAP_GAIN = 3.0
+
+
+def capped_case(*shape, dtype=torch.float32, device=DEVICE, seed=0) -> Case:
+    """make_case with queries scaled so that scores reach a few units and the cap matters."""
+    c = make_case(*shape, device=device, seed=seed)
+    c.q = c.q * SOFTCAP_GAIN
+    return c.at(dtype)
+
+
+def run_capped(backend, c: Case, softcap=SOFTCAP, grad_dtype=torch.float32, out=None, lse=None, **kwargs):
+    """(out, lse, dq, dk, dv) with the cap; backward from the given (reference) out and lse when passed."""
+    fwd_out, fwd_lse = backend.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale,
+                                                       softcap=softcap, **kwargs)
+    out, lse = (fwd_out, fwd_lse) if out is None else (out, lse)
+    dk = torch.zeros(c.k_pool.shape, dtype=grad_dtype, device=c.q.device)
+    dv = torch.zeros_like(dk)
+    dq = backend.paged_attention_backward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale, out, c.dout,
+                                          lse, dk, dv, softcap=softcap, **kwargs)
+    return fwd_out, fwd_lse, dq, dk, dv
+
+
+SOFTCAP_CASES = [
+    pytest.param(2, 2, 2, 24, 0, 16, 16, id="G1-nohistory"),
+    pytest.param(2, 7, 1, 13, 36, 24, 12, id="G7-D24-P12"),
+    pytest.param(2, 8, 2, 20, 56, 16, 8, id="G4-P8-multipage-tiles"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,history,D,P", SOFTCAP_CASES)
+def test_softcap_matches_reference(B, Hq, Hkv, Lq, history, D, P):
+    """fp32: forward and backward (dS times 1 - tanh^2) equal the torch backend's, partial last pages
+    included; and the cap changes the result (the test exercises it)."""
+    c = capped_case(B, Hq, Hkv, Lq, history, D, P)
+    want = run_capped(reference, c)
+    got = run_capped(triton_paged, c, out=want[0], lse=want[1])
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, **GRAD_TOL[torch.float32], msg=lambda m, name=name: f"{name}: {m}")
+    uncapped, _ = run_forward(triton_paged, c)
+    assert (uncapped - got[0]).abs().max() > 0.1
+
+
+def test_softcap_bfloat16_small():
+    """bf16 inputs and gradient pools (interpreted: fp32 dots, so the roundings of out and the pools differ)."""
+    c = capped_case(2, 8, 2, 20, 48, 16, 16, dtype=torch.bfloat16)
+    want = run_capped(reference, c, grad_dtype=torch.bfloat16)
+    got = run_capped(triton_paged, c, grad_dtype=torch.bfloat16, out=want[0], lse=want[1])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+def test_softcap_with_key_windows_and_documents():
+    """The cap with everything else that masks: per-query document starts (one inside the chunk, one
+    inside a page), history windows of one page (one before every document: lse -inf there) and the
+    chunk's window, a partial last page; merged forward and summed backward equal the torch backend's."""
+    from oomb.documents import resolve_documents
+
+    B, Hq, Hkv, Lq, history, D, P = 2, 4, 2, 21, 32, 16, 8
+    c = capped_case(B, Hq, Hkv, Lq, history, D, P, seed=5)
+    T = history + Lq
+    docs = resolve_documents(None, [[0, 10, 19, 40, T], [0, 27, 30, T]], (B, T), torch.device(DEVICE))
+    windows = [(lo, lo + P) for lo in range(0, history, P)] + [(history, T)]
+    results = []
+    for backend in (reference, triton_paged):
+        parts = [backend.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, history, c.scale,
+                                                 key_range=kr, out_dtype=torch.float32, documents=docs,
+                                                 softcap=SOFTCAP) for kr in windows]
+        out, lse = reference.merge_partials(*map(list, zip(*parts, strict=True)))
+        dk, dv = torch.zeros_like(c.k_pool), torch.zeros_like(c.v_pool)
+        dq = torch.zeros(c.q.shape, device=c.q.device)
+        delta = reference.backward_delta(out, c.dout)
+        for kr in windows:
+            backend.paged_attention_backward(c.q, c.k_pool, c.v_pool, c.page_table, history, c.scale, None, c.dout,
+                                             lse, dk, dv, key_range=kr, delta=delta, dq_accumulator=dq,
+                                             documents=docs, softcap=SOFTCAP)
+        results.append((out, lse, dq, dk, dv))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, **GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), True, "50"])
+def test_softcap_must_be_a_positive_number(softcap):
+    c = make_case(1, 4, 2, 8, 16, 16, 16)
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        triton_paged.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale,
+                                             softcap=softcap)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: production shapes, bfloat16
 # ---------------------------------------------------------------------------------------------
 def _max_err(got, want):
@@ -298,3 +392,37 @@ def test_gpu_repeat_runs_are_bit_identical():
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
         for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D,P,history,Lq", [GPU_CASES[2], GPU_CASES[4], GPU_CASES[5]])
+def test_gpu_softcap_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq):
+    """As test_gpu_bf16_error_within_twice_reference with Gemma 2's cap (50, reached by queries scaled to
+    scores of tens): the softcapped kernels' bf16 error stays within twice the torch backend's own."""
+    exact = make_case(2, Hq, Hkv, Lq, history, D, P, torch.float32, device="cuda")
+    exact.q = exact.q * 30.0  # scores of tens (std about 30): the cap of 50 bends them
+    low = exact.at(torch.bfloat16)
+    want = run_capped(reference, exact, softcap=50.0)
+    ref = run_capped(reference, low, softcap=50.0)
+    got = run_capped(triton_paged, low, softcap=50.0)
+    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
+        ours, theirs = _max_err(g, w), _max_err(r, w)
+        eps = 1e-4 * w.abs().max().item()
+        print(f"softcap bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
+        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_softcap_fp32_matches_reference_and_repeats_bitwise():
+    """fp32 (IEEE dots) at a production shape: the softcapped kernels equal the torch backend to float32
+    rounding, and two runs are bit-identical (no atomics were added)."""
+    c = capped_case(2, 28, 4, 512, 8192, 128, 128, device="cuda")
+    want = run_capped(reference, c, softcap=5.0)
+    got = run_capped(triton_paged, c, softcap=5.0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    low = c.at(torch.bfloat16)
+    first = run_capped(triton_paged, low, softcap=5.0)
+    again = run_capped(triton_paged, low, softcap=5.0)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)

@@ -290,3 +290,79 @@ def test_documents_match_sparse_reference(B, Hq, Hkv, Lq, history_pages, D, P, K
         grads[name] = (dq, dk, dv)
     for got, want in zip(grads["triton"], grads["reference"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit softcapping (Gemma 2): scores c * tanh(scale * q.k / c) over the selected pages and the chunk
+# ---------------------------------------------------------------------------------------------
+SOFTCAP = 1.5
+"""With queries scaled by 3 the scores reach a few units: the cap bends them hard."""
+
+
+def _run_capped(backend, c: Case, softcap: float, out=None, lse=None, **kwargs):
+    """(out, lse, dq, dk, dv); backward from the given (reference) out and lse when passed."""
+    fwd_out, fwd_lse = backend.sparse_attention_forward(*c.args(), softcap=softcap, **kwargs)
+    out, lse = (fwd_out, fwd_lse) if out is None else (out, lse)
+    dk = torch.zeros(c.k_pool.shape, dtype=torch.float32, device=c.q.device)
+    dv = torch.zeros_like(dk)
+    dq = backend.sparse_attention_backward(*c.args(), out, c.dout, lse, dk, dv, softcap=softcap, **kwargs)
+    return fwd_out, fwd_lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,history_pages,D,P,K,documents", [
+    pytest.param(2, 4, 2, 40, 5, 16, 16, 2, False, id="G2-P16-K2"),
+    pytest.param(1, 2, 1, 30, 4, 16, 12, 2, False, id="G2-P12-K2"),
+    pytest.param(2, 4, 2, 40, 5, 16, 16, 3, True, id="G2-P16-K3-documents"),
+])
+def test_softcap_matches_sparse_reference(B, Hq, Hkv, Lq, history_pages, D, P, K, documents):
+    """fp32: the capped sparse kernels (selected pages, the chunk's diagonal, the history dK/dV work
+    items, the chunk's own dK/dV) equal the capped sparse reference; the cap changes the result."""
+    from oomb.documents import resolve_documents
+
+    c = make_case(B, Hq, Hkv, Lq, history_pages, D, P, K, seed=6)
+    c.q = c.q * 3.0
+    kwargs = {}
+    if documents:
+        T, H = c.history + Lq, c.history
+        kwargs["documents"] = resolve_documents(None, [[0, P + 3, H + 5, T], [0, T]][:B], (B, T),
+                                                torch.device(DEVICE))
+    want = _run_capped(reference_sparse, c, SOFTCAP, **kwargs)
+    got = _run_capped(triton_sparse, c, SOFTCAP, out=want[0], lse=want[1], **kwargs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    uncapped, _ = reference_sparse.sparse_attention_forward(*c.args(), **kwargs)
+    assert (uncapped - want[0]).abs().max() > 0.1
+
+
+def test_softcap_with_a_covering_selection_equals_dense():
+    """Every history page selected by every block: the capped sparse reference is the capped dense one."""
+    from oomb.attention import reference
+
+    c = make_case(1, 4, 2, 24, 3, 16, 8, 3, seed=7)
+    c.q = c.q * 3.0
+    c.selection = torch.arange(3, dtype=torch.int32, device=DEVICE).expand(1, 2, 3, 3)
+    sparse_out, sparse_lse = reference_sparse.sparse_attention_forward(*c.args(), softcap=SOFTCAP)
+    dense_out, dense_lse = reference.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history,
+                                                             c.scale, softcap=SOFTCAP)
+    torch.testing.assert_close(sparse_out, dense_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sparse_lse, dense_lse, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D,P,history_pages,Lq,K", GPU_CASES[:2])
+def test_gpu_softcap_bf16_error_within_twice_reference(Hq, Hkv, D, P, history_pages, Lq, K):
+    """Gemma 2's cap of 50 with scores of tens: bf16 error at most 2x the sparse reference's on bf16 inputs."""
+    exact = make_case(2, Hq, Hkv, Lq, history_pages, D, P, K)
+    exact.q = exact.q * 30.0
+    low = Case(*(t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in vars(exact).values()))
+    want = _run_capped(reference_sparse, exact, 50.0)
+    ref = _run_capped(reference_sparse, low, 50.0)
+    got = _run_capped(triton_sparse, low, 50.0)
+    for name, g, r, w in zip(("out", "lse", "dq", "dk", "dv"), got, ref, want, strict=True):
+        ours, theirs = _max_err(g, w), _max_err(r, w)
+        eps = 1e-4 * w.abs().max().item()
+        print(f"sparse softcap bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
+        assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
+    again = _run_capped(triton_sparse, low, 50.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))

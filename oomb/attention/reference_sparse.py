@@ -26,6 +26,9 @@ last query. All arithmetic is float32.
 ``documents`` (packed documents, oomb/documents.py; optional keyword of both functions): query t of
 row b also drops every key before ``documents.start[b, t]``, selected or its chunk's own. Every query
 sees its own key, so no row is empty.
+
+``softcap`` (logit softcapping, Gemma 2; optional keyword of both functions): every score s = scale * q.k
+becomes softcap * tanh(s / softcap) before the softmax, as in reference.py.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def sparse_attention_forward(
     scale: float,
     selection: torch.Tensor,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query block's attention over its selected history pages and its own chunk (causal)."""
     _check(q, k_pool, page_table, query_start)
@@ -102,7 +106,8 @@ def sparse_attention_forward(
     G = Hq // Hkv
     K = selection.shape[3]
     c0, n_blocks = query_start // P, -(-Lq // P)
-    qf = q.float().reshape(B, Hkv, G, Lq, D) * scale
+    # With softcapping the scale goes inside the tanh: score = softcap * tanh(scale * q.k / softcap).
+    qf = q.float().reshape(B, Hkv, G, Lq, D) * (scale if softcap is None else scale / softcap)
     k_own = _gather_block(k_pool, page_table, c0, c0 + n_blocks)  # (B, Hkv, n_blocks * P, D)
     v_own = _gather_block(v_pool, page_table, c0, c0 + n_blocks)
     out = torch.empty((B, Hkv, G, Lq, D), device=q.device)
@@ -114,6 +119,8 @@ def sparse_attention_forward(
         k = torch.cat([k_hist, k_own[:, :, : (j + 1) * P]], dim=2)  # (B, Hkv, K*P + (j+1)*P, D)
         v = torch.cat([v_hist, v_own[:, :, : (j + 1) * P]], dim=2)
         scores = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., q0:q1, :], k)
+        if softcap is not None:
+            scores = scores.tanh_().mul_(softcap)
         scores[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), float("-inf"))
         if documents is not None:
             scores.masked_fill_(~_document_mask(documents, selection, j, q0, q1, query_start, P), float("-inf"))
@@ -139,6 +146,7 @@ def sparse_attention_backward(
     dk_pool: torch.Tensor,
     dv_pool: torch.Tensor,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV into the selected history pages and the chunk's own pages, in place.
 
@@ -177,6 +185,10 @@ def sparse_attention_backward(
         v = torch.cat([v_hist, v_own[:, :, :own]], dim=2)
         q_t, do_t = qf[..., q0:q1, :], do[..., q0:q1, :]
         scores = torch.einsum("bhgqd,bhkd->bhgqk", q_t, k).mul_(scale)
+        if softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            tanh = scores.div_(softcap).tanh_()
+            dcap = 1 - tanh * tanh
+            scores = tanh.mul(softcap)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         probs[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), 0.0)
         if documents is not None:
@@ -184,6 +196,8 @@ def sparse_attention_backward(
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
         dprobs = torch.einsum("bhgqd,bhkd->bhgqk", do_t, v)
         dscores = probs.mul_(dprobs.sub_(delta[..., q0:q1, None]))
+        if softcap is not None:
+            dscores.mul_(dcap)
         dq[..., q0:q1, :] = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k).mul_(scale)
         dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, q_t).mul_(scale)
         dk_own[:, :, :own] += dk[:, :, K * P:]

@@ -3,10 +3,11 @@
 Implements the contract of ``oomb/attention/reference.py`` (read it first):
 
     paged_attention_forward(q, k_pool, v_pool, page_table, query_start, scale,
-                            *, key_range=None, out_dtype=None) -> (out, lse)
+                            *, key_range=None, out_dtype=None, documents=None, softcap=None) -> (out, lse)
     paged_attention_backward(q, k_pool, v_pool, page_table, query_start, scale,
                              out, dout, lse, dk_pool, dv_pool,
-                             *, key_range=None, delta=None, dq_accumulator=None) -> dq   (dK, dV added into the pools)
+                             *, key_range=None, delta=None, dq_accumulator=None, documents=None,
+                             softcap=None) -> dq   (dK, dV added into the pools)
     backward_delta(out, dout) -> delta
 
 Design (details and diagrams in docs/kernels.md):
@@ -33,6 +34,13 @@ Design (details and diagrams in docs/kernels.md):
   start and mask the tiles up to its latest one; dK/dV of a key tile loop only over the rows whose
   documents reach it (t < end[b, last key]) and mask those whose document starts inside the tile.
   Rows that see no key of a window get out 0 and lse -inf (merged as an empty window).
+* Logit softcapping (``softcap`` c, Gemma 2; constexpr ``SOFTCAP``, 0.0 = off): a score s = scale * q.k
+  becomes c * tanh(s / c) before the softmax. The inner loops multiply q.k by scale / c instead of
+  scale * log2(e) and turn tanh of that into base-2 logits (``_cap``); backward multiplies dS by
+  1 - tanh^2 before the dQ and dK products. tanh is built from exp2 (``_tanh``: no tanh runs in the
+  interpreter), so a capped tile costs one more exp2 and one division per score. Without a cap the
+  launches pass no SOFTCAP and the kernels compile to exactly the code of before (PTX for sm_90
+  compared instruction for instruction); each cap value compiles its own kernels (a model has one).
 * Backward without atomics: ``_dkdv_kernel`` owns one key tile of one (batch, KV head), loops
   over all query row tiles (all G heads of the group), keeps dK, dV in registers and adds them
   once into the page gradient buffers (read-modify-write: it is the only writer of those slots
@@ -82,6 +90,7 @@ OOMB_TRITON_AUTOTUNE_CACHE=0 tunes afresh in every process."""
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # = 1 / ln(2): softmax runs in base 2 (exp2 is native)
 _LN2 = tl.constexpr(0.6931471805599453)  # = ln(2): turns the base-2 log-sum-exp into natural log
+_TWO_LOG2E = tl.constexpr(2.8853900817779268)  # = 2 / ln(2): e^(2x) = 2^(x * 2 / ln 2), for tanh
 
 MIN_BLOCK_D = 16
 """tl.dot needs every tile dimension >= 16: smaller head dims are padded and masked."""
@@ -185,6 +194,33 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr
     return x
 
 
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (e^(2x) + 1) in float32, from exp2: Triton has no tanh that also runs in the
+    interpreter (libdevice's does not). Saturates to +-1 for large |x| (2 / inf = 0, never inf / inf);
+    absolute error about 1e-7, of the order of the rounding of the scores themselves."""
+    return 1.0 - 2.0 / (tl.exp2(x * _TWO_LOG2E) + 1.0)
+
+
+@triton.jit
+def _qk_scale(scale, SOFTCAP: tl.constexpr):
+    """What the inner loops multiply q.k by: base-2 logits scale * log2(e) * q.k, or with logit
+    softcapping (SOFTCAP = c > 0) the tanh's argument scale * q.k / c, which they cap (_cap)."""
+    if SOFTCAP > 0:
+        qk_scale = scale / SOFTCAP
+    else:
+        qk_scale = scale * _LOG2E
+    return qk_scale
+
+
+@triton.jit
+def _cap(x, SOFTCAP: tl.constexpr):
+    """(base-2 softcapped logits c * log2(e) * tanh(x), tanh(x)) for x = scale * q.k / c (Gemma 2: the
+    score s = scale * q.k becomes c * tanh(s / c)). The backward multiplies dS by 1 - tanh(x)^2."""
+    t = _tanh(x)
+    return t * (SOFTCAP * _LOG2E), t
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
@@ -195,10 +231,11 @@ def _fwd_inner(
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
-    doc_start=0, DOCS: tl.constexpr = False,
+    doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
-    key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row)."""
+    key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row). SOFTCAP
+    (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         if WINDOW:
@@ -217,6 +254,8 @@ def _fwd_inner(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
+        if SOFTCAP > 0:
+            qk, _ = _cap(qk, SOFTCAP)
         if MASKED:
             if WINDOW:
                 visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -250,7 +289,7 @@ def _fwd_documents(
     key_lo, key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """The forward's traversal of a row tile with packed documents: key tiles [start, end), masked up
     to mid (the window's edge tile and the tiles holding some row's document start), unmasked over
@@ -274,17 +313,17 @@ def _fwd_documents(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, start, tl.minimum(mid, end), key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, mid, unmasked_end, key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+        PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, unmasked_end, end, key_end, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
     )
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
 
@@ -303,10 +342,11 @@ def _fwd_kernel(
     num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
-    (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document)."""
+    (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document; with
+    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c))."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -330,7 +370,7 @@ def _fwd_kernel(
     q = _load_tile(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
 
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -347,7 +387,7 @@ def _fwd_kernel(
             acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, doc_start_ptr + b * stride_db,
             first_q, last_q, num_keys, key_lo, key_hi, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, WINDOW,
+            PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP,
         )
     else:
         if WINDOW:
@@ -359,6 +399,7 @@ def _fwd_kernel(
                 acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
                 key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
                 offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+                SOFTCAP=SOFTCAP,
             )
             full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
             end = tl.minimum(key_hi, last_q + 1)
@@ -371,12 +412,12 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
         )
 
         out = acc / l_i[:, None]
@@ -422,10 +463,11 @@ def _dkdv_inner(
     stride_lb, stride_lh, stride_ll, offs_d, d_ok,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    doc_row_ptr=0, DOCS: tl.constexpr = False,
+    doc_row_ptr=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Accumulate dK, dV of one key tile over row tiles [lo, hi), in order (deterministic). With DOCS
-    (MASKED tiles) a row also hides the keys before its document start, read at doc_row_ptr + position."""
+    (MASKED tiles) a row also hides the keys before its document start, read at doc_row_ptr + position.
+    SOFTCAP: as _fwd_inner; dS is multiplied by the cap's derivative 1 - tanh^2."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
@@ -443,6 +485,8 @@ def _dkdv_inner(
         lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=float("inf")) * _LOG2E
         delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (N, M)
+        if SOFTCAP > 0:
+            qk_t, tanh_t = _cap(qk_t, SOFTCAP)
         p_t = tl.exp2(qk_t - lse2[None, :])
         if MASKED:
             visible_t = keys[:, None] <= (query_start + qi)[None, :]
@@ -453,6 +497,8 @@ def _dkdv_inner(
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (N, M)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP > 0:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -475,7 +521,7 @@ def _dkdv_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     key_lo=0, key_hi=2**31 - 1,
-    doc_start_ptr=0, doc_end_ptr=0, stride_db=0, DOCS: tl.constexpr = False,
+    doc_start_ptr=0, doc_end_ptr=0, stride_db=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (key tiles of [key_lo, key_hi), B * Hkv): dK, dV of one key tile from every row that sees
     it, added once. key_lo, key_hi come last, with defaults meaning all keys (key_hi is clipped to the
@@ -514,7 +560,7 @@ def _dkdv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -541,21 +587,21 @@ def _dkdv_kernel(
             num_rows, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True, SOFTCAP=SOFTCAP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, unmasked_end,
             num_rows, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, unmasked_end, row_hi,
             num_rows, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, doc_row_ptr, True, SOFTCAP=SOFTCAP,
         )
     else:
         dk, dv = _dkdv_inner(
@@ -563,14 +609,14 @@ def _dkdv_kernel(
             num_rows, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION,
+            GROUP, BLOCK_M, EVEN_D, True, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, keys, q_ptr, dout_ptr, lse_ptr, delta_ptr, b, kvh, row_mid, num_rows,
             num_rows, seq_len, query_start, qk_scale,
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
-            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION,
+            GROUP, BLOCK_M, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
     dk = dk * scale  # scores are scale * q.k
 
@@ -595,9 +641,10 @@ def _dq_inner(
     offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
-    doc_start=0, DOCS: tl.constexpr = False,
+    doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """Accumulate dQ of one row tile over key tiles [lo, hi); masks as in _fwd_inner."""
+    """Accumulate dQ of one row tile over key tiles [lo, hi); masks and SOFTCAP as in _fwd_inner, dS
+    times the cap's derivative as in _dkdv_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         if WINDOW:
@@ -616,6 +663,8 @@ def _dq_inner(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk, tanh = _cap(qk, SOFTCAP)
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
             if WINDOW:
@@ -627,6 +676,8 @@ def _dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP > 0:
+            ds = ds * (1.0 - tanh * tanh)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -649,7 +700,7 @@ def _dq_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward.
     ACCUMULATE_DQ: add into a float32 dq (one window's share of a streamed backward) instead of
@@ -683,7 +734,7 @@ def _dq_kernel(
     stat = b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll
     lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
 
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -710,17 +761,17 @@ def _dq_kernel(
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, start, tl.minimum(mid, end), key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
         )
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, mid, unmasked_end, key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, unmasked_end, end, key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
         )
     else:
         if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
@@ -729,6 +780,7 @@ def _dq_kernel(
                 dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
                 key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
                 offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+                SOFTCAP=SOFTCAP,
             )
             full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
             end = tl.minimum(key_hi, last_q + 1)
@@ -741,12 +793,12 @@ def _dq_kernel(
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
         )
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
         )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
@@ -821,12 +873,24 @@ def _document_args(documents: Documents | None, q: torch.Tensor, query_start: in
     return start, end, start.stride(0)
 
 
-def _meta(q: torch.Tensor, Hq: int, Hkv: int, D: int, P: int) -> dict:
-    """Constexpr arguments shared by the attention kernels."""
-    return dict(
+def _meta(q: torch.Tensor, Hq: int, Hkv: int, D: int, P: int, softcap: float | None = None) -> dict:
+    """Constexpr arguments shared by the attention kernels. ``SOFTCAP`` only when there is a cap: the
+    launches without one are exactly those of before (the kernels' default 0.0 means off)."""
+    meta = dict(
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=max(MIN_BLOCK_D, triton.next_power_of_2(D)), PAGE_SIZE=P,
         UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if softcap is not None:
+        meta["SOFTCAP"] = check_softcap(softcap)
+    return meta
+
+
+def check_softcap(softcap: float) -> float:
+    """The cap as the kernels' constexpr: a finite float > 0 (each value compiles its own kernels, as a
+    model has one: Gemma 2's attn_logit_softcapping is 50.0 in every layer)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite number > 0 (or None: off); got {softcap!r}")
+    return float(softcap)
 
 
 def paged_attention_forward(
@@ -840,6 +904,7 @@ def paged_attention_forward(
     key_range: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk's queries over its paged history and itself (or one key window).
 
@@ -852,12 +917,15 @@ def paged_attention_forward(
             keeps a window's partial output unrounded until the merge.
         documents: packed documents of the step (oomb/documents.py): each query sees only keys of
             its own document; a row seeing no key of the window gets out 0 and lse -inf.
+        softcap: logit softcapping c (Gemma 2): every score s = scale * q.k becomes c * tanh(s / c)
+            before the softmax; None: off.
     Returns:
         out (B, Hq, Lq, D) in out_dtype and q's layout, lse (B, Hq, Lq) float32 natural log, both
         normalised within the window when there is one.
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start, key_range)
     window = check_key_range(key_range, query_start, Lq, P)
+    meta = _meta(q, Hq, Hkv, D, P, softcap)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     # Keeps q's strides when q is dense: the kernel takes them explicitly.
@@ -876,7 +944,7 @@ def paged_attention_forward(
         q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
         stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale),
-        WINDOW=window is not None, DOCS=documents is not None, **_meta(q, Hq, Hkv, D, P),
+        WINDOW=window is not None, DOCS=documents is not None, **meta,
     )
     return out, lse
 
@@ -918,6 +986,7 @@ def paged_attention_backward(
     delta: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return dQ (q's dtype, q's layout) and add dK, dV of every page the chunk read into the pools.
 
@@ -929,7 +998,8 @@ def paged_attention_backward(
     keys get dK, dV; ``out``/``lse`` are the merged ones (``out`` may be None when ``delta``, the
     float32 ``backward_delta``, is given). ``dq_accumulator``: float32 (B, Hq, Lq, D), any
     non-overlapping strides; dQ is added into it in place and it is returned. ``documents``: as in
-    the forward (dK, dV of a key come only from queries of its document).
+    the forward (dK, dV of a key come only from queries of its document). ``softcap``: as the
+    forward (dS of a score is multiplied by the cap's derivative 1 - tanh^2(s / c)).
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start, key_range)
     window = check_key_range(key_range, query_start, Lq, P)
@@ -954,7 +1024,7 @@ def paged_attention_backward(
     if B * Lq == 0:
         return dq
     G = Hq // Hkv
-    meta = _meta(q, Hq, Hkv, D, P)
+    meta = _meta(q, Hq, Hkv, D, P, softcap)
     key_lo, key_hi = (0, query_start + Lq) if window is None else window
     # dO must have q's dtype for the dots (autograd may hand over another float dtype).
     dout = dout.to(q.dtype)

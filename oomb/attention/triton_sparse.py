@@ -2,9 +2,11 @@
 
 Implements the contract of ``oomb/attention/reference_sparse.py`` (read it first):
 
-    sparse_attention_forward(q, k_pool, v_pool, page_table, query_start, scale, selection) -> (out, lse)
+    sparse_attention_forward(q, k_pool, v_pool, page_table, query_start, scale, selection,
+                             documents=None, softcap=None) -> (out, lse)
     sparse_attention_backward(q, k_pool, v_pool, page_table, query_start, scale, selection,
-                              out, dout, lse, dk_pool, dv_pool) -> dq   (dK, dV added into the pools)
+                              out, dout, lse, dk_pool, dv_pool, documents=None, softcap=None) -> dq
+                              (dK, dV added into the pools)
 
 Design: the dense kernels of ``triton_paged.py`` (row packing of GQA groups, page-decoupled key
 tiles, the online softmax, the deterministic atomic-free backward), with key tiles taken from a
@@ -29,7 +31,9 @@ sizes that make chunks start on page boundaries (query_start % P == 0, as the en
 Packed documents (``documents=``, constexpr ``DOCS``): every key before a row's document start is
 hidden, in the selected pages (per row) and in the chunk (every own-chunk tile then runs masked,
 with triton_paged's guard for rows that saw no key yet); the own pages' dK/dV kernel gets the
-documents shifted to the chunk like its page table.
+documents shifted to the chunk like its page table. Logit softcapping (``softcap=``, constexpr
+``SOFTCAP``) is triton_paged's: capped scores over the selected pages and the chunk, dS times
+1 - tanh^2 in every backward kernel; without it the kernels compile as before.
 
 Caveats:
 * Tested under the interpreter and on an H200 (tests/test_triton_sparse.py, ``-m gpu``); tuned only
@@ -63,6 +67,7 @@ from .triton_paged import (
     _PRUNE,
     _TUNING_KEY,
     CACHE_TUNING,
+    _cap,
     _check_inputs,
     _delta_kernel,
     _dkdv_inner,
@@ -72,6 +77,7 @@ from .triton_paged import (
     _fwd_inner,
     _load_tile,
     _meta,
+    _qk_scale,
 )
 
 # Also not specialized: the selection's length and strides (change with the chunk), the history length.
@@ -113,9 +119,10 @@ def _fwd_pages_inner(
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, doc_start=0, DOCS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online softmax over every key of the selected history pages (all visible to every row; with
-    DOCS only keys at or after each row's document start)."""
+    DOCS only keys at or after each row's document start; SOFTCAP as triton_paged._fwd_inner)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     for s in range(0, num_selected):
         position = tl.load(sel_row_ptr + s)
@@ -132,6 +139,8 @@ def _fwd_pages_inner(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk, _ = _cap(qk, SOFTCAP)
             if not EVEN_PAGE:
                 qk = tl.where(slot_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -155,8 +164,10 @@ def _dq_pages_inner(
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, doc_start=0, DOCS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
-    """Accumulate dQ of one row tile over the keys of its selected history pages (DOCS: as the forward)."""
+    """Accumulate dQ of one row tile over the keys of its selected history pages (DOCS, SOFTCAP: as the
+    forward; dS times the cap's derivative as in triton_paged._dq_inner)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     for s in range(0, num_selected):
         position = tl.load(sel_row_ptr + s)
@@ -173,6 +184,8 @@ def _dq_pages_inner(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk, tanh = _cap(qk, SOFTCAP)
             p = tl.exp2(qk - lse2[:, None])
             if not EVEN_PAGE:
                 p = tl.where(slot_ok[None, :], p, 0.0)
@@ -181,6 +194,8 @@ def _dq_pages_inner(
                 p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP > 0:
+                ds = ds * (1.0 - tanh * tanh)
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -202,10 +217,11 @@ def _fwd_kernel(
     num_kv_heads, seq_len, query_start, scale, num_selected,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): one row tile over its block's pages and its chunk
-    (DOCS: keys before each row's document start hidden, and every own-chunk tile masked)."""
+    (DOCS: keys before each row's document start hidden, and every own-chunk tile masked; SOFTCAP = c
+    > 0: scores c * tanh(scale * q.k / c))."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_bh = tl.program_id(1)
@@ -222,7 +238,7 @@ def _fwd_kernel(
     q = _load_tile(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, row_ok, d_ok, True, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     table_row_ptr = table_ptr + b * stride_tb
@@ -237,7 +253,7 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_pages_inner(
         acc, l_i, m_i, q, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS, SOFTCAP,
     )
     # The chunk's own keys [query_start, .. ]: visible to every row up to the tile's first query.
     num_keys = query_start + seq_len
@@ -246,12 +262,12 @@ def _fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, full_end, num_keys, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS, SOFTCAP=SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, query_start + last_q + 1, num_keys,
         qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS, SOFTCAP=SOFTCAP,
     )
 
     out = acc / l_i[:, None]
@@ -280,7 +296,7 @@ def _dq_kernel(
     num_kv_heads, seq_len, query_start, scale, num_selected,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): dQ of one row tile, same traversal as the forward."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -305,7 +321,7 @@ def _dq_kernel(
     stat = b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll
     lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     table_row_ptr = table_ptr + b * stride_tb
@@ -318,7 +334,7 @@ def _dq_kernel(
     dq = _dq_pages_inner(
         dq, q, do, lse2, delta, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, doc_start, DOCS, SOFTCAP,
     )
     num_keys = query_start + seq_len
     lo = query_start
@@ -326,12 +342,12 @@ def _dq_kernel(
     dq = _dq_inner(
         dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, lo, full_end, num_keys, qk_scale,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, DOCS, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS, SOFTCAP=SOFTCAP,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, query_start + last_q + 1, num_keys,
         qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS,
+        PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, 0, False, doc_start, DOCS, SOFTCAP=SOFTCAP,
     )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
@@ -356,7 +372,7 @@ def _history_dkdv_kernel(
     num_kv_heads, seq_len, query_start, scale, num_history,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (key tiles per page, work items): dK, dV of one key tile of one selected history page,
     from every block that selected it (ascending), added once into the pools (DOCS: rows whose
@@ -388,7 +404,7 @@ def _history_dkdv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk_scale = scale * _LOG2E
+    qk_scale = _qk_scale(scale, SOFTCAP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for i in range(first, first + count):
@@ -403,6 +419,7 @@ def _history_dkdv_kernel(
             stride_qb, stride_qh, stride_ql, stride_qd, stride_gb, stride_gh, stride_gl, stride_gd,
             stride_lb, stride_lh, stride_ll, offs_d, d_ok,
             GROUP, BLOCK_M, EVEN_D, DOCS, UPCAST, DOT_PRECISION, doc_start_ptr + b * stride_db, DOCS,
+            SOFTCAP=SOFTCAP,
         )
     dk = dk * scale
 
@@ -447,6 +464,7 @@ def sparse_attention_forward(
     scale: float,
     selection: torch.Tensor,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query block's attention over its selected history pages and its own chunk (causal).
 
@@ -454,11 +472,13 @@ def sparse_attention_forward(
         q, k_pool, v_pool, page_table, query_start, scale: as triton_paged.paged_attention_forward.
         selection: int32 (B, Hkv, ceil(Lq / P), K) page-table positions < query_start / P.
         documents: packed documents: keys before each query's document start are hidden.
+        softcap: logit softcapping c: scores c * tanh(scale * q.k / c) (Gemma 2); None: off.
     Returns:
         out (B, Hq, Lq, D) in q's dtype and layout, lse (B, Hq, Lq) float32 natural log.
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
     _check_selection(selection, q, k_pool, query_start)
+    meta = _meta(q, Hq, Hkv, D, P, softcap)
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     if B * Lq == 0:
@@ -474,7 +494,7 @@ def sparse_attention_forward(
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *selection.stride()[:3],
         *out.stride(), *lse.stride(), stride_db,
         Hkv, Lq, query_start, float(scale), selection.shape[3],
-        DOCS=documents is not None, **_meta(q, Hq, Hkv, D, P),
+        DOCS=documents is not None, **meta,
     )
     return out, lse
 
@@ -519,11 +539,12 @@ def sparse_attention_backward(
     dk_pool: torch.Tensor,
     dv_pool: torch.Tensor,
     documents: Documents | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return dQ and add dK, dV into the selected history pages and the chunk's own pages.
 
     Same arguments as triton_paged.paged_attention_backward plus the selection (and, as the forward,
-    the documents). Deterministic: no atomics.
+    the documents and the softcap). Deterministic: no atomics.
     """
     B, Hq, Lq, D, Hkv, P = _check_inputs(q, k_pool, v_pool, page_table, query_start)
     num_history = _check_selection(selection, q, k_pool, query_start)
@@ -539,7 +560,7 @@ def sparse_attention_backward(
     if B * Lq == 0:
         return dq
     G, n_blocks, K = Hq // Hkv, -(-Lq // P), selection.shape[3]
-    meta = _meta(q, Hq, Hkv, D, P)
+    meta = _meta(q, Hq, Hkv, D, P, softcap)
     dout = dout.to(q.dtype)
     lse = lse.contiguous()  # the kernels index lse and delta with the same strides
     delta = torch.empty_like(lse)  # (B, Hq, Lq) float32 rowsum(dO * O)

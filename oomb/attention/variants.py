@@ -3,8 +3,9 @@
 A layer's attention call gets the step's backend (attention/backend.py) specialised for that layer,
 so the autograd Function (attention/function.py) and the store's key windows stay unchanged:
 
-* Logit softcapping (Gemma 2: score -> c * tanh(score / c)) is a keyword of the backend's dense
-  functions; backends without it are refused before a step starts (``check_backend_supports``).
+* Logit softcapping (Gemma 2: score -> c * tanh(score / c)) is a keyword of the backend's dense and
+  sparse functions (torch and triton); cudnn, whose fused attention has no cap, is refused before a
+  step starts (``check_backend_supports``).
 * Attention sinks (gpt-oss: a learned logit per query head in every softmax denominator, with no
   value) are a virtual key of the chunk's *local* key window (the chunk itself, which every dense
   call reads last and every query sees): that window's forward folds exp(sink) into its lse and
@@ -24,15 +25,17 @@ import torch
 
 from .backend import AttentionBackend
 
-SOFTCAP_BACKENDS = ("torch",)
-"""Backends whose dense (and, in sparse mode, sparse) functions take ``softcap``."""
+SOFTCAP_BACKENDS = ("torch", "triton")
+"""Backends whose dense and sparse functions take ``softcap`` (the Triton kernels as a constexpr:
+attention/triton_paged.py). cuDNN's fused attention has no logit softcapping."""
 
 
 def check_backend_supports(backend: str, *, softcap: bool, sinks: bool, windows: bool, family: str,
                            sparse: bool = False) -> None:
-    """Refuse, before any allocation, a backend that cannot compute what a layer needs."""
+    """Refuse, before any allocation, a backend that cannot compute what a layer needs (dense or
+    ``sparse`` mode: the backends that have a variant have it in both)."""
     needs = []
-    if softcap and (backend not in SOFTCAP_BACKENDS or sparse):
+    if softcap and backend not in SOFTCAP_BACKENDS:
         needs.append("attention logit softcapping")
     if backend == "cudnn" and sinks:
         needs.append("attention sinks")
@@ -40,10 +43,8 @@ def check_backend_supports(backend: str, *, softcap: bool, sinks: bool, windows:
         needs.append("sliding-window layers (its key windows cannot mask a per-query first key)")
     if not needs:
         return
-    mode = "sparse mode" if sparse and softcap else f"backend {backend!r}"
-    fix = "use attention='dense' with backend='torch'" if sparse and softcap else (
-        "use backend='torch'" if softcap else "use backend='triton' or 'torch'")
-    raise NotImplementedError(f"{mode} does not support {' and '.join(needs)} ({family}); {fix}")
+    raise NotImplementedError(f"backend {backend!r} does not support {' and '.join(needs)} ({family}); "
+                              "use backend='triton' or 'torch'")
 
 
 @dataclass
@@ -67,7 +68,8 @@ def layer_backend(backend: AttentionBackend, *, softcap: float | None = None, si
     sparse_forward, sparse_backward = backend.sparse_forward, backend.sparse_backward
     if softcap is not None:
         forward, backward = partial(forward, softcap=softcap), partial(backward, softcap=softcap)
-        sparse_forward, sparse_backward = _refuse_sparse, _refuse_sparse
+        sparse_forward, sparse_backward = partial(sparse_forward, softcap=softcap), partial(sparse_backward,
+                                                                                            softcap=softcap)
     if sinks is not None:
         sinks = sinks.detach().float()
         forward, backward = partial(_sink_forward, forward, sinks), partial(_sink_backward, backward, sinks, sink_grad)
@@ -75,10 +77,6 @@ def layer_backend(backend: AttentionBackend, *, softcap: float | None = None, si
         sparse_backward = partial(_sink_sparse_backward, sparse_backward, sinks, sink_grad)
     return replace(backend, forward=forward, backward=backward, sparse_forward=sparse_forward,
                    sparse_backward=sparse_backward)
-
-
-def _refuse_sparse(*args, **kwargs):
-    raise NotImplementedError("sparse attention with logit softcapping is not supported; use attention='dense'")
 
 
 def _is_local(key_range, query_start: int, num_queries: int) -> bool:
