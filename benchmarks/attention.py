@@ -12,6 +12,9 @@ events around each call, warm-up (and autotuning) excluded, median over the time
 
     python benchmarks/attention.py                 # full run on a GPU, writes the JSON
     python benchmarks/attention.py --smoke         # tiny shapes on CPU through the interpreter
+
+``--softcap C`` also times our kernels with logit softcapping (Gemma 2: c * tanh(s / c)), counting the
+same FLOPs, so that ``softcap_*_cost`` is the capped kernels' time over the plain ones'.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    p.add_argument("--softcap", type=float, default=None,
+                   help="also time our kernels with this logit softcap (Gemma 2: 50)")
     args = p.parse_args()
     if args.smoke:
         args.histories, args.chunk, args.heads, args.kv_heads = [32], 16, 4, 2
@@ -123,6 +128,15 @@ def bench_history(args, history: int, device: torch.device, timer: Timer) -> dic
             q, k_pool, v_pool, page_table, history, scale, out, dout, lse, dk_pool, dv_pool
         )
 
+    def capped_fwd():
+        return triton_paged.paged_attention_forward(q, k_pool, v_pool, page_table, history, scale,
+                                                    softcap=args.softcap)
+
+    def capped_fwd_bwd():
+        out, lse = capped_fwd()
+        triton_paged.paged_attention_backward(q, k_pool, v_pool, page_table, history, scale, out, dout, lse,
+                                              dk_pool, dv_pool, softcap=args.softcap)
+
     def sdpa_fwd():
         with sdpa_kernel(backend), torch.no_grad():
             return torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
@@ -159,12 +173,18 @@ def bench_history(args, history: int, device: torch.device, timer: Timer) -> dic
         ("sdpa_fwd_bwd", sdpa_fwd_bwd, fwd_flops * (1 + BWD_FLOP_RATIO)),
         *((("cudnn_fwd", cudnn_fwd, fwd_flops), ("cudnn_fwd_bwd", cudnn_fwd_bwd, fwd_flops * (1 + BWD_FLOP_RATIO)))
           if device.type == "cuda" else ()),
+        *((("softcap_fwd", capped_fwd, fwd_flops), ("softcap_fwd_bwd", capped_fwd_bwd,
+                                                     fwd_flops * (1 + BWD_FLOP_RATIO)))
+          if args.softcap else ()),
     ):
         ms = timer(fn, args.warmup, args.iters)
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
     if device.type == "cuda":
         row["ours_kernel_ms"] = kernel_times(ours_fwd_bwd)
+    if args.softcap:
+        row["softcap_fwd_cost"] = row["softcap_fwd_ms"] / row["ours_fwd_ms"]
+        row["softcap_fwd_bwd_cost"] = row["softcap_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"]
     row["fwd_ratio"] = row["ours_fwd_tflops"] / row["sdpa_fwd_tflops"]
     row["fwd_bwd_ratio"] = row["ours_fwd_bwd_tflops"] / row["sdpa_fwd_bwd_tflops"]
     return row
@@ -228,6 +248,10 @@ def main() -> None:
         print(f"{r['history']:>8} | {r['ours_fwd_tflops']:>9.1f} {r['sdpa_fwd_tflops']:>9.1f} "
               f"{r['fwd_ratio']:>6.2f} | {r['ours_fwd_bwd_tflops']:>9.1f} {r['sdpa_fwd_bwd_tflops']:>9.1f} "
               f"{r['fwd_bwd_ratio']:>6.2f}")
+        if args.softcap:
+            print(f"{'':>8}   softcap {args.softcap}: fwd {r['softcap_fwd_tflops']:.1f} "
+                  f"({r['softcap_fwd_cost']:.2f}x the time), f+b {r['softcap_fwd_bwd_tflops']:.1f} "
+                  f"({r['softcap_fwd_bwd_cost']:.2f}x)")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -239,7 +263,7 @@ def main() -> None:
             "chunk": args.chunk, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
             "page": args.page, "dtype": "bfloat16" if device.type == "cuda" else "float32",
             "sdpa": "flash backend, K/V repeated to Hq, causal_lower_right",
-            "flops": "fwd = 4*D*Hq*visible_pairs, bwd = 2.5*fwd",
+            "flops": "fwd = 4*D*Hq*visible_pairs, bwd = 2.5*fwd", "softcap": args.softcap,
             "warmup": args.warmup, "iters": args.iters, "statistic": "median",
         },
         "autotuned_configs": chosen_configs(),

@@ -146,8 +146,8 @@ def test_moe_activations_follow_top_k_not_the_number_of_experts():
 
 
 # Parameter counts of the released models (model cards): gpt-oss-20b 21 B, Qwen3-30B-A3B 30.5 B, Gemma 3
-# 12B's text model 11.8 B (without the vision tower).
-REAL_SIZES = {"gpt-oss-20b": 21.0e9, "qwen3-30b-a3b": 30.5e9, "gemma-3-12b": 11.8e9}
+# 12B's text model 11.8 B (without the vision tower), Gemma 2 9B 9.24 B.
+REAL_SIZES = {"gpt-oss-20b": 21.0e9, "qwen3-30b-a3b": 30.5e9, "gemma-3-12b": 11.8e9, "gemma-2-9b": 9.24e9}
 
 
 @pytest.mark.parametrize("name", REAL_SIZES)

@@ -327,6 +327,25 @@ def test_softcap_must_be_a_positive_number(softcap):
                                              softcap=softcap)
 
 
+def test_head_dims_above_128_try_the_wide_tiles_first():
+    """The pruning the GPU autotuner runs (the interpreter has one config): head dims above 128 get the
+    low-spill tiles in front of the kernel's list (float32: the first whose staged tiles fit shared
+    memory), head dims up to 128 exactly the kernel's list."""
+    import triton
+
+    def config(m, n, w, s):
+        return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+
+    tuned, wide = [config(128, 64, 8, 3), config(64, 128, 8, 3)], [config(64, 32, 8, 2), config(32, 32, 4, 2)]
+    prune = triton_paged._pruner(wide)["early_config_prune"]
+    bf16 = {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}
+    fp32 = {"q_ptr": torch.empty(1)}
+    assert prune(tuned, bf16, BLOCK_D=128) == tuned
+    assert prune(tuned, bf16, BLOCK_D=256) == (wide + tuned if triton_paged.AUTOTUNE else wide)
+    assert prune(tuned, fp32, BLOCK_D=256) == wide[:1]  # 2 x (64 + 32) x 256 x 4 bytes fit; 128 + 64 rows do not
+    assert prune(tuned, fp32, BLOCK_D=128) == tuned[:1]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: production shapes, bfloat16
 # ---------------------------------------------------------------------------------------------

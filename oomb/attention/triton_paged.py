@@ -143,13 +143,43 @@ def _prune_for_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -
     return fitting[:1] or [min(configs, key=staged_bytes)]
 
 
-_PRUNE = {"early_config_prune": _prune_for_dtype}
-
 # Chosen for H100/H200 (wgmma wants >= 64 rows per warpgroup); the autotuner picks per shape key.
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 # dK/dV: BLOCK_N keys stay resident (two BLOCK_N x BLOCK_D float32 accumulators), BLOCK_M rows stream.
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
+
+WIDE_HEAD_DIM = 128
+"""Above this (Gemma's head dim 256) the tiles above outgrow the registers: ptxas for sm_90a spills, per
+thread, 2.4 KB in the best forward config at D = 256 (bf16), 3.6 KB in dQ's and 9.0 KB in dK/dV's
+(128 keys x 64 rows: two 128 x 256 float32 accumulators). The _WIDE lists, tried first for such head
+dims (and the only ones a float32 kernel's staged tiles fit), spill 28 B / 0.8 KB / 0.9 KB there.
+Chosen from those compile-time counts; not yet measured on a GPU."""
+
+
+def _wide_configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """Configs added in front of a kernel's list for head dims above WIDE_HEAD_DIM (none when
+    interpreting: one config there)."""
+    return [] if INTERPRET else _configs(gpu)
+
+
+def _pruner(wide: list[triton.Config]) -> dict:
+    """prune_configs_by of a kernel: ``wide`` first for head dims above WIDE_HEAD_DIM (alone when
+    OOMB_TRITON_AUTOTUNE=0 pins the first config), then the float32 pruning of _prune_for_dtype.
+    Head dims up to WIDE_HEAD_DIM see exactly the kernel's own list (the tuning key holds HEAD_DIM)."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        block_d = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D") or MAX_HEAD_DIM
+        if block_d > WIDE_HEAD_DIM and wide:
+            configs = wide + configs if AUTOTUNE else wide
+        return _prune_for_dtype(configs, named_args, **kwargs)
+
+    return {"early_config_prune": prune}
+
+
+_FWD_PRUNE = _pruner(_wide_configs([(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)]))
+_DQ_PRUNE = _pruner(_wide_configs([(64, 32, 8, 2), (32, 32, 4, 2)]))
+_DKDV_PRUNE = _pruner(_wide_configs([(64, 32, 8, 2), (32, 64, 8, 2)]))
 _DELTA_BLOCK_M = 64  # rows per program of the elementwise rowsum(dO * O)
 
 
@@ -328,7 +358,7 @@ def _fwd_documents(
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_FWD_PRUNE)
 @triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
@@ -504,7 +534,7 @@ def _dkdv_inner(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"],
-                 cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
+                 cache_results=CACHE_TUNING, prune_configs_by=_DKDV_PRUNE)
 @triton.jit(do_not_specialize=_DYNAMIC_INTS)
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -684,7 +714,7 @@ def _dq_inner(
 
 # restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
 @triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"], cache_results=CACHE_TUNING,
-                 prune_configs_by=_PRUNE)
+                 prune_configs_by=_DQ_PRUNE)
 @triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,

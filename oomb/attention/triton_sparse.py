@@ -59,12 +59,14 @@ from .reference_sparse import shared_by_all_blocks
 from .triton_paged import (
     _DELTA_BLOCK_M,
     _DKDV_CONFIGS,
+    _DKDV_PRUNE,
     _DQ_CONFIGS,
+    _DQ_PRUNE,
     _DYNAMIC_INTS,
     _FWD_CONFIGS,
+    _FWD_PRUNE,
     _LN2,
     _LOG2E,
-    _PRUNE,
     _TUNING_KEY,
     CACHE_TUNING,
     _cap,
@@ -203,7 +205,7 @@ def _dq_pages_inner(
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_FWD_PRUNE)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, out_ptr, lse_ptr, doc_start_ptr,
@@ -281,7 +283,7 @@ def _fwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_DQ_PRUNE)
 @triton.jit(do_not_specialize=_ROW_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
@@ -356,7 +358,7 @@ def _dq_kernel(
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY, restore_value=["dk_ptr", "dv_ptr"],
-                 cache_results=CACHE_TUNING, prune_configs_by=_PRUNE)
+                 cache_results=CACHE_TUNING, prune_configs_by=_DKDV_PRUNE)
 @triton.jit(do_not_specialize=_ITEM_DYNAMIC_INTS)
 def _history_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,

@@ -52,6 +52,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
         max_position_embeddings=131072)),
+    "gemma-2-9b": ("gemma2", dict(
+        num_hidden_layers=42, hidden_size=3584, intermediate_size=14336, num_attention_heads=16,
+        num_key_value_heads=8, max_position_embeddings=131072)),
     "gpt-oss-20b": ("gpt_oss", dict(num_hidden_layers=24, num_local_experts=32, max_position_embeddings=131072)),
     "qwen3-30b-a3b": ("qwen3_moe", dict(
         num_hidden_layers=48, head_dim=128, norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960)),
@@ -64,6 +67,12 @@ PRESET_SOURCES: dict[str, str] = {
         "a smaller model's): 48 layers, hidden 3840, intermediate 15360, 16 heads, 8 KV heads, window 1024 (the "
         "default is 4096), from google/gemma-3-12b-pt's config.json; the global layers' linear RoPE factor 8 from "
         "the same file (not checked here: nothing is downloaded; it does not change memory). 11.77 B parameters."),
+    "gemma-2-9b": (
+        "transformers.Gemma2Config() defaults (gemma-2-2b's shape otherwise): vocab 256000, head_dim 256, tied "
+        "embeddings, 4096-token windows on alternate layers, query_pre_attn_scalar 256, attention logit softcap "
+        "50 and final logit softcap 30, RoPE base 10K. Set here for the 9B model (google/gemma-2-9b's "
+        "config.json): 42 layers, hidden 3584, intermediate 14336, 16 heads, 8 KV heads; 131072 positions so "
+        "that long random-weight runs do not warn (the model was trained on 8192). 9.24 B parameters."),
     "gpt-oss-20b": (
         "transformers.GptOssConfig() defaults, which are gpt-oss-120b's shape: hidden 2880, expert intermediate "
         "2880, 64 heads, 8 KV heads, head_dim 64, top-4 routing, vocab 201088, 128-token windows on alternate "
