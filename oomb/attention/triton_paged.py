@@ -50,8 +50,9 @@ Design (details and diagrams in docs/kernels.md):
 Supported: q/k/v in bfloat16, float16 or float32 (one dtype for all three; float32 dots use IEEE
 precision, not TF32); gradient pools in any of those dtypes (accumulation is float32, one
 rounding per backward); head dims up to 256 (64 and 128 are the tuned ones; others are padded to
-the next power of two >= 16 and masked); any page size (64 and 128 are the tuned ones); any
-query_start >= 0, any chunk length, any batch size.
+the next power of two >= 16 and masked; above 128 low-spill tiles are tried first: WIDE_HEAD_DIM);
+any page size (64 and 128 are the tuned ones); any query_start >= 0, any chunk length, any batch
+size; logit softcapping (``softcap``).
 
 Caveats:
 * Page ids in ``page_table[:, :n_pages]`` must be unique (as in the reference): two programs of the
