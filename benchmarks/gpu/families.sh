@@ -16,8 +16,8 @@
 #   gptoss     gpt-oss-20b (12 window layers of 128 with sinks, 12 global; MoE) at 128K, dense and sparse
 #   hybrid_1m  gpt-oss-20b at 1M, sparse+offload (the one hybrid preset whose pages fit the host at 1M);
 #              --progress: a run cut by the limit still shows its chunk rate in the log
-# Default: tests kernel. Each call of the device tool has 600 s: give one or two parts per call
-# (tests | kernel | hybrid softcap | dense7b gptoss | hybrid_1m).
+# Default: tests. Each call of the device tool has 600 s and the limits below add up per call: give
+# tests | kernels | kernel | hybrid | softcap dense7b | gptoss | hybrid_1m, one group per call.
 #
 # Predicted memory (oomb plan --gpu-gib 139 --host-gib 125 --optimizer none --no-fp32-grad-accumulation
 # --kv-grad-dtype bfloat16, i.e. bench's defaults plus bf16 page gradients; usable: GPU 131.5, host 118.8 GiB):
@@ -41,7 +41,7 @@ TAIL=${TAIL:-12}
 source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
 T=(python -m pytest -q -s -m gpu -p no:cacheprovider)
 B=(python -m oomb bench --kv-grad-dtype bf16 --out-dir "$OUT")
-for part in "${@:-tests kernel}"; do
+for part in "${@:-tests}"; do
   for p in $part; do
     case $p in
       tests) run 540 gpu_tests "${T[@]}" tests/test_families.py tests/test_triton_paged.py tests/test_triton_sparse.py \
@@ -49,20 +49,20 @@ for part in "${@:-tests kernel}"; do
       kernels) run 540 gpu_kernel_tests "${T[@]}" tests/test_triton_paged.py tests/test_triton_sparse.py \
                    tests/test_key_windows.py ;;
       kernel)
-        run 330 attention_gemma2 python benchmarks/attention.py --histories 32768 131072 --heads 16 --kv-heads 8 \
+        run 300 attention_gemma2 python benchmarks/attention.py --histories 32768 131072 --heads 16 --kv-heads 8 \
             --head-dim 256 --softcap 50
         cp "$OUT/attention.json" "$OUT/attention_softcap_d256_h200.json" 2>/dev/null
-        run 240 attention_7b python benchmarks/attention.py --histories 131072 --softcap 50
+        run 200 attention_7b python benchmarks/attention.py --histories 131072 --softcap 50
         cp "$OUT/attention.json" "$OUT/attention_softcap_d128_h200.json" 2>/dev/null ;;
-      hybrid) run 330 bench_gemma3 "${B[@]}" --preset gemma-3-12b --contexts 128K --modes dense+offload sparse+offload \
+      hybrid) run 540 bench_gemma3 "${B[@]}" --preset gemma-3-12b --contexts 128K --modes dense+offload sparse+offload \
                   --name gemma3_12b_128k ;;
       softcap) run 270 bench_gemma2 "${B[@]}" --preset gemma-2-9b --contexts 128K --modes dense --backend triton \
                    --name gemma2_9b_128k ;;
       dense7b) run 240 bench_7b "${B[@]}" --preset qwen2.5-7b --contexts 128K --modes dense --backend triton \
                    --name qwen7b_triton_128k ;;
-      gptoss) run 330 bench_gptoss "${B[@]}" --preset gpt-oss-20b --contexts 128K --modes dense sparse \
+      gptoss) run 480 bench_gptoss "${B[@]}" --preset gpt-oss-20b --contexts 128K --modes dense sparse \
                   --backend triton --name gptoss_20b_128k ;;
-      hybrid_1m) run 590 bench_gptoss_1m "${B[@]}" --preset gpt-oss-20b --contexts 1M --modes sparse+offload \
+      hybrid_1m) run 560 bench_gptoss_1m "${B[@]}" --preset gpt-oss-20b --contexts 1M --modes sparse+offload \
                      --backend triton --query-block-pages 32 --progress --name gptoss_20b_sparse_offload_1m ;;
       *) echo "unknown part $p" ;;
     esac
