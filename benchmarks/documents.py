@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
 import sys
 import time
@@ -43,7 +42,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from oomb import engine as oomb_engine  # noqa: E402
 from oomb import machine  # noqa: E402
 from oomb.config import BACKENDS  # noqa: E402
 from oomb.engine import forward_backward, store_options  # noqa: E402
@@ -101,8 +99,6 @@ def main() -> None:
                            warmup_tokens=args.warmup_tokens, seed=args.seed)
     device = torch.device(args.device)
     backends = args.backends or (["cudnn", "triton"] if device.type == "cuda" else ["torch"])
-    if "cudnn" in backends:  # refused by default until its GPU tests pass (oomb/engine.py _check_documents)
-        os.environ[oomb_engine.CUDNN_DOCUMENTS_ENV] = "1"
     lengths = document_lengths(args.context, args.min_doc, args.max_doc, args.seed)
     cu = cumulative(lengths)
     # The warm-up: two documents (one starts inside a chunk and a page) of the warm-up's length.

@@ -25,7 +25,6 @@ sparse model.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 import torch
@@ -126,8 +125,9 @@ def forward_backward(
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
+    context_parallel = parallel.context_shard(config.chunk_size) is not None  # cp > 1, or a group of one
     backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents,
-                                                        context_parallel=parallel.cp > 1)
+                                                        context_parallel=context_parallel)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
@@ -258,21 +258,17 @@ def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, ma
     return select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
 
 
-CUDNN_DOCUMENTS_ENV = "OOMB_CUDNN_DOCUMENTS"
-"""=1 lets dense packed documents run on cudnn, for the GPU tests that must pass before it is the default."""
-
-
 def _check_documents(documents: Documents | None, config: OOMBConfig, backend: str) -> Documents | None:
     """The documents attention must respect (None when every row is one document), refusing the
-    modes that do not support them yet."""
+    modes that do not support them."""
     if documents is None or not documents.split:
         return None
-    if backend == "cudnn" and (config.attention == "sparse" or os.environ.get(CUDNN_DOCUMENTS_ENV) != "1"):
+    if backend == "cudnn" and config.attention == "sparse":
         raise NotImplementedError(
-            "packed documents are not supported by the cudnn backend yet: its per-document segments "
-            "(attention/cudnn_paged.py) pass the CPU tests and a 128K H200 benchmark, but their first H200 "
-            "test run crashed inside cuDNN's backward, and the fix is not yet tested on a GPU; use "
-            "backend='auto' or 'triton' (the same speed in that benchmark: 30.59 s vs 30.53 s) or 'torch'"
+            "packed documents in sparse mode are not supported by the cudnn backend: a selected page that "
+            "holds a document's start must be masked per query inside the page, which cuDNN's paged call "
+            "cannot express (dense documents run on cudnn as per-document segments); use backend='auto' "
+            "(Triton for documents) or 'triton'"
         )
     return documents
 

@@ -381,25 +381,17 @@ def test_triton_step_with_documents_equals_torch_step():
 
 
 # --- modes that refuse documents -----------------------------------------------------------------
-def test_cudnn_refuses_documents_until_its_segments_pass_on_a_gpu():
-    """The segments themselves: tests/test_cudnn_paged.py (on a stand-in kernel); the engine refuses
-    them on cudnn until the GPU tests pass (their first H200 run crashed in cuDNN's backward)."""
+def test_cudnn_runs_dense_documents_and_refuses_sparse_ones():
+    """Dense documents run on cudnn as per-document segments (tests/test_cudnn_paged.py on a stand-in
+    kernel, the GPU tests below on the H200); sparse ones cannot mask a selected page per query."""
     sparse = replace(CONFIG, attention="sparse", sparse_budget=1)
     docs = resolve_documents(None, [0, 20, 40], (1, 40), CPU)
-    for config in (CONFIG, sparse):
-        with pytest.raises(NotImplementedError, match="not supported by the cudnn backend"):
-            oomb.engine._check_documents(docs, config, "cudnn")
-    assert oomb.engine._check_documents(docs, CONFIG, "triton") is docs
+    assert oomb.engine._check_documents(docs, CONFIG, "cudnn") is docs
+    with pytest.raises(NotImplementedError, match="sparse mode are not supported by the cudnn backend"):
+        oomb.engine._check_documents(docs, sparse, "cudnn")
+    assert oomb.engine._check_documents(docs, sparse, "triton") is docs
     one = resolve_documents(None, [0, 40], (1, 40), CPU)  # one document: nothing to refuse
     assert oomb.engine._check_documents(one, sparse, "cudnn") is None
-
-
-def test_cudnn_documents_run_when_asked_for_their_gpu_tests(monkeypatch):
-    monkeypatch.setenv(oomb.engine.CUDNN_DOCUMENTS_ENV, "1")
-    docs = resolve_documents(None, [0, 20, 40], (1, 40), CPU)
-    assert oomb.engine._check_documents(docs, CONFIG, "cudnn") is docs
-    with pytest.raises(NotImplementedError, match="cudnn"):
-        oomb.engine._check_documents(docs, replace(CONFIG, attention="sparse", sparse_budget=1), "cudnn")
 
 
 # --- GPU (H200) ------------------------------------------------------------------------------------
@@ -433,12 +425,11 @@ def test_gpu_triton_step_with_documents_equals_torch_backend_and_hf(offload):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("offload", [False, True])
-def test_gpu_cudnn_step_with_documents_within_twice_triton_bf16_error(offload, monkeypatch):
+def test_gpu_cudnn_step_with_documents_within_twice_triton_bf16_error(offload):
     """bf16 on the GPU: the cudnn backend's document segments against the float32 Triton step with the
     same documents, their error at most twice the bf16 Triton step's (cuDNN rounds each segment's
     dQ, dK, dV to bf16; Triton accumulates in float32). Head dim 64; one-token documents and segments
     shorter than cudnn_paged.SHORT_SEGMENT (which leave cuDNN) as well as longer ones."""
-    monkeypatch.setenv(oomb.engine.CUDNN_DOCUMENTS_ENV, "1")
     model = build_tiny_model("llama", seed=2, hidden_size=256, num_attention_heads=4).cuda()
     ids = random_ids(2, 1000, seed=12).cuda()
     rows = [[100, 1, 300, 77, 1, 521], [640, 3, 357]]

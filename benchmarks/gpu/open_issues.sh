@@ -2,7 +2,7 @@
 # H200 measurements of the open issues (2026-12-02), run from a clean export of the commit
 # (.gpu_carry/src.tar, `git archive --prefix=src/ HEAD`) so uncommitted work cannot leak in.
 # Usage (device tool): bash benchmarks/gpu/open_issues.sh PART...
-#   cudnn_documents  issue 20: the GPU tests of dense packed documents on cuDNN (OOMB_CUDNN_DOCUMENTS=1)
+#   cudnn_documents  issue 20: the GPU tests of dense packed documents on cuDNN
 #   rerank_fast      issue 18: HF vs sparse rerank with the fast settings (budget 32, one selection per
 #                    32 query blocks, no layer replay, bf16 page gradients, cudnn) at 128K
 #   documents_1m     issue 20: 1M tokens of packed 4K-64K documents, dense with offload, vs HF per document
@@ -27,7 +27,7 @@ real_model() { [ -n "${OOMB_CACHE:-}" ] || source benchmarks/gpu/real_model_setu
 for part in "$@"; do
   case $part in
     cudnn_documents)
-      OOMB_CUDNN_DOCUMENTS=1 run 200 cudnn_documents python -m pytest -q -m gpu -p no:cacheprovider \
+      run 200 cudnn_documents python -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_documents.py tests/test_cudnn_paged.py -k "documents" ;;
     rerank_fast)
       run 200 rerank_fast python -m oomb bench --modes hf sparse --contexts 128K --backend cudnn \
