@@ -12,6 +12,11 @@
     backward        each rank adds dK/dV into its own pages only (pages never move); the dQ
                     partials are all-gathered and summed in rank order; the chunk's own accumulated
                     dK/dV (on its owner) is broadcast, so every rank returns the same k/v gradient
+    offload         a rank's host slabs hold its own chunks only, packed in chunk order (local_page)
+    sparse          every rank keeps the page summaries of every chunk and selects with one process's
+                    code (the same pages everywhere); rerank's exact probabilities take a normaliser
+                    gathered over the ranks (logsumexp, maximum); each rank attends to the selected
+                    pages it holds (attention/context_sparse.py), merged as above
 
 Why chunks round-robin rather than pages: the chunk's queries see its own pages causally, and keeping
 a chunk whole on one rank keeps every key window a page-aligned range of positions, the contract of

@@ -430,14 +430,14 @@ def estimate_step_memory(
     ``context_parallel``: ranks sharing the sequence; the pages of the busiest one.
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
+    own_tokens = context_parallel_tokens(num_tokens, config.chunk_size, config.page_size, context_parallel)
     kv = PagedKVStore.bytes_needed(
-        num_layers=shape.num_layers, batch_size=batch_size,
-        num_tokens=context_parallel_tokens(num_tokens, config.chunk_size, config.page_size, context_parallel),
+        num_layers=shape.num_layers, batch_size=batch_size, num_tokens=own_tokens,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=config.page_size,
         kv_dtype=dtype, grad_dtype=config.grad_dtype,
     )
     if config.offload:
-        pages = _num_pages(num_tokens, config.page_size, batch_size)
+        pages = _num_pages(own_tokens, config.page_size, batch_size)
         chunk_pages = _num_pages(min(config.chunk_size, num_tokens), config.page_size, batch_size)
         kv = _dense_offload_gpu_pages(shape.num_layers, pages, chunk_pages, batch_size, OffloadAssumptions(
             config.offload_resident_layers, config.stream_block_pages, config.stream_buffers))
@@ -490,7 +490,9 @@ class TrainingSetup:
     """0: full fine-tuning. r > 0: LoRA of rank r on every linear projection, base weights frozen."""
     context_parallel: int = 1
     """Ranks sharing each sequence (oomb/context_parallel.py): each holds the pages of every cp-th
-    chunk; the busiest one (rank 0, which holds chunk 0) is planned. Dense mode without offload only."""
+    chunk (on the GPU, or with offload in its host memory); the busiest one (rank 0, which holds chunk
+    0) is planned. Sparse page summaries and selections are kept for every chunk on every rank. Every
+    oomb mode; not plain HF."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
@@ -662,9 +664,9 @@ def predict(
     sparse = sparse or SparseAssumptions()
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")
-    if setup.context_parallel > 1 and mode.name != "dense":
+    if setup.context_parallel > 1 and mode.attention == "hf":
         raise ValueError(f"mode {mode.name!r} with context parallelism (cp={setup.context_parallel}) is not "
-                         "supported: context parallelism runs oomb dense without offload only")
+                         "supported: context parallelism is oomb's (dense or sparse, with or without offload)")
     b = setup.dtype.itemsize
     B, P, L = setup.batch_size, config.page_size, shape.num_layers
     low_precision = b < FP32_BYTES
@@ -709,6 +711,9 @@ def predict(
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens))
     pages = _num_pages(tokens, P, B)  # pages of one layer
+    # Context parallel: the pages of the busiest rank's chunks (all of them without it).
+    own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)
+    own_pages = _num_pages(own_tokens, P, B)
     page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
     gpu["page tables"] = pages * INT32_BYTES
 
@@ -716,24 +721,24 @@ def predict(
         chunk_pages = _num_pages(chunk_len, P, B)
         resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
-            gpu["KV working set"] = _dense_offload_gpu_pages(L, pages, chunk_pages, B, offload) * page_bytes
+            gpu["KV working set"] = _dense_offload_gpu_pages(L, own_pages, chunk_pages, B, offload) * page_bytes
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
             # for this call and, in stage 2, the next one (prefetched); plus the chunk's own gradients
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
             union = selections * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
-            staged = B * min(pages // B, union) + chunk_pages
-            gpu["KV working set"] = (resident * pages + 2 * staged + chunk_pages) * page_bytes
-        # Host: K, V, dK, dV of every token of the offloaded layers, pinned: the footprint the
-        # engine checks before allocating (kv/capacity.py).
-        page_shape = capacity.PageShape(L, B, tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)
+            staged = B * min(own_pages // B, union) + chunk_pages
+            gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages) * page_bytes
+        # Host: K, V, dK, dV of every token (context parallel: of the rank's chunks) of the offloaded
+        # layers, pinned: the footprint the engine checks before allocating (kv/capacity.py).
+        page_shape = capacity.PageShape(L, B, own_tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)
         offload_config = replace(config, offload=True, offload_resident_layers=resident)
         host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
             page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
-    else:  # context parallel: the pages of the busiest rank's chunks
-        own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)
-        gpu["KV working set"] = L * _num_pages(own_tokens, P, B) * page_bytes
+    else:
+        gpu["KV working set"] = L * own_pages * page_bytes
 
     if mode.attention == "sparse":
+        # Every page's, on every context-parallel rank too (each scores the whole history, kv/store.py).
         summaries = L * pages * sparse.summary_vectors * shape.kv_dim * b
         selection = 0
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head

@@ -78,6 +78,17 @@ def test_gpu_nccl_context_parallel(tmp_path):
         assert len({rank[name]["digest"] for rank in ranks}) == 1, name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_nccl_context_parallel_offload_and_sparse(tmp_path):
+    """Offload (pinned, mapped host slabs, copy streams) and sparse attention under cp on two GPUs with
+    NCCL (fp32, torch backend): as on the CPU, within 1e-5 of one GPU and bit-identical to cp without
+    offload; sparse selections those of one GPU."""
+    ranks = _spawn(2, ["llama_offload", "llama_sparse"], tmp_path, "cuda")
+    _check_offload(2, [rank["llama_offload"] for rank in ranks])
+    _check_sparse(2, [rank["llama_sparse"] for rank in ranks])
+
+
 def test_gradients_equal_one_process(world_results):
     world, ranks = world_results
     for name in _step_scenarios(world):
@@ -122,7 +133,10 @@ def test_offload_keeps_each_ranks_pages_in_its_host_memory(world_results):
     """cp + offload (one layer on the GPU tier, one on the host; ragged: a partial chunk and page):
     gradients within 1e-5 of one process without offload and bit-identical to cp without offload;
     each rank's host slabs hold exactly its own chunks' pages (3 ranks: pages copied run by run)."""
-    world, ranks = _variants(world_results, "llama_offload")
+    _check_offload(*_variants(world_results, "llama_offload"))
+
+
+def _check_offload(world: int, ranks: list[dict]) -> None:
     for res in ranks:
         assert res["cp_offload"]["error"] <= GRAD_RTOL, (world, res["cp_offload"]["error"])
         assert res["cp_offload"]["digest"] == res["cp"]["digest"], world
@@ -136,7 +150,10 @@ def test_sparse_selects_as_one_process_and_offload_changes_nothing(world_results
     """Sparse (rerank: minmax candidates on every rank, exact probabilities normalised over the
     candidates of all ranks): the selections of one process, gradients within 1e-5 of it, with
     offload bit-identical to without, the same on every rank."""
-    world, ranks = _variants(world_results, "llama_sparse")
+    _check_sparse(*_variants(world_results, "llama_sparse"))
+
+
+def _check_sparse(world: int, ranks: list[dict]) -> None:
     for res in ranks:
         assert res["reference"]["sparse_calls"] > 0
         for name in ("cp", "cp_offload"):
@@ -306,15 +323,24 @@ def test_plan_with_cp_divides_the_pages():
     assert one.gpu["activations"] == four.gpu["activations"]
     # Ragged: 5 chunks of 16 tokens over 2 ranks (page 8), the last one 11 tokens: rank 0 holds 3.
     assert context_parallel_tokens(75, 16, 8, 2) == 16 + 16 + 16
-    with pytest.raises(ValueError, match="context parallelism runs oomb dense without offload only"):
-        predict("sparse", shape, tokens, setup=TrainingSetup(context_parallel=2))
+    # Offload: each rank pins the host pages of its own chunks; sparse: page summaries of every chunk.
+    for mode in ("dense+offload", "sparse+offload"):
+        one, four = (predict(mode, shape, tokens, setup=TrainingSetup(context_parallel=cp)) for cp in (1, 4))
+        assert one.host["KV pages"] == 4 * four.host["KV pages"] > 0, mode
+        assert one.host["KV grad pages"] == 4 * four.host["KV grad pages"], mode
+    one, four = (predict("sparse", shape, tokens, setup=TrainingSetup(context_parallel=cp)) for cp in (1, 4))
+    assert one.gpu["KV working set"] == 4 * four.gpu["KV working set"]
+    assert one.gpu["page summaries"] == four.gpu["page summaries"] > 0
+    with pytest.raises(ValueError, match="plain HF has no context parallelism|context parallelism is oomb's"):
+        predict("hf", shape, tokens, setup=TrainingSetup(context_parallel=2))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     plan = plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139",
                                              "--host-gib", "125", "--cp", "4"]))
-    assert [r.mode.name for r in plan.reports] == ["dense"] and plan.reports[0].fits
-    assert plan.reports[0].prediction.gpu["KV working set"] == four.gpu["KV working set"]
-    assert "dense" in MODES
-    with pytest.raises(ValueError, match="--cp 2 plans the dense mode only"):
-        plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--cp", "2", "--modes", "sparse",
+    assert [r.mode.name for r in plan.reports] == [m for m in MODES if m != "hf"]
+    dense = next(r for r in plan.reports if r.mode.name == "dense")
+    assert dense.fits and dense.prediction.gpu["KV working set"] == predict(
+        "dense", shape, tokens, setup=TrainingSetup(context_parallel=4)).gpu["KV working set"]
+    with pytest.raises(ValueError, match="--cp 2 plans oomb's modes"):
+        plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--cp", "2", "--modes", "hf", "dense",
                                           "--gpu-gib", "139", "--host-gib", "125"]))

@@ -333,7 +333,7 @@ def format_plan(plan: Plan) -> str:
         + (f"; {s.sliding_window_layers} of {s.num_layers} layers slide (window {s.sliding_window:,}: fewer "
            "pages read, as many kept)" if s.sliding_window_layers else "")
         + (f", per GPU of tp={s.tp}" if s.tp > 1 else "")
-        + (f", pages of every {st.context_parallel}-th chunk per GPU (cp={st.context_parallel})"
+        + (f", pages of every {st.context_parallel}-th chunk per GPU or its host (cp={st.context_parallel})"
            if st.context_parallel > 1 else ""),
         f"step: {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) x batch {st.batch_size}, {_dtype(st.dtype)}, "
         f"{training}, {optimizer}{', fp32 master weights' if st.master_weights else ''}",
@@ -471,7 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: predict one GPU's share of weights, KV heads and activations")
     group.add_argument("--cp", type=int, default=1,
-                       help="context-parallel GPUs per sequence: page memory per GPU divided by about cp (dense only)")
+                       help="context-parallel GPUs per sequence: page memory per GPU (host memory with offload) "
+                            "divided by about cp; --host-gib is then one rank's share of the host")
     group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
     group = parser.add_argument_group("oomb step (OOMBConfig; the chosen configuration keeps what is given here)")
     group.add_argument("--attention", choices=ATTENTION_MODES, default=defaults.attention,
@@ -518,11 +519,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank, context_parallel=args.cp)
     modes = args.modes
-    if args.cp > 1:  # context parallelism runs dense without offload; the chooser does not plan it yet
-        if args.modes != list(MODES) and args.modes != ["dense"]:
-            raise ValueError(f"--cp {args.cp} plans the dense mode only (context parallelism supports neither "
-                             f"offload nor sparse attention yet); got --modes {' '.join(args.modes)}")
-        modes, fixed = ["dense"], None
+    if args.cp > 1:  # context parallelism is oomb's (every mode but plain HF); the chooser does not plan it yet
+        if "hf" in args.modes and args.modes != list(MODES):
+            raise ValueError(f"--cp {args.cp} plans oomb's modes (plain HF has no context parallelism); got "
+                             f"--modes {' '.join(args.modes)}")
+        modes, fixed = [m for m in args.modes if m != "hf"], None
     offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
                                query_block_pages=args.query_block_pages)
