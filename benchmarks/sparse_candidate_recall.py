@@ -46,12 +46,47 @@ def share(selected: torch.Tensor, reference: torch.Tensor, sinks: int) -> float:
     return hits.mean().item()
 
 
+BIG = 1e30  # above every score: pages forced into the candidates
+
+
+def _forced(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``scores`` with the pages of ``chosen`` (B, Hkv, n_blocks, m page positions) lifted above all others."""
+    return scores.scatter_add(-1, chosen.long(), torch.full(chosen.shape, BIG, dtype=scores.dtype))
+
+
+def _half_minmax_then(other: torch.Tensor, minmax: torch.Tensor, options: SparseOptions) -> torch.Tensor:
+    """Half the candidates by minmax (the sinks besides), the rest by ``other``'s ranking."""
+    half = top_pages(minmax, replace(options, budget=options.rerank_factor * options.budget // 2))
+    return _forced(other, half)
+
+
+def _local_then_minmax(minmax: torch.Tensor, pages: int) -> torch.Tensor:
+    """The ``pages`` history pages just before the chunk, then minmax's ranking."""
+    n_hist = minmax.shape[-1]
+    local = torch.arange(max(0, n_hist - pages), n_hist).expand(*minmax.shape[:-1], -1)
+    return _forced(minmax, local)
+
+
+VARIANTS = {
+    # the same candidate count (factor x budget): which pages minmax misses could a cheap rule catch?
+    "minmax_mean": lambda mm, q, s, P, o, scale: _half_minmax_then(
+        block_scores(q, s, P, replace(o, score="mean"), scale), mm, o),
+    "local8_minmax": lambda mm, q, s, P, o, scale: _local_then_minmax(mm, 8),
+    "mean": lambda mm, q, s, P, o, scale: block_scores(q, s, P, replace(o, score="mean"), scale),
+    # twice the candidates (twice rerank's cost): the recall a larger factor buys
+    "minmax_x2": lambda mm, q, s, P, o, scale: mm,
+}
+FACTOR_TIMES = {"minmax_x2": 2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--yarn", type=float, default=None, help="extend RoPE with YaRN by this factor")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--factor", type=int, default=4, help="rerank: candidates / budget")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="other candidate rules to measure at the same candidate count (oracle's pages held)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     P, C, sinks = 64, 1024, 1
@@ -74,7 +109,7 @@ def main() -> None:
         pool = k[0].reshape(Hkv, T // P, P, D).transpose(0, 1).contiguous()  # (pages, Hkv, P, D), page id = position
         table = torch.arange(T // P, dtype=torch.int32)[None]
         store = SimpleNamespace(page_size=P, page_table=table, layers=[SimpleNamespace(k=pool)])
-        summaries = summarize_pages(pool[None, :n_hist], P, ("key_min", "key_max"))
+        summaries = summarize_pages(pool[None, :n_hist], P, ("key_min", "key_max", "key_mean"))
         row = {"layer": layer}
         for budget in args.budgets:
             options = SparseOptions(budget, sinks, "rerank", "kv_head", False, rerank_factor=args.factor)
@@ -87,6 +122,11 @@ def main() -> None:
             row[str(budget)] = {"oracle_in_candidates": share(candidates, oracle, sinks),
                                 "rerank_vs_oracle": share(rerank, oracle, sinks),
                                 "minmax_vs_oracle": share(minmax, oracle, sinks)}
+            for name in args.variants:
+                scores = VARIANTS[name](minmax_scores, q, summaries, P, options, inputs.scale)
+                more = replace(options, rerank_factor=options.rerank_factor * FACTOR_TIMES.get(name, 1))
+                held = top_pages(scores, candidate_options(more, layer))
+                row[str(budget)][f"oracle_in_{name}"] = share(held, oracle, sinks)
         per_layer.append(row)
         print(layer, {b: {k: round(v, 3) for k, v in row[str(b)].items()} for b in args.budgets}, flush=True)
     mean = {str(b): {key: sum(r[str(b)][key] for r in per_layer) / len(per_layer)

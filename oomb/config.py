@@ -18,6 +18,7 @@ _DTYPES = {
 ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("auto", "rerank", "minmax", "mean", "exact")
+RERANK_CANDIDATES = ("minmax", "mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 
@@ -80,6 +81,10 @@ class OOMBConfig:
     query puts on the page)."""
     sparse_rerank_factor: int = 4
     """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
+    sparse_rerank_candidates: Literal["minmax", "mean"] = "minmax"
+    """Sparse, score "rerank": the summary score that proposes the candidates: "minmax" (Quest's bound
+    from each page's min and max key) or "mean" (q . the page's mean key: half the summaries and half
+    the scoring matmul; docs/sparse.md compares them)."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -157,6 +162,9 @@ class OOMBConfig:
         if self.sparse_score in ("exact", "rerank") and self.sparse_leak_free:
             raise ValueError(f"sparse_score={self.sparse_score!r} scores a block with its own queries: it cannot be "
                              "combined with sparse_leak_free=True")
+        if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
+            raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
+                             f"of: {RERANK_CANDIDATES}")
         if self.sparse_selection not in SPARSE_SELECTIONS:
             raise ValueError(
                 f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"

@@ -537,11 +537,11 @@ class SparseAssumptions:
     @classmethod
     def from_config(cls, config) -> SparseAssumptions:
         """The assumptions of an OOMBConfig's sparse options (its score decides the summaries kept)."""
-        from .kv.summaries import SUMMARIES_OF_SCORE
+        from .kv.summaries import summaries_of
 
         return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
                    query_block_pages=config.sparse_query_block_pages,
-                   summary_vectors=len(SUMMARIES_OF_SCORE[config.resolved_sparse_score]))
+                   summary_vectors=len(summaries_of(config.resolved_sparse_score, config.sparse_rerank_candidates)))
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ from .config import OOMBConfig
 from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
-from .kv.summaries import SUMMARIES_OF_SCORE
+from .kv.summaries import summaries_of
 
 if TYPE_CHECKING:
     from .context_parallel import ContextShard
@@ -89,6 +89,7 @@ class SparseOptions:
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
+    rerank_candidates: str = "minmax"  # score "rerank": the summary score proposing the candidates
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -99,12 +100,13 @@ class SparseOptions:
         return cls(config.sparse_budget, config.sparse_sink_pages, config.resolved_sparse_score,
                    config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
-                   frozenset(config.sparse_dense_layers), config.sparse_rerank_factor)
+                   frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
+                   config.sparse_rerank_candidates)
 
     @property
     def summaries(self) -> tuple[str, ...]:
         """The page summaries the score reads (oomb/kv/summaries.py)."""
-        return SUMMARIES_OF_SCORE[self.score]
+        return summaries_of(self.score, self.rerank_candidates)
 
     def budget_of(self, layer: int) -> int:
         """Top-scored pages a block of ``layer`` reads besides the sinks."""
@@ -453,11 +455,11 @@ def select_pages(
     elif options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
     elif options.score == "rerank":
-        summary = replace(options, score="minmax", pooling="max")
-        minmax = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
+        summary = replace(options, score=options.rerank_candidates, pooling="max")
+        proposed = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
-        candidates = selection_from_scores(minmax, candidate_options(options, layer), layer, first_pages)
+        candidates = selection_from_scores(proposed, candidate_options(options, layer), layer, first_pages)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context)
     elif options.pooling == "softmax_max":

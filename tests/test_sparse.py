@@ -452,6 +452,33 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
     store.free_all()
 
 
+def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
+    """sparse_rerank_candidates="mean": the pages with the best q . mean key propose the candidates, kept
+    as the only summary; the rerank over them is the same as over minmax's."""
+    P, Hkv, G, D, B, n_hist, length = 4, 2, 3, 8, 2, 8, 12
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
+                         page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_mean",))
+    gen = torch.Generator().manual_seed(9)
+    for span in spans:
+        store.allocate(span)
+        k = torch.randn(B, Hkv, span.length, D, generator=gen)
+        store.write(0, span, k, torch.randn_like(k))
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="mean")
+    assert options.summaries == ("key_mean",)
+    mean = block_scores(q, store.history_summaries(0, n_hist), P, _options(score="mean"))
+    candidates = top_pages(mean, oomb.sparse.candidate_options(options, 0))
+    scores = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, spans[1], candidates, options)
+    assert torch.equal(select_pages(q, store, 0, spans[1], options), top_pages(scores, options))
+    config = OOMBConfig(attention="sparse", sparse_rerank_candidates="mean")
+    assert SparseOptions.from_config(config).summaries == ("key_mean",)
+    with pytest.raises(ValueError, match="sparse_rerank_candidates='median'"):
+        OOMBConfig(attention="sparse", sparse_rerank_candidates="median")
+    store.free_all()
+
+
 # --------------------------------------------------------------------------------------------
 # The sparse reference backend against autograd on dense attention masked by the selection
 # --------------------------------------------------------------------------------------------

@@ -18,10 +18,14 @@ from __future__ import annotations
 import torch
 
 SUMMARY_KINDS = ("key_min", "key_max", "key_mean")
-SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": (),
-                      "rerank": ("key_min", "key_max")}
-"""Which summaries each sparse score rule reads (oomb.sparse; "exact" reads the keys themselves, "rerank"
-the minmax bounds for its candidates, then the candidates' keys)."""
+SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "exact": ()}
+"""Which summaries each summary score rule reads (oomb.sparse; "exact" reads the keys themselves)."""
+
+
+def summaries_of(score: str, rerank_candidates: str = "minmax") -> tuple[str, ...]:
+    """The summaries a sparse score keeps per page: "rerank" those of the score proposing its candidates
+    (then it reads the candidates' keys)."""
+    return SUMMARIES_OF_SCORE[rerank_candidates if score == "rerank" else score]
 
 
 def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
