@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..config import BACKENDS, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
+from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
 from ..models import unwrap_causal_lm
 from ..training import presets
@@ -87,6 +87,8 @@ class BenchOptions:
     """Sparse modes: how a block scores a page (OOMBConfig.sparse_score)."""
     sparse_rerank_factor: int = OOMBConfig.sparse_rerank_factor
     """Sparse modes, score "rerank": candidates per block / budget (OOMBConfig.sparse_rerank_factor)."""
+    sparse_rerank_candidates: str = OOMBConfig.sparse_rerank_candidates
+    """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse_rerank_candidates)."""
     warmup_tokens: int = 8192
     progress: bool = False
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
@@ -126,7 +128,8 @@ class BenchOptions:
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
-                          sparse_rerank_factor=self.sparse_rerank_factor)
+                          sparse_rerank_factor=self.sparse_rerank_factor,
+                          sparse_rerank_candidates=self.sparse_rerank_candidates)
 
     def sparse_assumptions(self) -> SparseAssumptions:
         """The planner's view of the sparse options (for the predicted column)."""
@@ -539,6 +542,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-score", choices=SPARSE_SCORES, help=f"default {d.sparse_score}")
     parser.add_argument("--sparse-rerank-factor", type=int,
                         help=f"score rerank: candidate pages / budget (default {d.sparse_rerank_factor})")
+    parser.add_argument("--sparse-rerank-candidates", choices=RERANK_CANDIDATES,
+                        help=f"score rerank: the summary score proposing the candidates "
+                             f"(default {d.sparse_rerank_candidates})")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--progress", action="store_true", default=None,
                         help="show each oomb step's progress over its chunks (stderr)")
@@ -553,7 +559,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
                  "deterministic", "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget",
-                 "sparse_pooling", "sparse_score", "sparse_rerank_factor", "warmup_tokens", "progress",
+                 "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
+                 "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
