@@ -189,7 +189,8 @@ class ParallelSection:
     Empty: the number of processes (torchrun --nproc-per-node) / (tp x cp)."""
     cp: int = 1
     """Context-parallel degree: GPUs that share each sequence, each holding the KV pages of every cp-th
-    chunk (oomb/context_parallel.py; dense attention without offload). Page memory per GPU / cp."""
+    chunk (oomb/context_parallel.py; dense or sparse, with or without offload). Page memory per GPU (with
+    offload, host memory per rank) / cp."""
 
 
 SECTIONS: dict[str, type] = {

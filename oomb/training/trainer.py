@@ -304,8 +304,8 @@ class Trainer(Checkpointing):
             return
         fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb)
                  if f.name not in cfg.oomb_auto}
-        if cfg.parallel.cp > 1:  # context parallelism runs without offload (the chooser plans all pages: safe)
-            fixed.setdefault("offload", False)
+        # Context parallel: the chooser plans every page on one GPU (safe: a rank holds 1/cp of them) and,
+        # with offload, on the host, which the cp ranks of a machine share.
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         cuda = self.device.type == "cuda"
         if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
