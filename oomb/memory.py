@@ -116,6 +116,8 @@ class ModelShape:
     head, shared over heads), q_dim + kv_dim (olmo2: over the full projections), 0 without."""
     attention_sinks: bool = False
     """A learned sink logit per query head and layer (gpt-oss)."""
+    logit_softcap: bool = False
+    """Attention logits are softcapped, c * tanh(s / c) (Gemma 2)."""
     num_experts: int = 0
     """Experts of each MoE layer (0: a dense model)."""
     experts_per_token: int = 0
@@ -183,7 +185,17 @@ class ModelShape:
                    output_bias=attention_bias and model_type != "qwen2",
                    norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
                    qk_norm_params=qk_norm, attention_sinks=model_type == "gpt_oss",
+                   logit_softcap=bool(getattr(cfg, "attn_logit_softcapping", None)),
                    sliding_window=window if window_layers else 0, sliding_window_layers=window_layers, **moe)
+
+    @property
+    def cudnn_refuses(self) -> str | None:
+        """What of this model's attention the cudnn backend cannot run (None: nothing), as the engine's
+        backend check (oomb/attention/variants.py) refuses it."""
+        needs = [what for what, present in (("sliding-window layers", self.sliding_window_layers > 0),
+                                             ("attention logit softcapping", self.logit_softcap),
+                                             ("attention sinks", self.attention_sinks)) if present]
+        return " and ".join(needs) or None
 
     def per_rank(self, tp: int) -> ModelShape:
         """One tensor-parallel rank's share (oomb/parallel.py): heads, KV heads and dense MLP columns

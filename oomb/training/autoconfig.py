@@ -215,14 +215,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # Backend
 # ---------------------------------------------------------------------------------------------
 
-def choose_backend(device: str, dtype: torch.dtype, deterministic: bool) -> tuple[str, str]:
+def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
+                   cudnn_refuses: str | None = None) -> tuple[str, str]:
     """(backend, why) for ``backend="auto"``: cudnn for bf16/fp16 on CUDA (faster in every measured
     case), torch for float32 on CUDA (cuDNN has no float32 path; Triton's float32 kernels take minutes
-    to compile), triton when bitwise determinism is asked for, torch on a CPU."""
+    to compile), triton when bitwise determinism is asked for or the model has layers cuDNN cannot run
+    (``cudnn_refuses``, ModelShape.cudnn_refuses), torch on a CPU."""
     if device != "cuda":
         return "torch", "on a CPU only the torch reference kernels run"
     if deterministic:
         return "triton", "deterministic=True: Triton's kernels are bitwise deterministic (cuDNN's backward is not)"
+    if cudnn_refuses and dtype in (torch.bfloat16, torch.float16):
+        return "triton", f"triton: the model has {cudnn_refuses}, which the cudnn backend cannot run"
     if dtype in (torch.bfloat16, torch.float16):
         f = SPEED_FACTS["triton_vs_cudnn_dense"]
         return "cudnn", (f"cudnn for {_dtype_name(dtype)} on CUDA: triton takes {f.factor:.2f}x as long "
@@ -399,7 +403,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     if "backend" in fixed and fixed["backend"] != "auto":
         backend, backend_why = fixed["backend"], f"backend={fixed['backend']!r} as set"
     else:
-        backend, backend_why = choose_backend(resources.device, workload.dtype, base.deterministic)
+        backend, backend_why = choose_backend(resources.device, workload.dtype, base.deterministic,
+                                              workload.shape.cudnn_refuses)
     base = dataclasses.replace(base, backend=backend)
     options = candidates(workload, resources, base, fixed)
     fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
