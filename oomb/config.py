@@ -18,7 +18,7 @@ _DTYPES = {
 ATTENTION_MODES = ("dense", "sparse")
 BACKENDS = ("auto", "torch", "triton", "cudnn")
 SPARSE_SCORES = ("auto", "rerank", "minmax", "mean", "exact")
-RERANK_CANDIDATES = ("minmax", "mean")
+RERANK_CANDIDATES = ("minmax", "mean", "minmax_mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 
@@ -81,10 +81,11 @@ class OOMBConfig:
     query puts on the page)."""
     sparse_rerank_factor: int = 4
     """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
-    sparse_rerank_candidates: Literal["minmax", "mean"] = "minmax"
+    sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax"
     """Sparse, score "rerank": the summary score that proposes the candidates: "minmax" (Quest's bound
-    from each page's min and max key) or "mean" (q . the page's mean key: half the summaries and half
-    the scoring matmul; docs/sparse.md compares them)."""
+    from each page's min and max key), "mean" (q . the page's mean key: half the summaries and half
+    the scoring matmul) or "minmax_mean" (half the candidates by minmax, the rest by the mean key;
+    all three summaries). docs/sparse.md compares them."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)

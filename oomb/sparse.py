@@ -305,6 +305,25 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
                    dense_layers=frozenset())
 
 
+def propose_candidates(
+    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions, layer: int,
+    scale: float | None = None, first_pages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The "rerank" score's candidates, as a selection (see selection_from_scores) of rerank_factor x
+    budget pages: the top pages of the ``rerank_candidates`` summary score; "minmax_mean": minmax's top
+    half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md)."""
+    wanted = candidate_options(options, layer)
+
+    def scores(rule: str) -> torch.Tensor:
+        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling="max"), scale)
+
+    if options.rerank_candidates != "minmax_mean":
+        return selection_from_scores(scores(options.rerank_candidates), wanted, layer, first_pages)
+    half = selection_from_scores(scores("minmax"), replace(wanted, budget=wanted.budget // 2), layer, first_pages)
+    forced = scores("mean").scatter(-1, half.long(), float("inf"))  # minmax's half first, whatever the mean says
+    return selection_from_scores(forced, wanted, layer, first_pages)
+
+
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
@@ -455,11 +474,10 @@ def select_pages(
     elif options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
     elif options.score == "rerank":
-        summary = replace(options, score=options.rerank_candidates, pooling="max")
-        proposed = block_scores(q, store.history_summaries(layer, n_hist), P, summary, scale)
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
-        candidates = selection_from_scores(proposed, candidate_options(options, layer), layer, first_pages)
+        candidates = propose_candidates(q, store.history_summaries(layer, n_hist), P, options, layer, scale,
+                                        first_pages)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context)
     elif options.pooling == "softmax_max":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -476,6 +477,31 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
     assert SparseOptions.from_config(config).summaries == ("key_mean",)
     with pytest.raises(ValueError, match="sparse_rerank_candidates='median'"):
         OOMBConfig(attention="sparse", sparse_rerank_candidates="median")
+    store.free_all()
+
+
+def test_minmax_mean_candidates_are_minmax_half_then_the_mean_keys_best():
+    P, Hkv, G, D, B, n_hist, length = 4, 2, 3, 8, 1, 12, 8
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
+                         page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
+                         summaries=("key_min", "key_max", "key_mean"))
+    gen = torch.Generator().manual_seed(4)
+    for span in spans:
+        store.allocate(span)
+        k = torch.randn(B, Hkv, span.length, D, generator=gen)
+        store.write(0, span, k, torch.randn_like(k))
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax_mean")  # 4 + 1 sink
+    summaries = store.history_summaries(0, n_hist)
+    got = oomb.sparse.propose_candidates(q, summaries, P, options, 0)
+    minmax = block_scores(q, summaries, P, _options())
+    mean = block_scores(q, summaries, P, _options(score="mean"))
+    for b, h, j in itertools.product(range(B), range(Hkv), range(got.shape[2])):
+        want = {0} | set(minmax[b, h, j, 1:].topk(2).indices.add(1).tolist())  # the sink, minmax's half
+        rest = [p for p in mean[b, h, j].argsort(descending=True).tolist() if p not in want]
+        want |= set(rest[:5 - len(want)])
+        assert sorted(want) == got[b, h, j].tolist()
     store.free_all()
 
 

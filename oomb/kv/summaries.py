@@ -25,7 +25,9 @@ SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "
 def summaries_of(score: str, rerank_candidates: str = "minmax") -> tuple[str, ...]:
     """The summaries a sparse score keeps per page: "rerank" those of the score proposing its candidates
     (then it reads the candidates' keys)."""
-    return SUMMARIES_OF_SCORE[rerank_candidates if score == "rerank" else score]
+    if score != "rerank":
+        return SUMMARIES_OF_SCORE[score]
+    return tuple(kind for rule in rerank_candidates.split("_") for kind in SUMMARIES_OF_SCORE[rule])
 
 
 def summarize_pages(pages: torch.Tensor, valid: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
