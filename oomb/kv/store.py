@@ -120,6 +120,19 @@ def attention_windows(
     return history + [(chunk.start, chunk.end)]
 
 
+def window_pages_per_sequence(num_tokens: int, chunk_size: int, page_size: int, window: int) -> int:
+    """Peak pages per sequence of a window layer with its own pages (PagedKVStore ``window_layers``):
+    the tails (pages holding the last ``window - 1`` keys before a chunk boundary, at most the chunk)
+    of the chunks before one, plus all of that chunk's pages; the most over the chunks."""
+    tails, peak = 0, 0
+    for chunk in split_into_chunks(num_tokens, chunk_size):
+        first, last = chunk.start // page_size, -(-chunk.end // page_size)
+        peak = max(peak, tails + last - first)
+        if chunk.end < num_tokens:
+            tails += last - min(last, max(first, (chunk.end - window + 1) // page_size))
+    return max(peak, 1)
+
+
 @dataclass
 class LayerPages:
     """One layer's pool tensors, each (num_pages, Hkv, P, D)."""
@@ -185,8 +198,8 @@ class PagedKVStore:
                                  f"multiple of the page size (got {chunk_size})")
             if gpu_layers is not None or context is not None:
                 raise ValueError("window layers' own pages are not supported with offload or context parallelism")
-            self.chunks = split_into_chunks(num_tokens, chunk_size)
-            self.window_pool = PagePool(batch_size * self.window_pages_needed(self.chunks))
+            pages = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
+            self.window_pool = PagePool(batch_size * pages)
         window_shape = (self.window_pool.capacity if self.window_pool else 0, num_kv_heads, page_size, head_dim)
 
         def layer_pages(index: int) -> LayerPages:
@@ -245,15 +258,6 @@ class PagedKVStore:
         if chunk.end >= self.max_pages_per_seq * self.page_size or chunk.end % self.page_size:
             return last  # the last chunk: no later chunk
         return min(last, max(first, (chunk.end - self.window + 1) // self.page_size))
-
-    def window_pages_needed(self, chunks: list[ChunkSpan]) -> int:
-        """Window pages per sequence at the peak: the tails of the chunks before one plus all its pages."""
-        tails, peak = 0, 0
-        for chunk in chunks:
-            first, last = self._page_range(chunk)
-            peak = max(peak, tails + last - first)
-            tails += last - self.tail_start(chunk)
-        return max(peak, 1)
 
     def is_window_layer(self, layer: int) -> bool:
         return layer in self.window_layers
