@@ -464,7 +464,9 @@ class PagedKVStore:
         the caller launches its work on the window before asking for the next one. ``whole_history``:
         the history as one window where the pages are on the GPU (streamed pages keep their blocks)."""
         pages = self.layers[layer]
-        for key_range in self.windows(chunk, whole_history, layer):
+        windowed = layer in self.window_layers  # (subclasses may override windows(chunk, whole_history))
+        key_ranges = self.windows(chunk, whole_history, layer) if windowed else self.windows(chunk, whole_history)
+        for key_range in key_ranges:
             yield WindowView(key_range, pages.k, pages.v, self.table(layer),
                              pages.dk if grads else None, pages.dv if grads else None)
 
