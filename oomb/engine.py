@@ -167,6 +167,7 @@ def forward_backward(
                     rng_states.append(_rng_state(device))
                     store.allocate(chunk)
                     _, router_logits = run_chunk(chunk, Stage.FILL)
+                    store.finish_fill(chunk)  # window layers: free the pages no later chunk reads
                     if router_loss is not None:  # the counts of every chunk, before any chunk's loss
                         router_loss.observe(router_logits)
                     bar.update()
@@ -182,6 +183,7 @@ def forward_backward(
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
                     _set_rng_state(device, rng_states[chunk.index])
+                    store.refill(chunk)  # window layers: pages for the recomputed k, v (kv/store.py)
                     hidden, router_logits = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(
                         hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens
@@ -240,10 +242,15 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
     every layer slides): earlier pages are neither read nor staged. With documents the store also
     keeps each token's document start, for sparse offload to skip the selected pages no query sees."""
     store.document_starts = None if documents is None else documents.start_cpu
+    window_layers = getattr(store, "window_layers", ())
+    local = tuple(w for i, w in enumerate(windows) if i in window_layers)
     for chunk in chunks:
         first = history_start(chunk, windows, bounds, documents, store.page_size)
         if first:
             store.history_starts[chunk.index] = first
+        if local:  # window layers with their own pages read (and keep) only their windows' pages
+            store.window_history_starts[chunk.index] = history_start(chunk, local, bounds, documents,
+                                                                     store.page_size)
 
 
 def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
@@ -324,7 +331,7 @@ def _make_store(
                       options["kv_dtype"])
     _check_pages(shape, config, device, host_slabs)
     if not config.offload:
-        return PagedKVStore(**options)
+        return PagedKVStore(**options, **window_store_options(causal_lm, num_tokens, config, context))
     return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
                             resident_layers=config.offload_resident_layers, stream_buffers=config.stream_buffers,
                             chunk_size=config.chunk_size, **options)
@@ -349,6 +356,17 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         stream_block_pages=config.stream_block_pages,
         context=parallel.context_shard(config.chunk_size),  # context parallel: this rank's chunks only
     )
+
+
+def window_store_options(causal_lm, num_tokens: int, config: OOMBConfig, context=None) -> dict:
+    """The window layers that get their own, bounded pages (kv/store.py): every layer whose sliding
+    window is shorter than the step, on one GPU without offload (offload and context parallelism keep
+    every layer's pages for the whole step, as global layers')."""
+    windows = layer_windows(causal_lm)
+    local = tuple(i for i, w in enumerate(windows) if w is not None and w < num_tokens)
+    if not local or config.offload or context is not None:
+        return {}
+    return dict(window_layers=local, window=max(windows[i] for i in local), chunk_size=config.chunk_size)
 
 
 def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, host_slabs: HostSlabs | None) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from .config import OOMBConfig
 from .kv import PagedKVStore, capacity
+from .kv.store import window_pages_per_sequence
 
 GIB = 1024**3
 MIB = 1024**2
@@ -143,8 +144,8 @@ class ModelShape:
     down_proj at rank r per expert, the router at rank r, and then of the linear layers only q, k, v, o;
     not for gpt-oss)."""
     sliding_window: int = 0
-    """Window of the sliding-window layers (0: none). Informational: the planner's memory does not
-    depend on it (see predict)."""
+    """Window of the sliding-window layers (0: none): without offload their pages are bounded by it
+    (see predict)."""
     sliding_window_layers: int = 0
     """Layers that attend within ``sliding_window`` (the rest are global)."""
 
@@ -655,14 +656,14 @@ def predict(
     Returns:
         A MemoryPrediction with the GPU_TERMS and HOST_TERMS in bytes.
 
-    Sliding-window layers (Gemma 2/3, gpt-oss, Mistral; ``shape.sliding_window_layers``) count as many
-    pages per token as global layers: a window layer's pages are stored for the whole step, because
-    stage 2 runs the chunks in reverse and each chunk's backward needs its window's earlier K/V (and
-    accumulates their dK/dV) again, so no page can be freed before the backward of the last chunk
-    that reads it, and the store allocates pages for all layers together (kv/store.py). A window
-    bounds what a layer *reads* (its attention compute and, when every layer slides, the pages
-    streamed with offload), not what is kept: memory per token stays L x 2 x Hkv x D x bytes.
-    (Nor do oomb's speed estimates count attention FLOPs, so windows change no prediction here.)
+    Sliding-window layers (Gemma 2/3, gpt-oss, Mistral; ``shape.sliding_window_layers``) with a window
+    W shorter than the step have their own pages without offload and context parallelism (kv/store.py):
+    at most the tails of the chunks before the current one (their last W - 1 keys, which later chunks'
+    windows read in both stages, rounded up to pages and at most the chunk) plus the current chunk, so
+    a window layer costs about (W - 1) / C of a global layer's pages per token (no saving when W - 1 >= C),
+    and no page summaries. With offload (or context parallelism) window layers keep every page for
+    the whole step, like global layers (offload streams only their windows' pages).
+    (oomb's speed estimates do not count attention FLOPs, so windows change no speed prediction.)
 
     Mixtures of experts (``shape.num_experts``): weights, gradients and optimizer state count every
     expert; a chunk's activations count its tokens' top-k routed expert rows (MOE_ROUTED_ROW_*).
@@ -746,12 +747,21 @@ def predict(
         offload_config = replace(config, offload=True, offload_resident_layers=resident)
         host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
             page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
+        window_layers = 0
     else:
-        gpu["KV working set"] = L * own_pages * page_bytes
+        # Window layers shorter than the step have their own pages on one GPU without offload (kv/store.py):
+        # the last W - 1 keys of every chunk before the current one, plus that chunk.
+        windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1
+        window_layers = shape.sliding_window_layers if windowed else 0
+        window_pages = B * window_pages_per_sequence(tokens, config.chunk_size, P, shape.sliding_window) \
+            if windowed else 0
+        gpu["KV working set"] = ((L - window_layers) * own_pages + window_layers * window_pages) * page_bytes
+        gpu["page tables"] += pages * INT32_BYTES if windowed else 0
 
     if mode.attention == "sparse":
         # Every page's, on every context-parallel rank too (each scores the whole history, kv/store.py).
-        summaries = L * pages * sparse.summary_vectors * shape.kv_dim * b
+        # Window layers with their own pages keep none (they read their window densely).
+        summaries = (L - window_layers) * pages * sparse.summary_vectors * shape.kv_dim * b
         selection = 0
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head
             selection = L * pages * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages) * INT32_BYTES

@@ -128,6 +128,9 @@ def oomb_attention_forward(
     else:
         if sparse is not None:  # stage 2 reads exactly the pages stage 1 selected
             call = replace(call, selection=store.selection(layer, chunk))
+        replay = oomb_step.recompute_cache is not None and layer in oomb_step.recompute_cache
+        if not replay:  # window layers: their freed pages get the recomputed k, v back (kv/store.py)
+            store.rewrite(layer, chunk, key, value)
         out = paged_attention(query, key, value, call, oomb_step.recompute_cache)
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
 

@@ -23,6 +23,7 @@ from oomb.attention import reference
 from oomb.attention.backend import TORCH_BACKEND
 from oomb.attention.variants import SinkGradient, check_backend_supports, layer_backend
 from oomb.documents import resolve_documents, window_bounds
+from oomb.kv import PagedKVStore, split_into_chunks
 from oomb.kv.offload import HostSlabs
 from oomb.models import layer_windows
 
@@ -64,6 +65,10 @@ FAMILIES = {
                 dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=WINDOW,
                      layer_types=LOCAL_GLOBAL, output_router_logits=True), {"layer_types": ["full_attention"] * 3}),
 }
+
+
+SHORT = replace(CONFIG, chunk_size=64)
+"""Chunks longer than the windows: each chunk's head pages are freed after stage 1 and refilled in stage 2."""
 
 
 def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -141,13 +146,18 @@ def test_sink_gradients_are_exact():
 
 @pytest.mark.parametrize("resident", [0, 1])
 def test_window_layers_with_offload(resident):
-    """Host offload (synchronous on CPU) of a local/global model: the same gradients, exact."""
+    """Host offload (synchronous on CPU) of a local/global model: the same gradients, exact. Offload keeps
+    window layers' pages for the whole step (kv/store.py); without it, they have their own, fewer pages
+    (windows shorter than the chunk): both compute the same floats, bitwise."""
     model = build("gemma3_text", seed=5)
     ids = random_ids(1, TOKENS, seed=5)
     want_loss, want = hf_step(model, ids)
-    config = replace(CONFIG, offload=True, offload_resident_layers=resident)
+    config = replace(SHORT, offload=True, offload_resident_layers=resident)
     got_loss, got = oomb_step(model, ids, config, host_slabs=HostSlabs(pin=False))
     assert_matches(got_loss, got, want_loss, want)
+    if resident == 0:
+        plain_loss, plain = oomb_step(model, ids, SHORT)
+        assert torch.equal(plain_loss, got_loss) and all(torch.equal(plain[k], got[k]) for k in got)
 
 
 def test_all_window_layers_skip_history_pages_in_every_layer(monkeypatch):
@@ -448,3 +458,64 @@ def test_gpu_gemma2_bf16_on_triton_within_twice_torch_backend_error(attention):
     ours, theirs = relative_error(got, exact), relative_error(ref, exact)
     print(f"gemma2 bf16 {attention} gradient error: triton {ours:.3e}, torch backend {theirs:.3e}")
     assert ours <= 2 * theirs
+
+
+
+
+@pytest.mark.parametrize(("family", "window", "checkpoint_layers"), [
+    ("gemma3_text", WINDOW, True), ("gpt_oss", 17, False), ("mistral", 6, True), ("qwen2", 63, False)])
+def test_windows_shorter_than_the_chunk_free_their_head_pages_and_stay_exact(family, window, checkpoint_layers):
+    """Windows of 6 (within a page), 17 (a page multiple + 1), 40 and 63 (tails of the whole chunk) tokens
+    in chunks of 64, batch 2: the window layers' pages outside every later chunk's window are freed after
+    stage 1 and refilled from the recompute in stage 2, and the step still equals the full-sequence backward."""
+    model = build(family, sliding_window=window)
+    ids = random_ids(2, TOKENS, seed=3)
+    want_loss, want = hf_step(model, ids)
+    got_loss, got = oomb_step(model, ids, replace(SHORT, checkpoint_layers=checkpoint_layers))
+    assert_matches(got_loss, got, want_loss, want)
+
+
+def test_window_layers_pages_in_a_step(monkeypatch):
+    """gemma3_text (window 40, chunk 64, page 8, 192 tokens): a window layer holds at most the tails of
+    the chunks before the current one (ceil(39 / 8) = 5 pages each) plus the current chunk's 8, not
+    every page; global layers hold every page. The pool is sized for exactly that peak."""
+    stores = []
+    real = oomb.engine._make_store
+    monkeypatch.setattr(oomb.engine, "_make_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    oomb_step(build("gemma3_text", seed=9), random_ids(1, 192, seed=4), replace(SHORT, loss_chunk_tokens=64))
+    store, = stores
+    assert sorted(store.window_layers) == [0, 2] and store.window == WINDOW
+    assert store.pool.capacity == 192 // 8  # global layers: every page
+    assert store.peak_window_pages == store.window_pool.capacity == 5 * 2 + 8
+    assert store.layers[0].k.shape[0] == 18 and store.layers[1].k.shape[0] == 24
+
+
+@pytest.mark.parametrize(("window", "tail"), [(6, 1), (17, 2), (40, 5), (64, 8), (300, 8)])
+def test_window_pages_follow_the_two_stages(window, tail):
+    """The store's page life cycle of a step (allocate, finish_fill; refill, rewrite, free in reverse) at
+    growing contexts: a window layer's peak is the tails (ceil((W - 1) / P) pages, at most the chunk's)
+    of the chunks before one plus one chunk, and the tails' pages are kept in stage 2 with what stage 1
+    wrote; global layers' pages grow by the whole chunk."""
+    P, C = 8, 64
+    for tokens in (512, 4096):
+        store = PagedKVStore(num_layers=2, batch_size=2, num_tokens=tokens, num_kv_heads=1, head_dim=2, page_size=P,
+                             kv_dtype=torch.float32, grad_dtype=torch.float32, device="cpu",
+                             window_layers=(0,), window=window, chunk_size=C)
+        chunks = split_into_chunks(tokens, C)
+        for chunk in chunks:
+            store.allocate(chunk)
+            x = torch.full((2, 1, chunk.length, 2), float(chunk.index))
+            store.write(0, chunk, x, x)
+            store.finish_fill(chunk)
+        assert store.window_pool.num_used == 2 * tail * (len(chunks) - 1)
+        for chunk in reversed(chunks):
+            store.refill(chunk)
+            store.rewrite(0, chunk, -torch.ones(2, 1, chunk.length, 2), -torch.ones(2, 1, chunk.length, 2))
+            k = store.layers[0].k[store.window_table[:, chunk.start // P:chunk.end // P].reshape(-1).long()]
+            kept = 8 - tail if chunk.index < len(chunks) - 1 else 8  # head pages: the recompute's
+            assert (k.reshape(2, 8, -1)[:, :kept] == -1).all()
+            assert (k.reshape(2, 8, -1)[:, kept:] == chunk.index).all()  # the tail: stage 1's
+            store.free(chunk)
+        assert store.is_empty
+        assert store.peak_window_pages == store.window_pool.capacity == 2 * (tail * (len(chunks) - 1) + 8)
+        assert store.pool.capacity == 2 * tokens // P

@@ -179,15 +179,24 @@ def test_preset_shapes():
     assert qwen.active_params() == pytest.approx(3.3e9, rel=0.03)  # "A3B"
 
 
-def test_window_layers_keep_as_many_pages_as_global_layers():
-    """Stage 2 needs every chunk's earlier K/V again: a window layer's pages stay for the whole step."""
+def test_window_layers_keep_their_tails_without_offload():
+    """Without offload a window layer keeps only the tails (last W - 1 keys) of the chunks before the
+    current one plus that chunk (kv/store.py); with offload its pages stay for the whole step."""
     from dataclasses import replace
 
-    gemma = load_model_shape("gemma-3-12b")
+    from oomb.memory import _page_bytes
+
+    gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
-    for mode in ("dense", "dense+offload"):
-        a, b = predict(mode, gemma, 1 << 20), predict(mode, all_global, 1 << 20)
-        assert a.gpu == b.gpu and a.host == b.host
+    a, b = predict("dense+offload", gemma, 1 << 20), predict("dense+offload", all_global, 1 << 20)
+    assert a.gpu == b.gpu and a.host == b.host
+    config = OOMBConfig()
+    page = _page_bytes(gemma, 128, torch.bfloat16, config.grad_dtype)
+    for tokens in (1 << 17, 1 << 20):
+        chunks = tokens // 4096
+        want = (8 * tokens // 128 + 40 * (8 * (chunks - 1) + 32)) * page  # tails of ceil(1023 / 128) = 8 pages
+        assert predict("dense", gemma, tokens).gpu["KV working set"] == want
+        assert predict("dense", all_global, tokens).gpu["KV working set"] == 48 * tokens // 128 * page
     assert gemma.kv_bytes_per_token(torch.bfloat16) == 48 * 2 * 8 * 256 * 2
 
 

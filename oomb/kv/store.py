@@ -23,6 +23,36 @@ summaries are the exception: every rank summarises every chunk (its k is the sam
 indexed by position (row b * max_pages + p) rather than page id, so that each rank scores the whole
 history with exactly the inputs and code of one process, and every rank selects the same pages.
 They cost 1 / (2 P) of the K, V pages per summary vector (fp32 page gradients: less).
+
+Window layers (``window_layers``, sliding window W; see docs/models.md "Sliding windows") have their
+own page table and a smaller pool, so that their pages do not live as long as global layers'. Which
+of a window layer's K/V are needed when (chunk size C, chunks start on page boundaries):
+
+* Stage 1, chunk c reads keys [cC - W + 1, cC) of the history and the chunk itself. A key j of
+  chunk c is read by a later chunk c' > c (in either stage) iff c'C - W + 1 <= j, i.e. iff
+  j >= (c + 1) C - W + 1: only the chunk's *tail*, its last W - 1 keys (all of it when W - 1 >= C),
+  is ever read by another chunk. The chunk's *head* (its pages before the tail's first page) is read
+  only by the chunk's own attention.
+* Stage 2 recomputes chunk c with grad: the attention of every layer is handed the recomputed k, v
+  of the chunk, the same values stage 1 wrote (the same inputs, the same RNG state, the same kernels:
+  the assumption the whole two-stage step rests on, DESIGN.md section 2). Chunks c' > c run before c
+  in stage 2 and read c's tail from its pages (its K/V, and they add into its dK/dV): the tail must
+  persist from stage 1 to stage 2. The head need not: ``finish_fill`` frees the head pages once
+  stage 1 is done with the chunk, ``refill`` gives them back (dK/dV zeroed: no later chunk reaches
+  them) before stage 2 recomputes the chunk, and ``rewrite`` stores the recomputed k, v in them
+  before the chunk's attention reads them. Its own dK/dV (handed to k, v by ``chunk_grads``) are then
+  the tail's accumulated contributions of later chunks plus the chunk's own: exactly as before.
+* ``free`` (stage 2, after the chunk's backward) returns the tail and head together.
+
+So a window layer holds, at any time, the tails of the chunks before the current one and all pages
+of the current chunk: B * (sum of tails + C / P) pages, with ceil((W - 1) / P) pages per tail
+(min with the chunk's pages). That still grows with the context, by (W - 1) / C of a global layer:
+the tails are the recurrent state that stage 2 needs back in reverse order, and dropping them
+would mean recomputing each chunk's tail from the start of its window layers' receptive field (up to
+W - 1 tokens per window layer below, i.e. many chunks' forward per chunk): not cheap, so they are
+kept and the gradients stay exact. With one W among several windows the largest is used. Window
+layers keep no page summaries (sparse mode reads windows densely) and their history windows
+(``window_history_starts``) start at their own windows, so no freed page is ever read.
 """
 
 from __future__ import annotations
@@ -90,6 +120,19 @@ def attention_windows(
     return history + [(chunk.start, chunk.end)]
 
 
+def window_pages_per_sequence(num_tokens: int, chunk_size: int, page_size: int, window: int) -> int:
+    """Peak pages per sequence of a window layer with its own pages (PagedKVStore ``window_layers``):
+    the tails (pages holding the last ``window - 1`` keys before a chunk boundary, at most the chunk)
+    of the chunks before one, plus all of that chunk's pages; the most over the chunks."""
+    tails, peak = 0, 0
+    for chunk in split_into_chunks(num_tokens, chunk_size):
+        first, last = chunk.start // page_size, -(-chunk.end // page_size)
+        peak = max(peak, tails + last - first)
+        if chunk.end < num_tokens:
+            tails += last - min(last, max(first, (chunk.end - window + 1) // page_size))
+    return max(peak, 1)
+
+
 @dataclass
 class LayerPages:
     """One layer's pool tensors, each (num_pages, Hkv, P, D)."""
@@ -121,10 +164,16 @@ class PagedKVStore:
         stream_block_pages: int = 256,
         gpu_layers: int | None = None,
         context: ContextShard | None = None,
+        window_layers: tuple[int, ...] = (),
+        window: int | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         """``gpu_layers``: allocate pools for only the first this many layers (the rest live in a
         host tier, kv/offload.py); None: all. ``context``: this rank's share of a context-parallel
-        group (pages of its own chunks only); None: every page."""
+        group (pages of its own chunks only); None: every page. ``window_layers``: the layers with a
+        sliding ``window`` (the largest, if several) whose pages live in their own table and pool,
+        freed as soon as no remaining use needs them (module docstring); needs ``chunk_size``, and
+        neither ``gpu_layers`` nor ``context``."""
         unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
         assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
@@ -140,22 +189,46 @@ class PagedKVStore:
         shape = (self.pool.capacity, num_kv_heads, page_size, head_dim)
         # Summary rows: by page id; context parallel, by position, for every chunk (module docstring).
         self.summary_rows = self.pool.capacity if context is None else batch_size * self.max_pages_per_seq
-        self.layers = [
-            LayerPages(
-                k=torch.empty(shape, dtype=kv_dtype, device=device),
-                v=torch.empty(shape, dtype=kv_dtype, device=device),
-                dk=torch.empty(shape, dtype=grad_dtype, device=device),
-                dv=torch.empty(shape, dtype=grad_dtype, device=device),
-                summaries={
+        self.window_layers = frozenset(window_layers)
+        self.window = window
+        self.window_pool: PagePool | None = None
+        if self.window_layers:
+            if window is None or window < 1 or chunk_size is None or chunk_size % page_size:
+                raise ValueError(f"window layers need a window >= 1 (got {window}) and a chunk size that is a "
+                                 f"multiple of the page size (got {chunk_size})")
+            if gpu_layers is not None or context is not None:
+                raise ValueError("window layers' own pages are not supported with offload or context parallelism")
+            pages = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
+            self.window_pool = PagePool(batch_size * pages)
+        window_shape = (self.window_pool.capacity if self.window_pool else 0, num_kv_heads, page_size, head_dim)
+
+        def layer_pages(index: int) -> LayerPages:
+            windowed = index in self.window_layers
+            layer_shape = window_shape if windowed else shape
+            return LayerPages(
+                k=torch.empty(layer_shape, dtype=kv_dtype, device=device),
+                v=torch.empty(layer_shape, dtype=kv_dtype, device=device),
+                dk=torch.empty(layer_shape, dtype=grad_dtype, device=device),
+                dv=torch.empty(layer_shape, dtype=grad_dtype, device=device),
+                summaries={} if windowed else {  # window layers read their window densely, never select
                     name: torch.empty((self.summary_rows, num_kv_heads, head_dim), dtype=kv_dtype, device=device)
                     for name in summaries
                 },
             )
-            for _ in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))
-        ]
+
+        self.layers = [layer_pages(i) for i in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))]
         self.summary_kinds = tuple(summaries)
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
+        self.window_table = torch.zeros_like(self.page_table) if self.window_layers else None
+        """Window layers' page table (stale outside the pages alive: module docstring)."""
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
+        self._window_pages: dict[int, dict[int, list[int]]] = {}
+        """Window layers: chunk index -> {first page position of a run -> its page ids (B-major)}: the
+        tail from stage 1 on, the head during the chunk's two uses."""
+        self._refilled: set[int] = set()  # stage 2: chunks whose head pages wait for ``rewrite``
+        self.window_history_starts: dict[int, int] = {}
+        """Window layers: chunk index -> first (page-aligned) history key their queries see (engine)."""
+        self.peak_window_pages = 0  # diagnostics: the most window pages in use at once
         self._selections: dict[tuple[int, int], torch.Tensor | None] = {}  # (chunk index, layer) -> selection
         self._scoring_queries: dict[int, tuple[int, torch.Tensor]] = {}
         """Sparse, leak-free: layer -> (chunk index, its last page of queries), kept by stage 1 so the
@@ -178,13 +251,73 @@ class PagedKVStore:
         elems = num_layers * pages * num_kv_heads * page_size * head_dim
         return 2 * elems * (kv_dtype.itemsize + grad_dtype.itemsize)
 
+    def tail_start(self, chunk: ChunkSpan) -> int:
+        """Window layers: the first page position of the chunk's tail, the pages a later chunk's window
+        reaches (module docstring); the chunk's end page when none does (the last chunk)."""
+        first, last = self._page_range(chunk)
+        if chunk.end >= self.max_pages_per_seq * self.page_size or chunk.end % self.page_size:
+            return last  # the last chunk: no later chunk
+        return min(last, max(first, (chunk.end - self.window + 1) // self.page_size))
+
+    def is_window_layer(self, layer: int) -> bool:
+        return layer in self.window_layers
+
+    def table(self, layer: int) -> torch.Tensor:
+        """The page table of ``layer``: the window layers' own, or the shared one."""
+        return self.window_table if layer in self.window_layers else self.page_table
+
+    def _allocate_window(self, chunk: ChunkSpan, first: int, last: int) -> None:
+        """Window pages for positions [first, last) of the chunk, dK/dV zeroed in every window layer."""
+        if last <= first:
+            return
+        ids = self.window_pool.allocate(self.batch_size * (last - first))
+        self._window_pages.setdefault(chunk.index, {})[first] = ids
+        self.window_table[:, first:last].copy_(torch.tensor(ids, dtype=torch.int32).reshape(self.batch_size, -1))
+        self.peak_window_pages = max(self.peak_window_pages, self.window_pool.num_used)
+        index = self.window_table[:, first:last].reshape(-1).long()
+        for layer in self.window_layers:
+            self.layers[layer].dk.index_fill_(0, index, 0)
+            self.layers[layer].dv.index_fill_(0, index, 0)
+
+    def finish_fill(self, chunk: ChunkSpan) -> None:
+        """Stage 1 is done with the chunk: free its window layers' head pages (no later chunk reads them)."""
+        if not self.window_layers:
+            return
+        first, _ = self._page_range(chunk)
+        if self.tail_start(chunk) > first:
+            self.window_pool.free(self._window_pages[chunk.index].pop(first))
+
+    def refill(self, chunk: ChunkSpan) -> None:
+        """Stage 2, before the chunk's recompute: give its window layers' head pages back (``rewrite``
+        fills them from the recomputed k, v)."""
+        if not self.window_layers:
+            return
+        first, _ = self._page_range(chunk)
+        if self.tail_start(chunk) > first:
+            self._allocate_window(chunk, first, self.tail_start(chunk))
+            self._refilled.add(chunk.index)
+
+    def rewrite(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stage 2: store a window layer's recomputed (B, Hkv, L, D) k, v of the chunk in its head pages
+        (the tail still holds what stage 1 wrote, which later chunks read); other layers: nothing."""
+        if layer not in self.window_layers or chunk.index not in self._refilled:
+            return
+        first, _ = self._page_range(chunk)
+        n = self.tail_start(chunk) - first
+        pages = self.layers[layer]
+        index = self.window_table[:, first:first + n].reshape(-1).long()
+        for pool, x in ((pages.k, k), (pages.v, v)):
+            by_sequence = self._to_pages(x.detach()).reshape(self.batch_size, -1, *pool.shape[1:])
+            pool.index_copy_(0, index, by_sequence[:, :n].reshape(-1, *pool.shape[1:]).to(pool.dtype))
+
     def _page_range(self, chunk: ChunkSpan) -> tuple[int, int]:
         assert chunk.start % self.page_size == 0, "chunks must start on a page boundary"
         return chunk.start // self.page_size, -(-chunk.end // self.page_size)
 
-    def _chunk_ids(self, chunk: ChunkSpan) -> torch.Tensor:
+    def _chunk_ids(self, chunk: ChunkSpan, layer: int | None = None) -> torch.Tensor:
         first, last = self._page_range(chunk)
-        return self.page_table[:, first:last].reshape(-1).long()  # (B * n,)
+        table = self.page_table if layer is None else self.table(layer)
+        return table[:, first:last].reshape(-1).long()  # (B * n,)
 
     def allocate(self, chunk: ChunkSpan) -> None:
         """Give the chunk its pages in every sequence and zero their gradient buffers."""
@@ -199,21 +332,33 @@ class PagedKVStore:
         table = torch.tensor(ids, dtype=torch.int32).reshape(self.batch_size, last - first)
         self.page_table[:, first:last].copy_(table)
         index = self._chunk_ids(chunk)
-        for layer in self.layers:
-            layer.dk.index_fill_(0, index, 0)
-            layer.dv.index_fill_(0, index, 0)
+        for i, layer in enumerate(self.layers):
+            if i not in self.window_layers:
+                layer.dk.index_fill_(0, index, 0)
+                layer.dv.index_fill_(0, index, 0)
+        if self.window_layers:  # head and tail as two runs: ``finish_fill`` frees the head
+            self._allocate_window(chunk, first, self.tail_start(chunk))
+            self._allocate_window(chunk, self.tail_start(chunk), last)
 
     def free(self, chunk: ChunkSpan) -> None:
         """Return the chunk's pages: no remaining chunk attends to them."""
         if chunk.index not in self._chunk_pages:
             raise RuntimeError(f"chunk {chunk.index} has no pages (never allocated, or freed twice)")
         self.pool.free(self._chunk_pages.pop(chunk.index))
+        for ids in self._window_pages.pop(chunk.index, {}).values():
+            self.window_pool.free(ids)
+        self._refilled.discard(chunk.index)
         for key in [key for key in self._selections if key[0] == chunk.index]:
             del self._selections[key]
 
     def free_all(self) -> None:
         for index in list(self._chunk_pages):
             self.pool.free(self._chunk_pages.pop(index))
+        for runs in self._window_pages.values():
+            for ids in runs.values():
+                self.window_pool.free(ids)
+        self._window_pages.clear()
+        self._refilled.clear()
         self._selections.clear()
         self._scoring_queries.clear()
 
@@ -232,7 +377,8 @@ class PagedKVStore:
 
     @property
     def is_empty(self) -> bool:
-        return self.pool.num_used == 0 and not self._chunk_pages and not self._selections
+        windows_empty = self.window_pool is None or (self.window_pool.num_used == 0 and not self._window_pages)
+        return self.pool.num_used == 0 and not self._chunk_pages and not self._selections and windows_empty
 
     def write(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the chunk's (B, Hkv, L, D) keys and values in its pages, zero-padding the last one;
@@ -243,15 +389,16 @@ class PagedKVStore:
             if self.summary_kinds:
                 self._write_summaries(pages.summaries, chunk, self._to_pages(k).to(pages.k.dtype))
             return
-        index = self._chunk_ids(chunk)
+        index = self._chunk_ids(chunk, layer)
         k_pages = self._to_pages(k).to(pages.k.dtype)  # (B * n, Hkv, P, D)
         pages.k.index_copy_(0, index, k_pages)
         pages.v.index_copy_(0, index, self._to_pages(v).to(pages.v.dtype))
         self._write_summaries(pages.summaries, chunk, k_pages)
 
     def _write_summaries(self, summaries: dict[str, torch.Tensor], chunk: ChunkSpan, k_pages: torch.Tensor) -> None:
-        """Sparse mode: the key summaries of the chunk's (B * n, Hkv, P, D) pages, by page id."""
-        if not self.summary_kinds:
+        """Sparse mode: the key summaries of the chunk's (B * n, Hkv, P, D) pages, by page id (window
+        layers keep none)."""
+        if not self.summary_kinds or not summaries:
             return
         valid = chunk.length - (-(-chunk.length // self.page_size) - 1) * self.page_size
         by_sequence = k_pages.reshape(self.batch_size, -1, *k_pages.shape[1:])  # (B, n, Hkv, P, D)
@@ -303,10 +450,13 @@ class PagedKVStore:
             raise RuntimeError(f"no page selection for chunk {chunk.index}, layer {layer}: stage 1 makes it")
         return self._selections[chunk.index, layer]
 
-    def windows(self, chunk: ChunkSpan, whole_history: bool = False) -> list[tuple[int, int]]:
-        """The chunk's key windows on this store's pages (context parallel: the parts on its own)."""
+    def windows(self, chunk: ChunkSpan, whole_history: bool = False, layer: int | None = None
+                ) -> list[tuple[int, int]]:
+        """The chunk's key windows on this store's pages (context parallel: the parts on its own);
+        a window layer's start at its window (only those pages are alive)."""
+        starts = self.window_history_starts if layer in self.window_layers else self.history_starts
         windows = attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages,
-                                    self.history_starts.get(chunk.index, 0))
+                                    starts.get(chunk.index, 0))
         return windows if self.context is None else self.context.own_windows(windows, chunk.index)
 
     def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
@@ -314,8 +464,10 @@ class PagedKVStore:
         the caller launches its work on the window before asking for the next one. ``whole_history``:
         the history as one window where the pages are on the GPU (streamed pages keep their blocks)."""
         pages = self.layers[layer]
-        for key_range in self.windows(chunk, whole_history):
-            yield WindowView(key_range, pages.k, pages.v, self.page_table,
+        windowed = layer in self.window_layers  # (subclasses may override windows(chunk, whole_history))
+        key_ranges = self.windows(chunk, whole_history, layer) if windowed else self.windows(chunk, whole_history)
+        for key_range in key_ranges:
+            yield WindowView(key_range, pages.k, pages.v, self.table(layer),
                              pages.dk if grads else None, pages.dv if grads else None)
 
     def chunk_grads(self, layer: int, chunk: ChunkSpan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +478,7 @@ class PagedKVStore:
             return (torch.zeros(shape, dtype=self.grad_dtype, device=self.device),
                     torch.zeros(shape, dtype=self.grad_dtype, device=self.device))
         pages = self.layers[layer]
-        index = self._chunk_ids(chunk)
+        index = self._chunk_ids(chunk, layer)
         return (
             self._from_pages(pages.dk.index_select(0, index), chunk.length),
             self._from_pages(pages.dv.index_select(0, index), chunk.length),
