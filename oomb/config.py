@@ -52,8 +52,8 @@ class OOMBConfig:
     sparse_sink_pages: int = 1
     """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
     sparse_score: Literal["auto", "rerank", "minmax", "mean", "exact"] = "auto"
-    """Sparse: how a query block chooses its pages. "rerank": the minmax bound picks
-    sparse_rerank_factor x budget candidate pages, then each query's true attention probability over
+    """Sparse: how a query block chooses its pages. "rerank": page summaries (sparse_rerank_candidates)
+    pick sparse_rerank_factor x budget candidate pages, then each query's true attention probability over
     the candidates picks the budget (keys read: the candidates'; with offload they move to the GPU in
     stage 1; not leak-free). "minmax": Quest's upper bound sum_d max(q_d min_d, q_d max_d) from the
     page's elementwise min and max key; "mean": q . mean key; "exact": the true attention probabilities
@@ -81,11 +81,12 @@ class OOMBConfig:
     query puts on the page)."""
     sparse_rerank_factor: int = 4
     """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
-    sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax"
-    """Sparse, score "rerank": the summary score that proposes the candidates: "minmax" (Quest's bound
-    from each page's min and max key), "mean" (q . the page's mean key: half the summaries and half
-    the scoring matmul) or "minmax_mean" (half the candidates by minmax, the rest by the mean key;
-    all three summaries). docs/sparse.md compares them."""
+    sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
+    """Sparse, score "rerank": the summary score that proposes the candidates: "minmax_mean" (default:
+    half the candidates by minmax, the rest by the mean key; keeps min, max and mean keys per page),
+    "minmax" (Quest's bound from each page's min and max key) or "mean" (q . the page's mean key). On
+    SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its
+    gradients are the closest to dense (docs/sparse.md, "Candidates")."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)

@@ -89,7 +89,7 @@ class SparseOptions:
     layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
-    rerank_candidates: str = "minmax"  # score "rerank": the summary score proposing the candidates
+    rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:

@@ -421,7 +421,7 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
     store, gen = _filled_store(B, Hkv, D, P, spans, seed=5)
     chunk = spans[1]
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
-    options = _options(score="rerank", budget=1, rerank_factor=2)  # 1 sink + 2 candidates of 6 pages
+    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="minmax")  # 1 sink + 2 of 6
     minmax = block_scores(q, store.history_summaries(0, n_hist), P, _options())
     candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
     assert candidates.shape[-1] == 3

@@ -22,7 +22,7 @@ SUMMARIES_OF_SCORE = {"minmax": ("key_min", "key_max"), "mean": ("key_mean",), "
 """Which summaries each summary score rule reads (oomb.sparse; "exact" reads the keys themselves)."""
 
 
-def summaries_of(score: str, rerank_candidates: str = "minmax") -> tuple[str, ...]:
+def summaries_of(score: str, rerank_candidates: str = "minmax_mean") -> tuple[str, ...]:
     """The summaries a sparse score keeps per page: "rerank" those of the score proposing its candidates
     (then it reads the candidates' keys)."""
     if score != "rerank":

@@ -65,7 +65,7 @@ class GradcheckOptions:
     leak_free: bool = False
     query_block_pages: int = 1
     rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
-    rerank_candidates: list[str] = field(default_factory=lambda: ["minmax"])  # score "rerank": who proposes them
+    rerank_candidates: list[str] = field(default_factory=lambda: ["minmax_mean"])  # score "rerank": who proposes them
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
