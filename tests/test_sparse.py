@@ -399,10 +399,10 @@ def test_auto_score_is_rerank_unless_leak_free_or_another_pooling():
     assert SparseOptions.from_config(OOMBConfig(attention="sparse")).score == "rerank"
 
 
-def _filled_store(B, Hkv, D, P, spans, seed):
+def _filled_store(B, Hkv, D, P, spans, seed, summaries=("key_min", "key_max")):
     store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
                          page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
-                         summaries=("key_min", "key_max"))
+                         summaries=summaries)
     gen = torch.Generator().manual_seed(seed)
     for span in spans:
         store.allocate(span)
@@ -458,14 +458,7 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
     as the only summary; the rerank over them is the same as over minmax's."""
     P, Hkv, G, D, B, n_hist, length = 4, 2, 3, 8, 2, 8, 12
     spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
-    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
-                         page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
-                         summaries=("key_mean",))
-    gen = torch.Generator().manual_seed(9)
-    for span in spans:
-        store.allocate(span)
-        k = torch.randn(B, Hkv, span.length, D, generator=gen)
-        store.write(0, span, k, torch.randn_like(k))
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=9, summaries=("key_mean",))
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
     options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="mean")
     assert options.summaries == ("key_mean",)
@@ -483,14 +476,7 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
 def test_minmax_mean_candidates_are_minmax_half_then_the_mean_keys_best():
     P, Hkv, G, D, B, n_hist, length = 4, 2, 3, 8, 1, 12, 8
     spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
-    store = PagedKVStore(num_layers=1, batch_size=B, num_tokens=spans[-1].end, num_kv_heads=Hkv, head_dim=D,
-                         page_size=P, kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"),
-                         summaries=("key_min", "key_max", "key_mean"))
-    gen = torch.Generator().manual_seed(4)
-    for span in spans:
-        store.allocate(span)
-        k = torch.randn(B, Hkv, span.length, D, generator=gen)
-        store.write(0, span, k, torch.randn_like(k))
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=4, summaries=("key_min", "key_max", "key_mean"))
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
     options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax_mean")  # 4 + 1 sink
     summaries = store.history_summaries(0, n_hist)
