@@ -12,6 +12,11 @@
 #                    GGUF halves, and .gpu_carry/ctx from `python benchmarks/context_extension.py prepare`)
 #   gradcheck_32k    issue 18: SmolLM2 32K (YaRN x4) sparse vs dense gradients at 25 % read, in the background
 #                    next to ctx_extension (the real model as above)
+#   documents_1m_hf  issue 20: the sum of plain-HF steps per document of documents_1m's 1M sequence
+#   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
+#   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
+#   train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
+#                    first-step overhead and a steady step; the chosen plan is printed first)
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
 ROOT=$PWD
@@ -41,6 +46,26 @@ for part in "$@"; do
           --out "$OUT/cp1_plain_128k.json"
       run 150 cp1_path torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 131072 \
           --cp-one-path --out "$OUT/cp1_path_128k.json" ;;
+    documents_1m_hf)
+      run 560 documents_1m_hf python benchmarks/documents.py --context 1M --skip documents cross \
+          --out "$OUT/documents_1m_hf_h200.json" ;;
+    cp1_more)
+      run 200 cp1_offload torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 131072 \
+          --cp-one-path --offload --out "$OUT/cp1_offload_128k.json"
+      run 300 cp1_sparse_offload torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 32768 \
+          --cp-one-path --offload --attention sparse --out "$OUT/cp1_sparse_offload_32k.json" ;;
+    train_512k | train_1m)
+      len=${part#train_}; len=${len^^}
+      run 590 "$part" python -m oomb train --set model.preset=qwen2.5-7b --lora --seq-len "$len" --steps 2 \
+          --output-dir "/tmp/$part" --set logging.progress=false --set checkpoint.export=false \
+          --set checkpoint.every=0 ;;
+    gradcheck_32k_mm)
+      real_model
+      (timeout 480 python -m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda \
+          --seq-len 32K --yarn 4 --chunk-size 4096 --page-size 128 --budgets 32 --scores rerank \
+          --rerank-candidates minmax_mean --poolings max --hf off --json "$OUT/gradcheck_smollm2_32k_k32_mm.json" \
+          >"$OUT/gradcheck_32k_mm.log" 2>&1; echo "exit $?" >>"$OUT/gradcheck_32k_mm.log") &
+      ;;
     gradcheck_32k)
       real_model
       # The background run outlives this part; ctx_extension (or the end of the script) waits for it.
