@@ -15,6 +15,10 @@
 #   documents_1m_hf  issue 20: the sum of plain-HF steps per document of documents_1m's 1M sequence
 #   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
+#   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
+#   gradcheck_alloc  issue 18: SmolLM2 sparse vs dense gradients at 25 % read, one budget per block vs per call
+#                    (sparse_allocation="call"), rerank and the exact oracle, at 8K and at 32K (YaRN x4), both in
+#                    the background (the real model as above)
 #   train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
@@ -38,6 +42,21 @@ for part in "$@"; do
       run 200 rerank_fast python -m oomb bench --modes hf sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
           --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_128k ;;
+    rerank_fast_x2)
+      run 150 rerank_fast_x2 python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
+          --kv-grad-dtype bf16 --sparse-score rerank --sparse-rerank-factor 2 --query-block-pages 32 \
+          --sparse-budget 32 --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank2_fast_128k ;;
+    gradcheck_alloc)
+      real_model
+      GC=(python -m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda --poolings max
+          --scores rerank exact --allocations block call --hf off)
+      (timeout 540 "${GC[@]}" --seq-len 8192 --chunk-size 1024 --page-size 64 --budgets 15 \
+          --json "$OUT/gradcheck_smollm2_8k_k15_alloc.json" >"$OUT/gradcheck_alloc_8k.log" 2>&1;
+       echo "exit $?" >>"$OUT/gradcheck_alloc_8k.log") &
+      (timeout 540 "${GC[@]}" --seq-len 32K --yarn 4 --chunk-size 4096 --page-size 128 --budgets 32 \
+          --json "$OUT/gradcheck_smollm2_32k_k32_alloc.json" >"$OUT/gradcheck_alloc_32k.log" 2>&1;
+       echo "exit $?" >>"$OUT/gradcheck_alloc_32k.log") &
+      ;;
     documents_1m)
       run 560 documents_1m python benchmarks/documents.py --context 1M --offload --kv-grad-dtype bf16 \
           --skip cross --backends triton --out "$OUT/documents_1m_h200.json" ;;
@@ -82,6 +101,6 @@ for part in "$@"; do
   esac
 done
 wait
-tail -n 12 "$OUT/gradcheck_32k.log" 2>/dev/null
+for log in "$OUT"/gradcheck_*.log; do [ -f "$log" ] && { echo "== $log"; tail -n 14 "$log"; }; done
 cd "$ROOT"
 tar -czf "$FINAL/checks.tar.gz" -C /tmp checks
