@@ -1,16 +1,28 @@
-"""Where a step's time goes: one oomb (or HF) step under torch.profiler, grouped by kernel.
+"""Where a step's time goes: one oomb (or HF) step under torch.profiler, by part, against its floor.
 
 The dense step is 1.6x HF at 128K on the H200 although it does about the same attention FLOPs and
 one extra forward of the linear layers (docs/results.md): this script finds the rest. It runs a
-warm-up step, then profiles one step and writes the kernels sorted by device time, with their
-share, grouped into attention (oomb's Triton kernels, SDPA), GEMM, copies and the rest.
+warm-up step, then profiles one step and sums the device time of its kernels by part:
+
+    GEMM        linear layers (cuBLAS: nvjet, xmma, gemm, cutlass), outside the ranges below
+    attention   oomb's Triton kernels (triton_paged.py, triton_sparse.py) and cuDNN/SDPA/flash kernels
+    scoring     sparse selection: triton_scores.py's kernel and whatever runs inside the "oomb.scoring"
+                range (oomb/attention/function.py: summary-score matmuls, rerank, top-k)
+    loss        whatever runs inside the "oomb.loss" range (oomb/loss.py: LM head, log-softmax, NLL) and
+                the backward of what ran there (autograd nodes matched to their forward by sequence number)
+    copies      memcpy, memset, index_select / index_copy / indexing (page gathers, offload), casts, cat
+    other       the rest: norms, rotary, SiLU, residual adds
+    host gaps   step wall time minus the union of the kernels' intervals: the GPU waiting on the host
+
+Each part is set beside its floor (oomb/tools/step_floor.py: its FLOPs and bytes at the H200's
+sustained rates) and measured / floor. The JSON keeps the table and the top kernels.
 
     python benchmarks/profile_step.py --contexts 32K --modes dense hf --name profile_32k      # H200
     python benchmarks/profile_step.py --quick --modes sparse --out-dir /tmp --name p             # CPU smoke
 
-It takes `oomb bench`'s options (backend, budget, chunk size, ...). On a GPU it also reports the
-step's wall time against the time the GPU was busy (the union of its kernels' and copies'
-intervals): the difference is time the GPU waited on the host (launches, synchronisations).
+It takes `oomb bench`'s options (backend, budget, chunk size, ...). On the CPU "device time" is the
+self time of the aten ops (the torch backend's attention is plain matmuls there: GEMM and other), and
+the floors are left out unless a rate flag (--gemm-tflops, ...) is given.
 """
 
 from __future__ import annotations
@@ -30,6 +42,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from oomb import machine  # noqa: E402
+from oomb.attention.function import SCORING_RANGE  # noqa: E402
+from oomb.loss import LOSS_RANGE  # noqa: E402
+from oomb.memory import MODES, ModelShape  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
     BenchOptions,
     add_arguments,
@@ -39,21 +54,95 @@ from oomb.tools.bench import (  # noqa: E402
     token_ids,
     warmup_tokens,
 )
+from oomb.tools.plan import oomb_config_for  # noqa: E402
+from oomb.tools.step_floor import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 
-GROUPS = (  # first match wins; names as the profiler reports kernels and ops
-    ("attention (oomb Triton)", ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "_sparse")),
-    ("attention (SDPA, cuDNN)", ("sdpa", "flash", "fmha", "cudnn")),
-    ("GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet", "addmm", "aten::mm", "aten::bmm", "matmul")),
-    ("copies", ("memcpy", "copy", "index_select", "index_copy", "cat", "fill", "zero")),
-)
+ROWS = PARTS + ("other", "host gaps")
+"""The table's rows: the parts with a floor, then the rest of the device time and the host's gaps."""
+
+# Kernel and op names (lowercase substrings), tried in the order of part_of.
+ATTENTION_NAMES = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel",  # oomb Triton
+                   "cudnn", "sdpa", "flash", "fmha", "scaled_dot_product")
+SCORING_NAMES = ("_exact_scores_kernel",)  # oomb/attention/triton_scores.py
+MOVE_NAMES = ("memcpy", "index_select", "indexselect", "index_copy", "indexcopy", "gpu_index_kernel", "aten::index")
+"""Page movement (gathers, offload, write-back): copies wherever it runs."""
+GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
+              "aten::linear", "aten::einsum")
+COPY_NAMES = ("memset", "copy", "cat", "gather", "scatter", "fill", "zero", "clone", "indexfunc")
+RANGES = {SCORING_RANGE: "scoring", LOSS_RANGE: "loss"}
+BACKWARD_FUNCTION = 1
+"""FunctionEvent.scope of autograd's backward nodes (RecordScope::BACKWARD_FUNCTION)."""
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+"""The engine's event around a node's backward (scope 0, the node's sequence number)."""
+DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Device events that occupy the GPU (not the GPU-side copies of record_function ranges)."""
 
 
-def group_of(name: str) -> str:
+def part_of(name: str, label: str | None) -> str:
+    """The part of a kernel or op ``name`` launched inside range ``label`` (a part, or None)."""
     lowered = name.lower()
-    for group, keys in GROUPS:
-        if any(key.lower() in lowered for key in keys):
-            return group
+
+    def named(keys: tuple[str, ...]) -> bool:
+        return any(key in lowered for key in keys)
+
+    for part, keys in (("attention", ATTENTION_NAMES), ("scoring", SCORING_NAMES), ("copies", MOVE_NAMES)):
+        if named(keys):
+            return part
+    if label is not None:
+        return label
+    for part, keys in (("GEMM", GEMM_NAMES), ("copies", COPY_NAMES)):
+        if named(keys):
+            return part
     return "other"
+
+
+def range_labels(events) -> dict[int, str | None]:
+    """id(event) -> the part of the innermost range in RANGES around each CPU event. An autograd
+    backward node takes the range of the forward op that made it: the last op to record its sequence
+    number before it (the op that creates node n is the last to see n as the next number)."""
+    cpu = sorted((e for e in events if e.device_type == DeviceType.CPU and not e.is_async),
+                 key=lambda e: (e.time_range.start, -e.time_range.end))
+    labels: dict[int, tuple[str | None, bool]] = {}  # id -> (label, inside a backward node)
+    forward: dict[tuple[int, int], str | None] = {}
+    for e in cpu:  # parents before children, forward ops before their nodes' backward
+        label, backward = labels.get(id(e.cpu_parent), (None, False))
+        if e.name in RANGES:
+            label = RANGES[e.name]
+        elif e.scope == BACKWARD_FUNCTION or e.name.startswith(BACKWARD_PREFIX):
+            label, backward = forward.get((e.sequence_nr, e.fwd_thread)), True
+        elif e.sequence_nr >= 0 and not backward:
+            forward[(e.sequence_nr, e.thread)] = label
+        labels[id(e)] = (label, backward)
+    return {key: label for key, (label, _) in labels.items()}
+
+
+def is_device_work(e) -> bool:
+    if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+        return False
+    activity = getattr(e, "activity_type", None)
+    return activity is None or activity in DEVICE_ACTIVITIES
+
+
+def device_rows(events) -> list[dict]:
+    """(name, part) -> calls and milliseconds: kernels and copies on the GPU; aten ops' self time on the CPU."""
+    labels = range_labels(events)
+    launched_by = {e.id: e for e in events
+                   if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
+    work = [e for e in events if is_device_work(e)]
+    rows: dict[tuple[str, str], dict] = {}
+    if work:
+        timed = [(e, e.time_range.elapsed_us(), launched_by.get(getattr(e, "linked_correlation_id", 0))) for e in work]
+    else:  # the CPU: aten ops
+        timed = [(e, e.self_cpu_time_total, e) for e in events
+                 if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    for e, us, op in timed:
+        if us <= 0:
+            continue
+        part = part_of(e.name, labels.get(id(op)) if op is not None else None)
+        row = rows.setdefault((e.name, part), {"name": e.name, "part": part, "calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += us / 1000
+    return sorted(rows.values(), key=lambda r: -r["ms"])
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -62,7 +151,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def busy_seconds(events) -> float:
     """Seconds in which at least one kernel or copy ran: the union of their intervals."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if is_device_work(e))
     busy, end = 0.0, -math.inf
     for start, stop in spans:
         if stop <= end:
@@ -72,7 +161,59 @@ def busy_seconds(events) -> float:
     return busy / 1e6
 
 
-def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
+def rates_from_args(args: argparse.Namespace, device: torch.device) -> Rates | None:
+    """H200 rates with the flags' overrides; on the CPU none (no floors) unless a flag is given."""
+    given = {name: getattr(args, flag) * scale for name, flag, scale in (
+        ("matmul_flops", "gemm_tflops", 1e12), ("attention_flops", "attention_tflops", 1e12),
+        ("memory_bytes", "memory_gbs", 1e9), ("host_bytes", "host_gbs", 1e9)) if getattr(args, flag) is not None}
+    if device.type != "cuda" and not given:
+        return None
+    return dataclasses.replace(H200, **given)
+
+
+def step_spec(mode: str, options: BenchOptions, model, tokens: int) -> StepSpec:
+    """The floor model's view of the profiled step (bench trains every weight: no LoRA)."""
+    shape = ModelShape.from_hf_config(model.config)
+    config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
+    return StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
+
+
+def parts_table(rows: list[dict], spec: StepSpec, rates: Rates | None, step_seconds: float,
+                busy: float | None) -> list[dict]:
+    """One row per part: measured seconds, share of the step, FLOPs, floor and measured / floor."""
+    measured = dict.fromkeys(ROWS[:-1], 0.0)
+    for r in rows:
+        measured[r["part"]] += r["ms"] / 1000
+    measured["host gaps"] = max(0.0, step_seconds - (busy if busy is not None else sum(measured.values())))
+    work = step_work(spec)
+    table = []
+    for part in ROWS:
+        floor = 0.0 if part == "host gaps" else (
+            work[part].floor_seconds(rates) if part in work and rates is not None else None)
+        seconds = measured[part]
+        table.append({"part": part, "measured_s": round(seconds, 4),
+                      "share": round(seconds / step_seconds, 4) if step_seconds else None,
+                      "flop": work[part].flops if part in work else None,
+                      "floor_s": None if floor is None else round(floor, 4),
+                      "measured_over_floor": round(seconds / floor, 2) if floor else None})
+    return table
+
+
+def format_table(table: list[dict]) -> str:
+    """The parts as text: part | measured | share | FLOP | floor | measured / floor."""
+    def cell(value, fmt: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, fmt) + unit
+
+    lines = [f"  {'part':<10} {'measured':>10} {'share':>7} {'FLOP':>9} {'floor':>10} {'measured/floor':>15}"]
+    for r in table:
+        share = None if r["share"] is None else 100 * r["share"]
+        lines.append(f"  {r['part']:<10} {cell(r['measured_s'], '.3f', ' s'):>10} {cell(share, '.1f', ' %'):>7}"
+                     f" {cell(r['flop'] or None, '.2e'):>9} {cell(r['floor_s'], '.3f', ' s'):>10}"
+                     f" {cell(r['measured_over_floor'], '.2f'):>15}")
+    return "\n".join(lines)
+
+
+def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | None) -> dict:
     device = torch.device(options.device)
     warmup = warmup_tokens(mode, options)
     model = build_model(options.preset, max(tokens, warmup), device, options.dtype, options.seed)
@@ -83,58 +224,62 @@ def profile_step(mode: str, options: BenchOptions, tokens: int) -> dict:
     if hasattr(step, "prepare"):
         step.prepare(model, ids)
     model.zero_grad(set_to_none=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    use_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         step(model, ids)
-        if device.type == "cuda":
+        if use_device:
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    use_device = device.type == "cuda"
-    rows = []
-    for event in prof.key_averages():
-        # On the GPU only device events (kernels, memcpy, memset): an operator's device time is that
-        # of the kernels it launched, which are rows of their own.
-        if use_device and event.device_type != DeviceType.CUDA:
-            continue
-        us = event.self_device_time_total if use_device else event.self_cpu_time_total
-        if us > 0 and (use_device or event.key.startswith("aten::")):
-            rows.append({"name": event.key, "calls": event.count, "ms": round(us / 1000, 3),
-                         "group": group_of(event.key)})
-    rows.sort(key=lambda r: -r["ms"])
-    total = sum(r["ms"] for r in rows) or 1.0
+    events = prof.events()
+    rows = device_rows(events)
+    busy = busy_seconds(events) if use_device else None
+    spec = step_spec(mode, options, model, tokens)
+    table = parts_table(rows, spec, rates, seconds, busy)
     syncs = {e.key: {"calls": e.count, "host_ms": round(e.cpu_time_total / 1000, 1)}
              for e in prof.key_averages() if e.key in SYNC_CALLS}
-    groups: dict[str, float] = {}
+    total = sum(r["ms"] for r in rows) or 1.0
+    groups = {r["part"]: round(r["measured_s"] * 1000, 1) for r in table if r["part"] != "host gaps"}
     for r in rows:
-        groups[r["group"]] = groups.get(r["group"], 0.0) + r["ms"]
-    busy = busy_seconds(prof.events()) if use_device else None
+        r["ms"] = round(r["ms"], 3)
     return {"mode": mode, "tokens": tokens, "step_seconds_under_profiler": round(seconds, 3),
             "gpu_busy_seconds": None if busy is None else round(busy, 3), "host_waits": syncs,
             "time_kind": "device (kernels)" if use_device else "CPU self time (aten ops)",
-            "groups_ms": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "parts": table, "rates": None if rates is None else dataclasses.asdict(rates),
+            "linear_tflop_by_pass": {k: round(v / 1e12, 3) for k, v in linear_flops(spec).items()},
+            "step_spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "shape"},
+            "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "groups_share": {k: round(v / total, 4) for k, v in groups.items()}, "top": rows[:40]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    for flag, what in (("--gemm-tflops", f"GEMMs (default {H200.matmul_flops / 1e12:.0f} on a GPU)"),
+                       ("--attention-tflops", f"attention kernels (default {H200.attention_flops / 1e12:.0f})"),
+                       ("--memory-gbs", f"device memory, GB/s (default {H200.memory_bytes / 1e9:.0f})"),
+                       ("--host-gbs", f"host <-> device copies, GB/s (default {H200.host_bytes / 1e9:.0f})")):
+        parser.add_argument(flag, type=float, help=f"floor rate of {what}; on the CPU any of these turns floors on")
     args = parser.parse_args()
     if args.replot:
         parser.error("--replot is an option of `oomb bench` only")
     options = options_from_args(args)
+    if options.threads:
+        torch.set_num_threads(options.threads)
     out = Path(options.out_dir) / f"{options.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
+    rates = rates_from_args(args, device)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine.machine_info(device),
               "options": dataclasses.asdict(options), "runs": []}
     for tokens in options.contexts:
         for mode in options.modes:
-            run = profile_step(mode, options, tokens)
+            run = profile_step(mode, options, tokens, rates)
             report["runs"].append(run)
-            busy = "" if run["gpu_busy_seconds"] is None else f" (GPU busy {run['gpu_busy_seconds']} s)"
-            print(f"{mode:>14} {tokens:>9,}: {run['step_seconds_under_profiler']} s{busy};",
-                  ", ".join(f"{k} {v / 1000:.2f} s" for k, v in run["groups_ms"].items()))
+            busy = "" if run["gpu_busy_seconds"] is None else f", GPU busy {run['gpu_busy_seconds']} s"
+            print(f"{mode} {tokens:,}: {run['step_seconds_under_profiler']} s under the profiler{busy} "
+                  f"({run['time_kind']})\n{format_table(run['parts'])}")
             out.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")
 

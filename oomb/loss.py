@@ -6,9 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
+LOSS_RANGE = "oomb.loss"
+"""Profiler range around a slice's LM head and cross-entropy (also their recompute in backward):
+benchmarks/profile_step.py counts its kernels, and those of the backward of what ran inside, as loss."""
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -20,14 +24,15 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-    logits = lm_head(hidden).float()  # (B, S, V): softmax in fp32
-    # A tensor-parallel head returns vocabulary-sharded DTensor logits; inside loss_parallel (the engine
-    # enters it for forward and backward) cross_entropy reduces over the shards and returns a
-    # replicated DTensor, so the full-vocabulary logits are never gathered.
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    with record_function(LOSS_RANGE):
+        logits = lm_head(hidden).float()  # (B, S, V): softmax in fp32
+        # A tensor-parallel head returns vocabulary-sharded DTensor logits; inside loss_parallel (the engine
+        # enters it for forward and backward) cross_entropy reduces over the shards and returns a
+        # replicated DTensor, so the full-vocabulary logits are never gathered.
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class SoftcappedHead(nn.Module):

@@ -6,6 +6,7 @@
     demo.py                     a few steps of a tiny model on 16K tokens, then a gradcheck
     calibrate.py                a sparse plan (per-layer budgets, dense layers) from a sample of data
     sparse_recall.py            the attention mass a sparse selection keeps, per layer and KV head
+    step_floor.py               the least time each part of a step takes: FLOPs and bytes at the H200's rates
 
 They use the step (oomb.engine) and the training run's presets; nothing in the step imports them,
 except that OOMBConfig reads a calibrate plan file (``sparse_plan``).

@@ -1,0 +1,189 @@
+"""The step's floor model (oomb/tools/step_floor.py) on hand-counted cases, and benchmarks/profile_step.py's
+grouping and its --quick run."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+from oomb.config import OOMBConfig
+from oomb.memory import ModelShape
+from oomb.tools.plan import load_model_shape
+from oomb.tools.step_floor import (
+    H200,
+    PARTS,
+    StepSpec,
+    Work,
+    copies_work,
+    linear_flops,
+    linear_macs_per_token,
+    loss_work,
+    scoring_work,
+    step_work,
+    visible_pairs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# One layer: hidden 8, MLP 16, 2 query heads and 1 KV head of dimension 4, vocabulary 10.
+ONE_LAYER = ModelShape(num_layers=1, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+                       vocab_size=10)
+
+
+def _profile_script():
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_linear_flops_of_one_layer_by_hand():
+    # q 8x8 + k, v 8x4 each + o 8x8 + gate, up, down 8x16 each: 64 + 64 + 64 + 384 multiply-adds per token
+    assert linear_macs_per_token(ONE_LAYER) == 576
+    forward = 2 * 10 * 576
+    full = linear_flops(StepSpec(ONE_LAYER, tokens=10, chunk_size=128, page_size=64))
+    assert full == {"stage 1": forward, "stage 2": forward, "replay": forward, "backward": 2 * forward}
+    no_replay = linear_flops(StepSpec(ONE_LAYER, 10, chunk_size=128, page_size=64, checkpoint_layers=False))
+    assert list(no_replay) == ["stage 1", "stage 2", "backward"]
+    hf = linear_flops(StepSpec(ONE_LAYER, 10, "hf"))
+    assert hf == {"forward": forward, "recompute": forward, "backward": 2 * forward}
+    # LoRA rank 2 on all seven projections: 2 x ((8+8) + 2 (8+4) + (8+8) + 2 (8+16) + (16+8)) = 256 per token;
+    # the frozen base needs dX only, the adapters dX and dW.
+    lora = linear_flops(StepSpec(ONE_LAYER, 10, chunk_size=128, page_size=64, lora_rank=2))
+    assert lora["stage 1"] == 2 * 10 * (576 + 256)
+    assert lora["backward"] == 2 * 10 * (576 + 2 * 256)
+
+
+def test_dense_attention_sees_every_causal_pair_whatever_the_chunks():
+    for chunk in (64, 256, 1024):
+        assert visible_pairs(StepSpec(ONE_LAYER, 1000, chunk_size=chunk, page_size=64)) == 1000 * 1001 // 2
+    spec = StepSpec(ONE_LAYER, 1000, chunk_size=256, page_size=64)
+    # 4 D Hq per pair and forward; two forwards and a backward of 2.5
+    assert step_work(spec)["attention"].attention_flops == 4 * 4 * 2 * 500500 * 4.5
+    assert step_work(StepSpec(ONE_LAYER, 1000, "hf"))["attention"] == step_work(spec)["attention"]
+
+
+def test_sparse_reads_the_budget_once_the_history_outgrows_it():
+    spec = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_sink_pages=1)
+    # chunk 0: no history; chunks 1-3 (4, 8, 12 history pages) read 2 pages = 64 keys, plus their own causally
+    own = 128 * 129 // 2
+    assert visible_pairs(spec) == 4 * own + 3 * 128 * 64
+    assert visible_pairs(spec) < visible_pairs(StepSpec(ONE_LAYER, 512, chunk_size=128, page_size=32))
+    wide = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse_budget=11)  # covers it all
+    assert visible_pairs(wide) == 512 * 513 // 2
+
+
+def test_scoring_by_hand():
+    minmax = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="minmax")
+    # chunk 1 only (4 history pages > 1 sink + 1): 2 heads x 4 blocks x 32 rows against 4 pages, width 2D = 8
+    assert scoring_work(minmax) == Work(matmul_flops=2 * 256 * 8 * 4)
+    rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1)
+    # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read twice and the chunk causally
+    keys = 128 * 2 * 4 * 32 + 128 * 129 // 2
+    assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
+    assert scoring_work(StepSpec(ONE_LAYER, 256, chunk_size=128, page_size=32)) == Work()
+
+
+def test_loss_counts_the_head_and_the_logits():
+    full = loss_work(StepSpec(ONE_LAYER, 100, chunk_size=128, page_size=64))
+    assert full == Work(matmul_flops=2 * 100 * 8 * 10 * 4, memory_bytes=100 * 10 * 8)
+    lora = loss_work(StepSpec(ONE_LAYER, 100, chunk_size=128, page_size=64, lora_rank=4))  # frozen head: no dW
+    assert lora.matmul_flops == 2 * 100 * 8 * 10 * 3
+
+
+def test_dense_offload_bytes_by_hand():
+    # K, V of a token and layer: 2 x 1 head x 4 x 2 bytes = 16; dK, dV in float32: 32
+    spec = StepSpec(ONE_LAYER, 384, "dense", chunk_size=128, page_size=32, offload=True)
+    work = copies_work(spec)
+    # stage 1 sends each chunk's K, V out and its history in; stage 2 stages history + own twice, stores the
+    # history's dK, dV and loads them except in the first backward touching them (chunk 2's: 256 tokens)
+    to_host = 384 * 16 + (0 + 128 + 256) * 32
+    to_device = (0 + 128 + 256) * 16 + 2 * (128 + 256 + 384) * 16 + (384 - 256) * 32
+    assert (work.to_host_bytes, work.to_device_bytes, work.memory_bytes) == (to_host, to_device, 0)
+    assert copies_work(StepSpec(ONE_LAYER, 384, chunk_size=128, page_size=32)) == Work(memory_bytes=384 * 16)
+    sparse = copies_work(StepSpec(ONE_LAYER, 384, "sparse", chunk_size=128, page_size=32, offload=True,
+                                  sparse_budget=1, sparse_score="minmax"))
+    assert sparse.to_device_bytes < work.to_device_bytes
+
+
+def test_issue_estimate_for_the_7b_shape_at_1m():
+    """Issue 23: about 7.6e16 FLOPs of linear layers for stage 1, stage 2, the replay and the backward."""
+    spec = StepSpec(load_model_shape("qwen2.5-7b"), 1 << 20, "sparse")
+    work = step_work(spec)
+    assert work["GEMM"].matmul_flops == pytest.approx(6.84e16, rel=1e-3)  # 5 x 2 x 6.53e9 weights x 2^20
+    linear = work["GEMM"].matmul_flops + work["loss"].matmul_flops  # with the LM head: 7.30e16
+    assert linear == pytest.approx(7.6e16, rel=0.05)
+    assert set(work) == set(PARTS) and all(work[p].floor_seconds(H200) >= 0 for p in PARTS)
+
+
+def test_spec_from_config():
+    shape = load_model_shape("qwen2.5-7b")
+    config = OOMBConfig(attention="sparse", sparse_budget=32, checkpoint_layers=False, kv_grad_dtype="bfloat16")
+    spec = StepSpec.from_config(shape, 65536, config)
+    assert (spec.mode, spec.sparse_budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
+    assert spec.sparse_score == config.resolved_sparse_score
+    assert StepSpec.from_config(shape, 65536, None).mode == "hf"
+
+
+def test_parts_of_h200_kernel_names():
+    part_of = _profile_script().part_of
+    gemm = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT"
+    assert part_of(gemm, None) == "GEMM" and part_of(gemm, "loss") == "loss" and part_of(gemm, "scoring") == "scoring"
+    for name in ("_history_dkdv_kernel", "_fwd_kernel", "_dq_kernel", "cudnn_generated_fort_native_sdpa_sm90_flash",
+                 "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>"):
+        assert part_of(name, None) == "attention"
+    assert part_of("_exact_scores_kernel", None) == "scoring"
+    for name in ("Memcpy HtoD (Pinned -> Device)", "void at::native::indexSelectLargeIndex<c10::BFloat16>",
+                 "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<>>"):
+        assert part_of(name, "scoring") == "copies"
+    softmax = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>"
+    assert part_of(softmax, "loss") == "loss" and part_of(softmax, None) == "other"
+    cast = "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>"
+    assert part_of(cast, None) == "copies" and part_of(cast, "loss") == "loss"
+
+
+def test_busy_time_is_the_union_of_kernels_without_annotations():
+    busy_seconds = _profile_script().busy_seconds
+
+    def event(start, end, annotation=False):
+        return SimpleNamespace(device_type=DeviceType.CUDA, is_user_annotation=annotation, activity_type=None,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event(0, 10), event(5, 15), event(20, 30), event(0, 100, annotation=True)]
+    assert busy_seconds(events) == pytest.approx(25e-6)
+
+
+def test_quick_profile_groups_and_floors(tmp_path, monkeypatch, capsys):
+    script = _profile_script()
+    argv = ["profile_step.py", "--quick", "--modes", "sparse", "--contexts", "1K", "--chunk-size", "256",
+            "--page-size", "64", "--sparse-budget", "1", "--out-dir", str(tmp_path), "--name", "p"]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        script.main()
+    finally:
+        torch.set_num_threads(threads)
+    assert "measured/floor" in capsys.readouterr().out
+    run = json.loads((tmp_path / "p.json").read_text())["runs"][0]
+    parts = {row["part"]: row for row in run["parts"]}
+    assert list(parts) == list(script.ROWS)
+    for part in ("GEMM", "scoring", "loss", "copies", "other"):  # the ranges caught the scoring and the loss
+        assert parts[part]["measured_s"] > 0, part
+    assert parts["GEMM"]["flop"] == pytest.approx(sum(linear_flops(StepSpec.from_config(
+        ModelShape.from_hf_config(_tiny_config()), 1024, _quick_config(), dtype=torch.float32)).values()))
+    assert parts["GEMM"]["floor_s"] is None  # the CPU: no rates unless a flag gives one
+    assert {r["part"] for r in run["top"]} <= set(script.ROWS)
+
+
+def _tiny_config():
+    from oomb.training import presets
+
+    return presets.preset_config(presets.TINY_PRESET, 1024)
+
+
+def _quick_config() -> OOMBConfig:
+    return OOMBConfig(attention="sparse", chunk_size=256, page_size=64, sparse_budget=1)
