@@ -344,11 +344,12 @@ def _make_store(
     shape = PageShape(options["num_layers"], batch, own_tokens, options["num_kv_heads"], options["head_dim"],
                       options["kv_dtype"])
     _check_pages(shape, config, device, host_slabs)
+    windows = window_store_options(causal_lm, num_tokens, context)
     if not config.offload:
-        return PagedKVStore(**options, **window_store_options(causal_lm, num_tokens, config, context))
+        return PagedKVStore(**options, **windows, chunk_size=config.chunk_size)
     return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
                             resident_layers=config.offload_resident_layers, stream_buffers=config.stream_buffers,
-                            chunk_size=config.chunk_size, **options)
+                            chunk_size=config.chunk_size, **options, **windows)
 
 
 def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device,
@@ -372,15 +373,15 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
     )
 
 
-def window_store_options(causal_lm, num_tokens: int, config: OOMBConfig, context=None) -> dict:
-    """The window layers that get their own, bounded pages (kv/store.py): every layer whose sliding
-    window is shorter than the step, on one GPU without offload (offload and context parallelism keep
-    every layer's pages for the whole step, as global layers')."""
+def window_store_options(causal_lm, num_tokens: int, context=None) -> dict:
+    """The window layers of the store (kv/store.py): every layer whose sliding window is shorter than
+    the step, without context parallelism. Without offload they get their own, bounded pages; with
+    offload they keep every page, as global layers, and stage only their windows' (kv/offload.py)."""
     windows = layer_windows(causal_lm)
     local = tuple(i for i, w in enumerate(windows) if w is not None and w < num_tokens)
-    if not local or config.offload or context is not None:
+    if not local or context is not None:
         return {}
-    return dict(window_layers=local, window=max(windows[i] for i in local), chunk_size=config.chunk_size)
+    return dict(window_layers=local, window=max(windows[i] for i in local))
 
 
 def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, host_slabs: HostSlabs | None) -> None:

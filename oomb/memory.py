@@ -144,8 +144,8 @@ class ModelShape:
     down_proj at rank r per expert, the router at rank r, and then of the linear layers only q, k, v, o;
     not for gpt-oss)."""
     sliding_window: int = 0
-    """Window of the sliding-window layers (0: none): without offload their pages are bounded by it
-    (see predict)."""
+    """Window of the sliding-window layers (0: none): without offload their pages are bounded by it,
+    with offload what they stage (see predict)."""
     sliding_window_layers: int = 0
     """Layers that attend within ``sliding_window`` (the rest are global)."""
 
@@ -599,10 +599,13 @@ def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
 
 
 def _dense_offload_gpu_pages(num_layers: int, pages: int, chunk_pages: int, batch_size: int,
-                             offload: OffloadAssumptions) -> int:
+                             offload: OffloadAssumptions, history_pages: int | None = None) -> int:
     """Pages dense offload keeps on the GPU (kv/offload.py): the resident layers' pools, the staging
-    slots (a block or a chunk per sequence each) and one chunk's own K, V (stage 1) or dK, dV (stage 2)."""
-    slots = offload.stream_buffers * batch_size * max(offload.stream_block_pages, chunk_pages // batch_size)
+    slots (a block or a chunk per sequence each) and one chunk's own K, V (stage 1) or dK, dV (stage 2).
+    ``history_pages``: the most history pages per sequence one window stages, when fewer than a block
+    (every layer slides: its window's pages; OffloadedKVStore.history_block_pages)."""
+    block = offload.stream_block_pages if history_pages is None else min(offload.stream_block_pages, history_pages)
+    slots = offload.stream_buffers * batch_size * max(block, chunk_pages // batch_size)
     return min(offload.resident_layers, num_layers) * pages + slots + 2 * chunk_pages
 
 
@@ -661,8 +664,10 @@ def predict(
     at most the tails of the chunks before the current one (their last W - 1 keys, which later chunks'
     windows read in both stages, rounded up to pages and at most the chunk) plus the current chunk, so
     a window layer costs about (W - 1) / C of a global layer's pages per token (no saving when W - 1 >= C),
-    and no page summaries. With offload (or context parallelism) window layers keep every page for
-    the whole step, like global layers (offload streams only their windows' pages).
+    and no page summaries. With offload window layers keep every page in host memory for the whole
+    step, like global layers, stage only the ceil((W - 1) / P) pages before a chunk that its window
+    overlaps (kv/offload.py; when every layer slides the staging slots shrink to that, or to a chunk),
+    and keep no page summaries either. Under context parallelism they are global layers.
     (oomb's speed estimates do not count attention FLOPs, so windows change no speed prediction.)
 
     Mixtures of experts (``shape.num_experts``): weights, gradients and optimizer state count every
@@ -729,12 +734,19 @@ def predict(
     own_pages = _num_pages(own_tokens, P, B)
     page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
     gpu["page tables"] = pages * INT32_BYTES
+    # Window layers shorter than the step (not under context parallelism) read, keep summaries of and,
+    # without offload, keep pages of their windows only (kv/store.py, kv/offload.py).
+    windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1
+    window_layers = shape.sliding_window_layers if windowed else 0
 
     if mode.offload:
         chunk_pages = _num_pages(chunk_len, P, B)
         resident = min(offload.resident_layers, L)
         if mode.attention == "dense":
-            gpu["KV working set"] = _dense_offload_gpu_pages(L, own_pages, chunk_pages, B, offload) * page_bytes
+            # Every (offloaded) layer slides: a window's history, ceil((W - 1) / P) pages, fills a slot.
+            history = -(-(shape.sliding_window - 1) // P) if window_layers >= L else None
+            gpu["KV working set"] = _dense_offload_gpu_pages(L, own_pages, chunk_pages, B, offload,
+                                                             history) * page_bytes
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
             # for this call and, in stage 2, the next one (prefetched); plus the chunk's own gradients
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
@@ -747,12 +759,9 @@ def predict(
         offload_config = replace(config, offload=True, offload_resident_layers=resident)
         host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
             page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
-        window_layers = 0
     else:
-        # Window layers shorter than the step have their own pages on one GPU without offload (kv/store.py):
+        # Window layers shorter than the step have their own pages without offload (kv/store.py):
         # the last W - 1 keys of every chunk before the current one, plus that chunk.
-        windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1
-        window_layers = shape.sliding_window_layers if windowed else 0
         window_pages = B * window_pages_per_sequence(tokens, config.chunk_size, P, shape.sliding_window) \
             if windowed else 0
         gpu["KV working set"] = ((L - window_layers) * own_pages + window_layers * window_pages) * page_bytes
@@ -760,7 +769,7 @@ def predict(
 
     if mode.attention == "sparse":
         # Every page's, on every context-parallel rank too (each scores the whole history, kv/store.py).
-        # Window layers with their own pages keep none (they read their window densely).
+        # Window layers keep none (they read their window densely), with or without offload.
         summaries = (L - window_layers) * pages * sparse.summary_vectors * shape.kv_dim * b
         selection = 0
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head

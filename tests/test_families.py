@@ -24,7 +24,7 @@ from oomb.attention.backend import TORCH_BACKEND
 from oomb.attention.variants import SinkGradient, check_backend_supports, layer_backend
 from oomb.documents import resolve_documents, window_bounds
 from oomb.kv import PagedKVStore, split_into_chunks
-from oomb.kv.offload import HostSlabs
+from oomb.kv.offload import HostSlabs, OffloadedKVStore
 from oomb.models import layer_windows
 
 GRAD_RTOL = 1e-5
@@ -158,6 +158,119 @@ def test_window_layers_with_offload(resident):
     if resident == 0:
         plain_loss, plain = oomb_step(model, ids, SHORT)
         assert torch.equal(plain_loss, got_loss) and all(torch.equal(plain[k], got[k]) for k in got)
+
+
+def _window_pages(chunk_start: int, window: int | None, page: int) -> range:
+    """Page positions before a chunk that its window overlaps (None: every earlier page)."""
+    first = 0 if window is None else max(0, chunk_start - window + 1) // page
+    return range(first, chunk_start // page)
+
+
+def _staged_pages(window: int | None, chunk_size: int, page: int) -> int:
+    """Pages an offloaded layer stages in a step of TOKENS tokens: stage 1 each chunk's history window,
+    stage 2 its history window and its own pages, in forward and in backward."""
+    total = 0
+    for chunk in split_into_chunks(TOKENS, chunk_size):
+        history = len(_window_pages(chunk.start, window, page))
+        total += history + 2 * (history + -(-chunk.end // page) - chunk.start // page)
+    return total
+
+
+class _RecordingOffload(OffloadedKVStore):
+    """Records every window staged (layer, first page, end page, grads), each call's key windows
+    (layer, chunk start, windows) and each store."""
+
+    created: list = []
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.loads, self.calls = [], []
+        _RecordingOffload.created.append(self)
+
+    def _layer_windows(self, layer, chunk):
+        windows = super()._layer_windows(layer, chunk)
+        self.calls.append((layer, chunk.start, windows))
+        return windows
+
+    def _load(self, index, key_range, slot, grads):
+        self.loads.append((index + self.resident, key_range[0] // self.page_size,
+                           -(-key_range[1] // self.page_size), grads))
+        return super()._load(index, key_range, slot, grads)
+
+
+@pytest.mark.parametrize(("family", "window", "chunk_size", "resident", "documents"), [
+    ("gemma3_text", 17, 32, 0, False),  # windows shorter than a chunk (a page multiple + 1)
+    ("gemma3_text", WINDOW, 32, 1, False),  # longer than a chunk: boundaries inside every window
+    ("gemma3_text", 75, 32, 0, False),  # longer than two chunks
+    ("gemma3_text", WINDOW, 32, 0, True),  # packed documents cut some windows shorter, the windows others
+    ("gpt_oss", 6, 64, 0, False),  # within a page; sinks
+    ("mistral", WINDOW, 32, 0, False),  # every layer slides, history blocks of 16 pages: slots shrink
+])
+def test_offloaded_window_layers_stage_only_their_windows_bitwise(family, window, chunk_size, resident, documents,
+                                                                  monkeypatch):
+    """With offload a window layer stages, per call, only the pages its chunk's window overlaps
+    ([chunk start - (W - 1), chunk end), in stage 1 and in both calls of stage 2), and only those pages'
+    gradients go back to the host; global layers stage every earlier page. The step equals the one
+    without offload (window layers with their own pages) bit for bit. Batch 2, history blocks of 2
+    pages (so a window's pages are split among blocks), mistral's of 16."""
+    _RecordingOffload.created = []
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", _RecordingOffload)
+    model = build(family, seed=11, sliding_window=window)
+    ids = random_ids(2, TOKENS, seed=11)
+    step = dict(cu_seqlens=[[0, 13, 83, 84, 150], [0, 70, 150]]) if documents else {}
+    block = 16 if family == "mistral" else 2
+    config = replace(CONFIG, chunk_size=chunk_size, stream_block_pages=block)
+    want_loss, want = oomb_step(model, ids, config, **step)
+    got_loss, got = oomb_step(model, ids, replace(config, offload=True, offload_resident_layers=resident),
+                              host_slabs=HostSlabs(pin=False), **step)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+    store, = _RecordingOffload.created
+    P, layer_kinds = CONFIG.page_size, layer_windows(model)
+    starts = {c.index: c.start for c in split_into_chunks(TOKENS, chunk_size)}
+    for layer in range(resident, len(layer_kinds)):
+        window = layer_kinds[layer]
+        loads = [(first, last, grads) for i, first, last, grads in store.loads if i == layer]
+        visible = [_window_pages(start, window, P) for start in starts.values()]
+        # Every call's windows start at its window's first page or later (the documents' first page).
+        calls = [(start, windows) for i, start, windows in store.calls if i == layer]
+        assert calls and all(windows[0][0] >= _window_pages(start, window, P).start * P for start, windows in calls)
+        if documents:
+            later = [start for start, windows in calls if windows[0][0] > _window_pages(start, window, P).start * P]
+            assert later  # the documents cut some windows shorter
+            assert sum(last - first for first, last, _ in loads) < _staged_pages(window, chunk_size, P)
+            continue
+        assert sum(last - first for first, last, _ in loads) == _staged_pages(window, chunk_size, P), (layer, window)
+        # Gradients written back: the history windows' pages only (a window layer's other pages never).
+        written = sorted({p for v in visible for p in v})
+        on_host = torch.nonzero(store.grad_on_host[layer - resident]).flatten().tolist()
+        assert on_host == written, (layer, window)
+        if window is not None and window < chunk_size:  # pages no window reaches are never staged
+            assert len(written) < starts[max(starts)] // P
+    if family == "mistral":  # every offloaded layer slides: slots of a window's pages (5), not a block's (16)
+        assert store.history_block_pages() == -(-(window - 1) // P) == 5
+        assert store.slot_pages == 5
+    else:
+        assert store.slot_pages == max(block, chunk_size // P)
+
+
+def test_offloaded_window_layers_in_sparse_mode_keep_no_summaries_bitwise(monkeypatch):
+    """Sparse + offload: window layers read their windows densely, staging only those pages, and keep no
+    page summaries on the GPU; global layers select. The same bits as sparse without offload."""
+    _RecordingOffload.created = []
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", _RecordingOffload)
+    model = build("gemma3_text", seed=12, sliding_window=17)
+    ids = random_ids(1, TOKENS, seed=12)
+    sparse = replace(CONFIG, attention="sparse", sparse_budget=2, sparse_sink_pages=1, stream_block_pages=2)
+    want_loss, want = oomb_step(model, ids, sparse)
+    got_loss, got = oomb_step(model, ids, replace(sparse, offload=True), host_slabs=HostSlabs(pin=False))
+    assert torch.equal(got_loss, want_loss) and all(torch.equal(got[name], want[name]) for name in want)
+    store, = _RecordingOffload.created
+    assert [bool(summaries) for summaries in store.offloaded_summaries] == [False, True, False]
+    for layer in (0, 2):
+        staged = sum(last - first for i, first, last, _ in store.loads if i == layer)
+        assert staged == _staged_pages(17, CONFIG.chunk_size, CONFIG.page_size) < _staged_pages(None, 32, 8)
 
 
 def test_all_window_layers_skip_history_pages_in_every_layer(monkeypatch):

@@ -200,6 +200,34 @@ def test_window_layers_keep_their_tails_without_offload():
     assert gemma.kv_bytes_per_token(torch.bfloat16) == 48 * 2 * 8 * 256 * 2
 
 
+def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
+    """With offload window layers keep every page on the host (as global layers), keep no page summaries,
+    and when every layer slides the staging slots hold a chunk or a window, not a 256-page block."""
+    from dataclasses import replace
+
+    from oomb.memory import OffloadAssumptions, SparseAssumptions, _page_bytes
+
+    gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
+    all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
+    tokens = 1 << 20
+    no_selection = SparseAssumptions(store_selection=False)  # the summaries alone
+    mixed, plain = (predict("sparse+offload", shape, tokens, sparse=no_selection) for shape in (gemma, all_global))
+    assert mixed.host == plain.host and mixed.gpu["KV working set"] == plain.gpu["KV working set"]
+    assert mixed.gpu["page summaries"] * 48 == plain.gpu["page summaries"] * 8 > 0  # the 8 global layers'
+    # Every layer slides (window 1024: 8 pages of history): slots of a chunk (32 pages), not a block (256).
+    sliding = replace(gemma, sliding_window_layers=48)
+    page = _page_bytes(gemma, 128, torch.bfloat16, OOMBConfig().grad_dtype)
+    chunk = 4096 // 128
+    assert predict("dense+offload", sliding, tokens).gpu["KV working set"] == (3 * chunk + 2 * chunk) * page
+    assert predict("dense+offload", all_global, tokens).gpu["KV working set"] == (3 * 256 + 2 * chunk) * page
+    long_window = replace(sliding, sliding_window=tokens)  # as long as the step: global attention
+    assert predict("dense+offload", long_window, tokens).gpu["KV working set"] == (3 * 256 + 2 * chunk) * page
+    wide = replace(sliding, sliding_window=8193)  # 64 pages of history: slots of 64 pages
+    assert predict("dense+offload", wide, tokens).gpu["KV working set"] == (3 * 64 + 2 * chunk) * page
+    assert predict("dense+offload", wide, tokens, offload=OffloadAssumptions(stream_block_pages=16)).gpu[
+        "KV working set"] == (3 * chunk + 2 * chunk) * page  # blocks of 16 pages, slots of a chunk
+
+
 def test_moe_fp32_sums_keep_a_bf16_grad_of_the_experts():
     """The experts are not nn.Linear: with fp32 sums they still get a bf16 .grad in stage 2."""
     shape = load_model_shape("qwen3-30b-a3b")

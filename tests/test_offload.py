@@ -21,11 +21,12 @@ P = 4  # page size of the bookkeeping tests
 
 
 def _store(slabs: HostSlabs, tokens: int = 40, batch: int = 2, resident: int = 0, block_pages: int = 2,
-           chunk: int = 8) -> OffloadedKVStore:
+           chunk: int = 8, **windows) -> OffloadedKVStore:
     return OffloadedKVStore(
         slabs=slabs, resident_layers=resident, stream_buffers=2, chunk_size=chunk,
         num_layers=2, batch_size=batch, num_tokens=tokens, num_kv_heads=2, head_dim=3, page_size=P,
         kv_dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"), stream_block_pages=block_pages,
+        **windows,
     )
 
 
@@ -123,6 +124,63 @@ def test_gradients_start_from_zero_then_accumulate_on_the_host():
         store.chunk_grads(1, chunks[1])
     store.free_all()
     assert store.is_empty
+
+
+def test_window_layers_stage_only_their_windows_and_write_back_only_their_gradients():
+    """Layer 0 slides (window 3: a chunk of 8 sees 2 keys before it, on one page), layer 1 is global.
+    Per call, layer 0 stages the one page before its chunk, layer 1 every earlier page, in stage 1 and
+    in stage 2 (where both also stage their own chunk); stage 2 writes back only staged pages' gradients."""
+    store = _store(HostSlabs(pin=False), window_layers=(0,), window=3)
+    chunks = [ChunkSpan(i, 8 * i, 8 * i + 8) for i in range(5)]  # 10 pages of 4 per sequence
+    staged = {0: [], 1: []}
+
+    def attend(layer, chunk, backward):
+        before = store.staged_history_pages
+        for view in store.stream(layer, chunk, backward):
+            if backward:
+                ids = view.page_table[:, view.key_range[0] // P:-(-view.key_range[1] // P)].reshape(-1).long()
+                view.dk[ids] += 1.0  # what an attention backward adds
+            yield view.key_range
+        staged[layer].append(store.staged_history_pages - before)
+
+    for chunk in chunks:  # stage 1
+        store.allocate(chunk)
+        for layer in range(2):
+            store.write(layer, chunk, *_kv(2, 8, chunk.index))
+            windows = list(attend(layer, chunk, backward=False))
+            if layer == 0 and chunk.index:  # (no window_history_starts: the window's own first page)
+                assert windows == [(chunk.start - 4, chunk.start), (chunk.start, chunk.end)]
+    assert staged == {0: [0, 1, 1, 1, 1], 1: [0, 2, 4, 6, 8]}
+    for chunk in reversed(chunks):  # stage 2: forward, then backward, of both layers
+        for backward in (False, True):
+            for layer in range(2):
+                list(attend(layer, chunk, backward))
+        for layer in range(2):
+            dk, _ = store.chunk_grads(layer, chunk)
+            # Layer 0: its chunk's last page also got the next chunk's window's gradient.
+            want = torch.ones_like(dk)
+            if layer == 0 and chunk.index < 4:
+                want[:, :, 4:] = 2
+            elif layer == 1:
+                want *= 1 + (4 - chunk.index)
+            assert torch.equal(dk, want), (layer, chunk.index)
+        store.free(chunk)
+    assert staged[0][5:] == [1, 1] * 4 + [0, 0] and staged[1][5:] == [8, 8, 6, 6, 4, 4, 2, 2, 0, 0]
+    assert store.grad_on_host[0].tolist() == [i % 2 == 1 and i < 8 for i in range(10)]
+    assert store.grad_on_host[1].tolist() == [i < 8 for i in range(10)]
+    store.free_all()
+    assert store.is_empty and store.slot_pages == 2
+
+
+def test_staging_slots_shrink_to_windows_when_every_offloaded_layer_slides():
+    """Blocks of 8 pages; windows of 6 keys cover at most 2 pages before a chunk (of 2 pages): slots of
+    2 pages when every offloaded layer slides, of a block as soon as one global layer is offloaded."""
+    slabs = HostSlabs(pin=False)
+    assert _store(slabs, block_pages=8, window_layers=(0, 1), window=6).slot_pages == 2
+    assert _store(slabs, block_pages=8, window_layers=(1,), window=6, resident=1).slot_pages == 2
+    assert _store(slabs, block_pages=8, window_layers=(0,), window=6).slot_pages == 8
+    assert _store(slabs, block_pages=8, window_layers=(0, 1), window=30).slot_pages == 8  # 29 keys: 8 pages, a block
+    assert _store(slabs, block_pages=8, window_layers=(0, 1), window=6, chunk=16).slot_pages == 4  # the chunk
 
 
 def test_resident_layers_keep_gpu_pools():

@@ -23,18 +23,23 @@
 # tests | softcap_tests | kernels | kernel | hybrid | softcap dense7b | gptoss | hybrid_1m, one group per call.
 #
 # Predicted memory (oomb plan --gpu-gib 139 --host-gib 125 --optimizer none --no-fp32-grad-accumulation
-# --kv-grad-dtype bfloat16, i.e. bench's defaults plus bf16 page gradients; usable: GPU 131.5, host 118.8 GiB):
-#   gemma-3-12b 128K: dense 146.76 GiB GPU (does not fit), dense+offload 52.39 GPU / 98.00 host,
-#                     sparse+offload 55.32 / 98.10; with fp32 page gradients offload needs 146 GiB host (no).
-#                     1M: nothing fits (K+V alone 384 GiB: 384 KiB per token); the largest is 159K with offload.
+# --kv-grad-dtype bfloat16, i.e. bench's defaults plus bf16 page gradients; usable: GPU 131.5, host 118.8 GiB;
+# without offload window layers keep only their chunks' tails, with offload every page on the host):
+#   gemma-3-12b 128K: dense 88.64 GiB GPU, dense+offload 52.39 GPU / 98.00 host, sparse+offload 55.01 / 98.10;
+#                     with fp32 page gradients offload needs 146 GiB host (no), dense 107.60 GPU (fits).
+#                     1M: nothing fits (K+V alone 384 GiB: 384 KiB per token); the largest is 288K dense,
+#                     159K with offload.
 #   gemma-2-9b  128K: dense 124.79 GPU / 2.00 host (tight), dense+offload 42.41 / 86.00.
 #   qwen2.5-7b  128K: dense 46.67 GPU.
-#   gpt-oss-20b 128K: dense 94.70 GPU, sparse 94.79 GPU.
-#               1M:   sparse+offload 91.12 GPU / 98.38 host, dense+offload 83.11 / 98.00 (dense attention over
+#   gpt-oss-20b 128K: dense 89.07 GPU, sparse 89.14 GPU.
+#               1M:   sparse+offload 90.93 GPU / 98.38 host, dense+offload 83.11 / 98.00 (dense attention over
 #                     1M tokens would take far longer than the 600 s a call has).
-# With mixed window and global layers and offload, a window layer's earlier pages are still staged (not read,
-# docs/models.md): gpt-oss-20b's 12 window layers move 24 KiB per history token per chunk, about 3 TiB per
-# stage at 1M (about 60 s at 55 GB/s in stage 1, three times that in stage 2 with the gradient pages).
+# With offload a window layer stages only the pages its chunk's window overlaps, in stage 1 and both calls of
+# stage 2, and writes back only their dK/dV (docs/models.md "Sliding windows"): gpt-oss-20b's 12 window
+# layers (W = 128, page 128) stage 1 history page per chunk and layer (12 x 256 KiB of K+V per chunk at any
+# context) instead of 24 KiB per history token per chunk, which was about 3 TiB per stage at 1M (about 60 s
+# at 55 GB/s in stage 1, three times that in stage 2 with the gradient pages). The global layers' staging
+# (dense+offload: every history page of each of them, per chunk) is unchanged.
 set -u
 ROOT=$PWD
 FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes back

@@ -28,6 +28,14 @@ call's pages while it computes. With packed documents neither mode moves pages n
 call sees: dense windows start at the chunk's first document (kv/store.py ``history_starts``), and a
 sparse call leaves out the pages its blocks selected only to fill up (wholly before their document).
 
+A sliding-window layer (``window_layers``, kv/store.py) stages only the pages its chunk's window
+overlaps, [chunk start - (W - 1), chunk end) rounded out to pages, in both stages: its history windows
+start at its window (``window_history_starts``), and in stage 2 only those pages' gradients go back to
+the host (a chunk's pages no later window reaches load zero gradients for its own call: none was
+added). The kernels see a page table of the staged layout, as for any window. Its host pages are kept
+for the whole step, like a global layer's, and it keeps no page summaries (sparse mode reads windows
+densely). When every offloaded layer slides, the staging slots shrink to a chunk or a window's pages.
+
 In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
 reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
 On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous copies.
@@ -79,7 +87,7 @@ class OffloadedKVStore(PagedKVStore):
 
     def __init__(self, *, slabs: HostSlabs, resident_layers: int, stream_buffers: int, chunk_size: int,
                  **store_options) -> None:
-        super().__init__(gpu_layers=resident_layers, **store_options)
+        super().__init__(gpu_layers=resident_layers, chunk_size=chunk_size, **store_options)
         self.resident = len(self.layers)
         self.slabs = slabs  # the host tensors are views: the slabs must outlive the store
         num_offloaded = self.num_layers - self.resident
@@ -97,7 +105,7 @@ class OffloadedKVStore(PagedKVStore):
         self.grad_on_host = torch.zeros((num_offloaded, self.max_pages_per_seq), dtype=torch.bool)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.slot_pages = max(self.stream_block_pages, -(-chunk_size // P))
+        self.slot_pages = max(self.history_block_pages(), -(-chunk_size // P))
         self.slots = []
         if num_offloaded:
             shape = (B * self.slot_pages, Hkv, P, D)
@@ -108,11 +116,13 @@ class OffloadedKVStore(PagedKVStore):
                 self.slots.append(_Slot(**tensors, **events))
         if self.copy_stream is not None:  # the slots were zeroed on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Sparse mode: page summaries of the offloaded layers stay on the GPU (what grows with context).
+        # Sparse mode: page summaries of the offloaded layers stay on the GPU (what grows with context);
+        # window layers keep none (they read their window densely, never select).
         summary_shape = (self.summary_rows, Hkv, D)
         self.offloaded_summaries = [
+            {} if layer in self.window_layers else
             {name: torch.empty(summary_shape, dtype=template["kv_dtype"], device=self.device)
-             for name in self.summary_kinds} for _ in range(num_offloaded)]
+             for name in self.summary_kinds} for layer in range(self.resident, self.num_layers)]
         self._fresh_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
         """Stage 1: (layer, chunk index) -> the chunk's K, V pages on the GPU, from its write until its
         attention (None: another context-parallel rank holds them); present only in stage 1."""
@@ -131,6 +141,19 @@ class OffloadedKVStore(PagedKVStore):
 
     def _offloaded(self, layer: int) -> int | None:
         return layer - self.resident if layer >= self.resident else None
+
+    def history_block_pages(self) -> int:
+        """The most pages per sequence one history window of an offloaded layer stages (with the
+        chunk's pages, the size of a staging slot): a streamed block; when every offloaded layer
+        slides, at most the ceil((W - 1) / P) pages before a chunk that its window overlaps."""
+        offloaded = range(self.resident, self.num_layers)
+        if not offloaded or not self.window_layers.issuperset(offloaded):
+            return self.stream_block_pages
+        return min(self.stream_block_pages, -(-(self.window - 1) // self.page_size))
+
+    def _layer_windows(self, layer: int, chunk: ChunkSpan) -> list[tuple[int, int]]:
+        """The key windows of ``layer``'s call on ``chunk``: a window layer's start at its window."""
+        return self.windows(chunk, layer=layer) if layer in self.window_layers else self.windows(chunk)
 
     def _holds(self, position: int) -> bool:
         """Whether page ``position`` lives on this rank (always, without context parallelism)."""
@@ -201,7 +224,7 @@ class OffloadedKVStore(PagedKVStore):
         if index is None:
             yield from super().stream(layer, chunk, grads, whole_history)
             return
-        windows = self.windows(chunk)
+        windows = self._layer_windows(layer, chunk)
         P = self.page_size
         self.staged_history_pages += sum(-(-hi // P) - lo // P for lo, hi in windows if hi <= chunk.start)
         stage_one = not grads and (layer, chunk.index) in self._fresh_kv
@@ -260,7 +283,7 @@ class OffloadedKVStore(PagedKVStore):
         if call is None or self._offloaded(call[0]) is None:
             return
         layer, chunk, grads = call
-        if self.summary_kinds:
+        if self.summary_kinds and layer not in self.window_layers:  # window layers read densely
             selection = self._selections.get((chunk.index, layer), "unknown")
             if isinstance(selection, torch.Tensor):
                 # Sparse, stage 2: the selection waits on the host since stage 1; stage its pages now.
@@ -268,7 +291,7 @@ class OffloadedKVStore(PagedKVStore):
                 self._prefetched = ((layer, chunk.index, grads), staged)
             if selection is not None:
                 return  # a sparse call; stage 1 makes its selection only when the call comes
-        history = [w for w in self.windows(chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
+        history = [w for w in self._layer_windows(layer, chunk) if w[1] <= chunk.start][:len(self.slots) - 1]
         index = self._offloaded(layer)
         P = self.page_size
         if history and all(bool(self.kv_on_host[index, lo // P: -(-hi // P)].all()) for lo, hi in history):
@@ -290,6 +313,7 @@ class OffloadedKVStore(PagedKVStore):
         """Start copying a window's pages (and, for backward, gradients or zeros) into ``slot``."""
         first, last = key_range[0] // self.page_size, -(-key_range[1] // self.page_size)
         n = last - first
+        assert n <= self.slot_pages, f"window {key_range} has {n} pages, a staging slot {self.slot_pages}"
         if not bool(self.kv_on_host[index, first:last].all()):
             raise RuntimeError(f"pages {first}..{last - 1} of offloaded layer {index + self.resident} were never "
                                "written: stage 1 must store a chunk before any attention reads it")

@@ -53,6 +53,11 @@ W - 1 tokens per window layer below, i.e. many chunks' forward per chunk): not c
 kept and the gradients stay exact. With one W among several windows the largest is used. Window
 layers keep no page summaries (sparse mode reads windows densely) and their history windows
 (``window_history_starts``) start at their own windows, so no freed page is ever read.
+
+With host offload (``gpu_layers``, kv/offload.py) window layers keep every page, in the shared table
+(resident layers) or the host tier, like global layers; only their history windows start at their
+own windows, so a window layer's call reads, and with offload stages, only the pages its window
+overlaps: [chunk start - (W - 1), chunk end), rounded out to pages.
 """
 
 from __future__ import annotations
@@ -171,9 +176,9 @@ class PagedKVStore:
         """``gpu_layers``: allocate pools for only the first this many layers (the rest live in a
         host tier, kv/offload.py); None: all. ``context``: this rank's share of a context-parallel
         group (pages of its own chunks only); None: every page. ``window_layers``: the layers with a
-        sliding ``window`` (the largest, if several) whose pages live in their own table and pool,
-        freed as soon as no remaining use needs them (module docstring); needs ``chunk_size``, and
-        neither ``gpu_layers`` nor ``context``."""
+        sliding ``window`` (the largest, if several): their history windows start at their window, and
+        without ``gpu_layers`` their pages live in their own table and pool, freed as soon as no
+        remaining use needs them (module docstring); needs ``chunk_size``, not ``context``."""
         unknown = sorted(set(summaries) - set(SUMMARY_KINDS))
         assert not unknown, f"unknown page summaries {unknown}; known: {SUMMARY_KINDS}"
         self.page_size = page_size
@@ -196,15 +201,18 @@ class PagedKVStore:
             if window is None or window < 1 or chunk_size is None or chunk_size % page_size:
                 raise ValueError(f"window layers need a window >= 1 (got {window}) and a chunk size that is a "
                                  f"multiple of the page size (got {chunk_size})")
-            if gpu_layers is not None or context is not None:
-                raise ValueError("window layers' own pages are not supported with offload or context parallelism")
+            if context is not None:
+                raise ValueError("window layers are not supported with context parallelism")
+        if self.window_layers and gpu_layers is None:  # offload keeps every page (module docstring)
             pages = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
             self.window_pool = PagePool(batch_size * pages)
+        self.own_window_layers = self.window_layers if self.window_pool is not None else frozenset()
+        """The window layers with their own page table and pool (none with offload)."""
         window_shape = (self.window_pool.capacity if self.window_pool else 0, num_kv_heads, page_size, head_dim)
 
         def layer_pages(index: int) -> LayerPages:
             windowed = index in self.window_layers
-            layer_shape = window_shape if windowed else shape
+            layer_shape = window_shape if index in self.own_window_layers else shape
             return LayerPages(
                 k=torch.empty(layer_shape, dtype=kv_dtype, device=device),
                 v=torch.empty(layer_shape, dtype=kv_dtype, device=device),
@@ -219,7 +227,7 @@ class PagedKVStore:
         self.layers = [layer_pages(i) for i in range(num_layers if gpu_layers is None else min(gpu_layers, num_layers))]
         self.summary_kinds = tuple(summaries)
         self.page_table = torch.zeros((batch_size, self.max_pages_per_seq), dtype=torch.int32, device=device)
-        self.window_table = torch.zeros_like(self.page_table) if self.window_layers else None
+        self.window_table = torch.zeros_like(self.page_table) if self.own_window_layers else None
         """Window layers' page table (stale outside the pages alive: module docstring)."""
         self._chunk_pages: dict[int, list[int]] = {}  # chunk index -> page ids it owns
         self._window_pages: dict[int, dict[int, list[int]]] = {}
@@ -264,7 +272,7 @@ class PagedKVStore:
 
     def table(self, layer: int) -> torch.Tensor:
         """The page table of ``layer``: the window layers' own, or the shared one."""
-        return self.window_table if layer in self.window_layers else self.page_table
+        return self.window_table if layer in self.own_window_layers else self.page_table
 
     def _allocate_window(self, chunk: ChunkSpan, first: int, last: int) -> None:
         """Window pages for positions [first, last) of the chunk, dK/dV zeroed in every window layer."""
@@ -275,13 +283,13 @@ class PagedKVStore:
         self.window_table[:, first:last].copy_(torch.tensor(ids, dtype=torch.int32).reshape(self.batch_size, -1))
         self.peak_window_pages = max(self.peak_window_pages, self.window_pool.num_used)
         index = self.window_table[:, first:last].reshape(-1).long()
-        for layer in self.window_layers:
+        for layer in self.own_window_layers:
             self.layers[layer].dk.index_fill_(0, index, 0)
             self.layers[layer].dv.index_fill_(0, index, 0)
 
     def finish_fill(self, chunk: ChunkSpan) -> None:
         """Stage 1 is done with the chunk: free its window layers' head pages (no later chunk reads them)."""
-        if not self.window_layers:
+        if not self.own_window_layers:
             return
         first, _ = self._page_range(chunk)
         if self.tail_start(chunk) > first:
@@ -290,7 +298,7 @@ class PagedKVStore:
     def refill(self, chunk: ChunkSpan) -> None:
         """Stage 2, before the chunk's recompute: give its window layers' head pages back (``rewrite``
         fills them from the recomputed k, v)."""
-        if not self.window_layers:
+        if not self.own_window_layers:
             return
         first, _ = self._page_range(chunk)
         if self.tail_start(chunk) > first:
@@ -300,7 +308,7 @@ class PagedKVStore:
     def rewrite(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stage 2: store a window layer's recomputed (B, Hkv, L, D) k, v of the chunk in its head pages
         (the tail still holds what stage 1 wrote, which later chunks read); other layers: nothing."""
-        if layer not in self.window_layers or chunk.index not in self._refilled:
+        if layer not in self.own_window_layers or chunk.index not in self._refilled:
             return
         first, _ = self._page_range(chunk)
         n = self.tail_start(chunk) - first
@@ -333,10 +341,10 @@ class PagedKVStore:
         self.page_table[:, first:last].copy_(table)
         index = self._chunk_ids(chunk)
         for i, layer in enumerate(self.layers):
-            if i not in self.window_layers:
+            if i not in self.own_window_layers:
                 layer.dk.index_fill_(0, index, 0)
                 layer.dv.index_fill_(0, index, 0)
-        if self.window_layers:  # head and tail as two runs: ``finish_fill`` frees the head
+        if self.own_window_layers:  # head and tail as two runs: ``finish_fill`` frees the head
             self._allocate_window(chunk, first, self.tail_start(chunk))
             self._allocate_window(chunk, self.tail_start(chunk), last)
 
@@ -453,10 +461,15 @@ class PagedKVStore:
     def windows(self, chunk: ChunkSpan, whole_history: bool = False, layer: int | None = None
                 ) -> list[tuple[int, int]]:
         """The chunk's key windows on this store's pages (context parallel: the parts on its own);
-        a window layer's start at its window (only those pages are alive)."""
-        starts = self.window_history_starts if layer in self.window_layers else self.history_starts
+        a window layer's start at its window (the only pages it reads, and with its own pages the only
+        ones alive): ``window_history_starts``, or without them the first page of the chunk's window."""
+        if layer in self.window_layers:
+            first_key = self.window_history_starts.get(
+                chunk.index, max(0, chunk.start - self.window + 1) // self.page_size * self.page_size)
+        else:
+            first_key = self.history_starts.get(chunk.index, 0)
         windows = attention_windows(chunk, self.page_size, None if whole_history else self.stream_block_pages,
-                                    starts.get(chunk.index, 0))
+                                    first_key)
         return windows if self.context is None else self.context.own_windows(windows, chunk.index)
 
     def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:

@@ -331,7 +331,8 @@ def format_plan(plan: Plan) -> str:
         + (f"; MoE: {s.num_experts} experts of width {s.expert_intermediate_size}, {s.experts_per_token} per token "
            f"({s.active_params() / 1e9:.2f} B active)" if s.is_moe else "")
         + (f"; {s.sliding_window_layers} of {s.num_layers} layers slide (window {s.sliding_window:,}: their "
-           "pages keep each chunk's last window - 1 keys, without offload)" if s.sliding_window_layers else "")
+           "pages keep each chunk's last window - 1 keys without offload; with it they stage only their windows' "
+           "pages)" if s.sliding_window_layers else "")
         + (f", per GPU of tp={s.tp}" if s.tp > 1 else "")
         + (f", pages of every {st.context_parallel}-th chunk per GPU or its host (cp={st.context_parallel})"
            if st.context_parallel > 1 else ""),
