@@ -77,14 +77,21 @@ class ContextShard:
     def own_windows(self, windows: list[tuple[int, int]], chunk_index: int) -> list[tuple[int, int]]:
         """The parts of a chunk's key windows (history blocks, then the chunk itself) on this rank's
         pages: each history block cut at chunk boundaries (page-aligned), the chunk itself only on its
-        owner. Their union over the ranks is ``windows``."""
+        owner. Their union over the ranks is ``windows``. Consecutive owned pieces of one history block
+        stay one window (one kernel call, no merge): a group of one rank attends exactly as one process."""
         *history, local = windows
         own = []
         for lo, hi in history:
+            joinable = False  # the last piece ends where this block's next owned piece starts
             while lo < hi:
                 end = min(hi, (lo // self.chunk_size + 1) * self.chunk_size)
-                if self.owns(lo // self.chunk_size):
+                if not self.owns(lo // self.chunk_size):
+                    joinable = False
+                elif joinable:
+                    own[-1] = (own[-1][0], end)
+                else:
                     own.append((lo, end))
+                    joinable = True
                 lo = end
         return own + ([local] if self.owns(chunk_index) else [])
 

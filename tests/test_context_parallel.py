@@ -188,7 +188,8 @@ def test_owned_pages_partition_the_sequence():
 
 
 def test_own_windows_are_the_ranks_share_of_every_window():
-    """The windows of all ranks cover the chunk's windows exactly once, each inside one owned chunk."""
+    """The windows of all ranks cover the chunk's windows exactly once, each inside one window and in
+    chunks its rank owns; one rank keeps the windows as they are (the one-process calls)."""
     chunk = ChunkSpan(5, 80, 96)
     for block_pages in (None, 1, 3):
         windows = attention_windows(chunk, 8, block_pages, first_key=16)
@@ -198,7 +199,9 @@ def test_own_windows_are_the_ranks_share_of_every_window():
         assert covered == list(range(16, 96))
         for shard in shards:
             for lo, hi in shard.own_windows(windows, chunk.index):
-                assert shard.owns(lo // 16) and (hi - 1) // 16 == lo // 16 and lo % 8 == 0
+                assert all(shard.owns(c) for c in range(lo // 16, (hi - 1) // 16 + 1)) and lo % 8 == 0
+                assert any(w_lo <= lo and hi <= w_hi for w_lo, w_hi in windows)
+        assert ContextShard(0, 1, 16).own_windows(windows, chunk.index) == windows
     assert ContextShard(2, 3, 16).own_windows([(0, 80), (80, 96)], 5)[-1] == (80, 96)  # 5 % 3: the owner
     assert ContextShard(0, 3, 16).own_windows([(0, 80), (80, 96)], 5) == [(0, 16), (48, 64)]
 
