@@ -21,7 +21,6 @@ SPARSE_SCORES = ("auto", "rerank", "minmax", "mean", "exact")
 RERANK_CANDIDATES = ("minmax", "mean", "minmax_mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
-SPARSE_ALLOCATIONS = ("block", "call")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -88,13 +87,6 @@ class OOMBConfig:
     "minmax" (Quest's bound from each page's min and max key) or "mean" (q . the page's mean key). On
     SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its
     gradients are the closest to dense (docs/sparse.md, "Candidates")."""
-    sparse_allocation: Literal["block", "call"] = "block"
-    """Sparse: how the budget is shared. "block": every query block reads sparse_budget pages. "call": an
-    attention call (a chunk and layer) reads budget x blocks x KV heads pages in all, handed to the
-    (block, KV head, page) triples with the highest probabilities (scores "rerank" and "exact" only), each
-    block at most sparse_rerank_factor x budget: concentrated heads and blocks give pages to diffuse ones at
-    the same pages read. Experimental: runs on the torch backend only, without offload or context parallel
-    (docs/sparse.md, "Allocation")."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -172,20 +164,6 @@ class OOMBConfig:
         if self.sparse_score in ("exact", "rerank") and self.sparse_leak_free:
             raise ValueError(f"sparse_score={self.sparse_score!r} scores a block with its own queries: it cannot be "
                              "combined with sparse_leak_free=True")
-        if self.sparse_allocation not in SPARSE_ALLOCATIONS:
-            raise ValueError(f"sparse_allocation={self.sparse_allocation!r} is not supported; use one of: "
-                             f"{SPARSE_ALLOCATIONS}")
-        if self.sparse_allocation == "call":
-            if self.resolved_sparse_score not in ("rerank", "exact"):
-                raise ValueError(f"sparse_allocation='call' compares pages across blocks and heads by their attention "
-                                 f"probabilities: it needs sparse_score 'rerank' or 'exact', not "
-                                 f"{self.resolved_sparse_score!r}")
-            if self.offload:
-                raise ValueError("sparse_allocation='call' runs without offload so far (its selections have "
-                                 "empty slots that the offload staging does not skip)")
-            if self.backend not in ("auto", "torch"):
-                raise ValueError(f"sparse_allocation='call' runs on the torch backend so far; backend="
-                                 f"{self.backend!r} has no kernels for its empty selection slots")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")

@@ -224,8 +224,6 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     binding_windows = any(w is not None and w < num_tokens for w in windows)
     backend = _select_step_backend(causal_lm, config, device, documents is not None or binding_windows)
     split_documents = _check_documents(documents, config, backend.name)
-    if config.attention == "sparse" and config.sparse_allocation == "call":
-        _check_call_allocation(split_documents, context_parallel, windows)
     softcap, sinks = attention_variants(causal_lm)
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse")
@@ -255,23 +253,11 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
                                                                      store.page_size)
 
 
-def _check_call_allocation(documents: Documents | None, context_parallel: bool,
-                           windows: tuple[int | None, ...]) -> None:
-    """sparse_allocation="call" is measured on plain sequences first: refuse what it has not been built for."""
-    for present, what in ((documents is not None, "packed documents"), (context_parallel, "context parallel"),
-                          (any(w is not None for w in windows), "sliding-window layers")):
-        if present:
-            raise NotImplementedError(f"sparse_allocation='call' does not support {what} yet; use the default "
-                                      "sparse_allocation='block'")
-
-
 def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
     """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
     triton for float32 or when deterministic; packed documents and sliding windows (``masked``) stay
     on triton for bf16/fp16, whose kernels mask a per-query first key (float32: torch, as without them);
     so does logit softcapping (Gemma 2), which cuDNN's fused attention does not have."""
-    if config.attention == "sparse" and config.sparse_allocation == "call":
-        return select_backend("torch", device)  # the only backend with empty selection slots (config checks)
     masked = masked or attention_variants(causal_lm)[0]
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
     if masked and weights_dtype != torch.float32:

@@ -90,7 +90,6 @@ class SparseOptions:
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
     rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
-    allocation: str = "block"  # "block": budget pages per block; "call": budget x blocks x heads per call
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -102,7 +101,7 @@ class SparseOptions:
                    config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
                    frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
-                   config.sparse_rerank_candidates, config.sparse_allocation)
+                   config.sparse_rerank_candidates)
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -303,7 +302,7 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
     """The options whose top_pages are the "rerank" score's candidates: ``rerank_factor`` x the layer's
     budget (the sinks besides), chosen by the minmax bound."""
     return replace(options, budget=options.rerank_factor * options.budget_of(layer), layer_budgets=None,
-                   dense_layers=frozenset(), allocation="block")
+                   dense_layers=frozenset())
 
 
 def propose_candidates(
@@ -417,45 +416,12 @@ def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
     B, Hkv, n_blocks, n_hist = scores.shape
     if first_pages is not None:
         return _top_pages_in_documents(scores, options, layer, first_pages)
-    if options.allocation == "call":
-        return top_pages_per_call(scores, options, layer)
     sinks = min(options.sink_pages, n_hist)
     k = options.num_selected(n_hist, layer) - sinks
     chosen = torch.topk(scores[..., sinks:], k, dim=-1, sorted=False).indices + sinks
     sink_ids = torch.arange(sinks, device=scores.device).expand(B, Hkv, n_blocks, sinks)
     selection = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
     return selection.to(torch.int32)
-
-
-def top_pages_per_call(scores: torch.Tensor, options: SparseOptions, layer: int = 0) -> torch.Tensor:
-    """sparse_allocation="call": the call's pages (budget per block and KV head, on average) go to the
-    (block, KV head, page) triples with the highest scores, each block taking at most rerank_factor x
-    budget of them, besides its sinks. Scores must be comparable across blocks and heads: the attention
-    probabilities of "rerank" and "exact" are (each row's share of its attention).
-
-    Returns:
-        (B, Hkv, n_blocks, K) int32: per block its sinks and its pages ascending, then -1 (empty slots,
-        which the torch backend masks); K = sinks + the most pages any block took. Every sequence reads
-        n_blocks x Hkv x budget pages besides the sinks, as with one budget per block.
-    """
-    B, Hkv, n_blocks, n_hist = scores.shape
-    sinks = min(options.sink_pages, n_hist)
-    free = n_hist - sinks
-    budget = options.num_selected(n_hist, layer) - sinks
-    cap = min(free, options.rerank_factor * budget)
-    heads = 1 if options.selection == "shared" else Hkv  # shared: every head holds the same scores
-    ranked = scores[:, :heads, :, sinks:]
-    best, pages = torch.topk(ranked, cap, dim=-1)  # each block's candidates for the call's pool
-    pool = best.reshape(B, -1)
-    chosen = torch.zeros_like(pool, dtype=torch.bool)
-    chosen.scatter_(1, torch.topk(pool, heads * n_blocks * budget, dim=1).indices, True)
-    chosen = chosen.reshape(B, heads, n_blocks, cap)
-    width = int(chosen.sum(-1).max()) if chosen.numel() else 0
-    order = torch.where(chosen, pages + sinks, n_hist).sort(dim=-1).values[..., :width]  # taken pages first
-    taken = order.masked_fill(order == n_hist, -1)
-    sink_ids = torch.arange(sinks, device=scores.device).expand(B, heads, n_blocks, sinks)
-    selection = torch.cat([sink_ids, taken], dim=-1).to(torch.int32)
-    return selection.expand(B, Hkv, n_blocks, -1).contiguous() if heads != Hkv else selection
 
 
 def _top_pages_in_documents(scores: torch.Tensor, options: SparseOptions, layer: int,

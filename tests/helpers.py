@@ -152,6 +152,5 @@ def visible_from_selections(selections: dict, layer: int, batch: int, kv_heads: 
                 for j, pages in enumerate(selection[b, h].tolist()):
                     rows = slice(s + j * page_size, min(e, s + (j + 1) * page_size))
                     for page in pages:
-                        if page >= 0:  # -1: an empty slot (sparse_allocation="call")
-                            visible[b, h, rows, page * page_size:(page + 1) * page_size] = True
+                        visible[b, h, rows, page * page_size:(page + 1) * page_size] = True
     return visible

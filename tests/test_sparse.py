@@ -217,56 +217,6 @@ def test_top_pages_are_sinks_plus_the_best_scores_sorted(budget, sinks):
         assert set(row[min(sinks, n_hist):]) == set(best)
 
 
-@pytest.mark.parametrize(("budget", "sinks", "factor", "selection"),
-                         [(3, 1, 4, "kv_head"), (2, 0, 2, "kv_head"), (1, 2, 3, "shared"), (4, 1, 1, "kv_head")])
-def test_call_allocation_gives_the_calls_pages_to_the_best_triples(budget, sinks, factor, selection):
-    """sparse_allocation="call": as many pages as one budget per block, to the best (block, head, page)
-    triples, at most factor x budget per block; rows hold their sinks, then pages ascending, then -1."""
-    g = torch.Generator().manual_seed(7)
-    B, Hkv, n_blocks, n_hist = 2, 3, 5, 17
-    scores = torch.rand(B, Hkv, n_blocks, n_hist, generator=g)
-    if selection == "shared":
-        scores = scores[:, :1].expand_as(scores)
-    options = _options(budget=budget, sink_pages=sinks, score="rerank", rerank_factor=factor, allocation="call",
-                       selection=selection)
-    chosen = top_pages(scores, options)
-    cap = factor * budget
-    for b in range(B):
-        taken = []  # (score, head, block, page) of every non-sink page the sequence reads
-        for h in range(Hkv):
-            for j in range(n_blocks):
-                row = chosen[b, h, j].tolist()
-                pages = [p for p in row if p >= 0]
-                assert row == pages + [-1] * (len(row) - len(pages)), "pages first, then empty slots"
-                assert pages == sorted(set(pages)) and pages[:sinks] == list(range(sinks))
-                assert len(pages) - sinks <= cap
-                taken += [(float(scores[b, h, j, p]), h, j, p) for p in pages[sinks:]]
-        heads = 1 if selection == "shared" else Hkv
-        assert len(taken) == Hkv * n_blocks * budget
-        if selection == "shared":
-            assert torch.equal(chosen[b], chosen[b, :1].expand_as(chosen[b]))
-        # Every triple left out scores no higher than the worst taken one, unless its block was full.
-        worst = min(t[0] for t in taken if t[1] < heads)
-        for h in range(heads):
-            for j in range(n_blocks):
-                row = set(chosen[b, h, j].tolist())
-                if len(row - {-1}) - sinks == cap:
-                    continue
-                left = [float(scores[b, h, j, p]) for p in range(sinks, n_hist) if p not in row]
-                assert max(left, default=-1.0) <= worst
-
-
-def test_call_allocation_is_refused_where_it_does_not_run():
-    with pytest.raises(ValueError, match="needs sparse_score 'rerank' or 'exact'"):
-        OOMBConfig(attention="sparse", sparse_allocation="call", sparse_score="minmax")
-    with pytest.raises(ValueError, match="without offload"):
-        OOMBConfig(attention="sparse", sparse_allocation="call", offload=True)
-    with pytest.raises(ValueError, match="torch backend"):
-        OOMBConfig(attention="sparse", sparse_allocation="call", backend="triton")
-    with pytest.raises(ValueError, match="sparse_allocation='each'"):
-        OOMBConfig(attention="sparse", sparse_allocation="each")
-
-
 def test_leak_free_selection_ignores_later_queries_of_the_block():
     """Leak-free: changing the queries after a block's first one (5..7 of block 1) cannot change any
     selection. The default (every query votes) can: a later query that matches one page strongly
@@ -611,8 +561,7 @@ def _visible(x: Sparse) -> torch.Tensor:
         for h in range(Hkv):
             for j in range(n_blocks):
                 for page in x.selection[b, h, j].tolist():
-                    if page >= 0:  # -1: an empty slot
-                        mask[b, h, j * P:(j + 1) * P, page * P:(page + 1) * P] = True
+                    mask[b, h, j * P:(j + 1) * P, page * P:(page + 1) * P] = True
     return mask
 
 
@@ -646,21 +595,9 @@ def _to_pool(grad: torch.Tensor, x: Sparse, like: torch.Tensor) -> torch.Tensor:
     return pool
 
 
-def _with_empty_slots(x: Sparse, seed: int) -> Sparse:
-    """The inputs with a random number of each row's last slots emptied (-1), as sparse_allocation="call"
-    leaves blocks that took fewer pages than the widest."""
-    K = x.selection.shape[3]
-    keep = torch.randint(0, K + 1, x.selection.shape[:3], generator=torch.Generator().manual_seed(seed))
-    empty = torch.arange(K) >= keep[..., None]
-    return replace(x, selection=x.selection.masked_fill(empty, -1))
-
-
-@pytest.mark.parametrize("empty_slots", [False, True], ids=["full", "empty_slots"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_sparse_reference_matches_masked_dense_attention(case, empty_slots):
+def test_sparse_reference_matches_masked_dense_attention(case):
     x = _sparse_inputs(case)
-    if empty_slots:
-        x = _with_empty_slots(x, seed=5)
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(x.q.shape, generator=g)
     want_out, want_lse, want_dq, want_dk, want_dv = _oracle(x, dout)
@@ -684,8 +621,7 @@ def test_sparse_reference_matches_masked_dense_attention(case, empty_slots):
     for b in range(case.batch):
         for h in range(case.kv_heads):
             for page in x.selection[b, h].unique().tolist():
-                if page >= 0:
-                    touched[x.page_table[b, page], h] = True
+                touched[x.page_table[b, page], h] = True
     assert torch.equal(dk_pool[~touched], dk_start[~touched])
     assert torch.equal(dv_pool[~touched], dv_start[~touched])
     assert (dv_pool[touched] != dv_start[touched]).flatten(1).any(1).all()
@@ -813,13 +749,9 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max")),
         ("qwen3", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max", sparse_leak_free=True,
                        sparse_query_block_pages=2)),
-        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_allocation="call")),
-        ("llama", dict(sparse_budget=3, sparse_sink_pages=1, sparse_score="exact", sparse_allocation="call",
-                       sparse_query_block_pages=2)),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
-         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups", "rerank-call",
-         "exact-call-groups"],
+         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

@@ -16,9 +16,6 @@
 #   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
-#   gradcheck_alloc  issue 18: SmolLM2 sparse vs dense gradients at 25 % read, one budget per block vs per call
-#                    (sparse_allocation="call"), rerank and the exact oracle, at 8K and at 32K (YaRN x4), both in
-#                    the background (the real model as above)
 #   train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
@@ -46,17 +43,6 @@ for part in "$@"; do
       run 150 rerank_fast_x2 python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --sparse-rerank-factor 2 --query-block-pages 32 \
           --sparse-budget 32 --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank2_fast_128k ;;
-    gradcheck_alloc)
-      real_model
-      GC=(python -m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda --poolings max
-          --scores rerank exact --allocations block call --hf off)
-      (timeout 540 "${GC[@]}" --seq-len 8192 --chunk-size 1024 --page-size 64 --budgets 15 \
-          --json "$OUT/gradcheck_smollm2_8k_k15_alloc.json" >"$OUT/gradcheck_alloc_8k.log" 2>&1;
-       echo "exit $?" >>"$OUT/gradcheck_alloc_8k.log") &
-      (timeout 540 "${GC[@]}" --seq-len 32K --yarn 4 --chunk-size 4096 --page-size 128 --budgets 32 \
-          --json "$OUT/gradcheck_smollm2_32k_k32_alloc.json" >"$OUT/gradcheck_alloc_32k.log" 2>&1;
-       echo "exit $?" >>"$OUT/gradcheck_alloc_32k.log") &
-      ;;
     documents_1m)
       run 560 documents_1m python benchmarks/documents.py --context 1M --offload --kv-grad-dtype bf16 \
           --skip cross --backends triton --out "$OUT/documents_1m_h200.json" ;;

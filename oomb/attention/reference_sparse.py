@@ -12,9 +12,7 @@ The contract of a sparse backend (the dense one, oomb/attention/reference.py, pl
                                             n_blocks = ceil(Lq / P); block j = queries [jP, (j+1)P)
                                             May be one row expanded over the blocks (stride 0: see
                                             shared_by_all_blocks), which backends group without
-                                            reading it (no device synchronisation). This backend also
-                                            takes -1 after a row's pages: empty slots, read by no query
-                                            (sparse_allocation="call" gives blocks different counts).
+                                            reading it (no device synchronisation).
 
 Query i of block j = i // P reads, for KV head h, every key of the pages selection[b, h, j, :]
 (history pages are complete) and the chunk's own keys query_start .. query_start + i (causal).
@@ -60,20 +58,12 @@ def _check_selection(selection: torch.Tensor, q: torch.Tensor, k_pool: torch.Ten
 def _selected_pages(pool: torch.Tensor, page_table: torch.Tensor, selection: torch.Tensor, block: int) -> torch.Tensor:
     """The pages query block ``block`` selected, per KV head, as one (B, Hkv, K * P, D) float32 tensor."""
     B, Hkv, _, K = selection.shape
-    positions = selection[:, :, block, :].long().clamp(min=0).reshape(B, Hkv * K)  # empty slots: masked
+    positions = selection[:, :, block, :].long().reshape(B, Hkv * K)
     ids = page_table.long().gather(1, positions).reshape(B, Hkv, K)
     heads = torch.arange(Hkv, device=pool.device).reshape(1, Hkv, 1)
     pages = pool[ids, heads]  # (B, Hkv, K, P, D): head h of page ids[b, h, k]
     P, D = pool.shape[2], pool.shape[3]
     return pages.reshape(B, Hkv, K * P, D).float()
-
-
-def _empty_slots(selection: torch.Tensor, block: int, page_size: int) -> torch.Tensor | None:
-    """(B, Hkv, 1, 1, K * P) bool: the keys of block ``block``'s empty slots (-1), None when it has none."""
-    empty = selection[:, :, block, :] < 0
-    if not bool(empty.any()):
-        return None
-    return empty.repeat_interleave(page_size, dim=2)[:, :, None, None]
 
 
 def _own_mask(block: int, num_queries: int, page_size: int, device) -> torch.Tensor:
@@ -132,9 +122,6 @@ def sparse_attention_forward(
         if softcap is not None:
             scores = scores.tanh_().mul_(softcap)
         scores[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), float("-inf"))
-        empty = _empty_slots(selection, j, P)
-        if empty is not None:
-            scores[..., : K * P].masked_fill_(empty, float("-inf"))
         if documents is not None:
             scores.masked_fill_(~_document_mask(documents, selection, j, q0, q1, query_start, P), float("-inf"))
         # Every query sees its own key: the row maximum is finite.
@@ -183,11 +170,9 @@ def sparse_attention_backward(
     dk_own = torch.zeros_like(k_own)
     dv_own = torch.zeros_like(v_own)
     # History pages read by any block: union per call, float32 sums indexed by rank in the union.
-    filled = selection >= 0
-    union = torch.unique(selection.long()[filled])  # sorted page-table positions
-    # (B, Hkv, n_blocks, K); empty slots (-1) add their zeros into a spare last row, never added to a pool
-    rank = torch.searchsorted(union, selection.long()).masked_fill(~filled, union.numel())
-    dk_hist = torch.zeros((B, Hkv, union.numel() + 1, P, D), device=q.device)
+    union = torch.unique(selection.long())  # sorted page-table positions
+    rank = torch.searchsorted(union, selection.long())  # (B, Hkv, n_blocks, K)
+    dk_hist = torch.zeros((B, Hkv, union.numel(), P, D), device=q.device)
     dv_hist = torch.zeros_like(dk_hist)
     batch = torch.arange(B, device=q.device).reshape(B, 1, 1)
     heads = torch.arange(Hkv, device=q.device).reshape(1, Hkv, 1)
@@ -206,9 +191,6 @@ def sparse_attention_backward(
             scores = tanh.mul(softcap)
         probs = scores.sub_(lse[..., q0:q1, None]).exp_()
         probs[..., K * P:].masked_fill_(~_own_mask(j, q1 - q0, P, q.device), 0.0)
-        empty = _empty_slots(selection, j, P)
-        if empty is not None:
-            probs[..., : K * P].masked_fill_(empty, 0.0)
         if documents is not None:
             probs.masked_fill_(~_document_mask(documents, selection, j, q0, q1, query_start, P), 0.0)
         dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, do_t)
@@ -229,9 +211,8 @@ def sparse_attention_backward(
     if union.numel():
         # Only the (page, head) pairs some block selected carry a gradient; the rest of dk_hist is 0
         # and is not added, so unselected heads of a page are not even rounded.
-        touched = torch.zeros((B, Hkv, union.numel() + 1), dtype=torch.bool, device=q.device)
+        touched = torch.zeros((B, Hkv, union.numel()), dtype=torch.bool, device=q.device)
         touched.scatter_(2, rank.reshape(B, Hkv, -1), True)
-        touched = touched[..., :-1]
         b_idx, h_idx, u_idx = touched.nonzero(as_tuple=True)
         ids = page_table.long()[b_idx, union[u_idx]]
         dk_pool.index_put_((ids, h_idx), dk_hist[b_idx, h_idx, u_idx].to(dk_pool.dtype), accumulate=True)

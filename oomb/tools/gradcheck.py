@@ -33,15 +33,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..config import (
-    RERANK_CANDIDATES,
-    SPARSE_ALLOCATIONS,
-    SPARSE_POOLINGS,
-    SPARSE_SCORES,
-    SPARSE_SELECTIONS,
-    OOMBConfig,
-    resolve_dtype,
-)
+from ..config import RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
 from ..engine import forward_backward
 from ..real_model import with_yarn
 from ..sparse import SparseOptions
@@ -74,7 +66,6 @@ class GradcheckOptions:
     query_block_pages: int = 1
     rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
     rerank_candidates: list[str] = field(default_factory=lambda: ["minmax_mean"])  # score "rerank": who proposes them
-    allocations: list[str] = field(default_factory=lambda: ["block"])  # "call": scores rerank and exact only
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -223,14 +214,13 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
     budgets = [None] if layer_budgets is not None else options.budgets
-    arms = [(score, pooling, budget, factor, proposer, allocation) for score, pooling, budget in
+    arms = [(score, pooling, budget, factor, proposer) for score, pooling, budget in
             itertools.product(options.scores, options.poolings, budgets)
             for factor in (options.rerank_factors if score == "rerank" else [None])
-            for proposer in (options.rerank_candidates if score == "rerank" else [None])
-            for allocation in (options.allocations if score in ("rerank", "exact") else ["block"])]
-    for score, pooling, budget, factor, proposer, allocation in arms:
+            for proposer in (options.rerank_candidates if score == "rerank" else [None])]
+    for score, pooling, budget, factor, proposer in arms:
         extra = {"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer} if factor is not None else {}
-        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse", "sparse_allocation": allocation,
+        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse",
                                "sparse_budget": budget if budget is not None else max(layer_budgets),
                                "sparse_sink_pages": options.sink_pages, "sparse_score": score,
                                "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
@@ -240,8 +230,7 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config))
-        name = score if factor is None else _rerank_name(factor, proposer)
-        runs.append({"score": name + (" call" if allocation == "call" else ""), "pooling": pooling,
+        runs.append({"score": score if factor is None else _rerank_name(factor, proposer), "pooling": pooling,
                      "budget": budget if budget is not None else "per layer", "loss": loss,
                      "seconds": time.perf_counter() - start,
                      "history_read": history_read(ids.shape[1], config, model_layers(model)),
@@ -317,8 +306,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score rerank: candidate pages per block as multiples of the budget")
     parser.add_argument("--rerank-candidates", nargs="+", choices=RERANK_CANDIDATES, default=d.rerank_candidates,
                         help="score rerank: the summary scores proposing the candidates")
-    parser.add_argument("--allocations", nargs="+", choices=SPARSE_ALLOCATIONS, default=d.allocations,
-                        help="scores rerank and exact: budget per block, or per call shared by probability")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
