@@ -340,10 +340,14 @@ def test_head_dims_above_128_try_the_wide_tiles_first():
     prune = triton_paged._pruner(wide)["early_config_prune"]
     bf16 = {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}
     fp32 = {"q_ptr": torch.empty(1)}
-    assert prune(tuned, bf16, BLOCK_D=128) == tuned
-    assert prune(tuned, bf16, BLOCK_D=256) == (wide + tuned if triton_paged.AUTOTUNE else wide)
+    pinned = not triton_paged.AUTOTUNE  # OOMB_TRITON_AUTOTUNE=0: the first config left
+    assert prune(tuned, bf16, BLOCK_D=128) == (tuned[:1] if pinned else tuned)
+    assert prune(tuned, bf16, BLOCK_D=256) == (wide[:1] if pinned else wide + tuned)
     assert prune(tuned, fp32, BLOCK_D=256) == wide[:1]  # 2 x (64 + 32) x 256 x 4 bytes fit; 128 + 64 rows do not
     assert prune(tuned, fp32, BLOCK_D=128) == tuned[:1]
+    dkdv = [config(64, 128, 8, 3), config(32, 128, 4, 4), config(64, 64, 4, 3)]  # _DKDV_CONFIGS' tiles
+    assert prune(dkdv, fp32, BLOCK_D=128) == dkdv[2:]  # the pinned first one needs 294,912 bytes: out of resources
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,8 +117,6 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> Configs; one small config when interpreting."""
     if INTERPRET:
         gpu = [(_INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N, 4, 1)]
-    elif not AUTOTUNE:
-        gpu = gpu[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
 
 
@@ -131,10 +129,12 @@ def _prune_for_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -
     config for minutes (113 s in the first step of a 2-layer 8K model on the H200; 15.7 s with this
     pruning). The config: the first whose staged tiles, num_stages x (BLOCK_M + BLOCK_N) x BLOCK_D
     float32, fit shared memory (the first dK/dV config needs 295,936 bytes at head_dim 128: out of
-    resources), else the smallest. bf16/fp16 keep the whole list (the tuning key includes the dtypes)."""
+    resources), else the smallest. bf16/fp16 keep the whole list (the tuning key includes the dtypes), or
+    its first config with OOMB_TRITON_AUTOTUNE=0 (float32 there too: the first that fits, as the pin
+    must compile)."""
     q = named_args.get("q_ptr")
     if getattr(q, "dtype", None) != torch.float32:
-        return configs
+        return configs if AUTOTUNE else configs[:1]
     block_d = kwargs.get("BLOCK_D") or named_args.get("BLOCK_D") or MAX_HEAD_DIM
 
     def staged_bytes(config: triton.Config) -> int:
