@@ -173,19 +173,11 @@ class ContextShard:
 
 def check_context_parallel(config, causal_lm) -> None:
     """Refuse, before any allocation, what context parallelism does not support yet (with why)."""
-    from .models import attention_variants  # here: oomb.models imports the attention package
-
-    sparse = config.attention == "sparse"
-    if sparse and config.resolved_sparse_score == "exact" and config.sparse_pooling == "softmax":
+    if config.attention == "sparse" and config.resolved_sparse_score == "exact" and config.sparse_pooling == "softmax":
         raise NotImplementedError(
             "context parallelism (parallel cp > 1) with sparse_score='exact' and sparse_pooling='softmax' is not "
             "supported: under cp the exact score runs rerank's code over every history page, which keeps the best "
             "row's probability; use sparse_pooling='max' (or 'softmax_max', the same for the exact score)")
-    if sparse and attention_variants(causal_lm)[0]:
-        raise NotImplementedError(
-            "context parallelism (parallel cp > 1) with attention='sparse' and attention logit softcapping "
-            f"({causal_lm.config.model_type}) is not supported: the context-parallel sparse attention "
-            "(oomb/attention/context_sparse.py) has no softcapping; use attention='dense'")
     if causal_lm.config.model_type == "gpt_oss":
         raise NotImplementedError(
             "context parallelism (parallel cp > 1) with attention sinks (gpt-oss) is not supported yet: the sink "

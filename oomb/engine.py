@@ -228,10 +228,6 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse")
     if context_parallel and config.attention == "sparse":
-        if softcap:  # before share_backend's functions are handed a softcap they do not take
-            raise NotImplementedError(f"context-parallel sparse attention (attention/context_sparse.py) does not "
-                                      f"support attention logit softcapping ({causal_lm.config.model_type}) yet; "
-                                      "use attention='dense' or one GPU")
         backend = share_backend(backend)
     return backend, split_documents, windows
 

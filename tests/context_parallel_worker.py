@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error
+from helpers import TINY, build_tiny_model, grads, hf_step, perturb_, random_ids, relative_error
+from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import oomb.engine
 from oomb import OOMBConfig, forward_backward
@@ -31,6 +32,26 @@ from oomb.parallel import full_tensor, setup_parallel
 CONFIG = OOMBConfig(chunk_size=16, page_size=8, backend="torch")
 STREAMED = replace(CONFIG, stream_block_pages=1)  # history windows of one page: cut at chunk boundaries
 TOKENS = 75  # 5 chunks of 16, the last one 11 tokens: a partial chunk and a partial page
+
+
+GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+              sliding_window=20)
+"""gemma2's options (as tests/test_families.py): strong caps, so that they matter; layer 0 slides, layer 1 is global."""
+GEMMA2_QUERY_GAIN = 40.0
+"""gemma2's query weights are scaled by this: random weights give scores far below its attention softcap."""
+
+
+def build_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """helpers.build_tiny_model, and a tiny gemma2 (attention logit softcapping) built the same way."""
+    if family != "gemma2":
+        return build_tiny_model(family, seed, **overrides)
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(Gemma2Config(**{**TINY, **GEMMA2, **overrides}))
+    perturb_(model, seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(GEMMA2_QUERY_GAIN)
+    return model
 
 
 def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -110,7 +131,7 @@ def variants(rank: int, world: int, device: torch.device, family: str, reference
         starts = [0, 27, 44]
         positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*starts[1:], tokens], strict=True)])
         kwargs["position_ids"] = positions.expand(batch, -1).to(device)
-    single = build_tiny_model(family).to(device)
+    single = build_model(family).to(device)
     with _SelectionSpy() as selections:
         want_loss = float(forward_backward(single, ids, config=reference, **kwargs))
     want = grads(single)
@@ -121,7 +142,7 @@ def variants(rank: int, world: int, device: torch.device, family: str, reference
         HostSlabs.mapped = lambda *args: None
     try:
         for name, config in configs.items():
-            model = build_tiny_model(family).to(device)
+            model = build_model(family).to(device)
             setup = setup_parallel(model, cp=world)
             with _StoreSpy() as stores, _SelectionSpy() as selections:
                 loss = float(forward_backward(model, ids, config=config, parallel=setup, **kwargs))
@@ -153,14 +174,14 @@ def context_parallel(rank: int, world: int, device: torch.device, family: str, *
         starts = [0, 21, 40]
         positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*starts[1:], tokens], strict=True)])
         kwargs["position_ids"] = positions.expand(batch, -1).to(device)
-    hf = build_tiny_model(family, **overrides).to(device)
+    hf = build_model(family, **overrides).to(device)
     hf_loss = None
     if not documents:
         hf_loss = float(hf_step(hf, ids, ids))
-    single = build_tiny_model(family, **overrides).to(device)
+    single = build_model(family, **overrides).to(device)
     want_loss = float(forward_backward(single, ids, config=config, **kwargs))
     want = grads(single)
-    model = build_tiny_model(family, **overrides).to(device)
+    model = build_model(family, **overrides).to(device)
     setup = setup_parallel(model, tp=tp, dp=dp, cp=world // (tp * dp))
     rows = slice(setup.dp_rank * batch // dp, (setup.dp_rank + 1) * batch // dp)
     kwargs = {name: value[rows] for name, value in kwargs.items()}
@@ -225,6 +246,8 @@ SCENARIOS = {
         rank, world, device, "llama", SPARSE,
         {"cp": SPARSE, "cp_offload": replace(SPARSE, offload=True, offload_resident_layers=1)},
         copy_runs=world == 3),
+    # Sparse with attention logit softcapping (gemma2): the cap in every rank's share of the keys.
+    "gemma2_sparse": lambda rank, world, device: variants(rank, world, device, "gemma2", SPARSE, {"cp": SPARSE}),
     # Other scores and options: minmax leak-free with shared groups of 2 blocks and packed documents;
     # the exact score; a budget covering the history (dense attention: against one dense process).
     "sparse_options": lambda rank, world, device: {

@@ -18,11 +18,11 @@ from oomb.kv.store import attention_windows
 GRAD_RTOL = 1e-5
 SCENARIOS_BY_WORLD = {
     2: ["llama_batch2", "qwen2_tied", "llama_documents", "mistral_window", "one_chunk", "refusals", "llama_offload",
-        "llama_sparse", "sparse_options"],
-    3: ["llama_batch2", "one_chunk", "llama_offload", "llama_sparse"],
+        "llama_sparse", "sparse_options", "gemma2_sparse"],
+    3: ["llama_batch2", "one_chunk", "llama_offload", "llama_sparse", "gemma2_sparse"],
     4: ["tp2_llama", "dp2_llama"],
 }
-VARIANT_SCENARIOS = ("llama_offload", "llama_sparse", "sparse_options")
+VARIANT_SCENARIOS = ("llama_offload", "llama_sparse", "sparse_options", "gemma2_sparse")
 """Scenarios of context_parallel_worker.variants: one reference, several cp configurations each."""
 
 
@@ -178,6 +178,18 @@ def test_sparse_scores_and_options_under_cp(world_results):
         assert len({res[name]["digest"] for res in ranks}) == 1, name
 
 
+def test_sparse_with_logit_softcapping_under_cp(world_results):
+    """gemma2 (attention logit softcapping, queries scaled so that the cap bends the scores; a window
+    layer read densely, a global one sparsely): the selections of one process, gradients within 1e-5
+    of it, the same on every rank."""
+    world, ranks = _variants(world_results, "gemma2_sparse")
+    for res in ranks:
+        assert res["reference"]["sparse_calls"] > 0
+        assert res["cp"]["error"] <= GRAD_RTOL, (world, res["cp"]["error"])
+        assert res["cp"]["selections"] == res["reference"]["selections"], world
+    assert len({res["cp"]["digest"] for res in ranks}) == 1
+
+
 # ---- ownership, without processes -----------------------------------------------------------------
 
 def test_owned_pages_partition_the_sequence():
@@ -223,11 +235,12 @@ def test_store_of_a_rank_holds_only_its_chunks():
     assert store.is_empty
 
 
-def test_ranks_sparse_shares_merge_into_the_sparse_attention():
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_ranks_sparse_shares_merge_into_the_sparse_attention(softcap):
     """attention/context_sparse.py without processes: each rank's partial attention over its selected
     pages (and the chunk, on its owner), merged in rank order, is reference_sparse's attention; the dQ
-    shares sum to its dQ and the ranks' dK/dV to its. Pages a rank does not hold are NaN in its pools:
-    never read, never written."""
+    shares sum to its dQ and the ranks' dK/dV to its, with and without logit softcapping. Pages a rank
+    does not hold are NaN in its pools: never read, never written."""
     from oomb.attention import context_sparse, reference_sparse
     from oomb.attention.reference import merge_window
 
@@ -242,10 +255,11 @@ def test_ranks_sparse_shares_merge_into_the_sparse_attention():
     selection = torch.stack([torch.randperm(8, generator=gen)[:3].sort().values for _ in range(B * Hkv * 2)])
     selection = selection.reshape(B, Hkv, 2, 3).to(torch.int32)
     scale = D ** -0.5
-    want, want_lse = reference_sparse.sparse_attention_forward(q, k_pool, v_pool, table, chunk.start, scale, selection)
+    want, want_lse = reference_sparse.sparse_attention_forward(q, k_pool, v_pool, table, chunk.start, scale, selection,
+                                                               softcap=softcap)
     want_dk, want_dv = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
     want_dq = reference_sparse.sparse_attention_backward(q, k_pool, v_pool, table, chunk.start, scale, selection,
-                                                         want, dout, want_lse, want_dk, want_dv)
+                                                         want, dout, want_lse, want_dk, want_dv, softcap=softcap)
     for size in (2, 3):
         shards = [ContextShard(r, size, chunk_size) for r in range(size)]
         pools, shares = [], []
@@ -256,7 +270,8 @@ def test_ranks_sparse_shares_merge_into_the_sparse_attention():
                 pool[table[:, ~held].flatten().long()] = float("nan")
             pools.append((k_r, v_r))
             shares.append(context_sparse.KeyShare(shard.owned_positions(selection, P), shard.owns(chunk.index)))
-        parts = [context_sparse.sparse_attention_forward(q, k_r, v_r, table, chunk.start, scale, selection, share=share)
+        parts = [context_sparse.sparse_attention_forward(q, k_r, v_r, table, chunk.start, scale, selection,
+                                                         softcap=softcap, share=share)
                  for (k_r, v_r), share in zip(pools, shares, strict=True)]
         out, lse = parts[0]
         for part in parts[1:]:
@@ -267,7 +282,7 @@ def test_ranks_sparse_shares_merge_into_the_sparse_attention():
         for (k_r, v_r), share in zip(pools, shares, strict=True):
             dk_r, dv_r = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
             dq += context_sparse.sparse_attention_backward(q, k_r, v_r, table, chunk.start, scale, selection, out,
-                                                           dout, lse, dk_r, dv_r, share=share)
+                                                           dout, lse, dk_r, dv_r, softcap=softcap, share=share)
             assert not dk_r.isnan().any() and not dv_r.isnan().any()
             dk, dv = dk + dk_r, dv + dv_r
         for got, expected in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):

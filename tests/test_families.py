@@ -443,11 +443,12 @@ def test_gemma2_refuses_cudnn_before_allocating(monkeypatch):
         oomb.forward_backward(build("gemma2"), random_ids(1, 64, seed=1), None, replace(CONFIG, backend="cudnn"))
 
 
-def test_context_parallel_sparse_refuses_softcapping():
-    """context_sparse.py's torch functions (sparse calls under context parallelism) have no softcap yet."""
-    with pytest.raises(NotImplementedError, match=r"context-parallel sparse .* logit softcapping \(gemma2\)"):
-        oomb.engine.attention_setup(build("gemma2"), replace(CONFIG, attention="sparse"), torch.device("cpu"),
-                                    TOKENS, None, context_parallel=True)
+def test_context_parallel_sparse_takes_softcapping():
+    """Sparse calls under context parallelism run context_sparse.py's functions, which cap logits like the
+    reference (their results against one process: tests/test_context_parallel.py)."""
+    backend, _, _ = oomb.engine.attention_setup(build("gemma2"), replace(CONFIG, attention="sparse"),
+                                                torch.device("cpu"), TOKENS, None, context_parallel=True)
+    assert backend.sparse_forward is oomb.attention.context_sparse.sparse_attention_forward
 
 
 @pytest.mark.parametrize(("config_cls", "model_cls", "options", "match"), [
