@@ -26,6 +26,7 @@ from oomb.tools.plan import (
     oomb_config_for,
     parse_tokens,
 )
+from oomb.training.config import LoraSection
 
 KIB = 1024
 QWEN7B = load_model_shape("qwen2.5-7b")
@@ -208,6 +209,15 @@ def test_cli_json_and_model_directory(tmp_path, capsys):
     dense = next(m for m in data["modes"] if m["mode"] == "dense")
     assert dense["fits"] and dense["largest_context"] > 65536
     assert sum(dense["gpu_bytes"].values()) / GIB == pytest.approx(dense["gpu_total_gib"], abs=1e-3)
+
+
+def test_cli_takes_train_s_names_for_the_model_and_lora(capsys):
+    """`oomb plan --preset M --lora` plans what `oomb train --preset M --lora` runs (LoRA at train's rank)."""
+    common = ["--context", "1M", "--gpu-gib", "139", "--host-gib", "125", "--json"]
+    rc = cli.main(["plan", "--preset", "qwen2.5-7b", "--lora", *common])
+    short = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", "--model", "qwen2.5-7b", "--lora-rank", str(LoraSection.r), *common]) == rc
+    assert short == json.loads(capsys.readouterr().out) and short["setup"]["lora_rank"] == LoraSection.r
 
 
 def test_cli_errors(capsys):

@@ -99,6 +99,9 @@ def test_print_config_applies_flags(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["lora"]["enabled"] is True and printed["data"]["seq_len"] == 1024
     assert printed["data"]["paths"] == ["a b.jsonl"] and printed["optim"]["lr"] == 2e-5
+    assert cli_main(["train", "--preset", "qwen2.5-7b", "--lora", "--seq-len", "1M", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["preset"] == "qwen2.5-7b" and printed["data"]["seq_len"] == 1 << 20
 
 
 def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path):

@@ -42,6 +42,7 @@ from ..memory import (
 )
 from ..training import presets
 from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
+from ..training.config import LoraSection
 from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
 SAFETY_MARGIN = 0.05
@@ -456,7 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb plan`."""
     defaults, setup = OOMBConfig(), TrainingSetup()
     offload, sparse = OffloadAssumptions(), SparseAssumptions()
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", "--preset", dest="model", required=True,
                         help=f"a local model directory or a preset: {', '.join(presets.PRESETS)}")
     parser.add_argument("--context", "--seq-len", dest="context", type=parse_tokens, default=DEFAULT_CONTEXT,
                         help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
@@ -475,6 +476,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="context-parallel GPUs per sequence: page memory per GPU (host memory with offload) "
                             "divided by about cp; --host-gib is then one rank's share of the host")
     group.add_argument("--lora-rank", type=int, default=0, help="LoRA on all linear layers (0: full fine-tuning)")
+    group.add_argument("--lora", dest="lora_rank", action="store_const", const=LoraSection.r,
+                       help=f"LoRA at oomb train's default rank ({LoraSection.r}), as `oomb train --lora`")
     group = parser.add_argument_group("oomb step (OOMBConfig; the chosen configuration keeps what is given here)")
     group.add_argument("--attention", choices=ATTENTION_MODES, default=defaults.attention,
                        help="mode of the chosen configuration (default dense; the table shows every mode)")

@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")
     parser.add_argument("--model", help="local Hugging Face model directory (model.path)")
+    parser.add_argument("--preset", help="a named model shape with random weights, e.g. qwen2.5-7b (model.preset; "
+                        "`oomb plan --help` lists them)")
     parser.add_argument("--data", action="append", metavar="PATH",
                         help="data file or folder: jsonl, parquet, text (data.paths; repeatable)")
     parser.add_argument("--seq-len", "--context", dest="seq_len", type=parse_tokens,
@@ -64,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
-    pairs = [("model.path", args.model), ("data.paths", args.data), ("data.seq_len", args.seq_len),
+    pairs = [("model.path", args.model), ("model.preset", args.preset), ("data.paths", args.data),
+             ("data.seq_len", args.seq_len),
              ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
              ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("parallel.cp", args.cp),
              ("lora.r", args.lora_rank),
