@@ -16,6 +16,9 @@
 #   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
+#   train_512k_bg    issue 19: train_512k started in its own process session (setsid), outliving the call; its
+#                    log, metrics and exit status land in /tmp/keep/train_512k (the dense 512K step takes ~9 min:
+#                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
@@ -59,6 +62,18 @@ for part in "$@"; do
           --cp-one-path --offload --out "$OUT/cp1_offload_128k.json"
       run 300 cp1_sparse_offload torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 32768 \
           --cp-one-path --offload --attention sparse --out "$OUT/cp1_sparse_offload_32k.json" ;;
+    train_512k_bg)
+      mkdir -p /tmp/keep/train_512k
+      setsid nohup bash -c "cd /tmp/src && PYTHONPATH=/tmp/src python -m oomb train --preset qwen2.5-7b --lora \
+          --seq-len 512K --steps 2 --output-dir /tmp/keep/train_512k/run --set logging.progress=false \
+          --set checkpoint.export=false --set checkpoint.every=0 >/tmp/keep/train_512k/train.log 2>&1; \
+          echo \$? >/tmp/keep/train_512k/exit" </dev/null >/dev/null 2>&1 &
+      sleep 60; tail -n 20 /tmp/keep/train_512k/train.log ;;
+    train_check)
+      mkdir -p "$OUT/train_512k"
+      cp /tmp/keep/train_512k/train.log /tmp/keep/train_512k/exit "$OUT/train_512k/" 2>/dev/null
+      cp /tmp/keep/train_512k/run/metrics.jsonl "$OUT/train_512k/" 2>/dev/null
+      tail -n 20 /tmp/keep/train_512k/train.log; cat /tmp/keep/train_512k/exit 2>/dev/null ;;
     train_512k | train_1m)
       len=${part#train_}; len=${len^^}
       run 590 "$part" python -m oomb train --set model.preset=qwen2.5-7b --lora --seq-len "$len" --steps 2 \
