@@ -323,10 +323,10 @@ def _make_store(
     options = store_options(causal_lm, batch, num_tokens, config, device, sparse, parallel)
     context = options["context"]
     own_tokens = num_tokens if context is None else context.owned_pages(num_tokens, config.page_size) * config.page_size
-    shape = PageShape(options["num_layers"], batch, own_tokens, options["num_kv_heads"], options["head_dim"],
-                      options["kv_dtype"])
-    _check_pages(shape, config, device, host_slabs)
     windows = window_store_options(causal_lm, num_tokens, context)
+    shape = PageShape(options["num_layers"], batch, own_tokens, options["num_kv_heads"], options["head_dim"],
+                      options["kv_dtype"], windows.get("window_layers", ()), windows.get("window", 0))
+    _check_pages(shape, config, device, host_slabs)
     if not config.offload:
         return PagedKVStore(**options, **windows, chunk_size=config.chunk_size)
     return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
@@ -357,8 +357,8 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
 
 def window_store_options(causal_lm, num_tokens: int, context=None) -> dict:
     """The window layers of the store (kv/store.py): every layer whose sliding window is shorter than
-    the step, without context parallelism. Without offload they get their own, bounded pages; with
-    offload they keep every page, as global layers, and stage only their windows' (kv/offload.py)."""
+    the step, without context parallelism. Without offload they get their own, bounded GPU pages; with
+    offload, bounded host slots (kv/window_slots.py), and they stage only their windows' pages."""
     windows = layer_windows(causal_lm)
     local = tuple(i for i, w in enumerate(windows) if w is not None and w < num_tokens)
     if not local or context is not None:

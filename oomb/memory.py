@@ -4,6 +4,7 @@
                          + one chunk's activations (+ one logits slice) + KV working set
                          + page summaries + page tables
     host RAM             = the process itself + (with offload) K, V and dK, dV pages of every token
+                           (window layers: of their window slots)
                            (+ sparse: the stored page selections of the offloaded layers)
 
 Five modes are modelled: plain Hugging Face ("hf": SDPA + gradient checkpointing + chunked loss, for
@@ -148,6 +149,9 @@ class ModelShape:
     with offload what they stage (see predict)."""
     sliding_window_layers: int = 0
     """Layers that attend within ``sliding_window`` (the rest are global)."""
+    sliding_layer_ids: tuple[int, ...] = ()
+    """Which layers slide (from ``layer_types``; mistral, phi3: all). With offload, which of them stay
+    resident matters (see window_layer_ids)."""
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShape:
@@ -175,11 +179,12 @@ class ModelShape:
         window = getattr(cfg, "sliding_window", None) or 0
         layer_types = getattr(cfg, "layer_types", None)
         if not window:
-            window_layers = 0
+            sliding = ()
         elif layer_types is not None:
-            window_layers = sum(kind == "sliding_attention" for kind in layer_types)
+            sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         else:  # mistral, phi3: every layer slides when sliding_window is set
-            window_layers = L if getattr(cfg, "use_sliding_window", True) else 0
+            sliding = tuple(range(L)) if getattr(cfg, "use_sliding_window", True) else ()
+        window_layers = len(sliding)
         return cls(L, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                    cfg.num_key_value_heads, head_dim, cfg.vocab_size,
                    bool(getattr(cfg, "tie_word_embeddings", False)), bias,
@@ -187,7 +192,15 @@ class ModelShape:
                    norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
                    qk_norm_params=qk_norm, attention_sinks=model_type == "gpt_oss",
                    logit_softcap=bool(getattr(cfg, "attn_logit_softcapping", None)),
-                   sliding_window=window if window_layers else 0, sliding_window_layers=window_layers, **moe)
+                   sliding_window=window if window_layers else 0, sliding_window_layers=window_layers,
+                   sliding_layer_ids=sliding, **moe)
+
+    def window_layer_ids(self) -> tuple[int, ...]:
+        """The sliding layers: ``sliding_layer_ids`` when it names ``sliding_window_layers`` layers, else
+        (a count alone) the first that many, which with resident layers offloads the fewest of them."""
+        if len(self.sliding_layer_ids) == self.sliding_window_layers:
+            return self.sliding_layer_ids
+        return tuple(range(self.sliding_window_layers))
 
     @property
     def cudnn_refuses(self) -> str | None:
@@ -664,10 +677,11 @@ def predict(
     at most the tails of the chunks before the current one (their last W - 1 keys, which later chunks'
     windows read in both stages, rounded up to pages and at most the chunk) plus the current chunk, so
     a window layer costs about (W - 1) / C of a global layer's pages per token (no saving when W - 1 >= C),
-    and no page summaries. With offload window layers keep every page in host memory for the whole
-    step, like global layers, stage only the ceil((W - 1) / P) pages before a chunk that its window
-    overlaps (kv/offload.py; when every layer slides the staging slots shrink to that, or to a chunk),
-    and keep no page summaries either. Under context parallelism they are global layers.
+    and no page summaries. With offload the offloaded window layers keep the same count of pages in
+    host slots (kv/window_slots.py; resident window layers keep every page on the GPU, like global
+    ones), stage only the ceil((W - 1) / P) pages before a chunk that its window overlaps (kv/offload.py;
+    when every layer slides the staging slots shrink to that, or to a chunk), and keep no page summaries
+    either. Under context parallelism they are global layers.
     (oomb's speed estimates do not count attention FLOPs, so windows change no speed prediction.)
 
     Mixtures of experts (``shape.num_experts``): weights, gradients and optimizer state count every
@@ -754,11 +768,12 @@ def predict(
             staged = B * min(own_pages // B, union) + chunk_pages
             gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages) * page_bytes
         # Host: K, V, dK, dV of every token (context parallel: of the rank's chunks) of the offloaded
-        # layers, pinned: the footprint the engine checks before allocating (kv/capacity.py).
-        page_shape = capacity.PageShape(L, B, own_tokens, shape.num_kv_heads, shape.head_dim, setup.dtype)
+        # global layers, and of the window slots of the offloaded window layers (their chunk tails and
+        # one chunk, kv/window_slots.py), pinned: the footprint the engine checks before allocating.
+        page_shape = capacity.PageShape(L, B, own_tokens, shape.num_kv_heads, shape.head_dim, setup.dtype,
+                                        shape.window_layer_ids() if windowed else (), shape.sliding_window)
         offload_config = replace(config, offload=True, offload_resident_layers=resident)
-        host["KV pages"], host["KV grad pages"] = capacity.page_bytes(
-            page_shape, offload_config, capacity.offloaded_layers(page_shape, offload_config))
+        host["KV pages"], host["KV grad pages"] = capacity.host_page_bytes(page_shape, offload_config)
     else:
         # Window layers shorter than the step have their own pages without offload (kv/store.py):
         # the last W - 1 keys of every chunk before the current one, plus that chunk.

@@ -25,6 +25,8 @@ from oomb.attention.variants import SinkGradient, check_backend_supports, layer_
 from oomb.documents import resolve_documents, window_bounds
 from oomb.kv import PagedKVStore, split_into_chunks
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
+from oomb.kv.store import window_pages_per_sequence
+from oomb.memory import ModelShape, OffloadAssumptions, TrainingSetup, predict
 from oomb.models import layer_windows
 
 GRAD_RTOL = 1e-5
@@ -204,13 +206,16 @@ class _RecordingOffload(OffloadedKVStore):
     ("gemma3_text", 75, 32, 0, False),  # longer than two chunks
     ("gemma3_text", WINDOW, 32, 0, True),  # packed documents cut some windows shorter, the windows others
     ("gpt_oss", 6, 64, 0, False),  # within a page; sinks
+    ("gpt_oss", 75, 32, 1, False),  # longer than two chunks, the first window layer resident
     ("mistral", WINDOW, 32, 0, False),  # every layer slides, history blocks of 16 pages: slots shrink
 ])
 def test_offloaded_window_layers_stage_only_their_windows_bitwise(family, window, chunk_size, resident, documents,
                                                                   monkeypatch):
     """With offload a window layer stages, per call, only the pages its chunk's window overlaps
     ([chunk start - (W - 1), chunk end), in stage 1 and in both calls of stage 2), and only those pages'
-    gradients go back to the host; global layers stage every earlier page. The step equals the one
+    gradients go back to the host; global layers stage every earlier page. Their host pages are window
+    slots (kv/window_slots.py: the chunk tails before a chunk plus that chunk), as many as their GPU pages
+    without offload, and the planner predicts the host slabs' bytes exactly. The step equals the one
     without offload (window layers with their own pages) bit for bit. Batch 2, history blocks of 2
     pages (so a window's pages are split among blocks), mistral's of 16."""
     _RecordingOffload.created = []
@@ -248,11 +253,43 @@ def test_offloaded_window_layers_stage_only_their_windows_bitwise(family, window
         assert on_host == written, (layer, window)
         if window is not None and window < chunk_size:  # pages no window reaches are never staged
             assert len(written) < starts[max(starts)] // P
+    # Host memory: every page of the offloaded global layers, the window slots of the offloaded window layers.
+    offloaded = range(resident, len(layer_kinds))
+    windowed = [layer for layer in offloaded if layer_kinds[layer] is not None]
+    longest = max(w for w in layer_kinds if w is not None)  # (``window`` was reused above)
+    slots = window_pages_per_sequence(TOKENS, chunk_size, P, longest)
+    assert store.window_host["k"].shape[:3] == (len(windowed), 2, slots)
+    assert store.host["k"].shape[:3] == (len(offloaded) - len(windowed), 2, -(-TOKENS // P))
+    if longest < chunk_size:  # the tails are shorter than the chunks: fewer slots than pages
+        assert slots < -(-TOKENS // P)
+    assert store.is_empty and store.window_slots.num_used == 0
+    host_bytes = sum(t.nbytes for t in (*store.host.values(), *store.window_host.values()))
+    plan = predict("dense+offload", ModelShape.from_hf_config(model.config), TOKENS, config,
+                   TrainingSetup(dtype=torch.float32, batch_size=2),
+                   offload=OffloadAssumptions(resident_layers=resident))
+    assert plan.host["KV pages"] + plan.host["KV grad pages"] == host_bytes
     if family == "mistral":  # every offloaded layer slides: slots of a window's pages (5), not a block's (16)
         assert store.history_block_pages() == -(-(window - 1) // P) == 5
         assert store.slot_pages == 5
     else:
         assert store.slot_pages == max(block, chunk_size // P)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_offloaded_window_heads_are_rewritten_and_slots_reused_across_steps_bitwise(checkpoint_layers):
+    """Chunks longer than the windows: an offloaded window layer's head pages are stored on the host only
+    in stage 2, from the recomputed k, v (once per chunk: a checkpoint's replay does not store again).
+    Two steps of different lengths share the slabs (stale slots from the first step are never read)
+    and equal steps without offload bit for bit."""
+    model = build("gemma3_text", seed=13, sliding_window=17)
+    config = replace(SHORT, checkpoint_layers=checkpoint_layers, stream_block_pages=2)
+    slabs = HostSlabs(pin=False)
+    for tokens, seed in ((TOKENS, 13), (TOKENS - 40, 14)):
+        ids = random_ids(2, tokens, seed=seed)
+        want_loss, want = oomb_step(model, ids, config)
+        got_loss, got = oomb_step(model, ids, replace(config, offload=True), host_slabs=slabs)
+        assert torch.equal(got_loss, want_loss) and all(torch.equal(got[name], want[name]) for name in want)
+    assert slabs.allocations == 8  # four kinds, global and window slabs, sized by the longer first step
 
 
 def test_offloaded_window_layers_in_sparse_mode_keep_no_summaries_bitwise(monkeypatch):

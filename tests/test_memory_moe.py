@@ -179,30 +179,42 @@ def test_preset_shapes():
     assert qwen.active_params() == pytest.approx(3.3e9, rel=0.03)  # "A3B"
 
 
-def test_window_layers_keep_their_tails_without_offload():
-    """Without offload a window layer keeps only the tails (last W - 1 keys) of the chunks before the
-    current one plus that chunk (kv/store.py); with offload its pages stay for the whole step."""
+def test_window_layers_keep_their_tails_with_and_without_offload():
+    """A window layer keeps only the tails (last W - 1 keys) of the chunks before the current one plus
+    that chunk: without offload on the GPU (kv/store.py), with offload in host slots (kv/window_slots.py),
+    where resident window layers keep every page on the GPU, like global ones."""
     from dataclasses import replace
 
-    from oomb.memory import _page_bytes
+    from oomb.memory import OffloadAssumptions, _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
+    assert gemma.window_layer_ids() == tuple(i for i in range(48) if i % 6 != 5)  # five local : one global
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
-    a, b = predict("dense+offload", gemma, 1 << 20), predict("dense+offload", all_global, 1 << 20)
-    assert a.gpu == b.gpu and a.host == b.host
     config = OOMBConfig()
     page = _page_bytes(gemma, 128, torch.bfloat16, config.grad_dtype)
     for tokens in (1 << 17, 1 << 20):
         chunks = tokens // 4096
-        want = (8 * tokens // 128 + 40 * (8 * (chunks - 1) + 32)) * page  # tails of ceil(1023 / 128) = 8 pages
+        tails = 8 * (chunks - 1) + 32  # tails of ceil(1023 / 128) = 8 pages, plus a chunk of 32
+        want = (8 * tokens // 128 + 40 * tails) * page
         assert predict("dense", gemma, tokens).gpu["KV working set"] == want
         assert predict("dense", all_global, tokens).gpu["KV working set"] == 48 * tokens // 128 * page
+        a, b = predict("dense+offload", gemma, tokens), predict("dense+offload", all_global, tokens)
+        assert a.gpu == b.gpu
+        assert a.host["KV pages"] + a.host["KV grad pages"] == want
+        assert b.host["KV pages"] + b.host["KV grad pages"] == 48 * tokens // 128 * page
+        # Six resident layers (five of them slide) keep every page on the GPU: 35 window layers offloaded.
+        six = predict("dense+offload", gemma, tokens, offload=OffloadAssumptions(resident_layers=6))
+        assert six.host["KV pages"] + six.host["KV grad pages"] == (7 * tokens // 128 + 35 * tails) * page
+    # A count of window layers without their ids: the first ones slide (the fewest offloaded).
+    counted = replace(gemma, sliding_layer_ids=())
+    assert counted.window_layer_ids() == tuple(range(40))
     assert gemma.kv_bytes_per_token(torch.bfloat16) == 48 * 2 * 8 * 256 * 2
 
 
 def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
-    """With offload window layers keep every page on the host (as global layers), keep no page summaries,
-    and when every layer slides the staging slots hold a chunk or a window, not a 256-page block."""
+    """With offload window layers keep their tails on the host (fewer pages than global layers), keep no
+    page summaries, and when every layer slides the staging slots hold a chunk or a window, not a 256-page
+    block."""
     from dataclasses import replace
 
     from oomb.memory import OffloadAssumptions, SparseAssumptions, _page_bytes
@@ -212,7 +224,8 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     tokens = 1 << 20
     no_selection = SparseAssumptions(store_selection=False)  # the summaries alone
     mixed, plain = (predict("sparse+offload", shape, tokens, sparse=no_selection) for shape in (gemma, all_global))
-    assert mixed.host == plain.host and mixed.gpu["KV working set"] == plain.gpu["KV working set"]
+    assert mixed.host["KV pages"] < plain.host["KV pages"] and mixed.gpu["KV working set"] == plain.gpu[
+        "KV working set"]
     assert mixed.gpu["page summaries"] * 48 == plain.gpu["page summaries"] * 8 > 0  # the 8 global layers'
     # Every layer slides (window 1024: 8 pages of history): slots of a chunk (32 pages), not a block (256).
     sliding = replace(gemma, sliding_window_layers=48)

@@ -151,7 +151,16 @@ def test_window_layers_stage_only_their_windows_and_write_back_only_their_gradie
             if layer == 0 and chunk.index:  # (no window_history_starts: the window's own first page)
                 assert windows == [(chunk.start - 4, chunk.start), (chunk.start, chunk.end)]
     assert staged == {0: [0, 1, 1, 1, 1], 1: [0, 2, 4, 6, 8]}
+    # Layer 0's host pages: the tails (its last page, the one the next window reaches) of the chunks
+    # before the current one, plus that chunk: 4 + 2 slots per sequence, not 10; layer 1 keeps all 10.
+    assert store.window_host["k"].shape[:3] == (1, 2, 6) and store.host["k"].shape[:3] == (1, 2, 10)
+    assert store.window_slots.num_used == 4  # stage 1 stores only the tails (the last chunk has none)
     for chunk in reversed(chunks):  # stage 2: forward, then backward, of both layers
+        store.refill(chunk)  # layer 0's head: slots, filled by the recomputed k, v before its attention
+        with pytest.raises(RuntimeError, match="never written"):
+            list(store.stream(0, chunk, grads=False))
+        for layer in range(2):
+            store.rewrite(layer, chunk, *_kv(2, 8, chunk.index))  # (layer 1: nothing to do)
         for backward in (False, True):
             for layer in range(2):
                 list(attend(layer, chunk, backward))

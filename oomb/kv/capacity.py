@@ -1,8 +1,9 @@
 """Will a step's pages fit? Checked before anything is allocated, and reused by the planner.
 
 A step's pages (K, V, dK, dV of every token and layer) go to the GPU, or with offload to pinned
-host memory. When they do not fit, the step stops before allocating with the bytes needed and
-available and the options that would fit (bf16 page gradients, offload, both).
+host memory (offloaded sliding-window layers: only their window slots, kv/window_slots.py). When they
+do not fit, the step stops before allocating with the bytes needed and available and the options that
+would fit (bf16 page gradients, offload, both).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import OOMBConfig
+from .store import window_pages_per_sequence
 
 GIB = 1024**3
 HEADROOM = 0.95
@@ -40,6 +42,11 @@ class PageShape:
     num_kv_heads: int
     head_dim: int
     kv_dtype: torch.dtype
+    window_layers: tuple[int, ...] = ()
+    """The layers with their own sliding-window pages (engine.window_store_options; none under context
+    parallelism): offloaded, they keep host slots of their window, not of every token."""
+    window: int = 0
+    """Their (largest) sliding window, when ``window_layers``."""
 
 
 def page_bytes(shape: PageShape, config: OOMBConfig, num_layers: int) -> tuple[int, int]:
@@ -54,11 +61,26 @@ def offloaded_layers(shape: PageShape, config: OOMBConfig) -> int:
     return shape.num_layers - min(config.offload_resident_layers, shape.num_layers) if config.offload else 0
 
 
+def host_page_bytes(shape: PageShape, config: OOMBConfig) -> tuple[int, int]:
+    """(K + V bytes, dK + dV bytes) of the host tier (kv/offload.py ``reserve_host_slabs``): every page
+    of the offloaded global layers, and ``window_pages_per_sequence`` slots per sequence of the offloaded
+    window layers (their chunk tails and one chunk, kv/window_slots.py)."""
+    host_layers = offloaded_layers(shape, config)
+    windowed = sum(layer >= shape.num_layers - host_layers for layer in shape.window_layers) if host_layers else 0
+    kv, grad = page_bytes(shape, config, host_layers - windowed)
+    if windowed:
+        slots = window_pages_per_sequence(shape.num_tokens, config.chunk_size, config.page_size, shape.window)
+        window_kv, window_grad = page_bytes(replace(shape, num_tokens=slots * config.page_size), config, windowed)
+        kv, grad = kv + window_kv, grad + window_grad
+    return kv, grad
+
+
 def page_footprint(shape: PageShape, config: OOMBConfig) -> PageFootprint:
-    """Pool bytes of a step (not the GPU staging buffers of offload, which do not grow with context)."""
+    """Pool bytes of a step (not the GPU staging buffers of offload, which do not grow with context).
+    Without offload window layers are counted with every page (their own pool is smaller: kv/store.py)."""
     host_layers = offloaded_layers(shape, config)
     return PageFootprint(gpu=sum(page_bytes(shape, config, shape.num_layers - host_layers)),
-                         host=sum(page_bytes(shape, config, host_layers)))
+                         host=sum(host_page_bytes(shape, config)))
 
 
 def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, host_free: int | None) -> None:

@@ -5,6 +5,7 @@ the GPU (kv/store.py); every other layer's pages live in the host tier below, ad
 position, not page id::
 
     host k, v, dk, dv   (layers, B, max_pages, Hkv, P, D)   four pinned slabs, reused across steps
+    window k, v, dk, dv (window layers, B, slots, Hkv, P, D)  offloaded sliding-window layers' (below)
     GPU staging slots   stream_buffers x (B * slot_pages, Hkv, P, D) for k, v, dk, dv
 
 A dense attention call reads its chunk's key windows (kv/store.py ``attention_windows``: history
@@ -32,12 +33,18 @@ A sliding-window layer (``window_layers``, kv/store.py) stages only the pages it
 overlaps, [chunk start - (W - 1), chunk end) rounded out to pages, in both stages: its history windows
 start at its window (``window_history_starts``), and in stage 2 only those pages' gradients go back to
 the host (a chunk's pages no later window reaches load zero gradients for its own call: none was
-added). The kernels see a page table of the staged layout, as for any window. Its host pages are kept
-for the whole step, like a global layer's, and it keeps no page summaries (sparse mode reads windows
-densely). When every offloaded layer slides, the staging slots shrink to a chunk or a window's pages.
+added). The kernels see a page table of the staged layout, as for any window. Its host pages are
+window slots (kv/window_slots.py), as many as its GPU pages without offload: stage 1 stores only the
+chunk's tail (the last W - 1 keys, all later windows read of it; its own attention reads the head from
+the GPU tensors), ``refill`` gives the head slots back before stage 2 recomputes the chunk and
+``rewrite`` stores the recomputed k, v there before its attention stages them (the values stage 1
+computed, as without offload), ``free`` returns head and tail. It keeps no page summaries (sparse mode
+reads windows densely). When every offloaded layer slides, the staging slots shrink to a chunk or a
+window's pages.
 
-In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored), so the attention
-reads exactly the values of the GPU tier: gradients are bit-identical with and without offload.
+In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored; a window layer's head:
+what ``rewrite`` stored), so the attention reads exactly the values of the GPU tier: gradients are
+bit-identical with and without offload.
 On CPU (tests) the same bookkeeping runs with ordinary tensors and synchronous copies.
 
 Under context parallelism (oomb/context_parallel.py) each rank's slabs hold only its own chunks'
@@ -60,7 +67,8 @@ import torch
 from ..attention.reference_sparse import shared_by_all_blocks
 from .host_slabs import HostSlabs
 from .mapped import index_tensor, rows_of
-from .store import ChunkSpan, PagedKVStore, WindowView
+from .store import ChunkSpan, PagedKVStore, WindowView, split_into_chunks, window_pages_per_sequence
+from .window_slots import WindowSlots
 
 if TYPE_CHECKING:
     from ..context_parallel import ContextShard
@@ -68,6 +76,8 @@ if TYPE_CHECKING:
 __all__ = ["HostSlabs", "OffloadedKVStore", "reserve_host_slabs"]
 
 KINDS = ("k", "v", "dk", "dv")
+WINDOW_SLAB = "window_"
+"""Prefix of the window layers' slab names in HostSlabs ("window_k", ...)."""
 
 
 @dataclass
@@ -94,7 +104,23 @@ class OffloadedKVStore(PagedKVStore):
         template = store_options
         B, P = self.batch_size, self.page_size
         Hkv, D = template["num_kv_heads"], template["head_dim"]
-        self.host = reserve_host_slabs(slabs, resident_layers=resident_layers, **store_options)
+        tiers = reserve_host_slabs(slabs, resident_layers=resident_layers, chunk_size=chunk_size, **store_options)
+        self.host = {kind: tiers[kind] for kind in KINDS}  # global layers: (layers, B, pages, Hkv, P, D)
+        self.window_host = {kind: tiers[WINDOW_SLAB + kind] for kind in KINDS if WINDOW_SLAB + kind in tiers}
+        """Offloaded window layers: (layers, B, window slots, Hkv, P, D), bounded by their window (module
+        docstring); empty without them."""
+        offloaded = range(self.resident, self.num_layers)
+        self._window_indices = [layer - self.resident for layer in offloaded if layer in self.window_layers]
+        global_indices = [layer - self.resident for layer in offloaded if layer not in self.window_layers]
+        self._tier_rows = {index: (self.host, row) for row, index in enumerate(global_indices)}
+        self._tier_rows.update({index: (self.window_host, row) for row, index in enumerate(self._window_indices)})
+        """Offloaded layer index -> its tier's tensors and its row in them."""
+        self.window_slots = None
+        if self._window_indices:
+            chunks = split_into_chunks(store_options["num_tokens"], chunk_size)
+            self.window_slots = WindowSlots(chunks, [self.tail_start(chunk) for chunk in chunks], P)
+            assert self.window_slots.capacity == self.window_host["k"].shape[2], "window slots differ from slabs"
+        self._host_refilled: set[int] = set()  # stage 2: chunks whose window-layer heads wait for ``rewrite``
         self.host_pages = self.host["k"].shape[2]  # per sequence: all, or this cp rank's (module docstring)
         # Sparse mode gathers selected pages with kernels that read the host tensors in place (None:
         # the device cannot address them; copies per run of pages instead, kv/mapped.py).
@@ -175,20 +201,81 @@ class OffloadedKVStore(PagedKVStore):
             return list(positions)
         return [self.context.local_page(p, self.page_size) for p in positions]
 
+    def _host_layer(self, kind: str, index: int) -> torch.Tensor:
+        """Offloaded layer ``index``'s host tensor of ``kind``: (B, pages or window slots, Hkv, P, D)."""
+        tier, row = self._tier_rows[index]
+        return tier[kind][row]
+
+    def _host_runs(self, index: int, first: int, last: int) -> list[tuple[int, int, slice]]:
+        """The page positions [first, last) of offloaded layer ``index`` as runs (start, stop, where in
+        its host tensor): one run for a global layer; a window layer's follow its slots (module docstring)."""
+        if index not in self._window_indices:
+            return [(first, last, self._host_range(first, last))] if last > first else []
+        return [(start, stop, slice(slot, slot + stop - start))
+                for start, stop, slot in self.window_slots.runs(first, last)]
+
+    def _store_pages(self, index: int, chunk_first: int, start: int, stop: int, pages: dict[str, torch.Tensor]) -> None:
+        """Copy positions [start, stop) of a chunk's (B * n, Hkv, P, D) pages (n from ``chunk_first``) to
+        offloaded layer ``index``'s host tensors, on the copy stream after the compute that made them."""
+        n = next(iter(pages.values())).shape[0] // self.batch_size
+        with self._on_copy_stream(after_compute=True):
+            for lo, hi, host in self._host_runs(index, start, stop):
+                for b in range(self.batch_size):
+                    rows = slice(b * n + lo - chunk_first, b * n + hi - chunk_first)
+                    for kind, x in pages.items():
+                        self._host_layer(kind, index)[b, host].copy_(x[rows], non_blocking=True)
+        self._keep_alive(*pages.values())
+        self.kv_on_host[index, start:stop] = True
+
     # --- page lifetime --------------------------------------------------------------------------
     def allocate(self, chunk: ChunkSpan) -> None:
         super().allocate(chunk)
         first, last = self._page_range(chunk)
         self.kv_on_host[:, first:last] = False
         self.grad_on_host[:, first:last] = False
+        if self.window_slots is not None:  # window layers: host slots for the tail only (stage 1 stores no head)
+            self.window_slots.take(self.tail_start(chunk), last)
+
+    def refill(self, chunk: ChunkSpan) -> None:
+        """Stage 2, before the chunk's recompute: host slots for the offloaded window layers' head pages,
+        which ``rewrite`` fills from the recomputed k, v (module docstring)."""
+        super().refill(chunk)
+        first, _ = self._page_range(chunk)
+        tail = self.tail_start(chunk) if self.window_slots is not None else first
+        if tail > first:
+            self.window_slots.take(first, tail)
+            self.kv_on_host[self._window_indices, first:tail] = False
+            self.grad_on_host[self._window_indices, first:tail] = False  # no later window reaches a head
+            self._host_refilled.add(chunk.index)
+
+    def rewrite(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stage 2: an offloaded window layer's recomputed (B, Hkv, L, D) k, v of the chunk go to its head's
+        host slots, before its attention stages them (stage 1 wrote the same values, DESIGN.md section 2)."""
+        index = self._offloaded(layer)
+        if index is None or index not in self._window_indices or chunk.index not in self._host_refilled:
+            return super().rewrite(layer, chunk, k, v)
+        first, _ = self._page_range(chunk)
+        pages = {kind: self._to_pages(x.detach()).to(self.window_host[kind].dtype)
+                 for kind, x in (("k", k), ("v", v))}
+        self._store_pages(index, first, first, self.tail_start(chunk), pages)
 
     def free(self, chunk: ChunkSpan) -> None:
         super().free(chunk)
         for key in [key for key in self._selection_copied if key[0] == chunk.index]:
             del self._selection_copied[key]
+        if self.window_slots is not None:
+            self.window_slots.release(*self._page_range(chunk))
+            self._host_refilled.discard(chunk.index)
+
+    @property
+    def is_empty(self) -> bool:
+        return super().is_empty and (self.window_slots is None or self.window_slots.num_used == 0)
 
     def free_all(self) -> None:
         super().free_all()
+        if self.window_slots is not None:
+            self.window_slots.release(0, self.max_pages_per_seq)
+            self._host_refilled.clear()
         self._selection_copied.clear()
         self._prefetched = None
         self._fresh_kv.clear()
@@ -202,7 +289,6 @@ class OffloadedKVStore(PagedKVStore):
         if index is None:
             return super().write(layer, chunk, k, v)
         first, last = self._page_range(chunk)
-        n = last - first
         k_pages = self._to_pages(k).to(self.host["k"].dtype)  # (B * n, Hkv, P, D), zero-padded tail
         self._write_summaries(self.offloaded_summaries[index], chunk, k_pages)
         if not self.owns(chunk):  # context parallel: another rank keeps the pages; the summaries are ours too
@@ -210,13 +296,9 @@ class OffloadedKVStore(PagedKVStore):
             return
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
         self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
-        host = self._host_range(first, last)
-        with self._on_copy_stream(after_compute=True):
-            for b in range(self.batch_size):
-                self.host["k"][index, b, host].copy_(k_pages[b * n:(b + 1) * n], non_blocking=True)
-                self.host["v"][index, b, host].copy_(v_pages[b * n:(b + 1) * n], non_blocking=True)
-        self._keep_alive(k_pages, v_pages)
-        self.kv_on_host[index, first:last] = True
+        # A window layer stores only the chunk's tail: its own attention reads the head from the GPU.
+        start = self.tail_start(chunk) if index in self._window_indices else first
+        self._store_pages(index, first, start, last, {"k": k_pages, "v": v_pages})
 
     # --- streaming windows ----------------------------------------------------------------------
     def stream(self, layer: int, chunk: ChunkSpan, grads: bool, whole_history: bool = False) -> Iterator[WindowView]:
@@ -317,16 +399,18 @@ class OffloadedKVStore(PagedKVStore):
         if not bool(self.kv_on_host[index, first:last].all()):
             raise RuntimeError(f"pages {first}..{last - 1} of offloaded layer {index + self.resident} were never "
                                "written: stage 1 must store a chunk before any attention reads it")
-        grad_valid = self.grad_on_host[index, first:last]
-        host = self._host_range(first, last)
+        runs = self._host_runs(index, first, last)
         with self._on_copy_stream(after_compute=False, wait=slot.released):
-            for b in range(self.batch_size):
-                rows = slice(b * self.slot_pages, b * self.slot_pages + n)
-                slot.k[rows].copy_(self.host["k"][index, b, host], non_blocking=True)
-                slot.v[rows].copy_(self.host["v"][index, b, host], non_blocking=True)
-                if grads:
-                    for kind in ("dk", "dv"):
-                        _load_grads(getattr(slot, kind)[rows], self.host[kind][index, b, host], grad_valid)
+            for lo, hi, host in runs:
+                grad_valid = self.grad_on_host[index, lo:hi]
+                for b in range(self.batch_size):
+                    rows = slice(b * self.slot_pages + lo - first, b * self.slot_pages + hi - first)
+                    slot.k[rows].copy_(self._host_layer("k", index)[b, host], non_blocking=True)
+                    slot.v[rows].copy_(self._host_layer("v", index)[b, host], non_blocking=True)
+                    if grads:
+                        for kind in ("dk", "dv"):
+                            _load_grads(getattr(slot, kind)[rows], self._host_layer(kind, index)[b, host],
+                                        grad_valid)
             if slot.loaded is not None:
                 slot.loaded.record(self.copy_stream)
         return slot, self._window_table(first, last, self.slot_pages)
@@ -342,12 +426,13 @@ class OffloadedKVStore(PagedKVStore):
             if slot.released is not None:
                 slot.released.record(torch.cuda.current_stream(self.device))
             return
-        host = self._host_range(first, last)
+        runs = self._host_runs(index, first, last)
         with self._on_copy_stream(after_compute=True):
-            for b in range(self.batch_size):
-                rows = slice(b * self.slot_pages, b * self.slot_pages + n)
-                self.host["dk"][index, b, host].copy_(slot.dk[rows], non_blocking=True)
-                self.host["dv"][index, b, host].copy_(slot.dv[rows], non_blocking=True)
+            for lo, hi, host in runs:
+                for b in range(self.batch_size):
+                    rows = slice(b * self.slot_pages + lo - first, b * self.slot_pages + hi - first)
+                    self._host_layer("dk", index)[b, host].copy_(slot.dk[rows], non_blocking=True)
+                    self._host_layer("dv", index)[b, host].copy_(slot.dv[rows], non_blocking=True)
             if slot.released is not None:
                 slot.released.record(self.copy_stream)
         self.grad_on_host[index, first:last] = True
@@ -563,7 +648,7 @@ class OffloadedKVStore(PagedKVStore):
         on_host = self.grad_on_host[index, positions]
         stale = [b * n + j for b in range(B) for j in torch.nonzero(~on_host).flatten().tolist()]
         for kind, pages in staged.items():
-            host = rows_of(self.mapped_host[kind][index].flatten(0, 1))  # a row per (sequence, position)
+            host = rows_of(self._mapped_layer(kind, index).flatten(0, 1))  # a row per (sequence, position)
             if kind in ("dk", "dv") and not bool(on_host.any()):
                 pages.zero_()  # accumulation begins here: nothing to read
                 continue
@@ -573,6 +658,11 @@ class OffloadedKVStore(PagedKVStore):
                 rows_of(pages).index_copy_(0, target, host.index_select(0, source))
             if kind in ("dk", "dv") and stale:
                 pages.index_fill_(0, index_tensor(stale, self.device), 0)
+
+    def _mapped_layer(self, kind: str, index: int) -> torch.Tensor:
+        """What ``_host_layer`` gives, as kernels read it in place (global layers: sparse mode only)."""
+        assert index not in self._window_indices, "window layers read their windows densely, never gathered"
+        return self.mapped_host[kind][self._tier_rows[index][1]]
 
     def _rows(self, stride: int, positions) -> torch.Tensor:
         """Indices of ``positions`` in every sequence's block of ``stride`` rows (host slabs flattened
@@ -586,7 +676,7 @@ class OffloadedKVStore(PagedKVStore):
             for b in range(self.batch_size):
                 rows = slice(b * n + column, b * n + column + stop - start)
                 for kind, pages in staged.items():
-                    source = self.host[kind][index, b, self._host_range(start, stop)]
+                    source = self._host_layer(kind, index)[b, self._host_range(start, stop)]
                     if kind in ("dk", "dv"):
                         _load_grads(pages[rows], source, self.grad_on_host[index, start:stop])
                     else:
@@ -605,7 +695,7 @@ class OffloadedKVStore(PagedKVStore):
                 target = self._rows(self.host_pages, self._host_positions(history))
                 source = self._rows(n, range(len(history)))
                 for kind in ("dk", "dv"):
-                    host = self.mapped_host[kind][index].flatten(0, 1)
+                    host = self._mapped_layer(kind, index).flatten(0, 1)
                     rows_of(host).index_copy_(0, target, rows_of(pages[kind]).index_select(0, source))
             elif staged.runs is not None:
                 for start, stop, column in staged.runs:
@@ -614,8 +704,8 @@ class OffloadedKVStore(PagedKVStore):
                     host = self._host_range(start, stop)
                     for b in range(B):
                         rows = slice(b * n + column, b * n + column + stop - start)
-                        self.host["dk"][index, b, host].copy_(pages["dk"][rows], non_blocking=True)
-                        self.host["dv"][index, b, host].copy_(pages["dv"][rows], non_blocking=True)
+                        self._host_layer("dk", index)[b, host].copy_(pages["dk"][rows], non_blocking=True)
+                        self._host_layer("dv", index)[b, host].copy_(pages["dv"][rows], non_blocking=True)
         self.grad_on_host[index, history] = True
 
 
@@ -661,15 +751,25 @@ def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> li
 
 def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: int, batch_size: int,
                        num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
-                       grad_dtype: torch.dtype, context: ContextShard | None = None, **_) -> dict[str, torch.Tensor]:
-    """The host tensors (layers, B, pages, Hkv, P, D) of a step, taken from ``slabs``: pages = every
-    page of a sequence, or with ``context`` this context-parallel rank's own. Calling it ahead of a
-    step pins the memory outside the step (as a benchmark does before timing)."""
-    offloaded = max(0, num_layers - resident_layers)
+                       grad_dtype: torch.dtype, context: ContextShard | None = None,
+                       window_layers: tuple[int, ...] = (), window: int | None = None, chunk_size: int | None = None,
+                       **_) -> dict[str, torch.Tensor]:
+    """The host tensors of a step, taken from ``slabs``: "k", "v", "dk", "dv" (global layers, B, pages,
+    Hkv, P, D), pages = every page of a sequence, or with ``context`` this context-parallel rank's own;
+    with offloaded ``window_layers`` (engine.window_store_options) also "window_k", ... (window layers,
+    B, slots, Hkv, P, D), slots = ``window_pages_per_sequence`` (module docstring). Calling it ahead of
+    a step pins the memory outside the step (as a benchmark does before timing)."""
+    offloaded = range(min(resident_layers, num_layers), num_layers)
+    windowed = sum(layer in window_layers for layer in offloaded)
     pages = -(-num_tokens // page_size) if context is None else context.owned_pages(num_tokens, page_size)
-    shape = (offloaded, batch_size, pages, num_kv_heads, page_size, head_dim)
+    shape = (len(offloaded) - windowed, batch_size, pages, num_kv_heads, page_size, head_dim)
     dtypes = {"k": kv_dtype, "v": kv_dtype, "dk": grad_dtype, "dv": grad_dtype}
-    return {kind: slabs.take(kind, shape, dtypes[kind]) for kind in KINDS}
+    tensors = {kind: slabs.take(kind, shape, dtypes[kind]) for kind in KINDS}
+    if windowed:
+        slots = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
+        shape = (windowed, batch_size, slots, num_kv_heads, page_size, head_dim)
+        tensors.update({WINDOW_SLAB + kind: slabs.take(WINDOW_SLAB + kind, shape, dtypes[kind]) for kind in KINDS})
+    return tensors
 
 
 class _NullContext:

@@ -54,10 +54,12 @@ kept and the gradients stay exact. With one W among several windows the largest 
 layers keep no page summaries (sparse mode reads windows densely) and their history windows
 (``window_history_starts``) start at their own windows, so no freed page is ever read.
 
-With host offload (``gpu_layers``, kv/offload.py) window layers keep every page, in the shared table
-(resident layers) or the host tier, like global layers; only their history windows start at their
-own windows, so a window layer's call reads, and with offload stages, only the pages its window
-overlaps: [chunk start - (W - 1), chunk end), rounded out to pages.
+With host offload (``gpu_layers``, kv/offload.py) resident window layers keep every page in the shared
+table, like global layers; offloaded ones keep the same tails and chunk in host slots
+(kv/window_slots.py: stage 1 stores only the tail, stage 2 stores the recomputed head before the
+chunk's attention, as ``rewrite`` does here). Their history windows start at their own windows, so a
+window layer's call reads, and with offload stages, only the pages its window overlaps:
+[chunk start - (W - 1), chunk end), rounded out to pages.
 """
 
 from __future__ import annotations
@@ -203,11 +205,12 @@ class PagedKVStore:
                                  f"multiple of the page size (got {chunk_size})")
             if context is not None:
                 raise ValueError("window layers are not supported with context parallelism")
-        if self.window_layers and gpu_layers is None:  # offload keeps every page (module docstring)
+        if self.window_layers and gpu_layers is None:  # offload: host window slots (module docstring)
             pages = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
             self.window_pool = PagePool(batch_size * pages)
         self.own_window_layers = self.window_layers if self.window_pool is not None else frozenset()
-        """The window layers with their own page table and pool (none with offload)."""
+        """The window layers with their own GPU page table and pool (none with offload: resident window
+        layers keep every page, offloaded ones have host window slots, kv/window_slots.py)."""
         window_shape = (self.window_pool.capacity if self.window_pool else 0, num_kv_heads, page_size, head_dim)
 
         def layer_pages(index: int) -> LayerPages:

@@ -190,7 +190,7 @@ def make_step(mode: str, options: BenchOptions):
     progress = options.progress
     if not config.offload:
         return lambda model, ids: float(forward_backward(model, ids, config=config, progress=progress))
-    from ..engine import store_options
+    from ..engine import store_options, window_store_options
     from ..kv.offload import HostSlabs, reserve_host_slabs
 
     slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
@@ -200,8 +200,11 @@ def make_step(mode: str, options: BenchOptions):
 
     def prepare(model, ids):
         """Pin the host memory of a step of this length before it is timed."""
-        options = store_options(unwrap_causal_lm(model), ids.shape[0], ids.shape[1], config, ids.device)
-        reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers, **options)
+        causal_lm = unwrap_causal_lm(model)
+        options = store_options(causal_lm, ids.shape[0], ids.shape[1], config, ids.device)
+        windows = window_store_options(causal_lm, ids.shape[1], options["context"])  # window layers' slots
+        reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers, chunk_size=config.chunk_size,
+                           **options, **windows)
 
     offload_step.prepare = prepare
     return offload_step

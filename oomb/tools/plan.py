@@ -8,9 +8,10 @@ GPU memory by term, the host RAM, whether the step fits the GPU and host budgets
 context that does. The numbers come from ``oomb.memory.predict``; modes this version of oomb does
 not implement yet are modelled from the design and labelled "planned", never "measured".
 
-Sliding-window layers keep as many pages per token as global layers (their pages are stored for the
-whole step: stage 2 runs the chunks in reverse and needs every window's earlier K/V again; see
-``oomb.memory.predict``): a window bounds attention compute, not memory. Mixtures of experts count
+Sliding-window layers shorter than the step keep, on the GPU or with offload in host memory, only
+the last W - 1 keys of every chunk before the current one plus that chunk (stage 2 runs the chunks in
+reverse and needs each window's earlier K/V again; see ``oomb.memory.predict``): about (W - 1) / C of
+a global layer's pages, none saved when W - 1 >= C. Mixtures of experts count
 every expert's weights and a chunk's top-k routed rows of activations (``oomb.memory.ModelShape``).
 """
 
@@ -332,8 +333,8 @@ def format_plan(plan: Plan) -> str:
         + (f"; MoE: {s.num_experts} experts of width {s.expert_intermediate_size}, {s.experts_per_token} per token "
            f"({s.active_params() / 1e9:.2f} B active)" if s.is_moe else "")
         + (f"; {s.sliding_window_layers} of {s.num_layers} layers slide (window {s.sliding_window:,}: their "
-           "pages keep each chunk's last window - 1 keys without offload; with it they stage only their windows' "
-           "pages)" if s.sliding_window_layers else "")
+           "pages keep each chunk's last window - 1 keys, on the GPU or with offload on the host; they stage only "
+           "their windows' pages)" if s.sliding_window_layers else "")
         + (f", per GPU of tp={s.tp}" if s.tp > 1 else "")
         + (f", pages of every {st.context_parallel}-th chunk per GPU or its host (cp={st.context_parallel})"
            if st.context_parallel > 1 else ""),
