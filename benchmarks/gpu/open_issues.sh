@@ -16,6 +16,8 @@
 #   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
+#   profile_fast     issues 18/23: where the 128K sparse step with the fast settings spends its time (GEMM,
+#                    attention, scoring, loss, copies, host gaps against their floors), and the dense step's
 #   train_512k_bg    issue 19: train_512k started in its own process session (setsid), outliving the call; its
 #                    log, metrics and exit status land in /tmp/keep/train_512k (the dense 512K step takes ~9 min:
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
@@ -62,6 +64,12 @@ for part in "$@"; do
           --cp-one-path --offload --out "$OUT/cp1_offload_128k.json"
       run 300 cp1_sparse_offload torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 32768 \
           --cp-one-path --offload --attention sparse --out "$OUT/cp1_sparse_offload_32k.json" ;;
+    profile_fast)
+      run 280 profile_sparse_fast python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
+          --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
+          --no-checkpoint-layers --out-dir "$OUT" --name profile_sparse_rerank_fast_128k
+      run 250 profile_dense python benchmarks/profile_step.py --modes dense --contexts 128K --backend cudnn \
+          --out-dir "$OUT" --name profile_dense_cudnn_128k ;;
     train_512k_bg)
       mkdir -p /tmp/keep/train_512k
       setsid nohup bash -c "cd /tmp/src && PYTHONPATH=/tmp/src python -m oomb train --preset qwen2.5-7b --lora \
