@@ -9,6 +9,9 @@ import torch
 
 from .mapped import mapped_view
 
+KINDS = ("k", "v", "dk", "dv")
+"""The slabs' kinds: keys, values and their gradients."""
+
 
 class HostSlabs:
     """Pinned host memory for the offloaded pages: one slab per kind (k, v, dk, dv), kept across

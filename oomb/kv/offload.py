@@ -5,7 +5,7 @@ the GPU (kv/store.py); every other layer's pages live in the host tier below, ad
 position, not page id::
 
     host k, v, dk, dv   (layers, B, max_pages, Hkv, P, D)   four pinned slabs, reused across steps
-    window k, v, dk, dv (window layers, B, slots, Hkv, P, D)  offloaded sliding-window layers' (below)
+    window k, v, dk, dv (window layers, B, slots, Hkv, P, D)  offloaded sliding-window layers' (kv/window_tier.py)
     GPU staging slots   stream_buffers x (B * slot_pages, Hkv, P, D) for k, v, dk, dv
 
 A dense attention call reads its chunk's key windows (kv/store.py ``attention_windows``: history
@@ -34,13 +34,10 @@ overlaps, [chunk start - (W - 1), chunk end) rounded out to pages, in both stage
 start at its window (``window_history_starts``), and in stage 2 only those pages' gradients go back to
 the host (a chunk's pages no later window reaches load zero gradients for its own call: none was
 added). The kernels see a page table of the staged layout, as for any window. Its host pages are
-window slots (kv/window_slots.py), as many as its GPU pages without offload: stage 1 stores only the
-chunk's tail (the last W - 1 keys, all later windows read of it; its own attention reads the head from
-the GPU tensors), ``refill`` gives the head slots back before stage 2 recomputes the chunk and
-``rewrite`` stores the recomputed k, v there before its attention stages them (the values stage 1
-computed, as without offload), ``free`` returns head and tail. It keeps no page summaries (sparse mode
-reads windows densely). When every offloaded layer slides, the staging slots shrink to a chunk or a
-window's pages.
+window slots, as many as its GPU pages without offload (kv/window_tier.py: stage 1 stores only the
+chunk's tail, ``refill`` and ``rewrite`` store the recomputed head in stage 2, ``free`` returns both).
+It keeps no page summaries (sparse mode reads windows densely). When every offloaded layer slides, the
+staging slots shrink to a chunk or a window's pages.
 
 In stage 2 a chunk's own K, V are read back from the host (what stage 1 stored; a window layer's head:
 what ``rewrite`` stored), so the attention reads exactly the values of the GPU tier: gradients are
@@ -65,19 +62,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.reference_sparse import shared_by_all_blocks
-from .host_slabs import HostSlabs
+from .host_slabs import KINDS, HostSlabs
 from .mapped import index_tensor, rows_of
-from .store import ChunkSpan, PagedKVStore, WindowView, split_into_chunks, window_pages_per_sequence
-from .window_slots import WindowSlots
+from .store import ChunkSpan, PagedKVStore, WindowView, split_into_chunks
+from .window_tier import WindowTier, reserve_window_slabs
 
 if TYPE_CHECKING:
     from ..context_parallel import ContextShard
+    from .window_slots import WindowSlots
 
 __all__ = ["HostSlabs", "OffloadedKVStore", "reserve_host_slabs"]
-
-KINDS = ("k", "v", "dk", "dv")
-WINDOW_SLAB = "window_"
-"""Prefix of the window layers' slab names in HostSlabs ("window_k", ...)."""
 
 
 @dataclass
@@ -106,21 +100,13 @@ class OffloadedKVStore(PagedKVStore):
         Hkv, D = template["num_kv_heads"], template["head_dim"]
         tiers = reserve_host_slabs(slabs, resident_layers=resident_layers, chunk_size=chunk_size, **store_options)
         self.host = {kind: tiers[kind] for kind in KINDS}  # global layers: (layers, B, pages, Hkv, P, D)
-        self.window_host = {kind: tiers[WINDOW_SLAB + kind] for kind in KINDS if WINDOW_SLAB + kind in tiers}
-        """Offloaded window layers: (layers, B, window slots, Hkv, P, D), bounded by their window (module
-        docstring); empty without them."""
         offloaded = range(self.resident, self.num_layers)
-        self._window_indices = [layer - self.resident for layer in offloaded if layer in self.window_layers]
+        window_indices = [layer - self.resident for layer in offloaded if layer in self.window_layers]
         global_indices = [layer - self.resident for layer in offloaded if layer not in self.window_layers]
-        self._tier_rows = {index: (self.host, row) for row, index in enumerate(global_indices)}
-        self._tier_rows.update({index: (self.window_host, row) for row, index in enumerate(self._window_indices)})
-        """Offloaded layer index -> its tier's tensors and its row in them."""
-        self.window_slots = None
-        if self._window_indices:
-            chunks = split_into_chunks(store_options["num_tokens"], chunk_size)
-            self.window_slots = WindowSlots(chunks, [self.tail_start(chunk) for chunk in chunks], P)
-            assert self.window_slots.capacity == self.window_host["k"].shape[2], "window slots differ from slabs"
-        self._host_refilled: set[int] = set()  # stage 2: chunks whose window-layer heads wait for ``rewrite``
+        self._global_rows = {index: row for row, index in enumerate(global_indices)}  # offloaded index -> row
+        chunks = split_into_chunks(store_options["num_tokens"], chunk_size) if window_indices else []
+        self.window_tier = WindowTier(tiers, window_indices, chunks, [self.tail_start(c) for c in chunks], P)
+        """The offloaded window layers' host tensors and slots (kv/window_tier.py)."""
         self.host_pages = self.host["k"].shape[2]  # per sequence: all, or this cp rank's (module docstring)
         # Sparse mode gathers selected pages with kernels that read the host tensors in place (None:
         # the device cannot address them; copies per run of pages instead, kv/mapped.py).
@@ -201,18 +187,28 @@ class OffloadedKVStore(PagedKVStore):
             return list(positions)
         return [self.context.local_page(p, self.page_size) for p in positions]
 
+    @property
+    def window_host(self) -> dict[str, torch.Tensor]:
+        """The offloaded window layers' host tensors (kv/window_tier.py); empty without them."""
+        return self.window_tier.host
+
+    @property
+    def window_slots(self) -> WindowSlots | None:
+        """The offloaded window layers' slots (kv/window_slots.py); None without them."""
+        return self.window_tier.slots
+
     def _host_layer(self, kind: str, index: int) -> torch.Tensor:
         """Offloaded layer ``index``'s host tensor of ``kind``: (B, pages or window slots, Hkv, P, D)."""
-        tier, row = self._tier_rows[index]
-        return tier[kind][row]
+        if index in self.window_tier:
+            return self.window_tier.layer(kind, index)
+        return self.host[kind][self._global_rows[index]]
 
     def _host_runs(self, index: int, first: int, last: int) -> list[tuple[int, int, slice]]:
         """The page positions [first, last) of offloaded layer ``index`` as runs (start, stop, where in
-        its host tensor): one run for a global layer; a window layer's follow its slots (module docstring)."""
-        if index not in self._window_indices:
-            return [(first, last, self._host_range(first, last))] if last > first else []
-        return [(start, stop, slice(slot, slot + stop - start))
-                for start, stop, slot in self.window_slots.runs(first, last)]
+        its host tensor): one run for a global layer; a window layer's follow its slots."""
+        if index in self.window_tier:
+            return self.window_tier.runs(first, last)
+        return [(first, last, self._host_range(first, last))] if last > first else []
 
     def _store_pages(self, index: int, chunk_first: int, start: int, stop: int, pages: dict[str, torch.Tensor]) -> None:
         """Copy positions [start, stop) of a chunk's (B * n, Hkv, P, D) pages (n from ``chunk_first``) to
@@ -233,29 +229,25 @@ class OffloadedKVStore(PagedKVStore):
         first, last = self._page_range(chunk)
         self.kv_on_host[:, first:last] = False
         self.grad_on_host[:, first:last] = False
-        if self.window_slots is not None:  # window layers: host slots for the tail only (stage 1 stores no head)
-            self.window_slots.take(self.tail_start(chunk), last)
+        if self.window_tier.indices:  # window layers: host slots for the tail only (stage 1 stores no head)
+            self.window_tier.allocate(self.tail_start(chunk), last)
 
     def refill(self, chunk: ChunkSpan) -> None:
         """Stage 2, before the chunk's recompute: host slots for the offloaded window layers' head pages,
-        which ``rewrite`` fills from the recomputed k, v (module docstring)."""
+        which ``rewrite`` fills from the recomputed k, v (kv/window_tier.py)."""
         super().refill(chunk)
         first, _ = self._page_range(chunk)
-        tail = self.tail_start(chunk) if self.window_slots is not None else first
-        if tail > first:
-            self.window_slots.take(first, tail)
-            self.kv_on_host[self._window_indices, first:tail] = False
-            self.grad_on_host[self._window_indices, first:tail] = False  # no later window reaches a head
-            self._host_refilled.add(chunk.index)
+        if self.window_tier.indices:
+            self.window_tier.refill(chunk, first, self.tail_start(chunk), self.kv_on_host, self.grad_on_host)
 
     def rewrite(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stage 2: an offloaded window layer's recomputed (B, Hkv, L, D) k, v of the chunk go to its head's
         host slots, before its attention stages them (stage 1 wrote the same values, DESIGN.md section 2)."""
         index = self._offloaded(layer)
-        if index is None or index not in self._window_indices or chunk.index not in self._host_refilled:
+        if index is None or not self.window_tier.awaits_rewrite(index, chunk):
             return super().rewrite(layer, chunk, k, v)
         first, _ = self._page_range(chunk)
-        pages = {kind: self._to_pages(x.detach()).to(self.window_host[kind].dtype)
+        pages = {kind: self._to_pages(x.detach()).to(self.window_tier.host[kind].dtype)
                  for kind, x in (("k", k), ("v", v))}
         self._store_pages(index, first, first, self.tail_start(chunk), pages)
 
@@ -263,19 +255,16 @@ class OffloadedKVStore(PagedKVStore):
         super().free(chunk)
         for key in [key for key in self._selection_copied if key[0] == chunk.index]:
             del self._selection_copied[key]
-        if self.window_slots is not None:
-            self.window_slots.release(*self._page_range(chunk))
-            self._host_refilled.discard(chunk.index)
+        if self.window_tier.indices:
+            self.window_tier.free(chunk, *self._page_range(chunk))
 
     @property
     def is_empty(self) -> bool:
-        return super().is_empty and (self.window_slots is None or self.window_slots.num_used == 0)
+        return super().is_empty and self.window_tier.is_empty
 
     def free_all(self) -> None:
         super().free_all()
-        if self.window_slots is not None:
-            self.window_slots.release(0, self.max_pages_per_seq)
-            self._host_refilled.clear()
+        self.window_tier.free_all(self.max_pages_per_seq)
         self._selection_copied.clear()
         self._prefetched = None
         self._fresh_kv.clear()
@@ -297,7 +286,7 @@ class OffloadedKVStore(PagedKVStore):
         v_pages = self._to_pages(v).to(self.host["v"].dtype)
         self._fresh_kv[layer, chunk.index] = (k_pages, v_pages)
         # A window layer stores only the chunk's tail: its own attention reads the head from the GPU.
-        start = self.tail_start(chunk) if index in self._window_indices else first
+        start = self.tail_start(chunk) if index in self.window_tier else first
         self._store_pages(index, first, start, last, {"k": k_pages, "v": v_pages})
 
     # --- streaming windows ----------------------------------------------------------------------
@@ -661,8 +650,8 @@ class OffloadedKVStore(PagedKVStore):
 
     def _mapped_layer(self, kind: str, index: int) -> torch.Tensor:
         """What ``_host_layer`` gives, as kernels read it in place (global layers: sparse mode only)."""
-        assert index not in self._window_indices, "window layers read their windows densely, never gathered"
-        return self.mapped_host[kind][self._tier_rows[index][1]]
+        assert index not in self.window_tier, "window layers read their windows densely, never gathered"
+        return self.mapped_host[kind][self._global_rows[index]]
 
     def _rows(self, stride: int, positions) -> torch.Tensor:
         """Indices of ``positions`` in every sequence's block of ``stride`` rows (host slabs flattened
@@ -757,8 +746,8 @@ def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: in
     """The host tensors of a step, taken from ``slabs``: "k", "v", "dk", "dv" (global layers, B, pages,
     Hkv, P, D), pages = every page of a sequence, or with ``context`` this context-parallel rank's own;
     with offloaded ``window_layers`` (engine.window_store_options) also "window_k", ... (window layers,
-    B, slots, Hkv, P, D), slots = ``window_pages_per_sequence`` (module docstring). Calling it ahead of
-    a step pins the memory outside the step (as a benchmark does before timing)."""
+    B, slots, Hkv, P, D), kv/window_tier.py. Calling it ahead of a step pins the memory outside the step
+    (as a benchmark does before timing)."""
     offloaded = range(min(resident_layers, num_layers), num_layers)
     windowed = sum(layer in window_layers for layer in offloaded)
     pages = -(-num_tokens // page_size) if context is None else context.owned_pages(num_tokens, page_size)
@@ -766,9 +755,9 @@ def reserve_host_slabs(slabs: HostSlabs, *, num_layers: int, resident_layers: in
     dtypes = {"k": kv_dtype, "v": kv_dtype, "dk": grad_dtype, "dv": grad_dtype}
     tensors = {kind: slabs.take(kind, shape, dtypes[kind]) for kind in KINDS}
     if windowed:
-        slots = window_pages_per_sequence(num_tokens, chunk_size, page_size, window)
-        shape = (windowed, batch_size, slots, num_kv_heads, page_size, head_dim)
-        tensors.update({WINDOW_SLAB + kind: slabs.take(WINDOW_SLAB + kind, shape, dtypes[kind]) for kind in KINDS})
+        tensors.update(reserve_window_slabs(slabs, dtypes, num_layers=windowed, batch_size=batch_size,
+                                            num_tokens=num_tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads,
+                                            head_dim=head_dim, page_size=page_size, window=window))
     return tensors
 
 

@@ -6,9 +6,9 @@ With host offload a window layer therefore keeps on the host the tails of the ch
 current one and the current chunk's pages, like its GPU pages without offload:
 
 * stage 1 stores only the chunk's tail (its own attention reads the head from the GPU tensors);
-* stage 2, before recomputing chunk c, takes slots for its head (``OffloadedKVStore.refill``) and
-  stores the recomputed k, v there (``rewrite``) before its attention reads them; ``free`` returns
-  head and tail once its backward is done.
+* stage 2, before recomputing chunk c, takes slots for its head (``WindowTier.refill``,
+  kv/window_tier.py) and stores the recomputed k, v there (``rewrite``) before its attention reads
+  them; ``free`` returns head and tail once its backward is done.
 
 Stage 1 takes tails in chunk order and stage 2 returns chunks in reverse, so the slots are a stack.
 Slot of page position p, per sequence (all sequences move together)::
