@@ -16,6 +16,11 @@
 #   cp1_more         issue 24: the context-parallel path of one rank with offload, and with sparse + offload
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
+#   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
+#                    budget 64 (25.3 % read) and page 128, budget 32 (25.7 %), default rule and oracle; 8K at page 32,
+#                    budget 31 on the GPU's text (the CPU text met the target there: 0.9902 / +0.03 %), in the background
+#   page64_fast      issue 18: what finer pages cost: the 128K fast sparse step at page 64 with budget 64 (the same
+#                    keys as page 128, budget 32), and HF in the same run
 #   profile_fast     issues 18/23: where the 128K sparse step with the fast settings spends its time (GEMM,
 #                    attention, scoring, loss, copies, host gaps against their floors), and the dense step's
 #   train_512k_bg    issue 19: train_512k started in its own process session (setsid), outliving the call; its
@@ -64,6 +69,21 @@ for part in "$@"; do
           --cp-one-path --offload --out "$OUT/cp1_offload_128k.json"
       run 300 cp1_sparse_offload torchrun --nproc-per-node 1 benchmarks/context_parallel.py --contexts 32768 \
           --cp-one-path --offload --attention sparse --out "$OUT/cp1_sparse_offload_32k.json" ;;
+    gradcheck_pages)
+      real_model
+      GC=(python -m oomb gradcheck --model smollm2 --text python-docs --dtype float32 --device cuda --poolings max
+          --scores rerank exact --hf off)
+      (timeout 540 "${GC[@]}" --seq-len 32K --yarn 4 --chunk-size 4096 --page-size 64 --budgets 64 \
+          --json "$OUT/gradcheck_smollm2_32k_p64_k64.json" >"$OUT/gradcheck_32k_p64.log" 2>&1;
+       echo "exit $?" >>"$OUT/gradcheck_32k_p64.log") &
+      (timeout 540 "${GC[@]}" --seq-len 8192 --chunk-size 1024 --page-size 32 --budgets 31 \
+          --json "$OUT/gradcheck_smollm2_8k_p32_k31.json" >"$OUT/gradcheck_8k_p32.log" 2>&1;
+       echo "exit $?" >>"$OUT/gradcheck_8k_p32.log") &
+      ;;
+    page64_fast)
+      run 240 page64_fast python -m oomb bench --modes hf sparse --contexts 128K --backend cudnn --page-size 64 \
+          --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 64 --sparse-budget 64 \
+          --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_page64_128k ;;
     profile_fast)
       run 280 profile_sparse_fast python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
