@@ -617,9 +617,17 @@ def _dense_offload_gpu_pages(num_layers: int, pages: int, chunk_pages: int, batc
     slots (a block or a chunk per sequence each) and one chunk's own K, V (stage 1) or dK, dV (stage 2).
     ``history_pages``: the most history pages per sequence one window stages, when fewer than a block
     (every layer slides: its window's pages; OffloadedKVStore.history_block_pages)."""
-    block = offload.stream_block_pages if history_pages is None else min(offload.stream_block_pages, history_pages)
-    slots = offload.stream_buffers * batch_size * max(block, chunk_pages // batch_size)
+    slots = _staging_slot_pages(chunk_pages, batch_size, offload, history_pages)
     return min(offload.resident_layers, num_layers) * pages + slots + 2 * chunk_pages
+
+
+def _staging_slot_pages(chunk_pages: int, batch_size: int, offload: OffloadAssumptions,
+                        history_pages: int | None = None) -> int:
+    """Pages of OffloadedKVStore's GPU staging slots (each a streamed block, or a chunk, per sequence),
+    allocated in dense and sparse mode alike: sparse chunks whose budget covers their history stream as
+    dense ones do."""
+    block = offload.stream_block_pages if history_pages is None else min(offload.stream_block_pages, history_pages)
+    return offload.stream_buffers * batch_size * max(block, chunk_pages // batch_size)
 
 
 def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
@@ -756,9 +764,9 @@ def predict(
     if mode.offload:
         chunk_pages = _num_pages(chunk_len, P, B)
         resident = min(offload.resident_layers, L)
+        # Every (offloaded) layer slides: a window's history, ceil((W - 1) / P) pages, fills a slot.
+        history = -(-(shape.sliding_window - 1) // P) if window_layers >= L else None
         if mode.attention == "dense":
-            # Every (offloaded) layer slides: a window's history, ceil((W - 1) / P) pages, fills a slot.
-            history = -(-(shape.sliding_window - 1) // P) if window_layers >= L else None
             gpu["KV working set"] = _dense_offload_gpu_pages(L, own_pages, chunk_pages, B, offload,
                                                              history) * page_bytes
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
@@ -766,7 +774,8 @@ def predict(
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
             union = selections * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
             staged = B * min(own_pages // B, union) + chunk_pages
-            gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages) * page_bytes
+            slots = _staging_slot_pages(chunk_pages, B, offload, history) if resident < L else 0
+            gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages + slots) * page_bytes
         # Host: K, V, dK, dV of every token (context parallel: of the rank's chunks) of the offloaded
         # global layers, and of the window slots of the offloaded window layers (their chunk tails and
         # one chunk, kv/window_slots.py), pinned: the footprint the engine checks before allocating.
