@@ -19,6 +19,12 @@ queries), as the reference's ``row_stride`` does: an eighth of the rows is an ei
 Pass 1 reads every key the rows see, pass 2 every history key: about one attention forward's
 ``Q K^T`` twice, without the ``P V`` products. The keys must be in GPU memory (not offloaded).
 
+With listed pages (the "rerank" score's candidates, a few hundred per block at most) pass 1 also keeps
+each row's log-mass on each listed page, ``log2 sum_k 2^(s_rk)``, in a scratch buffer (rows x listed
+pages per program, float32), and pass 2 reads those back instead of recomputing the logits: the listed
+keys are read once, which halves the candidates' ``Q K^T`` (the chunk's own keys are read once either
+way). The whole history (the oracle) keeps two passes: its scratch would grow with the history.
+
 Supported: bf16/fp16/fp32, head dims up to 256, any group size, page sizes that are multiples of 16
 (a key tile lies in one page); query_start a multiple of the page size (chunks start on pages).
 """
@@ -46,7 +52,7 @@ from .triton_paged import (
 # The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits).
 _SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
 _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
-            "stride_lj", "stride_ob", "stride_oh", "stride_oj"]
+            "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si"]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -84,10 +90,11 @@ def _online_lse(m_i, l_i, s):
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _exact_scores_kernel(
-    q_ptr, k_ptr, table_ptr, list_ptr, out_ptr,
+    q_ptr, k_ptr, table_ptr, list_ptr, out_ptr, scratch_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_tb, stride_lb, stride_lh, stride_lj, stride_ob, stride_oh, stride_oj,
+    stride_sbh, stride_sj, stride_si,
     num_kv_heads, seq_len, query_start, num_history, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
@@ -95,7 +102,9 @@ def _exact_scores_kernel(
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
     the history is the block's listed pages (``num_history`` of them, page-table positions in
-    ``list_ptr``) and ``out`` has one column per listed page; else every page before query_start."""
+    ``list_ptr``), ``out`` has one column per listed page, and each row's log-mass per listed page
+    goes through ``scratch`` (B * Hkv, n_blocks, listed pages, >= tiles x BLOCK_M rows); else every
+    page before query_start, scored in two passes."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -129,13 +138,20 @@ def _exact_scores_kernel(
     last = tl.max(tl.where(row_ok, q_pos, 0))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    scratch_row = scratch_ptr + pid_bh.to(tl.int64) * stride_sbh + j.to(tl.int64) * stride_sj + local
     if LISTED:
         for i in range(0, num_history):
             first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
+            m_p = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_p = tl.zeros([BLOCK_M], dtype=tl.float32)
             for slot in range(0, PAGE_SIZE, BLOCK_N):
                 s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
                                    stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
-                m_i, l_i = _online_lse(m_i, l_i, s)
+                m_p, l_p = _online_lse(m_p, l_p, s)
+            tl.store(scratch_row + i * stride_si, m_p + tl.log2(l_p))  # the row's base-2 log-mass on the page
+            m_new = tl.maximum(m_i, m_p)  # the page folded into the row's running log-sum-exp
+            l_i = l_i * tl.exp2(m_i - m_new) + l_p * tl.exp2(m_p - m_new)
+            m_i = m_new
         own_first = query_start
     else:
         own_first = 0
@@ -154,15 +170,16 @@ def _exact_scores_kernel(
     # into out (atomics of a max: the result does not depend on the programs' order).
     out_row = out_ptr + b * stride_ob + kvh.to(tl.int64) * stride_oh + j.to(tl.int64) * stride_oj
     for i in range(0, num_history):
-        if LISTED:
-            first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
+        if LISTED:  # the log-mass this program stored in pass 1 (each element read by the thread that wrote it)
+            mass = tl.exp2(tl.load(scratch_row + i * stride_si) - lse2)
         else:
             first_key = i * PAGE_SIZE
-        mass = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for slot in range(0, PAGE_SIZE, BLOCK_N):
-            s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
-                               stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
-            mass += tl.sum(tl.exp2(s - lse2[:, None]), 1)
+            mass = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for slot in range(0, PAGE_SIZE, BLOCK_N):
+                s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
+                                   stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST,
+                                   DOT_PRECISION)
+                mass += tl.sum(tl.exp2(s - lse2[:, None]), 1)
         tl.atomic_max(out_row + i, tl.max(tl.where(row_ok, mass, 0.0)))
 
 
@@ -208,13 +225,18 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         return out
     rows = (P // row_stride) * (Hq // Hkv)
     listed = pages if pages is not None else out  # an unused pointer when nothing is listed
+    if pages is not None:  # every config's BLOCK_M divides 128, so tiles x BLOCK_M <= rows rounded up to 128
+        scratch = torch.empty((B * Hkv, n_blocks, n_scored, -(-rows // 128) * 128), dtype=torch.float32,
+                              device=q.device)
+    else:
+        scratch = out.new_empty((1, 1, 1, 1))
 
     def grid(meta):
         return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
 
     _exact_scores_kernel[grid](
-        q, k_pool, page_table, listed, out, *q.stride(), *k_pool.stride(), page_table.stride(0),
-        *listed.stride()[:3], *out.stride()[:3], Hkv, Lq, query_start, n_scored, float(scale),
-        ROW_STRIDE=row_stride, LISTED=pages is not None, **_meta(q, Hq, Hkv, D, P),
+        q, k_pool, page_table, listed, out, scratch, *q.stride(), *k_pool.stride(), page_table.stride(0),
+        *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv, Lq, query_start, n_scored,
+        float(scale), ROW_STRIDE=row_stride, LISTED=pages is not None, **_meta(q, Hq, Hkv, D, P),
     )
     return out
