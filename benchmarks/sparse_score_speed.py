@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from oomb.machine import git_commit
 
 
 def parse_args() -> argparse.Namespace:
@@ -149,7 +150,7 @@ def main() -> None:
     for n, est in estimates.items():
         print(f"estimated seconds per step of {n} tokens ({args.layers} layers): "
               + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
