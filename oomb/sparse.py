@@ -159,7 +159,7 @@ def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | Non
 def block_scores(
     q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions,
     scale: float | None = None, previous: torch.Tensor | None = None,
-    own: dict[str, torch.Tensor] | None = None,
+    own: dict[str, torch.Tensor] | None = None, kernel: bool | None = None,
 ) -> torch.Tensor:
     """Score of every (query block, history page) pair.
 
@@ -173,6 +173,9 @@ def block_scores(
         own: pooling "softmax_max" only: the summaries of the chunk's own pages, (B, n_blocks, Hkv, D)
             each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
             before the block's first query), None: history pages only.
+        kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
+            leave the chip); None: for CUDA tensors with pooling "max", not leak-free, summaries in q's
+            dtype. The torch code below is the reference and the CPU's path.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -180,6 +183,16 @@ def block_scores(
     B, Hq, Lq, D = q.shape
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
+    if kernel is None:
+        kernel = (q.is_cuda and options.pooling == "max" and not options.leak_free and first.dtype == q.dtype
+                  and options.score in ("minmax", "mean"))
+    if kernel:
+        if options.pooling != "max" or options.leak_free or options.score not in ("minmax", "mean"):
+            raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max', not "
+                             f"leak-free; got {options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
+        from .attention.triton_block_scores import summary_block_scores
+
+        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score), options)
     G, P = Hq // Hkv, page_size
     n_blocks = -(-Lq // P)
     # bf16/fp16 on a GPU: tensor cores with exact products and float32 sums, the float32 scores up

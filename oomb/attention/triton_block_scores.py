@@ -1,0 +1,135 @@
+"""The summary scores (minmax, mean) of every (query block, history page) pair, pooled by max over the
+block's rows, in one Triton kernel (oomb/sparse.py ``block_scores`` is the reference and the CPU's path).
+
+    summary_block_scores(q, summaries, page_size, score) -> (B, Hkv, n_blocks, n_hist) float32
+
+Why a kernel: the torch path multiplies every row of a chunk (queries x group heads) with every page's
+summary and writes the (rows x pages) float32 products before taking each block's maximum: at 1M tokens
+of the 7B shape that is ~3.7 GB written and read per chunk and layer for ~0.5 TFLOP of products. Here
+one program owns one block and a tile of pages, keeps the pages' summaries in registers, runs over the
+block's rows tile by tile and keeps only the running maximum: the products never leave the chip.
+
+minmax: ``sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min`` (two products per tile);
+mean: ``q . mean``. Rows past the chunk's end score as copies of its last query (they cannot change a
+maximum), as the reference pads them. Max pooling only, all query rows (not leak-free): the scores
+that rerank's candidates and the default sparse settings use.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_paged import (
+    CACHE_TUNING,
+    INTERPRET,
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _configs,
+    _meta,
+    _prune_for_dtype,
+)
+
+# (BLOCK_M rows, BLOCK_N pages, warps, stages)
+_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 3)])
+_DYNAMIC = ["num_kv_heads", "seq_len", "num_history", "stride_ab", "stride_ap", "stride_bb", "stride_bp",
+            "stride_ob", "stride_oh", "stride_oj"]
+
+
+@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
+                 prune_configs_by={"early_config_prune": _prune_for_dtype})
+@triton.jit(do_not_specialize=_DYNAMIC)
+def _block_scores_kernel(
+    q_ptr, a_ptr, b_ptr, out_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_ab, stride_ap, stride_ah, stride_ad,
+    stride_bb, stride_bp, stride_bh, stride_bd,
+    stride_ob, stride_oh, stride_oj,
+    num_kv_heads, seq_len, num_history,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MINMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (n_blocks, page tiles, B * Hkv). ``a``: key_max (minmax) or key_mean; ``b``: key_min
+    (minmax only), each (B, n_hist, Hkv, D)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    ROWS: tl.constexpr = PAGE_SIZE * GROUP  # a block's rows: its queries x the group's query heads
+    j = tl.program_id(0)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // num_kv_heads).to(tl.int64)
+    kvh = (pid_bh % num_kv_heads).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < num_history
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    a = tl.load(a_ptr + b * stride_ab + offs_n.to(tl.int64)[:, None] * stride_ap + kvh * stride_ah
+                + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+    if MINMAX:
+        lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
+                     + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            lo = lo.to(tl.float32)
+    best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for r0 in range(0, ROWS, BLOCK_M):
+        local = r0 + tl.arange(0, BLOCK_M)
+        row_ok = local < ROWS
+        qi = tl.minimum(j * PAGE_SIZE + local // GROUP, seq_len - 1)  # past the end: the last query
+        head = (kvh * GROUP + local % GROUP).to(tl.int64)
+        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_ql
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        if MINMAX:
+            zero = tl.zeros_like(q)
+            s = tl.dot(tl.maximum(q, zero), tl.trans(a), input_precision=DOT_PRECISION)
+            s = tl.dot(tl.minimum(q, zero), tl.trans(lo), s, input_precision=DOT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
+        s = tl.where(row_ok[:, None], s, float("-inf"))
+        best = tl.maximum(best, tl.max(s, 0))
+    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + j.to(tl.int64) * stride_oj + offs_n, best, mask=n_ok)
+
+
+def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
+                         score: str) -> torch.Tensor:
+    """Each query block's best row's summary score on each history page (max pooling).
+
+    Args:
+        q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
+        summaries: name -> (B, n_hist, Hkv, D) summaries in q's dtype: key_max and key_min for
+            "minmax", key_mean for "mean" (PagedKVStore.history_summaries).
+        page_size: P, the queries per block. score: "minmax" or "mean".
+    Returns:
+        (B, Hkv, n_blocks, n_hist) float32, as block_scores with pooling "max" (unscaled: a scale > 0
+        does not change a maximum or a ranking).
+    """
+    if score not in ("minmax", "mean"):
+        raise ValueError(f"score must be 'minmax' or 'mean'; got {score!r}")
+    names = ("key_max", "key_min") if score == "minmax" else ("key_mean", "key_mean")
+    a, lo = summaries[names[0]], summaries[names[1]]
+    B, Hq, Lq, D = q.shape
+    n_hist, Hkv = a.shape[1], a.shape[2]
+    if q.dtype not in SUPPORTED_DTYPES or a.dtype != q.dtype or lo.dtype != q.dtype:
+        raise TypeError(f"q and the summaries must share a dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {a.dtype}")
+    if not 1 <= D <= MAX_HEAD_DIM or Hq % Hkv or a.shape != (B, n_hist, Hkv, D) or lo.shape != a.shape:
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, summaries {tuple(a.shape)} (B, pages, Hkv, "
+                         f"D <= {MAX_HEAD_DIM})")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    n_blocks = -(-Lq // page_size)
+    out = torch.empty((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
+    if B * Lq * n_hist == 0:
+        return out
+
+    def grid(meta):
+        return (n_blocks, triton.cdiv(n_hist, meta["BLOCK_N"]), B * Hkv)
+
+    _block_scores_kernel[grid](
+        q, a, lo, out, *q.stride(), *a.stride(), *lo.stride(), *out.stride()[:3], Hkv, Lq, n_hist,
+        MINMAX=score == "minmax", **_meta(q, Hq, Hkv, D, page_size),
+    )
+    return out

@@ -1,0 +1,63 @@
+"""The Triton summary-score kernel (oomb/attention/triton_block_scores.py) vs the torch reference
+(oomb.sparse.block_scores). CPU: the Triton interpreter (conftest sets TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from oomb.kv.summaries import summarize_pages
+from oomb.sparse import SparseOptions, block_scores
+
+triton_block_scores = pytest.importorskip("oomb.attention.triton_block_scores")
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIONS = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+
+
+def _queries_and_summaries(B, Hkv, G, D, P, n_hist, length, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, n_hist, Hkv, P, D, generator=gen)
+    summaries = summarize_pages(keys, P, ("key_min", "key_max", "key_mean"))
+    summaries = {name: s.to(DEVICE, dtype) for name, s in summaries.items()}
+    q = (torch.randn(B, Hkv * G, length, D, generator=gen) * 2).to(DEVICE, dtype)
+    return q, summaries
+
+
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+@pytest.mark.parametrize("length,n_hist", [(32, 5), (29, 21), (16, 1)])
+def test_kernel_matches_the_reference(score, length, n_hist):
+    """Several row tiles per block (G x P = 48 rows > the interpreter's 32), a partial last block (its
+    missing rows: copies of the last query), page tiles with a ragged end (21 pages, tiles of 16)."""
+    B, Hkv, G, D, P = 2, 2, 3, 24, 16
+    q, summaries = _queries_and_summaries(B, Hkv, G, D, P, n_hist, length, torch.float32)
+    options = replace(OPTIONS, score=score)
+    want = block_scores(q, summaries, P, options, kernel=False)
+    got = block_scores(q, summaries, P, options, kernel=True)
+    assert got.shape == want.shape == (B, Hkv, -(-length // P), n_hist)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_in_bf16_and_shared_selection():
+    """bf16 queries and summaries (float32 sums in both paths); selection="shared" pools the heads."""
+    B, Hkv, G, D, P = 1, 2, 2, 32, 16
+    q, summaries = _queries_and_summaries(B, Hkv, G, D, P, 7, 40, torch.bfloat16, seed=1)
+    options = replace(OPTIONS, selection="shared")
+    want = block_scores(q, summaries, P, options, kernel=False)
+    got = block_scores(q, summaries, P, options, kernel=True)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert torch.equal(got[:, 0], got[:, 1])
+
+
+def test_kernel_refuses_what_it_does_not_score():
+    q, summaries = _queries_and_summaries(1, 1, 2, 16, 16, 3, 16, torch.float32)
+    for options in (replace(OPTIONS, pooling="softmax"), replace(OPTIONS, leak_free=True)):
+        with pytest.raises(ValueError, match="block-score kernel"):
+            block_scores(q, summaries, 16, options, kernel=True)
+    with pytest.raises(ValueError, match="'minmax' or 'mean'"):
+        triton_block_scores.summary_block_scores(q, summaries, 16, "exact")
+    with pytest.raises(TypeError, match="share a dtype"):
+        triton_block_scores.summary_block_scores(q.bfloat16(), summaries, 16, "minmax")
