@@ -57,6 +57,7 @@ pages, which the backend masks (keys before each query's document start get no a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,10 @@ if TYPE_CHECKING:
     from .context_parallel import ContextShard
 
 SCORE_TILE_ELEMENTS = 1 << 24
+SUMMARY_SCORE_KERNEL = os.environ.get("OOMB_SUMMARY_SCORE_KERNEL", "0") == "1"
+"""Whether CUDA runs score minmax / mean with the Triton kernel (oomb/attention/triton_block_scores.py).
+Off by default until it has run on a GPU (interpreter-tested only; benchmarks/gpu/open_issues.sh
+block_scores sets OOMB_SUMMARY_SCORE_KERNEL=1 to test and time it)."""
 """At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
 
 
@@ -174,8 +179,8 @@ def block_scores(
             each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
             before the block's first query), None: history pages only.
         kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
-            leave the chip); None: for CUDA tensors with pooling "max", not leak-free, summaries in q's
-            dtype. The torch code below is the reference and the CPU's path.
+            leave the chip); None: with SUMMARY_SCORE_KERNEL set, for CUDA tensors with pooling "max",
+            not leak-free, summaries in q's dtype. The torch code below is the reference and the CPU's path.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -184,8 +189,8 @@ def block_scores(
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
     if kernel is None:
-        kernel = (q.is_cuda and options.pooling == "max" and not options.leak_free and first.dtype == q.dtype
-                  and options.score in ("minmax", "mean"))
+        kernel = (SUMMARY_SCORE_KERNEL and q.is_cuda and options.pooling == "max" and not options.leak_free
+                  and first.dtype == q.dtype and options.score in ("minmax", "mean"))
     if kernel:
         if options.pooling != "max" or options.leak_free or options.score not in ("minmax", "mean"):
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max', not "

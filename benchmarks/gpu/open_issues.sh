@@ -17,7 +17,8 @@
 #   gradcheck_32k_mm issue 18: as gradcheck_32k with rerank's default minmax_mean candidates (background)
 #   rerank_onepass   issue 18: the score kernel's GPU tests and the per-chunk scoring cost after rerank's one-pass
 #                    kernel (run before rerank_fast, which then measures the step)
-#   block_scores     issues 18/23: the summary-score kernel's GPU tests, then the 128K fast sparse step (no HF)
+#   block_scores     issues 18/23: the summary-score kernel's GPU tests, the engine's sparse GPU tests and the
+#                    128K fast sparse step (no HF) with it switched on (OOMB_SUMMARY_SCORE_KERNEL=1)
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
 #                    budget 64 (25.3 % read) and page 128, budget 32 (25.7 %), default rule and oracle; 8K at page 32,
@@ -59,9 +60,12 @@ for part in "$@"; do
     block_scores)
       run 100 block_scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_block_scores.py \
           tests/test_triton_scores.py
-      run 120 sparse_fast_block_scores python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
-          --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
-          --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_block_scores_128k ;;
+      (export OOMB_SUMMARY_SCORE_KERNEL=1
+       run 200 block_scores_engine_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_sparse.py \
+           tests/test_gpu_engine.py -k sparse
+       run 120 sparse_fast_block_scores python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
+           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
+           --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_block_scores_128k) ;;
     rerank_fast_x2)
       run 150 rerank_fast_x2 python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --sparse-rerank-factor 2 --query-block-pages 32 \
