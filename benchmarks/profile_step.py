@@ -20,8 +20,12 @@ sustained rates) and measured / floor. The JSON keeps the table and the top kern
     python benchmarks/profile_step.py --contexts 32K --modes dense hf --name profile_32k      # H200
     python benchmarks/profile_step.py --quick --modes sparse --out-dir /tmp --name p             # CPU smoke
 
-It takes `oomb bench`'s options (backend, budget, chunk size, ...). On the CPU "device time" is the
-self time of the aten ops (the torch backend's attention is plain matmuls there: GEMM and other), and
+It takes `oomb bench`'s options (backend, budget, chunk size, ...). ``--layers N`` profiles the preset's
+first N decoder layers: each layer's parts scale with N, the loss and the embedding do not (their floors
+too: the table's floors are for the model profiled). At 128K a profile of all 28 layers of the 7B shape
+did not finish within 280 s on the H200 (2026-12-02; the plain step takes 22-50 s): the profiler's
+millions of events. On the CPU "device time" is the self time of the aten ops (the torch backend's
+attention is plain matmuls there: GEMM and other), and
 the floors are left out unless a rate flag (--gemm-tflops, ...) is given.
 """
 
@@ -213,10 +217,11 @@ def format_table(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | None) -> dict:
+def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | None,
+                 layers: int | None = None) -> dict:
     device = torch.device(options.device)
     warmup = warmup_tokens(mode, options)
-    model = build_model(options.preset, max(tokens, warmup), device, options.dtype, options.seed)
+    model = build_model(options.preset, max(tokens, warmup), device, options.dtype, options.seed, layers)
     step = make_step(mode, options)
     vocab = model.config.vocab_size
     step(model, token_ids(vocab, warmup, options.seed, device))  # compile, autotune
@@ -243,7 +248,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
     groups = {r["part"]: round(r["measured_s"] * 1000, 1) for r in table if r["part"] != "host gaps"}
     for r in rows:
         r["ms"] = round(r["ms"], 3)
-    return {"mode": mode, "tokens": tokens, "step_seconds_under_profiler": round(seconds, 3),
+    return {"mode": mode, "tokens": tokens, "layers": model.config.num_hidden_layers,
+            "step_seconds_under_profiler": round(seconds, 3),
             "gpu_busy_seconds": None if busy is None else round(busy, 3), "host_waits": syncs,
             "time_kind": "device (kernels)" if use_device else "CPU self time (aten ops)",
             "parts": table, "rates": None if rates is None else dataclasses.asdict(rates),
@@ -261,6 +267,8 @@ def main() -> None:
                        ("--memory-gbs", f"device memory, GB/s (default {H200.memory_bytes / 1e9:.0f})"),
                        ("--host-gbs", f"host <-> device copies, GB/s (default {H200.host_bytes / 1e9:.0f})")):
         parser.add_argument(flag, type=float, help=f"floor rate of {what}; on the CPU any of these turns floors on")
+    parser.add_argument("--layers", type=int, help="profile a model of the preset's first N decoder layers (the "
+                        "profiler's post-processing of all 28 layers at 128K outlasts a 10-minute call)")
     args = parser.parse_args()
     if args.replot:
         parser.error("--replot is an option of `oomb bench` only")
@@ -275,10 +283,11 @@ def main() -> None:
               "options": dataclasses.asdict(options), "runs": []}
     for tokens in options.contexts:
         for mode in options.modes:
-            run = profile_step(mode, options, tokens, rates)
+            run = profile_step(mode, options, tokens, rates, args.layers)
             report["runs"].append(run)
             busy = "" if run["gpu_busy_seconds"] is None else f", GPU busy {run['gpu_busy_seconds']} s"
-            print(f"{mode} {tokens:,}: {run['step_seconds_under_profiler']} s under the profiler{busy} "
+            print(f"{mode} {tokens:,}, {run['layers']} layers: {run['step_seconds_under_profiler']} s under the "
+                  f"profiler{busy} "
                   f"({run['time_kind']})\n{format_table(run['parts'])}")
             out.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")

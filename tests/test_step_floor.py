@@ -187,3 +187,26 @@ def _tiny_config():
 
 def _quick_config() -> OOMBConfig:
     return OOMBConfig(attention="sparse", chunk_size=256, page_size=64, sparse_budget=1)
+
+
+def test_profile_of_the_first_layers_only(tmp_path, monkeypatch):
+    """--layers 1: a model of the preset's first decoder layer, and floors counted for that model."""
+    script = _profile_script()
+    argv = ["profile_step.py", "--quick", "--modes", "sparse", "--contexts", "1K", "--chunk-size", "256",
+            "--page-size", "64", "--sparse-budget", "1", "--layers", "1", "--out-dir", str(tmp_path), "--name", "p"]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        script.main()
+    finally:
+        torch.set_num_threads(threads)
+    run = json.loads((tmp_path / "p.json").read_text())["runs"][0]
+    config = _tiny_config()
+    assert config.num_hidden_layers > 1 and run["layers"] == 1
+    config.num_hidden_layers = 1
+    gemm = {row["part"]: row for row in run["parts"]}["GEMM"]
+    assert gemm["flop"] == pytest.approx(sum(linear_flops(StepSpec.from_config(
+        ModelShape.from_hf_config(config), 1024, _quick_config(), dtype=torch.float32)).values()))
+    monkeypatch.setattr(sys, "argv", [*argv[:-6], "--layers", "0", *argv[-4:]])
+    with pytest.raises(ValueError, match="layers=0"):
+        script.main()

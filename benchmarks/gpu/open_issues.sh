@@ -26,7 +26,8 @@
 #   page64_fast      issue 18: what finer pages cost: the 128K fast sparse step at page 64 with budget 64 (the same
 #                    keys as page 128, budget 32), and HF in the same run
 #   profile_fast     issues 18/23: where the 128K sparse step with the fast settings spends its time (GEMM,
-#                    attention, scoring, loss, copies, host gaps against their floors), and the dense step's
+#                    attention, scoring, loss, copies, host gaps against their floors), and the dense step's,
+#                    on the 7B shape's first 4 layers
 #   train_512k_bg    issue 19: train_512k started in its own process session (setsid), outliving the call; its
 #                    log, metrics and exit status land in /tmp/keep/train_512k (the dense 512K step takes ~9 min:
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
@@ -102,11 +103,12 @@ for part in "$@"; do
           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 64 --sparse-budget 64 \
           --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_page64_128k ;;
     profile_fast)
-      run 280 profile_sparse_fast python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
+      # 4 of the 7B's 28 layers: all 28 did not finish within 280 s each (2026-12-02)
+      run 200 profile_sparse_fast python benchmarks/profile_step.py --modes sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
-          --no-checkpoint-layers --out-dir "$OUT" --name profile_sparse_rerank_fast_128k
-      run 250 profile_dense python benchmarks/profile_step.py --modes dense --contexts 128K --backend cudnn \
-          --out-dir "$OUT" --name profile_dense_cudnn_128k ;;
+          --no-checkpoint-layers --layers 4 --out-dir "$OUT" --name profile_sparse_rerank_fast_128k_4layers
+      run 200 profile_dense python benchmarks/profile_step.py --modes dense --contexts 128K --backend cudnn \
+          --layers 4 --out-dir "$OUT" --name profile_dense_cudnn_128k_4layers ;;
     train_512k_bg)
       mkdir -p /tmp/keep/train_512k
       setsid nohup bash -c "cd /tmp/src && PYTHONPATH=/tmp/src python -m oomb train --preset qwen2.5-7b --lora \

@@ -147,11 +147,19 @@ gains nothing from more, and OpenMP threads that wait on each other crawl on a b
 # Worker process: one mode, all contexts
 # ---------------------------------------------------------------------------------------------
 
-def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch.dtype, seed: int):
-    """A model of ``preset`` with random weights, built directly on ``device`` (same weights per seed)."""
+def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch.dtype, seed: int,
+                layers: int | None = None):
+    """A model of ``preset`` with random weights, built directly on ``device`` (same weights per seed);
+    ``layers``: only the first that many decoder layers (each the preset's shape)."""
     from transformers import AutoModelForCausalLM
 
     cfg = preset_config(preset, max_positions=max_tokens)
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_hidden_layers:
+            raise ValueError(f"layers={layers} must be in 1..{cfg.num_hidden_layers} ({preset})")
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
