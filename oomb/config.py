@@ -55,19 +55,18 @@ class OOMBConfig:
     """Sparse: how a query block chooses its pages. "rerank": page summaries (sparse_rerank_candidates)
     pick sparse_rerank_factor x budget candidate pages, then each query's true attention probability over
     the candidates picks the budget (keys read: the candidates'; with offload they move to the GPU in
-    stage 1; not leak-free). "minmax": Quest's upper bound sum_d max(q_d min_d, q_d max_d) from the
+    stage 1). "minmax": Quest's upper bound sum_d max(q_d min_d, q_d max_d) from the
     page's elementwise min and max key; "mean": q . mean key; "exact": the true attention probabilities
     from every history key (the oracle: costs more than a dense forward; no offload, not leak-free).
-    "auto" (default): "rerank", or "minmax" with sparse_leak_free=True or a sparse_pooling other than
-    "max" (docs/sparse.md: rerank keeps the loss within 0.35 % of dense on a real model at a quarter of
-    the pages, minmax 2.8 %)."""
+    "auto" (default): "rerank", or "minmax" with a sparse_pooling other than "max" (docs/sparse.md:
+    rerank keeps the loss within 0.35 % of dense on a real model at a quarter of the pages, minmax 2.8 %)."""
     sparse_selection: Literal["kv_head", "shared"] = "kv_head"
     """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
     choice per query block for all heads (the best score of any head)."""
     sparse_leak_free: bool = False
-    """Sparse: score a block's pages with its first query only, so no query influences which pages an
-    earlier query reads. False (default): every query of the block votes (better recall; a later
-    query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
+    """Sparse: score a block's pages with the page of queries before it and its first query, so no query
+    influences which pages an earlier query reads. False (default): every query of the block votes (a
+    later query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
     sparse_query_block_pages: int = 1
     """Sparse: consecutive query blocks (pages of queries) that share one selection. 1: every page of
     queries chooses its own pages. Larger groups read the same compute budget but select fewer
@@ -161,9 +160,9 @@ class OOMBConfig:
         if self.sparse_score == "rerank" and self.sparse_pooling != "max":
             raise ValueError(f"sparse_score='rerank' pools a block's rows by the best row's probability: "
                              f"sparse_pooling={self.sparse_pooling!r} does not apply (use 'max')")
-        if self.sparse_score in ("exact", "rerank") and self.sparse_leak_free:
-            raise ValueError(f"sparse_score={self.sparse_score!r} scores a block with its own queries: it cannot be "
-                             "combined with sparse_leak_free=True")
+        if self.sparse_score == "exact" and self.sparse_leak_free:
+            raise ValueError("sparse_score='exact' scores a block with its own queries: it cannot be combined with "
+                             "sparse_leak_free=True (sparse_score='rerank' can)")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")
@@ -199,11 +198,11 @@ class OOMBConfig:
 
     @property
     def resolved_sparse_score(self) -> str:
-        """The score rule sparse mode runs: sparse_score, with "auto" resolved (rerank; minmax when leak-free
-        or with a pooling other than max, which rerank does not take)."""
+        """The score rule sparse mode runs: sparse_score, with "auto" resolved (rerank; minmax with a pooling
+        other than max, which rerank does not take)."""
         if self.sparse_score != "auto":
             return self.sparse_score
-        return "minmax" if self.sparse_leak_free or self.sparse_pooling != "max" else "rerank"
+        return "minmax" if self.sparse_pooling != "max" else "rerank"
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -325,15 +325,16 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
 
 def propose_candidates(
     q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions, layer: int,
-    scale: float | None = None, first_pages: torch.Tensor | None = None,
+    scale: float | None = None, first_pages: torch.Tensor | None = None, previous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The "rerank" score's candidates, as a selection (see selection_from_scores) of rerank_factor x
     budget pages: the top pages of the ``rerank_candidates`` summary score; "minmax_mean": minmax's top
-    half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md)."""
+    half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md). Leak-free,
+    scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page of queries)."""
     wanted = candidate_options(options, layer)
 
     def scores(rule: str) -> torch.Tensor:
-        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling="max"), scale)
+        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling="max"), scale, previous)
 
     if options.rerank_candidates != "minmax_mean":
         return selection_from_scores(scores(options.rerank_candidates), wanted, layer, first_pages)
@@ -345,11 +346,14 @@ def propose_candidates(
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
-    context: ContextShard | None = None,
+    context: ContextShard | None = None, previous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
     the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
-    that are not candidates (below every probability, so top_pages keeps candidates).
+    that are not candidates (below every probability, so top_pages keeps candidates). Leak-free
+    (options.leak_free), a block's rows are the page of queries before it and its first query
+    (leak_free_rows; ``previous``: the previous chunk's last page of queries), each seeing only the
+    keys at or before it.
 
     Args:
         k_pool, page_table: keys (num_pages, Hkv, P, D) and the table that places the candidates and
@@ -380,7 +384,8 @@ def rerank_block_scores(
         from .attention.triton_scores import exact_page_scores
 
         listed = candidates.to(torch.int32).contiguous()
-        scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed)
+        scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed,
+                                   leak_free=options.leak_free, previous=previous)
         return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
     ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
@@ -389,18 +394,32 @@ def rerank_block_scores(
     if context is None or context.owns(chunk.index):
         own_ids = page_table[:, n_hist: n_hist + n_blocks].long()  # (B, n_blocks)
         own = k_pool[own_ids].float().permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)[:, :, :Lq]  # (B, Hkv, Lq, D)
-    pad = n_blocks * P - Lq
-    rows = q.float().reshape(B, Hkv, G, Lq, D)
-    rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
-    row_ok = (torch.arange(n_blocks * P, device=q.device) < Lq).reshape(n_blocks, P)
-    position = torch.arange(n_blocks * P, device=q.device).reshape(n_blocks, P)
-    per_block = B * Hq * P * (M * P + Lq)
+    if options.leak_free:  # block j: the P queries before its first, then its first (positions in the chunk)
+        R = P + 1
+        rows = leak_free_rows(q.float(), P, previous.float() if previous is not None else None)
+        rows = rows.reshape(B, Hkv, G, n_blocks, R, D)
+        position = torch.arange(n_blocks, device=q.device)[:, None] * P + torch.arange(R, device=q.device) - P
+        if previous is None or previous.shape[2] != P:  # block 0's rows are copies of query 0
+            position[0] = 0
+        row_ok = torch.ones(n_blocks, R, dtype=torch.bool, device=q.device)
+        key_position = candidates.long()[..., None] * P + torch.arange(P, device=q.device)  # (B, Hkv, nb, M, P)
+    else:
+        R = P
+        pad = n_blocks * P - Lq
+        rows = q.float().reshape(B, Hkv, G, Lq, D)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
+        row_ok = (torch.arange(n_blocks * P, device=q.device) < Lq).reshape(n_blocks, P)
+        position = torch.arange(n_blocks * P, device=q.device).reshape(n_blocks, P)
+    per_block = B * Hq * R * (M * P + Lq)
     blocks_per_tile = max(1, (4 * SCORE_TILE_ELEMENTS) // max(1, per_block))
     for b0 in range(0, n_blocks, blocks_per_tile):
         b1 = min(b0 + blocks_per_tile, n_blocks)
         keys = k_pool[ids[:, :, b0:b1], heads].float()  # (B, Hkv, nb, M, P, D)
-        r = rows[:, :, :, b0:b1]  # (B, Hkv, G, nb, P, D)
+        r = rows[:, :, :, b0:b1]  # (B, Hkv, G, nb, R, D)
         s_cand = torch.einsum("bhgjrd,bhjmkd->bhgjrmk", r, keys) * scale
+        if options.leak_free:  # rows before the chunk see the last history page only up to themselves
+            later = key_position[:, :, None, b0:b1, None] > (chunk.start + position[b0:b1])[..., None, None]
+            s_cand.masked_fill_(later, float("-inf"))
         if held is not None:  # other ranks' candidates: whatever their rows here hold, no key
             s_cand.masked_fill_(~held[:, :, None, b0:b1, None, :, None], float("-inf"))
         lse = s_cand.flatten(-2).logsumexp(-1)  # (B, Hkv, G, nb, P)
@@ -495,9 +514,10 @@ def select_pages(
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
         candidates = propose_candidates(q, store.history_summaries(layer, n_hist), P, options, layer, scale,
-                                        first_pages)
+                                        first_pages, previous)
         with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
-            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context)
+            scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context,
+                                         previous=previous)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)

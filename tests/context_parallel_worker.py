@@ -249,13 +249,16 @@ SCENARIOS = {
     # Sparse with attention logit softcapping (gemma2): the cap in every rank's share of the keys.
     "gemma2_sparse": lambda rank, world, device: variants(rank, world, device, "gemma2", SPARSE, {"cp": SPARSE}),
     # Other scores and options: minmax leak-free with shared groups of 2 blocks and packed documents;
-    # the exact score; a budget covering the history (dense attention: against one dense process).
+    # rerank leak-free with offload; the exact score; a budget covering the history (dense attention: against one dense process).
     "sparse_options": lambda rank, world, device: {
         **{f"minmax_{k}": v for k, v in variants(
             rank, world, device, "llama", replace(SPARSE, sparse_score="minmax", sparse_leak_free=True,
                                                   sparse_query_block_pages=2, sparse_selection="shared"),
             {"cp": replace(SPARSE, sparse_score="minmax", sparse_leak_free=True, sparse_query_block_pages=2,
                            sparse_selection="shared", offload=True)}, batch=1, documents=True).items()},
+        **{f"rerank_{k}": v for k, v in variants(
+            rank, world, device, "llama", replace(SPARSE, sparse_leak_free=True),
+            {"cp": replace(SPARSE, sparse_leak_free=True, offload=True)}, batch=1).items()},
         **{f"exact_{k}": v for k, v in variants(
             rank, world, device, "llama", replace(SPARSE, sparse_score="exact"),
             {"cp": replace(SPARSE, sparse_score="exact")}, batch=1).items()},

@@ -165,16 +165,17 @@ def _check_sparse(world: int, ranks: list[dict]) -> None:
 
 
 def test_sparse_scores_and_options_under_cp(world_results):
-    """minmax leak-free, shared groups of two blocks, packed documents, with offload; the exact score;
-    a budget covering the history (every call dense: the gradients of one dense process)."""
+    """minmax leak-free, shared groups of two blocks, packed documents, with offload; rerank leak-free with
+    offload; the exact score; a budget covering the history (every call dense: the gradients of one dense
+    process)."""
     world, ranks = _variants(world_results, "sparse_options")
     for res in ranks:
-        for score in ("minmax", "exact"):
+        for score in ("minmax", "rerank", "exact"):
             got, want = res[f"{score}_cp"], res[f"{score}_reference"]
             assert got["error"] <= GRAD_RTOL, (score, got["error"])
             assert want["sparse_calls"] > 0 and got["selections"] == want["selections"], score
         assert res["full_cp"]["error"] <= GRAD_RTOL and res["full_cp"]["sparse_calls"] == 0
-    for name in ("minmax_cp", "exact_cp", "full_cp"):
+    for name in ("minmax_cp", "rerank_cp", "exact_cp", "full_cp"):
         assert len({res[name]["digest"] for res in ranks}) == 1, name
 
 

@@ -378,22 +378,22 @@ def test_exact_score_is_the_true_attention_mass_of_each_page(pooling, length):
     store.free_all()
 
 
-@pytest.mark.parametrize("score", ["exact", "rerank"])
-def test_exact_scores_refuse_offload_and_leak_free(score):
-    """Both score with a block's own queries (no leak-free variant); exact reads every history key from
-    the GPU (no offload), rerank only its candidates' (staged with offload)."""
-    for bad in ((dict(offload=True),) if score == "exact" else ()) + (dict(sparse_leak_free=True),):
-        with pytest.raises(ValueError, match=f"sparse_score='{score}'"):
-            OOMBConfig(attention="sparse", sparse_score=score, **bad)
+def test_exact_scores_refuse_offload_and_leak_free():
+    """exact scores a block with its own queries (no leak-free variant) and reads every history key from
+    the GPU (no offload); rerank takes both (its candidates' keys are staged with offload)."""
+    for bad in (dict(offload=True), dict(sparse_leak_free=True)):
+        with pytest.raises(ValueError, match="sparse_score='exact'"):
+            OOMBConfig(attention="sparse", sparse_score="exact", **bad)
+    OOMBConfig(attention="sparse", sparse_score="rerank", offload=True, sparse_leak_free=True)
     with pytest.raises(ValueError, match="sparse_rerank_factor"):
         OOMBConfig(attention="sparse", sparse_score="rerank", sparse_rerank_factor=0)
     with pytest.raises(ValueError, match="sparse_pooling='softmax' does not apply"):
         OOMBConfig(attention="sparse", sparse_score="rerank", sparse_pooling="softmax")
 
 
-def test_auto_score_is_rerank_unless_leak_free_or_another_pooling():
+def test_auto_score_is_rerank_unless_another_pooling():
     assert OOMBConfig(attention="sparse").resolved_sparse_score == "rerank"
-    assert OOMBConfig(attention="sparse", sparse_leak_free=True).resolved_sparse_score == "minmax"
+    assert OOMBConfig(attention="sparse", sparse_leak_free=True).resolved_sparse_score == "rerank"
     assert OOMBConfig(attention="sparse", sparse_pooling="softmax_max").resolved_sparse_score == "minmax"
     assert OOMBConfig(attention="sparse", sparse_score="mean").resolved_sparse_score == "mean"
     assert SparseOptions.from_config(OOMBConfig(attention="sparse")).score == "rerank"
@@ -450,6 +450,59 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
     torch.testing.assert_close(everything, exact_block_scores(q, store, 0, chunk, options), **TOL)
     # Through select_pages: the budget's best of the candidates.
     assert torch.equal(select_pages(q, store, 0, chunk, options), top_pages(want, options))
+    store.free_all()
+
+
+@pytest.mark.parametrize("with_previous", [True, False], ids=["previous_page", "no_previous"])
+def test_leak_free_rerank_scores_a_block_with_the_queries_before_it(with_previous):
+    """Leak-free rerank: block j's rows are the page of queries before it (block 0: the previous chunk's
+    last page, or copies of query 0 without it) and its first query; each row's softmax over the keys at
+    or before it among the candidates and the chunk, per candidate page, the best row's."""
+    P, Hkv, G, D, B, n_hist, length = 4, 2, 2, 8, 2, 6, 11
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=7)
+    chunk = spans[1]
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    previous = torch.randn(B, Hkv * G, P, D, generator=gen) if with_previous else None
+    options = _options(score="rerank", budget=1, rerank_factor=3, rerank_candidates="minmax", leak_free=True)
+    n_blocks = -(-length // P)
+    candidates = torch.stack([torch.randperm(n_hist, generator=gen)[:4].sort().values
+                              for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 4)
+    candidates[0, 0, 0] = torch.tensor([0, 2, 4, n_hist - 1])  # the previous page's rows see it causally
+    got = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options,
+                                          previous=previous)
+
+    k_all = torch.stack([store.layers[0].k[store.page_table[b].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)
+                         for b in range(B)])[:, :, :n_hist * P + length]  # (B, Hkv, tokens, D)
+    start = n_hist * P
+    want = torch.full((B, Hkv, n_blocks, n_hist), -1.0)
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(n_blocks):
+                pages = candidates[b, h, j].tolist()
+                best = torch.zeros(n_hist)
+                rows = [(start + r, None) for r in range((j - 1) * P, j * P)] if j else (
+                    [(start - P + r, previous[b, :, r]) for r in range(P)] if with_previous
+                    else [(start, q[b, :, 0])] * P)
+                rows = [*rows, (start + j * P, None)]
+                for position, vector in rows:
+                    for g in range(G):
+                        query = (vector if vector is not None else q[b, :, position - start])[h * G + g]
+                        keys = [t for p in pages for t in range(p * P, (p + 1) * P)]
+                        keys += list(range(start, start + length))
+                        seen = torch.tensor([t <= position for t in keys])
+                        logits = (query @ k_all[b, h, keys].T) * D ** -0.5
+                        probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=0)
+                        for i, p in enumerate(pages):
+                            best[p] = max(best[p], probs[i * P:(i + 1) * P].sum())
+                want[b, h, j, pages] = best[pages]
+    torch.testing.assert_close(got, want, **TOL)
+    if with_previous:  # a later query of block 1 (position 6 of the chunk) cannot change block 1's scores
+        changed = q.clone()
+        changed[:, :, 5:8] = 100.0
+        again = oomb.sparse.rerank_block_scores(changed, store.layers[0].k, store.page_table, chunk, candidates,
+                                                options, previous=previous)
+        torch.testing.assert_close(again[:, :, :2], got[:, :, :2], **TOL)
     store.free_all()
 
 
@@ -749,9 +802,10 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
         ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max")),
         ("qwen3", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max", sparse_leak_free=True,
                        sparse_query_block_pages=2)),
+        ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_leak_free=True)),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
-         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups"],
+         "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups", "rerank-leak_free"],
 )
 def test_sparse_gradients_are_exact_for_the_selected_pages(family, sparse, recorded):
     """oomb's sparse step = a full-sequence backward whose attention reads exactly the selected pages."""

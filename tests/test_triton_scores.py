@@ -88,3 +88,32 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length):
     assert (got == -1).sum() == (want == -1).sum() == B * Hkv * n_blocks * 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     store.free_all()
+
+
+@pytest.mark.parametrize("with_previous", [True, False], ids=["previous_page", "no_previous"])
+def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous):
+    """Leak-free rerank: block j scored by the page of queries before it and its first query, each seeing
+    the keys at or before it (the last history page causally, for the previous chunk's queries)."""
+    B, Hkv, G, D, P = 2, 2, 3, 24, 16
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=80, length=45, dtype=torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    n_blocks = -(-45 // P)
+    candidates = torch.stack([torch.cat([torch.randperm(4, generator=gen)[:2].sort().values, torch.tensor([4])])
+                              for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 3)
+    candidates = candidates.to(DEVICE, torch.int32)
+    previous = torch.randn(B, Hkv * G, P, D, generator=gen).to(DEVICE) if with_previous else None
+    options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=True)
+    from oomb.sparse import rerank_block_scores
+
+    args = (q, store.layers[0].k, store.page_table, chunk, candidates, options)
+    want = rerank_block_scores(*args, kernel=False, previous=previous)
+    got = rerank_block_scores(*args, kernel=True, previous=previous)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    leaky = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates,
+                                SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head",
+                                              leak_free=False), kernel=True)
+    assert not torch.equal(got, leaky)
+    with pytest.raises(ValueError, match="leak_free scores listed pages"):
+        triton_scores.exact_page_scores(q, store.layers[0].k, store.page_table, chunk.start, D ** -0.5,
+                                        leak_free=True)
+    store.free_all()

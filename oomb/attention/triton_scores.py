@@ -13,6 +13,10 @@ logit:
 2. per history page, each row's probability ``sum_k exp(s_rk - lse_r)``, the tile's largest, folded
    into ``out[b, h, j, page]`` by an atomic max (order-free, so the result is deterministic).
 
+``leak_free`` (listed pages only) scores block j from the page of queries before it and its first query,
+each seeing only the keys at or before it (oomb.sparse.leak_free_rows): nothing after a block's first
+token decides what the block reads.
+
 ``row_stride`` > 1 scores a block from every row_stride-th query only (the last of each group of
 queries), as the reference's ``row_stride`` does: an eighth of the rows is an eighth of the work.
 
@@ -86,8 +90,8 @@ def _online_lse(m_i, l_i, s):
     return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED"], cache_results=CACHE_TUNING,
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED", "LEAK_FREE"],
+                 cache_results=CACHE_TUNING, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _exact_scores_kernel(
     q_ptr, k_ptr, table_ptr, list_ptr, out_ptr, scratch_ptr,
@@ -98,28 +102,44 @@ def _exact_scores_kernel(
     num_kv_heads, seq_len, query_start, num_history, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
+    LEAK_FREE: tl.constexpr, NO_PREVIOUS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
     the history is the block's listed pages (``num_history`` of them, page-table positions in
     ``list_ptr``), ``out`` has one column per listed page, and each row's log-mass per listed page
     goes through ``scratch`` (B * Hkv, n_blocks, listed pages, >= tiles x BLOCK_M rows); else every
-    page before query_start, scored in two passes."""
+    page before query_start, scored in two passes. LEAK_FREE (listed pages only): ``q`` holds the
+    previous chunk's last page of queries, then the chunk's (``seq_len`` = P + the chunk's length), and
+    block j is scored by the P queries before its first and that first query, each seeing only the keys
+    at or before it; NO_PREVIOUS: the first P are copies of query 0 (at its position)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
+    tl.static_assert(LISTED or not LEAK_FREE)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    ROWS: tl.constexpr = (PAGE_SIZE // ROW_STRIDE) * GROUP  # scoring rows of a block
+    if LEAK_FREE:
+        ROWS: tl.constexpr = (PAGE_SIZE + 1) * GROUP  # the block's scoring rows
+    else:
+        ROWS: tl.constexpr = (PAGE_SIZE // ROW_STRIDE) * GROUP
     TILES: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
     kvh = pid_bh % num_kv_heads
     j = tl.program_id(0) // TILES
     local = (tl.program_id(0) % TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = j * PAGE_SIZE + (local // GROUP) * ROW_STRIDE + ROW_STRIDE - 1  # query index in the chunk
+    if LEAK_FREE:
+        qi = j * PAGE_SIZE + local // GROUP  # in q: the previous page of queries, then the chunk
+    else:
+        qi = j * PAGE_SIZE + (local // GROUP) * ROW_STRIDE + ROW_STRIDE - 1  # query index in the chunk
     row_ok = (local < ROWS) & (qi < seq_len)
     qi = tl.minimum(qi, seq_len - 1)  # rows past the chunk read a real query; their result is dropped
     head = (kvh * GROUP + local % GROUP).to(tl.int64)
-    q_pos = query_start + qi
+    if LEAK_FREE:
+        q_pos = query_start - PAGE_SIZE + qi
+        if NO_PREVIOUS:
+            q_pos = tl.maximum(q_pos, query_start)
+    else:
+        q_pos = query_start + qi
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -147,7 +167,9 @@ def _exact_scores_kernel(
             for slot in range(0, PAGE_SIZE, BLOCK_N):
                 s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
                                    stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
-                m_p, l_p = _online_lse(m_p, l_p, s)
+                if LEAK_FREE:  # rows of the previous chunk's last page see that page up to themselves
+                    s = tl.where((first_key + slot + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
+                m_p, l_p = _online_lse(m_p, l_p, s)  # finite: every row sees a listed page's first key
             tl.store(scratch_row + i * stride_si, m_p + tl.log2(l_p))  # the row's base-2 log-mass on the page
             m_new = tl.maximum(m_i, m_p)  # the page folded into the row's running log-sum-exp
             l_i = l_i * tl.exp2(m_i - m_new) + l_p * tl.exp2(m_p - m_new)
@@ -155,6 +177,8 @@ def _exact_scores_kernel(
         own_first = query_start
     else:
         own_first = 0
+    if LEAK_FREE:  # the rows end at the block's first query: the chunk's keys up to each row, causally
+        block_first = own_first
     for start_n in range(own_first, block_first, BLOCK_N):
         s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
                            stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
@@ -163,7 +187,7 @@ def _exact_scores_kernel(
         s = _scaled_logits(q, k_base, table_row_ptr, start_n, offs_n, offs_d, d_ok, qk_scale,
                            stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
         s = tl.where((start_n + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_i, l_i = _online_lse(m_i, l_i, s)  # finite: every row sees its own key in the first such tile
+        m_i, l_i = _online_lse(m_i, l_i, s)  # finite: the listed pages' keys, or each row's own in its first tile
     lse2 = m_i + tl.log2(l_i)
 
     # Pass 2: per history (listed) page, each row's probability there; the tile's largest, max-folded
@@ -184,7 +208,8 @@ def _exact_scores_kernel(
 
 
 def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
-                      scale: float, row_stride: int = 1, pages: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, row_stride: int = 1, pages: torch.Tensor | None = None,
+                      leak_free: bool = False, previous: torch.Tensor | None = None) -> torch.Tensor:
     """The exact score with max pooling: the largest probability any scoring row of a block puts on
     each history page.
 
@@ -197,6 +222,10 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         pages: None, or (B, Hkv, n_blocks, M) int32 page-table positions of the history pages each
             block scores ("rerank"'s candidates): the rows' probabilities are then normalised over
             these pages' keys and the chunk's own (causal), not over the whole history.
+        leak_free: with ``pages``: score block j from the P queries before its first and that first
+            query (oomb.sparse.leak_free_rows), each normalised over the keys at or before it; block 0's
+            P earlier queries are ``previous`` (B, Hq, P, D), the previous chunk's last page, or without
+            one copies of query 0.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_hist = query_start // P; with ``pages``: (B, Hkv,
         n_blocks, M), the score of each listed page.
@@ -210,6 +239,8 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
                          f"(a multiple of it), head_dim {D} (<= {MAX_HEAD_DIM}), {Hq} query heads over {Hkv}")
     if not isinstance(row_stride, int) or not 1 <= row_stride <= P:
         raise ValueError(f"row_stride={row_stride!r} must be an integer in 1..{P}")
+    if leak_free and (pages is None or row_stride != 1):
+        raise ValueError("leak_free scores listed pages (rerank's candidates) from every row")
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
     n_blocks = -(-Lq // P)
@@ -223,7 +254,13 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
     out = torch.zeros((B, Hkv, n_blocks, n_scored), dtype=torch.float32, device=q.device)
     if B * Lq * n_scored == 0:
         return out
-    rows = (P // row_stride) * (Hq // Hkv)
+    rows = ((P + 1) if leak_free else (P // row_stride)) * (Hq // Hkv)
+    no_previous = previous is None or previous.shape[2] != P
+    if leak_free:  # the rows of block j are q_rows[j P : j P + P + 1]
+        before = q[:, :, :1].expand(B, Hq, P, D) if no_previous else previous.to(q.dtype)
+        q_rows = torch.cat([before, q], dim=2)
+    else:
+        q_rows = q
     listed = pages if pages is not None else out  # an unused pointer when nothing is listed
     if pages is not None:  # every config's BLOCK_M divides 128, so tiles x BLOCK_M <= rows rounded up to 128
         scratch = torch.empty((B * Hkv, n_blocks, n_scored, -(-rows // 128) * 128), dtype=torch.float32,
@@ -235,8 +272,9 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
 
     _exact_scores_kernel[grid](
-        q, k_pool, page_table, listed, out, scratch, *q.stride(), *k_pool.stride(), page_table.stride(0),
-        *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv, Lq, query_start, n_scored,
-        float(scale), ROW_STRIDE=row_stride, LISTED=pages is not None, **_meta(q, Hq, Hkv, D, P),
+        q_rows, k_pool, page_table, listed, out, scratch, *q_rows.stride(), *k_pool.stride(), page_table.stride(0),
+        *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv, q_rows.shape[2], query_start,
+        n_scored, float(scale), ROW_STRIDE=row_stride, LISTED=pages is not None, LEAK_FREE=leak_free,
+        NO_PREVIOUS=leak_free and no_previous, **_meta(q, Hq, Hkv, D, P),
     )
     return out
