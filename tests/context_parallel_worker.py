@@ -249,7 +249,8 @@ SCENARIOS = {
     # Sparse with attention logit softcapping (gemma2): the cap in every rank's share of the keys.
     "gemma2_sparse": lambda rank, world, device: variants(rank, world, device, "gemma2", SPARSE, {"cp": SPARSE}),
     # Other scores and options: minmax leak-free with shared groups of 2 blocks and packed documents;
-    # rerank leak-free with offload; the exact score; a budget covering the history (dense attention: against one dense process).
+    # rerank leak-free with offload; the exact score; a budget covering the history (dense attention:
+    # against one dense process).
     "sparse_options": lambda rank, world, device: {
         **{f"minmax_{k}": v for k, v in variants(
             rank, world, device, "llama", replace(SPARSE, sparse_score="minmax", sparse_leak_free=True,
