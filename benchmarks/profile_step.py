@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from oomb import machine  # noqa: E402
 from oomb.attention.function import SCORING_RANGE  # noqa: E402
 from oomb.loss import LOSS_RANGE  # noqa: E402
-from oomb.memory import MODES, ModelShape  # noqa: E402
+from oomb.memory import MODES  # noqa: E402
+from oomb.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
     BenchOptions,
     add_arguments,

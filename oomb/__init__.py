@@ -3,8 +3,8 @@
 The package has two layers and the tools:
 
     the step (here)  engine.py (forward_backward), config.py (OOMBConfig), models.py, loss.py, grads.py,
-                     fp32_linear.py, sparse.py, memory.py, documents.py, parallel.py, evaluate.py,
-                     attention/ (the kernels), kv/ (the paged store and its offload)
+                     fp32_linear.py, sparse.py, memory.py (with model_shape.py, activations.py), documents.py,
+                     parallel.py, evaluate.py, attention/ (the kernels), kv/ (the paged store and its offload)
     training/        the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
                      checkpoints, data, presets, the Hugging Face Trainer/TRL integration
     tools/           `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb demo`, `oomb calibrate`

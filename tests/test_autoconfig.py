@@ -12,7 +12,8 @@ import torch
 
 from oomb.attention.backend import resolve_backend_name
 from oomb.config import OOMBConfig
-from oomb.memory import GIB, ModelShape
+from oomb.memory import GIB
+from oomb.model_shape import ModelShape
 from oomb.tools.plan import Budget, make_plan, preset_config
 from oomb.training.autoconfig import (
     SPEED_FACTS,

@@ -26,7 +26,8 @@ from oomb.documents import resolve_documents, window_bounds
 from oomb.kv import PagedKVStore, split_into_chunks
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
 from oomb.kv.store import window_pages_per_sequence
-from oomb.memory import ModelShape, OffloadAssumptions, TrainingSetup, predict
+from oomb.memory import OffloadAssumptions, TrainingSetup, predict
+from oomb.model_shape import ModelShape
 from oomb.models import layer_windows
 
 GRAD_RTOL = 1e-5

@@ -10,15 +10,10 @@ import transformers as tr
 from torch import nn
 
 from oomb import cli
+from oomb.activations import chunk_activation_bytes, mlp_activation_bytes_per_token
 from oomb.config import OOMBConfig
-from oomb.memory import (
-    GIB,
-    ModelShape,
-    TrainingSetup,
-    chunk_activation_bytes,
-    mlp_activation_bytes_per_token,
-    predict,
-)
+from oomb.memory import GIB, TrainingSetup, predict
+from oomb.model_shape import ModelShape
 from oomb.tools.plan import load_model_shape, preset_config
 from oomb.training.presets import PRESET_SOURCES, PRESETS
 

@@ -12,7 +12,7 @@ import torch
 from torch.autograd import DeviceType
 
 from oomb.config import OOMBConfig
-from oomb.memory import ModelShape
+from oomb.model_shape import ModelShape
 from oomb.tools.plan import load_model_shape
 from oomb.tools.step_floor import (
     H200,

@@ -40,7 +40,8 @@ import torch
 from .. import machine
 from ..attention.backend import resolve_backend_name
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
-from ..memory import GIB, MODES, ModelShape, SparseAssumptions, TrainingSetup, predict
+from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
+from ..model_shape import ModelShape
 from ..models import unwrap_causal_lm
 from ..training import presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs

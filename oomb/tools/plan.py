@@ -12,7 +12,7 @@ Sliding-window layers shorter than the step keep, on the GPU or with offload in 
 the last W - 1 keys of every chunk before the current one plus that chunk (stage 2 runs the chunks in
 reverse and needs each window's earlier K/V again; see ``oomb.memory.predict``): about (W - 1) / C of
 a global layer's pages, none saved when W - 1 >= C. Mixtures of experts count
-every expert's weights and a chunk's top-k routed rows of activations (``oomb.memory.ModelShape``).
+every expert's weights and a chunk's top-k routed rows of activations (``oomb.model_shape.ModelShape``).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from ..memory import (
     MODES,
     MemoryPrediction,
     Mode,
-    ModelShape,
     OffloadAssumptions,
     SparseAssumptions,
     TrainingSetup,
     predict,
 )
+from ..model_shape import ModelShape
 from ..training import presets
 from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
 from ..training.config import LoraSection

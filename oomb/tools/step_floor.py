@@ -50,7 +50,7 @@ from typing import Literal
 import torch
 
 from ..config import OOMBConfig
-from ..memory import ModelShape
+from ..model_shape import ModelShape
 from ..units import format_tokens, parse_tokens
 
 H200_PEAK_BF16_FLOPS = 989e12

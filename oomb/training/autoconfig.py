@@ -32,12 +32,12 @@ from ..memory import (
     GIB,
     MODES,
     MemoryPrediction,
-    ModelShape,
     OffloadAssumptions,
     SparseAssumptions,
     TrainingSetup,
     predict,
 )
+from ..model_shape import ModelShape
 from ..units import format_tokens
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size")

@@ -39,7 +39,8 @@ from torch import nn
 from .. import machine
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
-from ..memory import GIB, ModelShape, estimate_step_memory
+from ..memory import GIB, estimate_step_memory
+from ..model_shape import ModelShape
 from ..models import unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
