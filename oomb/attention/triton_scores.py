@@ -102,7 +102,7 @@ def _exact_scores_kernel(
     num_kv_heads, seq_len, query_start, num_history, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
-    LEAK_FREE: tl.constexpr, NO_PREVIOUS: tl.constexpr,
+    LEAK_FREE: tl.constexpr, NO_PREVIOUS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
@@ -112,15 +112,11 @@ def _exact_scores_kernel(
     page before query_start, scored in two passes. LEAK_FREE (listed pages only): ``q`` holds the
     previous chunk's last page of queries, then the chunk's (``seq_len`` = P + the chunk's length), and
     block j is scored by the P queries before its first and that first query, each seeing only the keys
-    at or before it; NO_PREVIOUS: the first P are copies of query 0 (at its position)."""
+    at or before it; NO_PREVIOUS: the first P are copies of query 0 (at its position). ROWS: a block's
+    scoring rows, (P + 1) x GROUP leak-free, else (P / ROW_STRIDE) x GROUP."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
-    tl.static_assert(LISTED or not LEAK_FREE)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    if LEAK_FREE:
-        ROWS: tl.constexpr = (PAGE_SIZE + 1) * GROUP  # the block's scoring rows
-    else:
-        ROWS: tl.constexpr = (PAGE_SIZE // ROW_STRIDE) * GROUP
     TILES: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
@@ -275,6 +271,6 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         q_rows, k_pool, page_table, listed, out, scratch, *q_rows.stride(), *k_pool.stride(), page_table.stride(0),
         *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv, q_rows.shape[2], query_start,
         n_scored, float(scale), ROW_STRIDE=row_stride, LISTED=pages is not None, LEAK_FREE=leak_free,
-        NO_PREVIOUS=leak_free and no_previous, **_meta(q, Hq, Hkv, D, P),
+        NO_PREVIOUS=leak_free and no_previous, ROWS=rows, **_meta(q, Hq, Hkv, D, P),
     )
     return out
