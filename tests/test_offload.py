@@ -303,7 +303,7 @@ def test_sparse_stage_two_calls_are_prefetched(offload_stores):
 
 
 def test_sparse_runs_split_by_gradient_state():
-    from oomb.kv.offload import _runs
+    from oomb.kv.sparse_staging import _runs
 
     on_host = torch.tensor([True, True, False, False, True, True, True, False])
     assert _runs([0, 1, 2, 4, 5, 7], on_host) == [(0, 2, 0), (2, 3, 2), (4, 6, 3), (7, 8, 5)]

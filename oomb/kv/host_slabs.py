@@ -1,4 +1,5 @@
-"""Pinned host memory for offloaded pages: four slabs (k, v, dk, dv) kept across steps."""
+"""Pinned host memory for offloaded pages: four slabs (k, v, dk, dv) kept across steps, and
+staging their gradient pages to the GPU (``_load_grads``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,18 @@ class HostSlabs:
             self.release()
         except Exception:  # interpreter shutdown: CUDA may already be gone, and the process with it
             pass
+
+
+def _load_grads(target: torch.Tensor, source: torch.Tensor, on_host: torch.Tensor) -> None:
+    """Stage gradient pages: copy those written back this step, zeros where accumulation begins
+    (``on_host`` False), so the host slabs are never cleared and stale values are never read."""
+    if not bool(on_host.any()):
+        target.zero_()
+        return
+    target.copy_(source, non_blocking=True)
+    if not bool(on_host.all()):
+        fresh = torch.nonzero(~on_host).flatten().to(target.device, non_blocking=True)
+        target.index_fill_(0, fresh, 0)
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:

@@ -250,7 +250,7 @@ class PagedKVStore:
         self.document_starts: torch.Tensor | None = None
         """Packed documents: (B, T) int64 host copy of each token's document start (Documents.start_cpu),
         or None (one document per row). With offload, a sparse call does not stage the selected pages
-        wholly before its query blocks' documents (kv/offload.py). Set once per step, before stage 1."""
+        wholly before its query blocks' documents (kv/sparse_staging.py). Set once per step, before stage 1."""
 
     @staticmethod
     def bytes_needed(
