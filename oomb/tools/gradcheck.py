@@ -299,7 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")
     parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
     parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
-    parser.add_argument("--leak-free", action="store_true", help="score each block with its first query only")
+    parser.add_argument("--leak-free", action="store_true",
+                        help="score each block with the page of queries before it and its first query")
     parser.add_argument("--query-block-pages", type=int, default=d.query_block_pages,
                         help="consecutive query blocks (pages of queries) sharing one selection")
     parser.add_argument("--rerank-factors", type=int, nargs="+", default=d.rerank_factors,
