@@ -157,18 +157,23 @@ def test_busy_time_is_the_union_of_kernels_without_annotations():
     assert busy_seconds(events) == pytest.approx(25e-6)
 
 
-def test_quick_profile_groups_and_floors(tmp_path, monkeypatch, capsys):
-    script = _profile_script()
+def _quick_profile(script, tmp_path, monkeypatch, *extra: str) -> dict:
+    """Run profile_step.py --quick on the tiny preset's sparse step (1K tokens); its first run's JSON."""
     argv = ["profile_step.py", "--quick", "--modes", "sparse", "--contexts", "1K", "--chunk-size", "256",
-            "--page-size", "64", "--sparse-budget", "1", "--out-dir", str(tmp_path), "--name", "p"]
+            "--page-size", "64", "--sparse-budget", "1", *extra, "--out-dir", str(tmp_path), "--name", "p"]
     monkeypatch.setattr(sys, "argv", argv)
     threads = torch.get_num_threads()
     try:
         script.main()
     finally:
         torch.set_num_threads(threads)
+    return json.loads((tmp_path / "p.json").read_text())["runs"][0]
+
+
+def test_quick_profile_groups_and_floors(tmp_path, monkeypatch, capsys):
+    script = _profile_script()
+    run = _quick_profile(script, tmp_path, monkeypatch)
     assert "measured/floor" in capsys.readouterr().out
-    run = json.loads((tmp_path / "p.json").read_text())["runs"][0]
     parts = {row["part"]: row for row in run["parts"]}
     assert list(parts) == list(script.ROWS)
     for part in ("GEMM", "scoring", "loss", "copies", "other"):  # the ranges caught the scoring and the loss
@@ -192,21 +197,12 @@ def _quick_config() -> OOMBConfig:
 def test_profile_of_the_first_layers_only(tmp_path, monkeypatch):
     """--layers 1: a model of the preset's first decoder layer, and floors counted for that model."""
     script = _profile_script()
-    argv = ["profile_step.py", "--quick", "--modes", "sparse", "--contexts", "1K", "--chunk-size", "256",
-            "--page-size", "64", "--sparse-budget", "1", "--layers", "1", "--out-dir", str(tmp_path), "--name", "p"]
-    monkeypatch.setattr(sys, "argv", argv)
-    threads = torch.get_num_threads()
-    try:
-        script.main()
-    finally:
-        torch.set_num_threads(threads)
-    run = json.loads((tmp_path / "p.json").read_text())["runs"][0]
+    run = _quick_profile(script, tmp_path, monkeypatch, "--layers", "1")
     config = _tiny_config()
     assert config.num_hidden_layers > 1 and run["layers"] == 1
     config.num_hidden_layers = 1
     gemm = {row["part"]: row for row in run["parts"]}["GEMM"]
     assert gemm["flop"] == pytest.approx(sum(linear_flops(StepSpec.from_config(
         ModelShape.from_hf_config(config), 1024, _quick_config(), dtype=torch.float32)).values()))
-    monkeypatch.setattr(sys, "argv", [*argv[:-6], "--layers", "0", *argv[-4:]])
     with pytest.raises(ValueError, match="layers=0"):
-        script.main()
+        _quick_profile(script, tmp_path, monkeypatch, "--layers", "0")
