@@ -1,6 +1,7 @@
 """`oomb bench`: the quick CPU run end to end, the worker's out-of-memory handling, the parent's
 bookkeeping when a worker dies, and the outputs of a GPU-style report."""
 
+import argparse
 import json
 import queue
 
@@ -29,6 +30,14 @@ def test_quick_bench_writes_json_markdown_and_plot(tmp_path):
         assert hf["status"] == dense["status"] == "ok"
         assert hf["seconds"] > 0 and dense["host_peak_gib"] > 0
         assert dense["loss"] == pytest.approx(hf["loss"], rel=1e-3)  # same weights, same tokens, exact gradients
+        # Throughput: tokens, and the FLOPs step_floor counts for the mode (dense adds a replay), per second.
+        options = bench.options_from_args(_quick_args(tmp_path))
+        shape = bench.ModelShape.from_hf_config(bench.preset_config(report["workload"]["preset"], tokens))
+        flops = {row["mode"]: bench.executed_flops(row["mode"], tokens, shape, options) for row in (hf, dense)}
+        assert flops["dense"] > flops["hf"] > 0
+        for row in (hf, dense):
+            assert row["tokens_per_s"] == pytest.approx(tokens / row["seconds"], rel=1e-3)
+            assert row["executed_tflop_per_s"] == pytest.approx(flops[row["mode"]] / row["seconds"] / 1e12, rel=1e-3)
         for mode in ("dense+offload", "sparse+offload"):
             if not is_implemented(mode):
                 assert rows[mode, tokens]["status"] == bench.NOT_IMPLEMENTED
@@ -37,6 +46,12 @@ def test_quick_bench_writes_json_markdown_and_plot(tmp_path):
     assert "| 2K | dense |" in markdown and "![step time and memory vs context](bench_quick.png)" in markdown
     if not is_implemented("dense+offload"):
         assert "Not implemented in this version of oomb (nothing measured): dense+offload" in markdown
+
+
+def _quick_args(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--quick", "--out-dir", str(tmp_path)])
 
 
 class _FakeModel:

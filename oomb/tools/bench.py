@@ -46,6 +46,7 @@ from ..models import unwrap_causal_lm
 from ..training import presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
+from .step_floor import StepSpec, step_work
 
 logger = logging.getLogger(__name__)
 
@@ -410,8 +411,20 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
     }
 
 
+def executed_flops(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> float:
+    """FLOPs a step of ``mode`` executes (linear layers with every recomputation and replay, attention,
+    scoring, loss), as oomb/tools/step_floor.py counts them for its floors."""
+    config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
+    spec = StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
+    return sum(work.flops for work in step_work(spec).values())
+
+
 def _add_row(report: dict, mode: str, tokens: int, row: dict, shape: ModelShape, options: BenchOptions) -> dict:
     row = {"mode": mode, "tokens": tokens, **{k: v for k, v in row.items() if k != "event"}}
+    if row.get("status") == "ok" and row.get("seconds"):
+        row["tokens_per_s"] = round(tokens / row["seconds"], 1)
+        achieved = executed_flops(mode, tokens, shape, options) / row["seconds"] / 1e12
+        row["executed_tflop_per_s"] = float(f"{achieved:.4g}")
     row.update(_prediction(mode, tokens, shape, options))
     measured, predicted = row.get("peak_gpu_above_weights_gib"), row["predicted_gpu_above_weights_gib"]
     if measured:
@@ -428,6 +441,8 @@ def _print_row(row: dict) -> None:
             text += (f", GPU {row['peak_gpu_above_weights_gib']:.2f} GiB above weights "
                      f"(predicted {row['predicted_gpu_above_weights_gib']:.2f})")
         text += f", host peak {row['host_peak_gib']:.2f} GiB, loss {row['loss']:.4f}"
+        if "tokens_per_s" in row:
+            text += f", {row['tokens_per_s']:,.0f} tokens/s, {row['executed_tflop_per_s']:.3g} TFLOP/s executed"
     else:
         text += row["status"]
     print(text, flush=True)
