@@ -190,7 +190,8 @@ def block_scores(
     n_hist, Hkv = first.shape[1], first.shape[2]
     if kernel is None:
         kernel = (SUMMARY_SCORE_KERNEL and q.is_cuda and options.pooling == "max" and not options.leak_free
-                  and first.dtype == q.dtype and options.score in ("minmax", "mean"))
+                  and first.dtype == q.dtype and options.score in ("minmax", "mean")
+                  and (q.dtype != torch.float32 or D <= 128))  # float32 tiles at D = 256 outgrow shared memory
     if kernel:
         if options.pooling != "max" or options.leak_free or options.score not in ("minmax", "mean"):
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max', not "

@@ -82,9 +82,12 @@ def test_scoring_by_hand():
     # chunk 1 only (4 history pages > 1 sink + 1): 2 heads x 4 blocks x 32 rows against 4 pages, width 2D = 8
     assert scoring_work(minmax) == Work(matmul_flops=2 * 256 * 8 * 4)
     rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1)
-    # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read twice and the chunk causally
-    keys = 128 * 2 * 4 * 32 + 128 * 129 // 2
+    # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read once and the chunk causally
+    keys = 128 * 4 * 32 + 128 * 129 // 2
     assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
+    exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="exact")
+    keys = 128 * 2 * 4 * 32 + 128 * 129 // 2  # every history page, in two passes
+    assert scoring_work(exact).attention_flops == 2 * 4 * 2 * keys
     assert scoring_work(StepSpec(ONE_LAYER, 256, chunk_size=128, page_size=32)) == Work()
 
 

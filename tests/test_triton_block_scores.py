@@ -41,11 +41,13 @@ def test_kernel_matches_the_reference(score, length, n_hist):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_in_bf16_and_shared_selection():
-    """bf16 queries and summaries (float32 sums in both paths); selection="shared" pools the heads."""
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+def test_kernel_in_bf16_and_shared_selection(score):
+    """bf16 queries and summaries (float32 sums in both paths); selection="shared" pools the heads. (On the
+    CPU the interpreter upcasts the tiles: tests/test_compile_for_hopper.py compiles the bf16 kernel.)"""
     B, Hkv, G, D, P = 1, 2, 2, 32, 16
     q, summaries = _queries_and_summaries(B, Hkv, G, D, P, 7, 40, torch.bfloat16, seed=1)
-    options = replace(OPTIONS, selection="shared")
+    options = replace(OPTIONS, selection="shared", score=score)
     want = block_scores(q, summaries, P, options, kernel=False)
     got = block_scores(q, summaries, P, options, kernel=True)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

@@ -83,10 +83,10 @@ def _block_scores_kernel(
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        if MINMAX:
+        if MINMAX:  # max / min promote bf16 to float32: back to q's dtype (exact) for the dots
             zero = tl.zeros_like(q)
-            s = tl.dot(tl.maximum(q, zero), tl.trans(a), input_precision=DOT_PRECISION)
-            s = tl.dot(tl.minimum(q, zero), tl.trans(lo), s, input_precision=DOT_PRECISION)
+            s = tl.dot(tl.maximum(q, zero).to(q.dtype), tl.trans(a), input_precision=DOT_PRECISION)
+            s = tl.dot(tl.minimum(q, zero).to(q.dtype), tl.trans(lo), s, input_precision=DOT_PRECISION)
         else:
             s = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
         s = tl.where(row_ok[:, None], s, float("-inf"))

@@ -56,7 +56,9 @@ from .triton_paged import (
 # The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits).
 _SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
 _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
-            "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si"]
+            "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si", "first_block"]
+SCRATCH_ELEMENTS = 1 << 24
+"""At most this many float32 log-masses (64 MiB) in the listed pages' scratch: launches cover fewer blocks."""
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -91,7 +93,8 @@ def _online_lse(m_i, l_i, s):
 
 
 @triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED", "LEAK_FREE"],
-                 cache_results=CACHE_TUNING, prune_configs_by={"early_config_prune": _prune})
+                 cache_results=CACHE_TUNING, prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["out_ptr"])  # tuning reruns the kernel: each config's max from zero
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _exact_scores_kernel(
     q_ptr, k_ptr, table_ptr, list_ptr, out_ptr, scratch_ptr,
@@ -99,7 +102,7 @@ def _exact_scores_kernel(
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_tb, stride_lb, stride_lh, stride_lj, stride_ob, stride_oh, stride_oj,
     stride_sbh, stride_sj, stride_si,
-    num_kv_heads, seq_len, query_start, num_history, scale,
+    num_kv_heads, seq_len, query_start, num_history, scale, first_block,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
     LEAK_FREE: tl.constexpr, NO_PREVIOUS: tl.constexpr, ROWS: tl.constexpr,
@@ -108,7 +111,8 @@ def _exact_scores_kernel(
     """Grid (n_blocks * tiles per block, B * Hkv): one tile of one query block's scoring rows. LISTED:
     the history is the block's listed pages (``num_history`` of them, page-table positions in
     ``list_ptr``), ``out`` has one column per listed page, and each row's log-mass per listed page
-    goes through ``scratch`` (B * Hkv, n_blocks, listed pages, >= tiles x BLOCK_M rows); else every
+    goes through ``scratch`` (B * Hkv, this launch's blocks from ``first_block``, listed pages, >= tiles x
+    BLOCK_M rows); else every
     page before query_start, scored in two passes. LEAK_FREE (listed pages only): ``q`` holds the
     previous chunk's last page of queries, then the chunk's (``seq_len`` = P + the chunk's length), and
     block j is scored by the P queries before its first and that first query, each seeing only the keys
@@ -121,7 +125,7 @@ def _exact_scores_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
     kvh = pid_bh % num_kv_heads
-    j = tl.program_id(0) // TILES
+    j = first_block + tl.program_id(0) // TILES
     local = (tl.program_id(0) % TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     if LEAK_FREE:
         qi = j * PAGE_SIZE + local // GROUP  # in q: the previous page of queries, then the chunk
@@ -154,7 +158,7 @@ def _exact_scores_kernel(
     last = tl.max(tl.where(row_ok, q_pos, 0))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    scratch_row = scratch_ptr + pid_bh.to(tl.int64) * stride_sbh + j.to(tl.int64) * stride_sj + local
+    scratch_row = scratch_ptr + pid_bh.to(tl.int64) * stride_sbh + (j - first_block).to(tl.int64) * stride_sj + local
     if LISTED:
         for i in range(0, num_history):
             first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
@@ -185,12 +189,14 @@ def _exact_scores_kernel(
         s = tl.where((start_n + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
         m_i, l_i = _online_lse(m_i, l_i, s)  # finite: the listed pages' keys, or each row's own in its first tile
     lse2 = m_i + tl.log2(l_i)
+    if LISTED:  # pass 1's scratch stores are read below in another layout, by other threads
+        tl.debug_barrier()
 
     # Pass 2: per history (listed) page, each row's probability there; the tile's largest, max-folded
     # into out (atomics of a max: the result does not depend on the programs' order).
     out_row = out_ptr + b * stride_ob + kvh.to(tl.int64) * stride_oh + j.to(tl.int64) * stride_oj
     for i in range(0, num_history):
-        if LISTED:  # the log-mass this program stored in pass 1 (each element read by the thread that wrote it)
+        if LISTED:  # the log-mass this program stored in pass 1
             mass = tl.exp2(tl.load(scratch_row + i * stride_si) - lse2)
         else:
             first_key = i * PAGE_SIZE
@@ -259,18 +265,24 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         q_rows = q
     listed = pages if pages is not None else out  # an unused pointer when nothing is listed
     if pages is not None:  # every config's BLOCK_M divides 128, so tiles x BLOCK_M <= rows rounded up to 128
-        scratch = torch.empty((B * Hkv, n_blocks, n_scored, -(-rows // 128) * 128), dtype=torch.float32,
+        per_block = B * Hkv * n_scored * (-(-rows // 128) * 128)
+        blocks_per_launch = max(1, min(n_blocks, SCRATCH_ELEMENTS // per_block))
+        scratch = torch.empty((B * Hkv, blocks_per_launch, n_scored, -(-rows // 128) * 128), dtype=torch.float32,
                               device=q.device)
     else:
+        blocks_per_launch = n_blocks
         scratch = out.new_empty((1, 1, 1, 1))
+    for first in range(0, n_blocks, blocks_per_launch):
+        count = min(blocks_per_launch, n_blocks - first)
 
-    def grid(meta):
-        return (n_blocks * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
+        def grid(meta, count=count):
+            return (count * triton.cdiv(rows, meta["BLOCK_M"]), B * Hkv)
 
-    _exact_scores_kernel[grid](
-        q_rows, k_pool, page_table, listed, out, scratch, *q_rows.stride(), *k_pool.stride(), page_table.stride(0),
-        *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv, q_rows.shape[2], query_start,
-        n_scored, float(scale), ROW_STRIDE=row_stride, LISTED=pages is not None, LEAK_FREE=leak_free,
-        NO_PREVIOUS=leak_free and no_previous, ROWS=rows, **_meta(q, Hq, Hkv, D, P),
-    )
+        _exact_scores_kernel[grid](
+            q_rows, k_pool, page_table, listed, out, scratch, *q_rows.stride(), *k_pool.stride(),
+            page_table.stride(0), *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv,
+            q_rows.shape[2], query_start, n_scored, float(scale), first, ROW_STRIDE=row_stride,
+            LISTED=pages is not None, LEAK_FREE=leak_free, NO_PREVIOUS=leak_free and no_previous, ROWS=rows,
+            **_meta(q, Hq, Hkv, D, P),
+        )
     return out

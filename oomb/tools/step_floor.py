@@ -255,7 +255,9 @@ def scoring_work(spec: StepSpec) -> Work:
         if spec.sparse_score in ("rerank", "exact"):
             scored = n_hist if spec.sparse_score == "exact" else min(
                 n_hist, spec.sparse_sink_pages + spec.sparse_rerank_factor * spec.sparse_budget)
-            keys = length * 2 * scored * P + length * (length + 1) // 2  # two passes over the scored pages
+            passes = 2 if spec.sparse_score == "exact" else 1  # rerank keeps its listed pages' log-masses
+            queries = n_blocks * (P + 1) if spec.sparse_leak_free else length
+            keys = queries * passes * scored * P + length * (length + 1) // 2  # the scored pages, the chunk
             probabilities += 2.0 * D * shape.num_heads * keys
     layers = spec.batch_size * (shape.num_layers - shape.sliding_window_layers)
     return Work(matmul_flops=layers * matmul, attention_flops=layers * probabilities)
