@@ -1,61 +1,140 @@
-"""Compile oomb's score kernels for an H100/H200 (sm_90) without a GPU, as a CUDA launch would build
+"""Compile oomb's Triton kernels for an H100/H200 (sm_90) without a GPU, as a CUDA launch would build
 them (bf16 tiles, no interpreter upcast): errors of dtype or shape that the CPU interpreter hides (it
-upcasts every tile to float32) fail here. Run in a process without TRITON_INTERPRET; prints one JSON
-line per kernel variant: {"kernel", "variant", "ok", "error", "shared"}."""
+upcasts every tile to float32) fail here.
+
+    python tests/compile_for_hopper.py capture OUT.json   # under TRITON_INTERPRET=1: a tiny bf16 model's
+                                                          # dense and sparse steps on the triton backend,
+                                                          # every autotuned kernel launch's argument types
+    python tests/compile_for_hopper.py compile [OUT.json] # without the interpreter: each captured launch
+                                                          # at the 7B shape, and the score kernels' variants
+
+``compile`` prints one JSON line per variant: {"kernel", "variant", "ok", "error" or "shared"}.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from oomb.attention import triton_block_scores, triton_scores  # noqa: E402
-
-HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "table_ptr": "*i32",
-            "list_ptr": "*i32", "out_ptr": "*fp32", "scratch_ptr": "*fp32"}
+SHAPE = dict(GROUP=7, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=128, UPCAST=False)
+"""The 7B shape's constants (Qwen2.5-7B: 28 query heads over 4 KV heads, head dim 128, pages of 128)."""
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32", "int64": "i64", "bool": "i1",
+          "uint8": "u8", "int8": "i8"}
 
 
-def compile_variant(kernel, config: triton.Config, constants: dict) -> dict:
-    fn = kernel.fn
-    constants = {**constants, **config.kwargs}
-    signature = {name: POINTERS.get(name, "constexpr" if name in constants else "fp32" if name == "scale" else "i32")
-                 for name in fn.arg_names}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()})
-    compiled = triton.compile(source, target=HOPPER,
+def _argument_type(value) -> str | None:
+    """Triton's signature type of a runtime argument (None: pass it as a constant)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return "i64" if abs(value) >= 2 ** 31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def capture(out: str) -> None:
+    """Run tiny bf16 steps under the interpreter and record every autotuned launch's argument types."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from helpers import build_tiny_model, random_ids
+    from triton.runtime.autotuner import Autotuner
+
+    import oomb
+
+    launches: dict[str, dict] = {}
+    run = Autotuner.run
+
+    def recording_run(self, *args, **kwargs):
+        fn = self.fn.fn  # the Python function under the interpreter's wrapper
+        names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
+        types = {name: _argument_type(value) for name, value in zip(names, args, strict=False)}  # args: a prefix
+        types.update({k: _argument_type(v) for k, v in kwargs.items() if k in names and _argument_type(v)})
+        constants = {k: v for k, v in kwargs.items()
+                     if k in names and (_argument_type(v) is None or isinstance(v, (bool, str)))}
+        key = f"{fn.__module__}.{fn.__name__} {sorted(constants.items(), key=str)}"
+        launches.setdefault(key, {"module": fn.__module__, "kernel": fn.__name__, "types": types,
+                                  "constants": {k: v for k, v in constants.items() if k not in SHAPE}})
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = recording_run
+    model = build_tiny_model("qwen2", seed=1).to(torch.bfloat16)
+    ids = random_ids(1, 256, seed=1)
+    for config in (oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton"),
+                   oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton", attention="sparse",
+                                   sparse_budget=1)):
+        oomb.forward_backward(model, ids, None, config)
+    Path(out).write_text(json.dumps(list(launches.values()), default=str))
+
+
+def _compile(kernel, types: dict, constants: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, config = kernel.fn, kernel.configs[0]
+    values = {**constants, **config.kwargs}
+    signature, fixed = {}, {}
+    for index, param in enumerate(fn.params):
+        if param.is_constexpr or param.name in values:
+            value = values.get(param.name, param.default)
+            if value is inspect.Parameter.empty:
+                raise ValueError(f"no value for constexpr {param.name}")
+            signature[param.name], fixed[(index,)] = "constexpr", value
+        else:
+            signature[param.name] = types.get(param.name) or "i32"
+    compiled = triton.compile(ASTSource(fn, signature, fixed), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     return {"shared": compiled.metadata.shared}
 
 
-def variants():
-    """(kernel name, variant, kernel, constants): the 7B shape (D 128, 7 query heads per KV head, page 128)."""
-    shape = dict(GROUP=7, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=128, UPCAST=False, DOT_PRECISION="tf32")
+def _score_variants():
+    """The score kernels (they run on CUDA only: nothing to capture on the CPU), at the 7B shape."""
+    from oomb.attention import triton_block_scores, triton_scores
+
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "table_ptr": "*i32",
+                "list_ptr": "*i32", "out_ptr": "*fp32", "scratch_ptr": "*fp32", "scale": "fp32"}
     for listed, leak_free in ((False, False), (True, False), (True, True)):
         rows = (128 + 1 if leak_free else 128) * 7
         yield ("exact_scores", f"listed={listed} leak_free={leak_free}", triton_scores._exact_scores_kernel,
-               dict(shape, ROW_STRIDE=1, LISTED=listed, LEAK_FREE=leak_free, NO_PREVIOUS=False, ROWS=rows))
+               pointers, dict(SHAPE, DOT_PRECISION="tf32", ROW_STRIDE=1, LISTED=listed, LEAK_FREE=leak_free,
+                              NO_PREVIOUS=False, ROWS=rows))
     for minmax in (True, False):
-        yield ("block_scores", f"minmax={minmax}", triton_block_scores._block_scores_kernel,
-               dict(shape, MINMAX=minmax))
+        yield ("block_scores", f"minmax={minmax}", triton_block_scores._block_scores_kernel, pointers,
+               dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax))
 
 
-def main() -> None:
-    for name, variant, kernel, constants in variants():
-        config = kernel.configs[0]
+def compile_all(captured: str | None) -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import importlib
+
+    variants = list(_score_variants())
+    for launch in json.loads(Path(captured).read_text()) if captured else []:
+        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        name = f"{launch['module'].rsplit('.', 1)[-1]}.{launch['kernel']}"
+        variants.append((name, json.dumps(launch["constants"], sort_keys=True), kernel, launch["types"],
+                         dict(SHAPE, **launch["constants"])))
+    for name, variant, kernel, types, constants in variants:
         try:
-            result = {"ok": True, **compile_variant(kernel, config, constants)}
-        except Exception as err:  # reported, the caller fails
+            result = {"ok": True, **_compile(kernel, types, constants)}
+        except Exception as err:  # reported; the caller fails
             result = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[-1][:300]}"}
         print(json.dumps({"kernel": name, "variant": variant, **result}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "capture":
+        capture(sys.argv[2])
+    else:
+        compile_all(sys.argv[2] if len(sys.argv) > 2 else None)

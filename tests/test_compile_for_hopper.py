@@ -1,6 +1,7 @@
-"""The score kernels compile for an H100/H200 (sm_90) in bf16, with no GPU: tests/compile_for_hopper.py
-in a process without the interpreter (the CPU tests' interpreter upcasts every tile, which hid a bf16
-dtype error once)."""
+"""oomb's Triton kernels compile for an H100/H200 (sm_90) in bf16, with no GPU (tests/compile_for_hopper.py):
+the launches of a tiny bf16 model's dense and sparse steps are captured under the interpreter, then
+compiled at the 7B shape without it, with the score kernels' variants. The CPU tests' interpreter
+upcasts every tile to float32, which hid a bf16 dtype error once."""
 
 from __future__ import annotations
 
@@ -14,16 +15,30 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+SCRIPT = Path(__file__).with_name("compile_for_hopper.py")
 
-def test_score_kernels_compile_for_hopper_in_bf16():
+
+def _run(*args: str, interpret: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton has no ptxas for the CUDA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_for_hopper.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {r["kernel"] for r in results} == {"exact_scores", "block_scores"} and len(results) == 5
+    captured = tmp_path / "launches.json"
+    _run("capture", str(captured), interpret=True)
+    launches = json.loads(captured.read_text())
+    kernels = {f"{launch['module'].rsplit('.', 1)[-1]}.{launch['kernel']}" for launch in launches}
+    assert {"triton_paged._fwd_kernel", "triton_paged._dkdv_kernel", "triton_paged._dq_kernel",
+            "triton_sparse._fwd_kernel", "triton_sparse._dq_kernel"} <= kernels
+    assert all(launch["types"]["q_ptr"] == "*bf16" for launch in launches)
+    results = [json.loads(line) for line in _run("compile", str(captured), interpret=False).stdout.splitlines()]
+    assert {r["kernel"] for r in results} >= {"exact_scores", "block_scores"} | kernels
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
     assert all(0 < r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
