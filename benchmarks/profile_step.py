@@ -48,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from oomb import machine  # noqa: E402
 from oomb.attention.function import SCORING_RANGE  # noqa: E402
 from oomb.loss import LOSS_RANGE  # noqa: E402
-from oomb.memory import MODES  # noqa: E402
 from oomb.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
     BenchOptions,
@@ -56,10 +55,10 @@ from oomb.tools.bench import (  # noqa: E402
     build_model,
     make_step,
     options_from_args,
+    step_spec,
     token_ids,
     warmup_tokens,
 )
-from oomb.tools.plan import oomb_config_for  # noqa: E402
 from oomb.tools.step_floor import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 
 ROWS = PARTS + ("other", "host gaps")
@@ -176,13 +175,6 @@ def rates_from_args(args: argparse.Namespace, device: torch.device) -> Rates | N
     return dataclasses.replace(H200, **given)
 
 
-def step_spec(mode: str, options: BenchOptions, model, tokens: int) -> StepSpec:
-    """The floor model's view of the profiled step (bench trains every weight: no LoRA)."""
-    shape = ModelShape.from_hf_config(model.config)
-    config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
-    return StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
-
-
 def parts_table(rows: list[dict], spec: StepSpec, rates: Rates | None, step_seconds: float,
                 busy: float | None) -> list[dict]:
     """One row per part: measured seconds, share of the step, FLOPs, floor and measured / floor."""
@@ -241,7 +233,7 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
     events = prof.events()
     rows = device_rows(events)
     busy = busy_seconds(events) if use_device else None
-    spec = step_spec(mode, options, model, tokens)
+    spec = step_spec(mode, tokens, ModelShape.from_hf_config(model.config), options)
     table = parts_table(rows, spec, rates, seconds, busy)
     syncs = {e.key: {"calls": e.count, "host_ms": round(e.cpu_time_total / 1000, 1)}
              for e in prof.key_averages() if e.key in SYNC_CALLS}

@@ -73,11 +73,11 @@ if TYPE_CHECKING:
     from .context_parallel import ContextShard
 
 SCORE_TILE_ELEMENTS = 1 << 24
+"""At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
 SUMMARY_SCORE_KERNEL = os.environ.get("OOMB_SUMMARY_SCORE_KERNEL", "0") == "1"
 """Whether CUDA runs score minmax / mean with the Triton kernel (oomb/attention/triton_block_scores.py).
 Off by default until it has run on a GPU (interpreter-tested only; benchmarks/gpu/open_issues.sh
 block_scores sets OOMB_SUMMARY_SCORE_KERNEL=1 to test and time it)."""
-"""At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
 
 
 @dataclass(frozen=True)
@@ -188,12 +188,12 @@ def block_scores(
     B, Hq, Lq, D = q.shape
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
+    kernel_scores = options.pooling == "max" and not options.leak_free and options.score in ("minmax", "mean")
     if kernel is None:
-        kernel = (SUMMARY_SCORE_KERNEL and q.is_cuda and options.pooling == "max" and not options.leak_free
-                  and first.dtype == q.dtype and options.score in ("minmax", "mean")
+        kernel = (SUMMARY_SCORE_KERNEL and kernel_scores and q.is_cuda and first.dtype == q.dtype
                   and (q.dtype != torch.float32 or D <= 128))  # float32 tiles at D = 256 outgrow shared memory
     if kernel:
-        if options.pooling != "max" or options.leak_free or options.score not in ("minmax", "mean"):
+        if not kernel_scores:
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max', not "
                              f"leak-free; got {options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
         from .attention.triton_block_scores import summary_block_scores

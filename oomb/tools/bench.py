@@ -411,12 +411,16 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
     }
 
 
+def step_spec(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> StepSpec:
+    """The floor model's view (oomb/tools/step_floor.py) of a bench step of ``mode`` (every weight trained)."""
+    config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
+    return StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
+
+
 def executed_flops(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> float:
     """FLOPs a step of ``mode`` executes (linear layers with every recomputation and replay, attention,
     scoring, loss), as oomb/tools/step_floor.py counts them for its floors."""
-    config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
-    spec = StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
-    return sum(work.flops for work in step_work(spec).values())
+    return sum(work.flops for work in step_work(step_spec(mode, tokens, shape, options)).values())
 
 
 def _add_row(report: dict, mode: str, tokens: int, row: dict, shape: ModelShape, options: BenchOptions) -> dict:
