@@ -96,9 +96,9 @@ def test_window_and_moe_fields_from_the_config():
     assert half.mlp_params() == gpt.mlp_params() and half.attention_params() < gpt.attention_params()
 
 
-def saved_bytes_per_token(module: nn.Module, tokens: int, hidden: int) -> float:
-    """Bytes autograd keeps for ``module``'s backward per token (distinct storages; the parameters and
-    the input itself left out)."""
+def saved_storages(module: nn.Module, tokens: int, hidden: int) -> dict[int, tuple[int, tuple, torch.dtype]]:
+    """The storages autograd keeps for ``module``'s backward (the parameters and the input itself left
+    out): data pointer -> (bytes, shape and dtype of the first tensor saved in it)."""
     x = torch.randn(1, tokens, hidden, requires_grad=True)
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
     storages = {}
@@ -106,12 +106,12 @@ def saved_bytes_per_token(module: nn.Module, tokens: int, hidden: int) -> float:
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages.setdefault(storage.data_ptr(), (storage.nbytes(), tuple(t.shape), t.dtype))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)
-    return sum(storages.values()) / tokens
+    return storages
 
 
 @pytest.mark.parametrize(("family", "rtol"), [("llama", 0.0), ("qwen3_moe", 0.0), ("gpt_oss", 0.01)])
@@ -120,9 +120,12 @@ def test_mlp_activations_are_the_routed_top_k_rows(family, rtol):
     router (gpt-oss: the router over-counted by its full softmax, under 1 %)."""
     model = build(family)
     shape = ModelShape.from_hf_config(model.config)
-    measured = saved_bytes_per_token(model.model.layers[0].mlp, 512, shape.hidden_size)
+    storages = saved_storages(model.model.layers[0].mlp, 512, shape.hidden_size)
+    measured = sum(nbytes for nbytes, _, _ in storages.values()) / 512
     predicted = mlp_activation_bytes_per_token(shape, torch.float32)
-    assert predicted == pytest.approx(measured, rel=rtol, abs=0.1)
+    # Once (1 of 5 full CPU runs, 2026-12-02) 2146.05 was measured against 2144 for qwen3_moe, not reproduced
+    # since: the saved storages are listed on failure to find the cause.
+    assert predicted == pytest.approx(measured, rel=rtol, abs=0.1), sorted(storages.values(), key=str)
 
 
 def test_moe_activations_follow_top_k_not_the_number_of_experts():
