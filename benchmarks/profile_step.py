@@ -13,6 +13,11 @@ warm-up step, then profiles one step and sums the device time of its kernels by 
     copies      memcpy, memset, index_select / index_copy / indexing (page gathers, offload), casts, cat
     other       the rest: norms, rotary, SiLU, residual adds
     host gaps   step wall time minus the union of the kernels' intervals: the GPU waiting on the host
+                (the profiler slows the host; the JSON also has the step timed without it, and that time
+                minus the busy time: host_gaps_without_profiler_s)
+
+A kernel is inside a range when the host call that launched it (its cudaLaunchKernel, found by correlation id)
+ran inside an op inside the range: by time on the call's thread, not by the cpu_parent tree.
 
 Each part is set beside its floor (oomb/tools/step_floor.py: its FLOPs and bytes at the H200's
 sustained rates) and measured / floor. The JSON keeps the table and the top kernels.
@@ -127,22 +132,88 @@ def is_device_work(e) -> bool:
     return activity is None or activity in DEVICE_ACTIVITIES
 
 
+def is_runtime_call(e) -> bool:
+    """A host call into the CUDA runtime or driver (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...):
+    by its activity type where the FunctionEvent has one, else by its name (torch's ops have a "::")."""
+    activity = getattr(e, "activity_type", None)
+    if activity is not None:
+        return "runtime" in activity or "driver" in activity
+    return e.name.startswith(("cu", "hip")) and "::" not in e.name
+
+
+def launch_events(events, work) -> list:
+    """The host event that launched each device event of ``work`` (None where none is found): the op that its
+    linked_correlation_id names (torch 2.13's FunctionEvent has it; older ones lack it), else the runtime call
+    that shares its own correlation id (CUPTI's: a kernel and its cudaLaunchKernel). Ops and runtime calls are
+    looked up apart: torch's op ids and CUPTI's ids are two counters, and they collide (pytorch#124388)."""
+    ops: dict[int, object] = {}
+    calls: dict[int, object] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        if is_runtime_call(e):
+            calls[e.id] = e
+        elif not getattr(e, "linked_correlation_id", 0):
+            ops[e.id] = e
+    launches = []
+    for e in work:
+        linked = getattr(e, "linked_correlation_id", 0)
+        launch = ops.get(linked, calls.get(linked)) if linked else None
+        launches.append(calls.get(e.id) if launch is None else launch)
+    return launches
+
+
+def launch_labels(events, labels: dict[int, str | None], launches: list) -> list[str | None]:
+    """The range label of each launch (None for None): an op's own label; for a runtime call, that of the
+    innermost op (CPU, not async, not a runtime call) on its thread whose interval holds the call's start, so
+    that a call left out of the cpu_parent tree still takes its op's range. One sweep per thread over its ops,
+    sorted by (start, -end), and the calls' start times (ops first at equal times), with a stack of open ops."""
+    found: list[str | None] = [None] * len(launches)
+    points: dict[int, list[tuple[float, int]]] = {}
+    for i, launch in enumerate(launches):
+        if launch is None:
+            continue
+        if not is_runtime_call(launch) and id(launch) in labels:
+            found[i] = labels[id(launch)]
+        else:
+            points.setdefault(launch.thread, []).append((launch.time_range.start, i))
+    if not points:
+        return found
+    ops: dict[int, list] = {}
+    for e in events:
+        if (e.device_type == DeviceType.CPU and not e.is_async and e.thread in points and id(e) in labels
+                and not is_runtime_call(e)):
+            ops.setdefault(e.thread, []).append(e)
+    for thread, starts in points.items():
+        spans = ops.get(thread, [])
+        sweep = sorted([(e.time_range.start, 0, -e.time_range.end, k) for k, e in enumerate(spans)]
+                       + [(start, 1, 0, i) for start, i in starts])
+        stack: list[tuple[float, str | None]] = []  # (end, label) of the ops open, innermost last
+        for at, is_launch, neg_end, k in sweep:
+            while stack and stack[-1][0] < at:
+                stack.pop()
+            if is_launch:
+                found[k] = stack[-1][1] if stack else None
+            else:
+                stack.append((-neg_end, labels[id(spans[k])]))
+    return found
+
+
 def device_rows(events) -> list[dict]:
     """(name, part) -> calls and milliseconds: kernels and copies on the GPU; aten ops' self time on the CPU."""
     labels = range_labels(events)
-    launched_by = {e.id: e for e in events
-                   if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
     work = [e for e in events if is_device_work(e)]
     rows: dict[tuple[str, str], dict] = {}
     if work:
-        timed = [(e, e.time_range.elapsed_us(), launched_by.get(getattr(e, "linked_correlation_id", 0))) for e in work]
+        in_range = launch_labels(events, labels, launch_events(events, work))
+        timed = [(e, e.time_range.elapsed_us(), label) for e, label in zip(work, in_range, strict=True)]
     else:  # the CPU: aten ops
-        timed = [(e, e.self_cpu_time_total, e) for e in events
+        timed = [(e, e.self_cpu_time_total, labels.get(id(e))) for e in events
                  if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-    for e, us, op in timed:
+    for e, us, label in timed:
         if us <= 0:
             continue
-        part = part_of(e.name, labels.get(id(op)) if op is not None else None)
+        part = part_of(e.name, label)
         row = rows.setdefault((e.name, part), {"name": e.name, "part": part, "calls": 0, "ms": 0.0})
         row["calls"] += 1
         row["ms"] += us / 1000
@@ -210,6 +281,17 @@ def format_table(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _timed_step(step, model, ids: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one step without the profiler."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step(model, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | None,
                  layers: int | None = None) -> dict:
     device = torch.device(options.device)
@@ -223,6 +305,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
         step.prepare(model, ids)
     model.zero_grad(set_to_none=True)
     use_device = device.type == "cuda"
+    plain = _timed_step(step, model, ids, device)  # the profiler's own overhead lengthens host gaps: the truth
+    model.zero_grad(set_to_none=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -242,7 +326,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
     for r in rows:
         r["ms"] = round(r["ms"], 3)
     return {"mode": mode, "tokens": tokens, "layers": model.config.num_hidden_layers,
-            "step_seconds_under_profiler": round(seconds, 3),
+            "step_seconds_under_profiler": round(seconds, 3), "step_seconds_without_profiler": round(plain, 3),
+            "host_gaps_without_profiler_s": None if busy is None else round(max(0.0, plain - busy), 3),
             "gpu_busy_seconds": None if busy is None else round(busy, 3), "host_waits": syncs,
             "time_kind": "device (kernels)" if use_device else "CPU self time (aten ops)",
             "parts": table, "rates": None if rates is None else dataclasses.asdict(rates),
@@ -280,7 +365,7 @@ def main() -> None:
             report["runs"].append(run)
             busy = "" if run["gpu_busy_seconds"] is None else f", GPU busy {run['gpu_busy_seconds']} s"
             print(f"{mode} {tokens:,}, {run['layers']} layers: {run['step_seconds_under_profiler']} s under the "
-                  f"profiler{busy} "
+                  f"profiler, {run['step_seconds_without_profiler']} s without{busy} "
                   f"({run['time_kind']})\n{format_table(run['parts'])}")
             out.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")

@@ -74,10 +74,10 @@ if TYPE_CHECKING:
 
 SCORE_TILE_ELEMENTS = 1 << 24
 """At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
-SUMMARY_SCORE_KERNEL = os.environ.get("OOMB_SUMMARY_SCORE_KERNEL", "0") == "1"
-"""Whether CUDA runs score minmax / mean with the Triton kernel (oomb/attention/triton_block_scores.py).
-Off by default until it has run on a GPU (interpreter-tested only; benchmarks/gpu/open_issues.sh
-block_scores sets OOMB_SUMMARY_SCORE_KERNEL=1 to test and time it)."""
+SUMMARY_SCORE_KERNEL = os.environ.get("OOMB_SUMMARY_SCORE_KERNEL", "1") != "0"
+"""Whether CUDA runs score minmax / mean with the Triton kernel (oomb/attention/triton_block_scores.py),
+which keeps the (row, page) products on chip. On by default since its GPU tests passed on the H200
+(2026-12-02); OOMB_SUMMARY_SCORE_KERNEL=0 keeps the torch code (the reference)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def block_scores(
             each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
             before the block's first query), None: history pages only.
         kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
-            leave the chip); None: with SUMMARY_SCORE_KERNEL set, for CUDA tensors with pooling "max",
+            leave the chip); None: with SUMMARY_SCORE_KERNEL (the default), for CUDA tensors with pooling "max",
             not leak-free, summaries in q's dtype. The torch code below is the reference and the CPU's path.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every

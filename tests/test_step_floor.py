@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval
 
 from oomb.config import OOMBConfig
 from oomb.model_shape import ModelShape
@@ -158,6 +159,48 @@ def test_busy_time_is_the_union_of_kernels_without_annotations():
 
     events = [event(0, 10), event(5, 15), event(20, 30), event(0, 100, annotation=True)]
     assert busy_seconds(events) == pytest.approx(25e-6)
+
+
+def _event(name, id, start, end, *, thread=1, parent=None, activity="cpu_op", linked=0, seq=-1, scope=0,
+           fwd_thread=0, device=DeviceType.CPU):
+    """A FunctionEvent's fields that profile_step.py reads."""
+    return SimpleNamespace(name=name, id=id, device_type=device, is_async=False, time_range=Interval(start, end),
+                           linked_correlation_id=linked, thread=thread, fwd_thread=fwd_thread, sequence_nr=seq,
+                           scope=scope, cpu_parent=parent, activity_type=activity,
+                           is_user_annotation=activity.endswith("user_annotation"))
+
+
+def test_kernels_take_the_range_their_launch_ran_in():
+    """A CUDA profile: a kernel takes the range around its launch, whether it names its op (linked_correlation_id)
+    or only shares its correlation id with its cudaLaunchKernel (torch <= 2.11), and whether or not that call is
+    in the cpu_parent tree; the backward of what ran in oomb.loss is loss."""
+    script = _profile_script()
+    gemm, softmax, softmax_grad = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "cunn_SoftMaxForward", \
+        "cunn_SoftMaxBackward"
+    loss = _event(script.LOSS_RANGE, 1, 0, 100, activity="user_annotation")
+    head = _event("aten::mm", 2, 10, 40, parent=loss, seq=7)
+    log_softmax = _event("aten::_log_softmax", 3, 50, 80, parent=loss, seq=8)
+    outside = _event("aten::mm", 4, 200, 240, seq=9)
+    node = _event(script.BACKWARD_PREFIX + "LogSoftmaxBackward0", 5, 300, 400, thread=2, seq=8, fwd_thread=1)
+    backward = _event("LogSoftmaxBackward0", 6, 305, 395, thread=2, parent=node, seq=8, fwd_thread=1,
+                      scope=script.BACKWARD_FUNCTION)
+    grad = _event("aten::_log_softmax_backward_data", 7, 310, 390, thread=2, parent=backward)
+    cpu = [loss, head, log_softmax, outside, node, backward, grad,
+           _event("aten::empty", 501, 500, 510),  # a torch op id equal to a CUPTI correlation id below
+           # the launches: left out of the cpu_parent tree, linked to their op or not
+           _event("cudaLaunchKernel", 501, 20, 25, activity="cuda_runtime"),
+           _event("cudaLaunchKernel", 502, 60, 65, activity="cuda_runtime"),
+           _event("cudaLaunchKernel", 503, 210, 215, activity="cuda_runtime", linked=4),
+           _event("cudaLaunchKernel", 504, 320, 325, thread=2, activity="cuda_runtime", linked=7)]
+    device = [_event(gemm, 501, 1000, 1100, device=DeviceType.CUDA, activity="kernel"),
+              _event(softmax, 502, 1100, 1150, device=DeviceType.CUDA, activity="kernel"),
+              _event(gemm, 503, 1200, 1300, device=DeviceType.CUDA, activity="kernel", linked=4),
+              _event(softmax_grad, 504, 1300, 1320, device=DeviceType.CUDA, activity="kernel"),
+              _event(script.LOSS_RANGE, 9, 1000, 1150, device=DeviceType.CUDA, activity="gpu_user_annotation")]
+    rows = script.device_rows(cpu + device)
+    parts = {(r["name"], r["part"]): (r["calls"], r["ms"]) for r in rows}
+    assert parts == {(gemm, "loss"): (1, pytest.approx(0.1)), (softmax, "loss"): (1, pytest.approx(0.05)),
+                     (gemm, "GEMM"): (1, pytest.approx(0.1)), (softmax_grad, "loss"): (1, pytest.approx(0.02))}
 
 
 def _quick_profile(script, tmp_path, monkeypatch, *extra: str) -> dict:

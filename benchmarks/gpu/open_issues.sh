@@ -19,6 +19,10 @@
 #                    kernel (run before rerank_fast, which then measures the step)
 #   block_scores     issues 18/23: the summary-score kernel's GPU tests, the engine's sparse GPU tests and the
 #                    128K fast sparse step (no HF) with it switched on (OOMB_SUMMARY_SCORE_KERNEL=1)
+#   speed_curve      issue 18: the 128K sparse step with the summary-score kernel on (the default): HF and the fast
+#                    settings (one selection per 32 query blocks, budget 32), the defaults, and the fast settings with
+#                    one selection per 4 and per 1 query block (what per-block selection costs)
+#   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
 #                    budget 64 (25.3 % read) and page 128, budget 32 (25.7 %), default rule and oracle; 8K at page 32,
@@ -67,6 +71,19 @@ for part in "$@"; do
        run 120 sparse_fast_block_scores python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
            --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 32 --sparse-budget 32 \
            --no-checkpoint-layers --out-dir "$OUT" --name sparse_rerank_fast_block_scores_128k) ;;
+    speed_curve)
+      FAST=(--backend cudnn --kv-grad-dtype bf16 --no-checkpoint-layers --contexts 128K --out-dir "$OUT")
+      run 200 curve_fast python -m oomb bench --modes hf sparse "${FAST[@]}" --query-block-pages 32 --sparse-budget 32 \
+          --name sparse_fast_kernel_128k
+      run 100 curve_defaults python -m oomb bench --modes sparse --contexts 128K --out-dir "$OUT" \
+          --name sparse_defaults_kernel_128k
+      run 100 curve_qbp4 python -m oomb bench --modes sparse "${FAST[@]}" --query-block-pages 4 --sparse-budget 32 \
+          --name sparse_qbp4_kernel_128k
+      run 100 curve_qbp1 python -m oomb bench --modes sparse "${FAST[@]}" --query-block-pages 1 --sparse-budget 32 \
+          --name sparse_qbp1_kernel_128k ;;
+    profile_default)
+      run 150 profile_sparse_default python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
+          --out-dir "$OUT" --name profile_sparse_default_128k_4layers ;;
     rerank_fast_x2)
       run 150 rerank_fast_x2 python -m oomb bench --modes sparse --contexts 128K --backend cudnn \
           --kv-grad-dtype bf16 --sparse-score rerank --sparse-rerank-factor 2 --query-block-pages 32 \
