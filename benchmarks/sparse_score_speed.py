@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from oomb.machine import git_commit
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -125,12 +123,21 @@ def estimate_step(rows: list[dict], key: str, seq_len: int, chunk: int, layers: 
     return ms * layers / 1e3
 
 
+def _tuned_configs() -> dict:
+    """The configs the score kernels' autotuners picked, per tuning key (the kernels' real choices)."""
+    from oomb.attention import triton_block_scores, triton_scores
+
+    return {kernel.fn.__name__: {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
+            for kernel in (triton_scores._exact_scores_kernel, triton_block_scores._block_scores_kernel)}
+
+
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from attention import Timer, kernel_device
 
     device = kernel_device(args.smoke)
+    from oomb.machine import git_commit  # after kernel_device: importing oomb reads TRITON_INTERPRET
 
     timer = Timer(device)
     rows = []
@@ -160,6 +167,7 @@ def main() -> None:
                      "page": args.page, "budget": args.budget, "dtype": str(torch.bfloat16 if device.type == "cuda"
                                                                            else torch.float32)},
         "measured_per_call": rows,
+        "tuned_configs": _tuned_configs(),
         "estimated_step_seconds": {"note": "estimate: per-call times interpolated over a step's chunks x layers",
                                    "layers": args.layers, **estimates},
     }

@@ -78,12 +78,12 @@ def capture(out: str) -> None:
     Path(out).write_text(json.dumps(list(launches.values()), default=str))
 
 
-def _compile(kernel, types: dict, constants: dict) -> dict:
+def _compile(kernel, types: dict, constants: dict, config_index: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, config = kernel.fn, kernel.configs[0]
+    fn, config = kernel.fn, kernel.configs[config_index]
     values = {**constants, **config.kwargs}
     signature, fixed = {}, {}
     for index, param in enumerate(fn.params):
@@ -110,6 +110,12 @@ def _score_variants():
         yield ("exact_scores", f"listed={listed} leak_free={leak_free}", triton_scores._exact_scores_kernel,
                pointers, dict(SHAPE, DOT_PRECISION="tf32", ROW_STRIDE=1, LISTED=listed, LEAK_FREE=leak_free,
                               NO_PREVIOUS=False, ROWS=rows))
+    # rerank's listed kernel: every config autotuning may pick at pages of 128 (the first is above)
+    for index, config in enumerate(triton_scores._exact_scores_kernel.configs[1:], start=1):
+        if SHAPE["PAGE_SIZE"] % config.kwargs["BLOCK_N"] == 0 and config.kwargs["BLOCK_N"] > 16:
+            yield ("exact_scores", f"listed=True config={config.kwargs}", triton_scores._exact_scores_kernel,
+                   pointers, dict(SHAPE, DOT_PRECISION="tf32", ROW_STRIDE=1, LISTED=True, LEAK_FREE=False,
+                                  NO_PREVIOUS=False, ROWS=128 * 7), index)
     for minmax in (True, False):
         yield ("block_scores", f"minmax={minmax}", triton_block_scores._block_scores_kernel, pointers,
                dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax))
@@ -125,9 +131,9 @@ def compile_all(captured: str | None) -> None:
         name = f"{launch['module'].rsplit('.', 1)[-1]}.{launch['kernel']}"
         variants.append((name, json.dumps(launch["constants"], sort_keys=True), kernel, launch["types"],
                          dict(SHAPE, **launch["constants"])))
-    for name, variant, kernel, types, constants in variants:
+    for name, variant, kernel, types, constants, *config_index in variants:
         try:
-            result = {"ok": True, **_compile(kernel, types, constants)}
+            result = {"ok": True, **_compile(kernel, types, constants, *config_index)}
         except Exception as err:  # reported; the caller fails
             result = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[-1][:300]}"}
         print(json.dumps({"kernel": name, "variant": variant, **result}), flush=True)

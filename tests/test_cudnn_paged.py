@@ -213,6 +213,20 @@ def test_one_selection_expanded_over_the_blocks_is_one_group_unread(monkeypatch)
     assert cudnn_sparse._groups(sel) == [(0, 5)]
 
 
+def test_one_group_of_the_whole_chunk_is_a_reshape():
+    """One selection per chunk (one group of exactly the chunk's queries) skips the padding and gathers:
+    the same layout as the general path."""
+    x = torch.randn(2, 6, 64, 8)  # (B, Hq, Lq, D), 3 KV heads
+    whole = cudnn_sparse._Layout([(0, 4)], 64, 16, x.device)
+    general = cudnn_sparse._Layout([(0, 4)], 64, 16, x.device)
+    general.whole = False
+    assert whole.whole and not cudnn_sparse._Layout([(0, 4)], 60, 16, x.device).whole
+    for t in (x, x[..., 0]):
+        grouped = whole.to_groups(t, 3)
+        torch.testing.assert_close(grouped, general.to_groups(t, 3), rtol=0, atol=0)
+        torch.testing.assert_close(whole.from_groups(grouped, 2, 6), general.from_groups(grouped, 2, 6), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("query_block_pages, offload, batch", [(1, False, 2), (2, False, 2), (2, True, 2),
                                                                  (4, True, 1), (4, False, 2)])
 def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages, offload, batch):

@@ -22,6 +22,8 @@
 #   speed_curve      issue 18: the 128K sparse step with the summary-score kernel on (the default): HF and the fast
 #                    settings (one selection per 32 query blocks, budget 32), the defaults, and the fast settings with
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
+#   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
+#                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
@@ -81,6 +83,16 @@ for part in "$@"; do
           --name sparse_qbp4_kernel_128k
       run 100 curve_qbp1 python -m oomb bench --modes sparse "${FAST[@]}" --query-block-pages 1 --sparse-budget 32 \
           --name sparse_qbp1_kernel_128k ;;
+    score_configs)
+      run 150 score_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py \
+          tests/test_triton_block_scores.py
+      run 150 sparse_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_cudnn_paged.py \
+          tests/test_sparse.py tests/test_gpu_engine.py -k "sparse or selected"
+      run 150 score_speed python benchmarks/sparse_score_speed.py --histories 131072 1048576 --strides 1 \
+          --out "$OUT/sparse_score_speed_configs.json"
+      run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
+          --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
+          --name sparse_fast_configs_128k ;;
     profile_default)
       run 150 profile_sparse_default python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
           --out-dir "$OUT" --name profile_sparse_default_128k_4layers ;;

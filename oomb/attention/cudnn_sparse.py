@@ -52,10 +52,14 @@ class _Layout:
         self.rows_of_groups = rows.clamp(max=num_queries).to(device, non_blocking=True)
         self.num_valid = int((rows < num_queries).sum())
         self.first_blocks = torch.tensor([b0 for b0, _ in groups], dtype=torch.long).to(device, non_blocking=True)
+        # One group of exactly the chunk's queries (one selection per chunk): the layout is a reshape.
+        self.whole = self.num_groups == 1 and self.rows == num_queries
 
     def to_groups(self, x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
         B, Hq, Lq = x.shape[:3]
+        if self.whole:
+            return x.reshape((B, num_kv_heads, -1) + x.shape[3:]).contiguous()
         padded = torch.cat([x, x.new_zeros((B, Hq, 1) + x.shape[3:])], dim=2)
         grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
         grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
@@ -65,6 +69,8 @@ class _Layout:
     def from_groups(self, y: torch.Tensor, batch: int, num_q_heads: int) -> torch.Tensor:
         """Inverse of to_groups for the groups' queries (``self.queries``, in that order): -> (B, Hq, n[, D])."""
         Hkv = y.shape[1]
+        if self.whole:
+            return y.reshape((batch, num_q_heads, self.rows) + y.shape[3:])
         y = y.reshape((batch, self.num_groups, Hkv, num_q_heads // Hkv, self.rows) + y.shape[3:])
         y = y.transpose(1, 2).transpose(2, 3)  # (B, Hkv, G, n_groups, rows[, D])
         y = y.reshape((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
@@ -123,8 +129,12 @@ class SelectedPagesAttention:
         for layout, ids, heads in self._batches(q, k_pool, page_table, selection):
             o, s = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                                        self._selected(v_pool, ids, heads), False, scale)
-            out_h.index_copy_(2, layout.queries, layout.from_groups(o, B, Hq).to(out_h.dtype))
-            lse_h.index_copy_(2, layout.queries, layout.from_groups(s.reshape(o.shape[:3]), B, Hq))
+            o, s = layout.from_groups(o, B, Hq).to(out_h.dtype), layout.from_groups(s.reshape(o.shape[:3]), B, Hq)
+            if layout.whole:
+                out_h, lse_h = o, s
+            else:
+                out_h.index_copy_(2, layout.queries, o)
+                lse_h.index_copy_(2, layout.queries, s)
         out, lse = merge_window(out_h.float(), lse_h, out.float(), lse)
         return out.to(q.dtype), lse
 
@@ -146,7 +156,10 @@ class SelectedPagesAttention:
                 self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,
                 scale,
             )
-            dq.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
+            if layout.whole:
+                dq.add_(layout.from_groups(dq_h, B, Hq))  # float32 sums of the bf16 partials, as index_add_'s
+            else:
+                dq.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
             self._add_selected(dk_pool, ids, heads, dk)
             self._add_selected(dv_pool, ids, heads, dv)
         return dq.to(q.dtype)
