@@ -24,6 +24,8 @@
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
 #   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
 #                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
+#   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
+#                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
@@ -93,6 +95,10 @@ for part in "$@"; do
       run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_fast_configs_128k ;;
+    profile_1m)
+      run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
+          --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
+          --name profile_sparse_offload_1m_2layers ;;
     profile_default)
       run 150 profile_sparse_default python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
           --out-dir "$OUT" --name profile_sparse_default_128k_4layers ;;
