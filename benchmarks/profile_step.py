@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import sys
@@ -357,7 +358,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
     rates = rates_from_args(args, device)
-    report = {"command": "python " + " ".join(sys.argv), "machine": machine.machine_info(device),
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),
+              "machine": machine.machine_info(device),
               "options": dataclasses.asdict(options), "runs": []}
     for tokens in options.contexts:
         for mode in options.modes:
