@@ -105,6 +105,12 @@ def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chu
     return LOGITS_FP32_COPIES * min(loss_chunk_tokens, tokens) * batch_size * shape.head_vocab * FP32_BYTES
 
 
+def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, recompute_logits: bool) -> int:
+    """Without recompute_logits autograd keeps the chunk's fp32 log-probabilities (log-softmax's output)
+    from the loss's forward to its backward; with it, nothing (each slice recomputes its logits)."""
+    return 0 if recompute_logits else chunk_tokens * batch_size * shape.head_vocab * FP32_BYTES
+
+
 def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype) -> int:
     """Activations autograd holds for one chunk of ``chunk_tokens`` tokens (batch included) in stage 2."""
     per_layer = max_layer_activation_bytes_per_token(shape, dtype) * chunk_tokens

@@ -114,7 +114,13 @@ class OOMBConfig:
     checkpoint_layers: bool = True
     """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
     loss_chunk_tokens: int = 1024
-    """At most this many tokens' full-vocabulary logits exist at a time in the LM-head loss."""
+    """The LM-head loss runs over slices of this many tokens: their full-vocabulary logits are computed
+    (and, with recompute_logits, the only ones that exist) at a time."""
+    recompute_logits: bool = True
+    """Recompute each loss slice's logits in backward (at most loss_chunk_tokens tokens' logits alive).
+    False: autograd keeps the chunk's log-probabilities (chunk_size x vocabulary x 4 bytes per sequence,
+    2.3 GiB for Qwen2.5-7B at chunk 4096) until the chunk's backward, and the LM head's forward GEMM and
+    log-softmax run once per slice instead of twice; gradients are bitwise the same."""
     fp32_grad_accumulation: bool = True
     """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
     parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
@@ -178,7 +184,8 @@ class OOMBConfig:
         if self.deterministic is True and self.backend == "cudnn":
             raise ValueError("deterministic=True conflicts with backend='cudnn' (cuDNN's attention backward is not "
                              "bitwise deterministic): use backend='triton' or 'auto', or deterministic=False")
-        for name in ("checkpoint_layers", "fp32_grad_accumulation", "sparse_leak_free", "offload", "deterministic"):
+        for name in ("checkpoint_layers", "recompute_logits", "fp32_grad_accumulation", "sparse_leak_free", "offload",
+                     "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")

@@ -186,7 +186,8 @@ def forward_backward(
                     store.refill(chunk)  # window layers: pages for the recomputed k, v (kv/store.py)
                     hidden, router_logits = run_chunk(chunk, Stage.GRAD)
                     loss = chunked_cross_entropy(
-                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens
+                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens,
+                        config.recompute_logits,
                     )
                     if router_loss is not None:
                         loss = loss + router_loss.chunk_loss(router_logits)

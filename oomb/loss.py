@@ -62,11 +62,14 @@ def chunked_cross_entropy(
     lm_head: nn.Module,
     normalizer: int | torch.Tensor,
     slice_tokens: int,
+    recompute: bool = True,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
 
-    Each slice's logits are recomputed in backward (checkpointed), so at most ``slice_tokens``
-    positions' logits (and their gradient) are alive at once, in forward and in backward.
+    With ``recompute`` each slice's logits are recomputed in backward (checkpointed), so at most
+    ``slice_tokens`` positions' logits (and their gradient) are alive at once, in forward and in
+    backward. Without, autograd keeps every slice's fp32 log-probabilities for the backward (the
+    whole of ``hidden``'s positions) and the head's forward runs once.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
@@ -74,7 +77,7 @@ def chunked_cross_entropy(
         part = slice(start, start + slice_tokens)
         if not counted:
             continue  # nothing to learn here: skip the vocabulary projection entirely
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and recompute:
             total = total + checkpoint(_slice_loss_sum, hidden[:, part], targets[:, part], lm_head,
                                        use_reentrant=False)
         else:

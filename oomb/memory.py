@@ -42,6 +42,7 @@ from .activations import (
     mlp_activation_bytes_per_token,
     paged_backward_workspace_per_token,
     recompute_cache_bytes_per_token,
+    saved_logits_bytes,
     sdpa_backward_workspace_per_token,
 )
 from .config import OOMBConfig
@@ -140,7 +141,9 @@ def estimate_step_memory(
         grads = shape.low_precision_grad_params(trainable_params) * dtype.itemsize
         if not fp32_targets:
             grads += trainable_params * FP32_BYTES
-    logits = logits_slice_bytes(shape, min(config.chunk_size, num_tokens), batch_size, config.loss_chunk_tokens)
+    chunk_len = min(config.chunk_size, num_tokens)
+    logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens)
+              + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits))
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
 
 
@@ -416,7 +419,8 @@ def predict(
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
         gpu["param grads"] = shape.low_precision_grad_params(trainable) * grad_bytes
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
-                          + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens))
+                          + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens)
+                          + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits))
     pages = _num_pages(tokens, P, B)  # pages of one layer
     # Context parallel: the pages of the busiest rank's chunks (all of them without it).
     own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)

@@ -64,6 +64,7 @@ def test_sizes_must_be_positive_integers(field, value):
         ({"kv_grad_dtype": "float8"}, r"kv_grad_dtype='float8' is not supported; use one of: .*bf16"),
         ({"kv_grad_dtype": torch.int8}, r"kv_grad_dtype=torch\.int8 is not supported"),
         ({"checkpoint_layers": "yes"}, r"checkpoint_layers='yes' must be True or False"),
+        ({"recompute_logits": "no"}, r"recompute_logits='no' must be True or False"),
     ],
 )
 def test_bad_option_names(options, message):

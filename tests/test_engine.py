@@ -254,6 +254,23 @@ def test_repeated_steps_are_bitwise_identical(models, checkpoint_layers):
     assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
+    """recompute_logits=False keeps the loss slices' log-probabilities instead of recomputing them in
+    backward: the same float operations on the same values, so the same bits."""
+    model = build_tiny_model("qwen2", seed=6).to(dtype)
+    ids = random_ids(2, 200, seed=6)
+    results = {}
+    for recompute in (True, False):
+        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", loss_chunk_tokens=24,
+                            recompute_logits=recompute)
+        model.zero_grad(set_to_none=True)
+        results[recompute] = (oomb.forward_backward(model, ids, None, config), grads(model))
+    (loss_a, grads_a), (loss_b, grads_b) = results[True], results[False]
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
 def _checkpoint_flags(model):
     return [(m.gradient_checkpointing, m.training) for m in model.modules()
             if isinstance(m, GradientCheckpointingLayer)]

@@ -105,3 +105,34 @@ def test_slices_with_labels_read_once_with_a_partial_last_slice():
     targets[0, 10] = 5  # the partial last slice
     assert _slices_with_labels(targets, 4) == [False, True, True]
     assert _slices_with_labels(torch.full((1, 3), IGNORE_INDEX), 4) == [False]
+
+
+def _saved_bytes(loss_fn) -> int:
+    """Bytes of the tensors autograd saves (each storage once) while ``loss_fn`` runs."""
+    storages = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn()
+    return sum(storages.values())
+
+
+def test_kept_logits_are_the_log_probabilities_the_planner_counts():
+    """Without recompute autograd keeps every slice's fp32 log-probabilities (oomb.activations.
+    saved_logits_bytes: tokens x vocabulary x 4 per sequence) besides what the checkpointed slices keep."""
+    from oomb.activations import saved_logits_bytes
+    from oomb.model_shape import ModelShape
+
+    lm_head, hidden, targets = _setup()
+    hidden.requires_grad_(True)
+    kept = _saved_bytes(lambda: chunked_cross_entropy(hidden, targets, lm_head, 7, 5, recompute=False))
+    recomputed = _saved_bytes(lambda: chunked_cross_entropy(hidden, targets, lm_head, 7, 5, recompute=True))
+    shape = ModelShape(num_layers=1, hidden_size=H, intermediate_size=H, num_heads=1, num_kv_heads=1, head_dim=H,
+                       vocab_size=V)
+    counted = sum(B * 5 for start in range(0, L, 5) if (targets[:, start:start + 5] != IGNORE_INDEX).any())
+    assert kept - recomputed >= saved_logits_bytes(shape, counted, 1, False) == counted * V * 4
+    assert kept - recomputed <= saved_logits_bytes(shape, B * L, 1, False) * 1.25  # little besides them
+    assert saved_logits_bytes(shape, B * L, 1, True) == 0

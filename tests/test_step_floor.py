@@ -97,6 +97,8 @@ def test_loss_counts_the_head_and_the_logits():
     assert full == Work(matmul_flops=2 * 100 * 8 * 10 * 4, memory_bytes=100 * 10 * 8)
     lora = loss_work(StepSpec(ONE_LAYER, 100, chunk_size=128, page_size=64, lora_rank=4))  # frozen head: no dW
     assert lora.matmul_flops == 2 * 100 * 8 * 10 * 3
+    kept = loss_work(StepSpec(ONE_LAYER, 100, chunk_size=128, page_size=64, recompute_logits=False))
+    assert kept.matmul_flops == 2 * 100 * 8 * 10 * 3  # no recompute of the head's forward
 
 
 def test_dense_offload_bytes_by_hand():

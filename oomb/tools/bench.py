@@ -76,6 +76,7 @@ class BenchOptions:
     deterministic: bool = False
     """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
+    recompute_logits: bool = True
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
     loss_chunk_tokens: int = 1024
@@ -126,7 +127,7 @@ class BenchOptions:
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           backend=self.resolved_backend, deterministic=self.deterministic,
-                          checkpoint_layers=self.checkpoint_layers,
+                          checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
@@ -564,6 +565,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true", default=None,
                         help="bitwise-deterministic kernels: backend auto resolves to triton")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
+    parser.add_argument("--no-recompute-logits", action="store_true",
+                        help="keep the chunk's log-probabilities for the backward instead of recomputing each loss "
+                             "slice's logits (more memory: chunk x vocabulary x 4 bytes; one LM-head forward less)")
     parser.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
@@ -597,6 +601,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             values[name] = getattr(args, name)
     if args.no_checkpoint_layers:
         values["checkpoint_layers"] = False
+    if args.no_recompute_logits:
+        values["recompute_logits"] = False
     if "kv_grad_dtype" in values:
         resolve_dtype(values["kv_grad_dtype"], "kv_grad_dtype")
     options = BenchOptions(**values)

@@ -19,9 +19,9 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
                (width 2D for minmax, D for mean, 3D for rerank's minmax_mean candidates); rerank's
                (exact's) probabilities read each candidate (history) page's keys twice and the chunk's
                own causally: a Q K^T at the attention kernels' rate.
-    loss       the LM head (forward, the checkpointed slice's recompute, dX, and dW when the head
-               trains) and the logits' memory traffic: reading the bf16 logits in each of those three
-               passes and writing their gradient, 8 bytes per logit.
+    loss       the LM head (forward, the checkpointed slice's recompute unless recompute_logits is off,
+               dX, and dW when the head trains) and the logits' memory traffic: reading the bf16 logits
+               in each of those passes and writing their gradient, 8 bytes per logit.
     copies     K, V written to their pages once (stage 1); with offload, pinned-host <-> device traffic
                (stage 1: the chunk's K, V out, the history it reads in; stage 2: K, V in for the forward
                and again for the backward, dK, dV in and out), each direction at the host rate.
@@ -143,6 +143,8 @@ class StepSpec:
     sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
     sparse_pooling: str = "max"
     sparse_leak_free: bool = False
+    recompute_logits: bool = True
+    """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("hf", "dense", "sparse"):
@@ -165,7 +167,7 @@ class StepSpec:
                    sparse_sink_pages=config.sparse_sink_pages, sparse_score=config.resolved_sparse_score,
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
-                   sparse_leak_free=config.sparse_leak_free)
+                   sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """(start, length) of each chunk; hf: the whole sequence at once."""
@@ -267,7 +269,7 @@ def loss_work(spec: StepSpec) -> Work:
     """The LM head's matmuls and the logits' traffic (stage 2 only, every position counted)."""
     tokens = spec.batch_size * spec.tokens
     vocab = spec.shape.head_vocab
-    passes = 3 + (0 if spec.lora_rank else 1)  # forward, recompute, dX (+ dW)
+    passes = 2 + spec.recompute_logits + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
     return Work(matmul_flops=2.0 * tokens * spec.shape.hidden_size * vocab * passes,
                 memory_bytes=float(tokens * vocab * LOGIT_BYTES))
 
