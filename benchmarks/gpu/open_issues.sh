@@ -24,6 +24,8 @@
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
 #   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
 #                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
+#   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
+#                    (--no-recompute-logits: one LM-head forward less), HF in the same run
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
@@ -95,6 +97,10 @@ for part in "$@"; do
       run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_fast_configs_128k ;;
+    loss_kept)
+      run 200 loss_kept python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
+          --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
+          --out-dir "$OUT" --name sparse_fast_kept_logits_128k ;;
     profile_1m)
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
