@@ -24,6 +24,8 @@
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
 #   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
 #                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
+#   dense_warm       issues 19/23: the dense 128K step on cuDNN after a warm-up of the same length (every key length's
+#                    cuDNN graph built): whether the first 128K step's host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
 #                    (--no-recompute-logits: one LM-head forward less), HF in the same run
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
@@ -97,6 +99,9 @@ for part in "$@"; do
       run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_fast_configs_128k ;;
+    dense_warm)
+      run 280 dense_warm python -m oomb bench --modes dense --backend cudnn --contexts 128K --warmup-tokens 128K \
+          --out-dir "$OUT" --name dense_cudnn_warm_128k ;;
     loss_kept)
       run 200 loss_kept python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
