@@ -376,3 +376,18 @@ def test_gpu_cudnn_documents_bf16_error_within_twice_reference():
         return out, lse, dq, dk, dv
 
     _assert_within_twice_reference(run(cudnn, low), run(reference, low), run(reference, exact))
+
+
+def test_selected_pages_gather_whole_rows_as_advanced_indexing_does():
+    """The row gather of a contiguous pool and advanced indexing of any pool give the same layout."""
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(9, 3, 4, 5, generator=g)  # (pages, Hkv, P, D)
+    ids = torch.randint(0, 9, (2, 3, 4, 6), generator=g)  # (B, Hkv, n_groups, K), repeats allowed
+    heads = torch.arange(3).reshape(1, 3, 1, 1).expand_as(ids)
+    fast = cudnn_sparse.SelectedPagesAttention._selected(pool, ids, heads)
+    strided = torch.randn(9, 4, 3, 5, generator=g).transpose(1, 2)  # not contiguous: advanced indexing
+    strided.copy_(pool)
+    assert not strided.is_contiguous()
+    want = pool[ids, heads].transpose(1, 2).reshape(2 * 4, 3, 6 * 4, 5)
+    assert fast.is_contiguous() and torch.equal(fast, want)
+    assert torch.equal(cudnn_sparse.SelectedPagesAttention._selected(strided, ids, heads), want)

@@ -24,6 +24,8 @@
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
 #   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
 #                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
+#   defaults_gather  issue 18: the 128K sparse step with the defaults (35.29 s at 9a4764f) and with one selection per
+#                    block at the fast settings (26.40 s) after the cuDNN path's whole-row page gather
 #   dense_warm       issues 19/23: the dense 128K step on cuDNN after a warm-up of the same length (every key length's
 #                    cuDNN graph built): whether the first 128K step's host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
@@ -99,6 +101,12 @@ for part in "$@"; do
       run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_fast_configs_128k ;;
+    defaults_gather)
+      run 150 defaults_gather python -m oomb bench --modes sparse --contexts 128K --out-dir "$OUT" \
+          --name sparse_defaults_row_gather_128k
+      run 120 qbp1_gather python -m oomb bench --modes sparse --backend cudnn --kv-grad-dtype bf16 \
+          --no-checkpoint-layers --contexts 128K --query-block-pages 1 --sparse-budget 32 --out-dir "$OUT" \
+          --name sparse_qbp1_row_gather_128k ;;
     dense_warm)
       run 280 dense_warm python -m oomb bench --modes dense --backend cudnn --contexts 128K --warmup-tokens 128K \
           --out-dir "$OUT" --name dense_cudnn_warm_128k ;;

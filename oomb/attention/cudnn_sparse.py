@@ -101,9 +101,17 @@ class SelectedPagesAttention:
 
     @staticmethod
     def _selected(pool, ids, heads) -> torch.Tensor:
-        """Contiguous (B * n_groups, Hkv, K * P, D): each group's selected pages, per KV head."""
+        """Contiguous (B * n_groups, Hkv, K * P, D): each group's selected pages, per KV head.
+
+        A contiguous pool is gathered as whole (page, head) rows of P * D values, already in the output's
+        order: one vectorised row gather, where advanced indexing moves 2-byte elements one by one and
+        the transpose copies everything once more (0.49 + ~0.4 s of the 128K default step's 4-layer
+        profile, one selection per block)."""
         B, Hkv, n_groups, K = ids.shape
         P, D = pool.shape[2:]
+        if pool.is_contiguous():
+            rows = (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)  # (B, n_groups, Hkv, K) order
+            return pool.view(-1, P * D).index_select(0, rows).view(B * n_groups, Hkv, K * P, D)
         pages = pool[ids, heads]  # (B, Hkv, n_groups, K, P, D)
         return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D).contiguous()
 
