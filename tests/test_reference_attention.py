@@ -214,3 +214,17 @@ def test_dense_causal_attention_oracle(groups):
     got = reference.dense_causal_attention(q, k, v, 0.25)
     want, _ = _dense(q.double(), k.double(), v.double(), 40 - 9, 0.25)
     torch.testing.assert_close(got.double(), want, **TOL)
+
+
+def test_merge_window_reads_bf16_outputs_as_their_float32_casts():
+    """merge_window on bf16 outputs gives bitwise what it gives on their float32 copies (the cuDNN paths
+    pass bf16 and skip the copies)."""
+    from oomb.attention.reference import merge_window
+
+    g = torch.Generator().manual_seed(5)
+    out, out_w = (torch.randn(2, 3, 7, 8, generator=g).bfloat16() for _ in range(2))
+    lse, lse_w = (torch.randn(2, 3, 7, generator=g) for _ in range(2))
+    lse[0, 0, 0] = lse_w[0, 0, 0] = float("-inf")  # a row that saw no key
+    got, got_lse = merge_window(out, lse, out_w, lse_w)
+    want, want_lse = merge_window(out.float(), lse, out_w.float(), lse_w)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got_lse, want_lse)

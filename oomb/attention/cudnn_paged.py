@@ -225,7 +225,7 @@ class WindowedAttention:
             if out is None:
                 out, lse = out_w, lse_w
             else:
-                out, lse = merge_window(out.float(), lse, out_w.float(), lse_w)
+                out, lse = merge_window(out, lse, out_w, lse_w)
         return out.to(out_dtype or q.dtype), lse
 
     def paged_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
@@ -284,7 +284,7 @@ class WindowedAttention:
                 o, s = self._segment_kernel(Hq // Hkv * e, hi - first).forward(_fold(q[rows, :, :e], Hkv), k, v,
                                                                                 False, scale)
                 out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, e), s.reshape(1, Hq, e)
-            out, lse = (out_w, lse_w) if out is None else merge_window(out.float(), lse, out_w.float(), lse_w)
+            out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
         return out.to(out_dtype or q.dtype), lse
 
     def _documents_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,

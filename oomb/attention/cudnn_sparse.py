@@ -143,7 +143,7 @@ class SelectedPagesAttention:
             else:
                 out_h.index_copy_(2, layout.queries, o)
                 lse_h.index_copy_(2, layout.queries, s)
-        out, lse = merge_window(out_h.float(), lse_h, out.float(), lse)
+        out, lse = merge_window(out_h, lse_h, out, lse)
         return out.to(q.dtype), lse
 
     def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,

@@ -202,7 +202,9 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
 
 def merge_window(out: torch.Tensor, lse: torch.Tensor, out_w: torch.Tensor, lse_w: torch.Tensor):
     """Fold the attention over one more disjoint key window into a running (out, lse), in float32:
-    the step of merge_partials, and what the engine runs as windows stream in one at a time."""
+    the step of merge_partials, and what the engine runs as windows stream in one at a time. Outputs
+    in bf16/fp16 are read as they are (type promotion with the float32 weights gives the same float32
+    products as casting them first, without a float32 copy of each)."""
     merged = torch.logaddexp(lse, lse_w)
     # Rows that saw no key in either window (packed documents) stay empty: weights 0, not NaN.
     shift = torch.where(merged == float("-inf"), 0.0, merged)
