@@ -30,7 +30,7 @@
 #   dense_warm       issues 19/23: the dense 128K step on cuDNN after a warm-up of the same length (every key length's
 #                    cuDNN graph built): whether the first 128K step's host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
-#                    (--no-recompute-logits: one LM-head forward less), HF in the same run
+#                    (--no-recompute-logits: one LM-head forward less); HF: fast_step's, in the same call
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
@@ -116,7 +116,7 @@ for part in "$@"; do
       run 280 dense_warm python -m oomb bench --modes dense --backend cudnn --contexts 128K --warmup-tokens 128K \
           --out-dir "$OUT" --name dense_cudnn_warm_128k ;;
     loss_kept)
-      run 200 loss_kept python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
+      run 200 loss_kept python -m oomb bench --modes sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
           --out-dir "$OUT" --name sparse_fast_kept_logits_128k ;;
     profile_1m)
