@@ -32,6 +32,9 @@ class AttentionBackend:
     H200 on one sequence: 1.123x HF's gradient error with up to 8 windows of 2 pages, 1.018x reading
     the same history as one window; pooled over 8 sequences, streamed offload blocks, which cannot
     merge, measure 1.0066x)."""
+    sparse_block_group: bool = False
+    """The sparse functions take ``block_group`` (the step's sparse_query_block_pages: runs of that many
+    query blocks share one selection), so they need not read the selection to find its groups."""
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -55,7 +58,7 @@ def _cudnn_backend() -> AttentionBackend:
     windowed, selected = cudnn_paged.WindowedAttention(), cudnn_sparse.SelectedPagesAttention()
     return AttentionBackend("cudnn", windowed.paged_attention_forward, windowed.paged_attention_backward,
                             cudnn_paged.no_delta, selected.sparse_attention_forward,
-                            selected.sparse_attention_backward, whole_history=True)
+                            selected.sparse_attention_backward, whole_history=True, sparse_block_group=True)
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None,

@@ -41,7 +41,8 @@ def share_backend(backend: AttentionBackend) -> AttentionBackend:
     """``backend`` with its sparse functions replaced by this module's (dense ones unchanged)."""
     if backend.name != "torch":
         _warn_kernels(backend.name)
-    return replace(backend, sparse_forward=sparse_attention_forward, sparse_backward=sparse_attention_backward)
+    return replace(backend, sparse_forward=sparse_attention_forward, sparse_backward=sparse_attention_backward,
+                   sparse_block_group=False)
 
 
 @functools.cache

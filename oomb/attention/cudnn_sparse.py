@@ -7,9 +7,11 @@ query sequence as in cudnn_paged.py. Groups of one length run as one batched ker
 chunk's partial last block is padded with zero queries, which contribute nothing to dK, dV); the
 chunk's own keys are the causal local window of cudnn_paged.py; the two merge by their log-sum-exp.
 
-Finding the groups reads the selection on the host: one synchronisation per call, unless the
-selection is one row expanded over the chunk's blocks (stride 0: oomb/sparse.py makes it so when one
-group of ``sparse_query_block_pages`` covers the chunk).
+The groups are known without reading the selection when the caller passes ``block_group`` (the
+step's ``sparse_query_block_pages``: runs of that many blocks share one selection by construction) or
+when the selection is one row expanded over the chunk's blocks (stride 0: oomb/sparse.py makes it so
+when one group covers the chunk). Otherwise finding them reads the selection on the host: one device
+synchronisation per call, which stalls the host's kernel launches behind the GPU.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from .reference import _check, merge_window
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
 
-def _groups(selection: torch.Tensor) -> list[tuple[int, int]]:
-    """Runs [b0, b1) of consecutive query blocks whose selections are equal (every sequence and head)."""
+def _groups(selection: torch.Tensor, block_group: int | None = None) -> list[tuple[int, int]]:
+    """Runs [b0, b1) of consecutive query blocks that share one selection (every sequence and head):
+    runs of ``block_group`` blocks when given, else the runs of equal rows (read on the host)."""
     n = selection.shape[2]
     if n <= 1 or selection.shape[3] == 0 or shared_by_all_blocks(selection):
         return [(0, n)]
+    if block_group is not None:
+        return [(b0, min(b0 + block_group, n)) for b0 in range(0, n, block_group)]
     same = (selection[:, :, 1:] == selection[:, :, :-1]).all(dim=3).all(dim=1).all(dim=0).tolist()
     starts = [0] + [j + 1 for j, equal in enumerate(same) if not equal]
     return list(zip(starts, starts[1:] + [n], strict=True))
@@ -89,10 +94,10 @@ class SelectedPagesAttention:
         _check_selection(selection, q, k_pool)
 
     @staticmethod
-    def _batches(q, k_pool, page_table, selection):
+    def _batches(q, k_pool, page_table, selection, block_group):
         """Per length of group: its layout and its (B, Hkv, n_groups, K) page ids and head indices."""
         B, Hkv = selection.shape[:2]
-        for groups in _by_length(_groups(selection)):
+        for groups in _by_length(_groups(selection, block_group)):
             layout = _Layout(groups, q.shape[2], k_pool.shape[2], q.device)
             positions = selection.long().index_select(2, layout.first_blocks)
             ids = page_table.long().gather(1, positions.reshape(B, -1)).reshape(positions.shape)
@@ -124,7 +129,8 @@ class SelectedPagesAttention:
         rows = grad.reshape(B, n_groups, Hkv, K, P, D).transpose(1, 2)
         pool.index_put_((ids.reshape(-1), heads.reshape(-1)), rows.reshape(-1, P, D).to(pool.dtype), accumulate=True)
 
-    def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection):
+    def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, *,
+                                 block_group: int | None = None):
         self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
@@ -134,7 +140,7 @@ class SelectedPagesAttention:
             return out, lse
         Hkv = k_pool.shape[1]
         out_h, lse_h = torch.empty_like(out), torch.empty_like(lse)  # every query is in one group
-        for layout, ids, heads in self._batches(q, k_pool, page_table, selection):
+        for layout, ids, heads in self._batches(q, k_pool, page_table, selection, block_group):
             o, s = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                                        self._selected(v_pool, ids, heads), False, scale)
             o, s = layout.from_groups(o, B, Hq).to(out_h.dtype), layout.from_groups(s.reshape(o.shape[:3]), B, Hq)
@@ -147,7 +153,7 @@ class SelectedPagesAttention:
         return out.to(q.dtype), lse
 
     def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
-                                  dk_pool, dv_pool):
+                                  dk_pool, dv_pool, *, block_group: int | None = None):
         self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
@@ -158,7 +164,7 @@ class SelectedPagesAttention:
         if selection.shape[3] == 0:
             return dq.to(q.dtype)
         Hkv = k_pool.shape[1]
-        for layout, ids, heads in self._batches(q, k_pool, page_table, selection):
+        for layout, ids, heads in self._batches(q, k_pool, page_table, selection, block_group):
             dq_h, dk, dv = self.kernel.backward(
                 layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                 self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,

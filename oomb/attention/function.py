@@ -70,12 +70,16 @@ class PagedAttentionCall:
         return {} if self.documents is None else {"documents": self.documents}
 
     def sparse_kwargs(self) -> dict:
-        """The sparse backend's keywords: documents and, context parallel, this rank's share of the keys."""
+        """The sparse backend's keywords: documents, the blocks per selection where the backend takes
+        them, and, context parallel, this rank's share of the keys."""
+        kwargs = self.document_kwargs()
+        if self.backend.sparse_block_group and self.sparse is not None:
+            kwargs["block_group"] = self.sparse.query_block_pages
         context = self.store.context
         if context is None:
-            return self.document_kwargs()
+            return kwargs
         visible = context.owned_positions(self.selection, self.store.page_size)
-        return {**self.document_kwargs(), "share": KeyShare(visible, context.owns(self.chunk.index))}
+        return {**kwargs, "share": KeyShare(visible, context.owns(self.chunk.index))}
 
 
 def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,63 @@
+"""cuDNN's selected-pages path (oomb/attention/cudnn_sparse.py): finding a call's selection groups."""
+
+import pytest
+import torch
+
+from oomb.attention import cudnn_sparse
+
+
+@pytest.mark.parametrize("n_blocks, group, want", [
+    (5, 1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+    (5, 2, [(0, 2), (2, 4), (4, 5)]),
+    (6, 3, [(0, 3), (3, 6)]),
+])
+def test_known_block_groups_are_not_read_from_the_selection(monkeypatch, n_blocks, group, want):
+    """With the step's blocks per selection given, the groups come from it: the selection's values are
+    never compared (on a GPU that comparison is a device synchronisation per call)."""
+    sel = torch.arange(n_blocks * 2, dtype=torch.int32).reshape(1, 1, n_blocks, 2)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("the selection was read"))
+    assert cudnn_sparse._groups(sel, group) == want
+
+
+def test_known_groups_give_the_groups_found_by_reading():
+    """Runs of equal selections built as sparse_query_block_pages builds them: both ways agree."""
+    rows = torch.randint(0, 50, (2, 3, 4, 5), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    sel = rows.repeat_interleave(3, dim=2)[:, :, :10].contiguous()  # groups of 3, a partial last one
+    assert cudnn_sparse._groups(sel, 3) == cudnn_sparse._groups(sel) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch):
+    """A sparse step on a backend that takes ``block_group`` gets sparse_query_block_pages in every call
+    (stage 1 and stage 2, forward and backward), and the result equals the torch backend's."""
+    from helpers import build_tiny_model, grads, random_ids, relative_error
+    from test_cudnn_paged import MATH, SPARSE_MATH
+
+    import oomb
+    import oomb.engine
+    from oomb.attention import cudnn_paged
+    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+
+    seen = []
+
+    def forward(*args, block_group=None, **kwargs):
+        seen.append(block_group)
+        return SPARSE_MATH.sparse_attention_forward(*args, block_group=block_group, **kwargs)
+
+    def backward(*args, block_group=None, **kwargs):
+        seen.append(block_group)
+        return SPARSE_MATH.sparse_attention_backward(*args, block_group=block_group, **kwargs)
+
+    stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
+                                cudnn_paged.no_delta, forward, backward, sparse_block_group=True)
+    model = build_tiny_model("qwen2", seed=43, num_hidden_layers=2)
+    ids = random_ids(1, 96, seed=43)
+    results = {}
+    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
+        model.zero_grad(set_to_none=True)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
+                                 sparse_query_block_pages=2)
+        results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
+    assert seen and set(seen) == {2}
+    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
+    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
