@@ -61,3 +61,27 @@ def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch)
     assert seen and set(seen) == {2}
     torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+
+
+@pytest.mark.parametrize("groups, num_queries, in_order", [
+    ([(0, 1), (1, 2), (2, 3), (3, 4)], 64, True),  # one selection per block
+    ([(0, 2), (2, 4)], 64, True),  # per two blocks
+    ([(0, 4)], 64, True),  # per chunk (also "whole")
+    ([(0, 1), (1, 2), (2, 3), (3, 4)], 60, False),  # a partial last block pads
+    ([(0, 2), (3, 5)], 80, False),  # a class of groups that leaves blocks out
+])
+def test_groups_tiling_the_chunk_in_order_are_a_permutation(groups, num_queries, in_order):
+    """Groups that tile the chunk's queries in order take the one-copy layout; it gives exactly what the
+    general (pad, gather, transpose) layout gives, both ways."""
+    x = torch.randn(2, 6, num_queries, 8)  # (B, Hq, Lq, D), 3 KV heads, pages of 16
+    fast = cudnn_sparse._Layout(groups, num_queries, 16, x.device)
+    general = cudnn_sparse._Layout(groups, num_queries, 16, x.device)
+    general.in_order = general.whole = False
+    assert fast.in_order == in_order
+    for t in (x, x[..., 0]):
+        grouped = fast.to_groups(t, 3)
+        torch.testing.assert_close(grouped, general.to_groups(t, 3), rtol=0, atol=0)
+        back = fast.from_groups(grouped, 2, 6)
+        torch.testing.assert_close(back, general.from_groups(grouped, 2, 6), rtol=0, atol=0)
+        if in_order:
+            torch.testing.assert_close(back, t, rtol=0, atol=0)

@@ -57,14 +57,22 @@ class _Layout:
         self.rows_of_groups = rows.clamp(max=num_queries).to(device, non_blocking=True)
         self.num_valid = int((rows < num_queries).sum())
         self.first_blocks = torch.tensor([b0 for b0, _ in groups], dtype=torch.long).to(device, non_blocking=True)
+        # Groups that tile exactly the chunk's queries in order (one selection per block, per group of
+        # blocks dividing the chunk, per chunk): the layout is a permutation of dimensions, no gather.
+        self.in_order = self.num_groups * self.rows == num_queries and groups[0][0] == 0 and all(
+            b0 == a1 for (_, a1), (b0, _) in zip(groups, groups[1:], strict=False))
         # One group of exactly the chunk's queries (one selection per chunk): the layout is a reshape.
-        self.whole = self.num_groups == 1 and self.rows == num_queries
+        self.whole = self.in_order and self.num_groups == 1
 
     def to_groups(self, x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
         B, Hq, Lq = x.shape[:3]
         if self.whole:
             return x.reshape((B, num_kv_heads, -1) + x.shape[3:]).contiguous()
+        if self.in_order:  # one copy, where padding and gathering the rows would make three
+            grouped = x.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
+            grouped = grouped.transpose(2, 3).transpose(1, 2)  # (B, n_groups, Hkv, G, rows[, D])
+            return grouped.reshape((B * self.num_groups, num_kv_heads, -1) + x.shape[3:]).contiguous()
         padded = torch.cat([x, x.new_zeros((B, Hq, 1) + x.shape[3:])], dim=2)
         grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
         grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
@@ -144,7 +152,7 @@ class SelectedPagesAttention:
             o, s = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                                        self._selected(v_pool, ids, heads), False, scale)
             o, s = layout.from_groups(o, B, Hq).to(out_h.dtype), layout.from_groups(s.reshape(o.shape[:3]), B, Hq)
-            if layout.whole:
+            if layout.in_order:  # every query, in order
                 out_h, lse_h = o, s
             else:
                 out_h.index_copy_(2, layout.queries, o)
@@ -170,7 +178,7 @@ class SelectedPagesAttention:
                 self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,
                 scale,
             )
-            if layout.whole:
+            if layout.in_order:
                 dq.add_(layout.from_groups(dq_h, B, Hq))  # float32 sums of the bf16 partials, as index_add_'s
             else:
                 dq.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
