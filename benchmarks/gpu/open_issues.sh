@@ -24,6 +24,7 @@
 #                    one selection per 4 and per 1 query block (what per-block selection costs)
 #   score_configs    issue 18: after whole-page key tiles in rerank's score kernel and the reshape-only layout of one
 #                    selection per chunk on cuDNN: the GPU tests, the per-call scoring cost, HF vs the fast settings
+#   sparse_gpu_tests issue 18: the GPU tests of the cuDNN sparse path (after its known groups and in-order layout)
 #   fast_step        issue 18: HF and the fast 128K sparse step of the commit (sparse-fast-kernels-128k's command)
 #   defaults_gather  issue 18: the 128K sparse step with the defaults (35.29 s at 9a4764f) and with one selection per
 #                    block at the fast settings (26.40 s) after the cuDNN path's whole-row page gather
@@ -102,6 +103,9 @@ for part in "$@"; do
       run 200 fast_configs python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_fast_configs_128k ;;
+    sparse_gpu_tests)
+      run 150 sparse_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_cudnn_paged.py \
+          tests/test_cudnn_sparse.py tests/test_sparse.py -k "sparse or selected" ;;
     fast_step)
       run 200 fast_step python -m oomb bench --modes hf sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --contexts 128K --query-block-pages 32 --sparse-budget 32 --out-dir "$OUT" \
