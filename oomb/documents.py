@@ -46,6 +46,10 @@ class Documents:
     """(B, T) int64 host copy of ``start``: page skipping is decided on the host without a device sync."""
     positions: torch.Tensor
     """(B, T) int64 on the step's device: RoPE position ids, restarting at 0 at each document."""
+    window: int | None = None
+    """A sliding window alone (``window_bounds`` without packed documents): start[b, t] is exactly
+    max(0, t - window + 1), a band a backend may decompose instead of reading the bounds (cuDNN's
+    band path, attention/cudnn_band.py). None: packed documents, or a window cut by them."""
 
     @property
     def split(self) -> bool:
@@ -177,7 +181,8 @@ def resolve_documents(
 def window_bounds(documents: Documents | None, window: int, shape: tuple[int, int], device: torch.device) -> Documents:
     """The key bounds of a sliding-window layer (module docstring): the step's documents (None: one
     document per row) intersected with ``window``. Attention backends take it in place of the
-    documents, so a window layer reads only the pages its queries' windows overlap."""
+    documents, so a window layer reads only the pages its queries' windows overlap. Without packed
+    documents (None, or one document per row) the result's ``window`` says the bounds are the band alone."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding window must be a positive int, got {window!r}")
     batch, tokens = shape
@@ -190,6 +195,7 @@ def window_bounds(documents: Documents | None, window: int, shape: tuple[int, in
         doc_end = documents.end.to("cpu", torch.long)
     start = torch.maximum(doc_start, index - window + 1)
     end = torch.minimum(doc_end, index + window)
+    pure = documents is None or not documents.split  # one document per row: the bounds are the band alone
     return Documents(start=start.to(device=device, dtype=torch.int32).contiguous(),
                      end=end.to(device=device, dtype=torch.int32).contiguous(),
-                     start_cpu=start, positions=positions)
+                     start_cpu=start, positions=positions, window=window if pure else None)

@@ -223,11 +223,12 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     the selected keys (attention/context_sparse.py), the dense ones keep the backend's kernels."""
     windows = layer_windows(causal_lm)
     binding_windows = any(w is not None and w < num_tokens for w in windows)
-    backend = _select_step_backend(causal_lm, config, device, documents is not None or binding_windows)
+    backend = _select_step_backend(causal_lm, config, device, documents is not None)
     split_documents = _check_documents(documents, config, backend.name)
     softcap, sinks = attention_variants(causal_lm)
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
-                           family=causal_lm.config.model_type, sparse=config.attention == "sparse")
+                           family=causal_lm.config.model_type, sparse=config.attention == "sparse",
+                           documents=split_documents is not None)
     if context_parallel and config.attention == "sparse":
         backend = share_backend(backend)
     return backend, split_documents, windows
@@ -252,9 +253,11 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
 
 def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
     """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
-    triton for float32 or when deterministic; packed documents and sliding windows (``masked``) stay
-    on triton for bf16/fp16, whose kernels mask a per-query first key (float32: torch, as without them);
-    so does logit softcapping (Gemma 2), which cuDNN's fused attention does not have."""
+    triton for float32 or when deterministic; packed documents (``masked``; with or without sliding
+    windows) stay on triton for bf16/fp16, whose kernels mask a per-query first key (float32: torch, as
+    without them); so does logit softcapping (Gemma 2), which cuDNN's fused attention does not have.
+    Sliding windows alone and attention sinks go to cudnn like other models (its band path:
+    attention/cudnn_band.py)."""
     masked = masked or attention_variants(causal_lm)[0]
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
     if masked and weights_dtype != torch.float32:

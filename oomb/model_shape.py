@@ -147,11 +147,10 @@ class ModelShape:
     @property
     def cudnn_refuses(self) -> str | None:
         """What of this model's attention the cudnn backend cannot run (None: nothing), as the engine's
-        backend check (oomb/attention/variants.py) refuses it."""
-        needs = [what for what, present in (("sliding-window layers", self.sliding_window_layers > 0),
-                                             ("attention logit softcapping", self.logit_softcap),
-                                             ("attention sinks", self.attention_sinks)) if present]
-        return " and ".join(needs) or None
+        backend check (oomb/attention/variants.py) refuses it: logit softcapping (cuDNN has no cap).
+        Sliding windows and sinks run on cudnn; windows inside packed documents do not, but the trainer
+        sends packed documents to triton anyway (oomb/training/trainer.py)."""
+        return "attention logit softcapping" if self.logit_softcap else None
 
     def per_rank(self, tp: int) -> ModelShape:
         """One tensor-parallel rank's share (oomb/parallel.py): heads, KV heads and dense MLP columns

@@ -144,19 +144,21 @@ def test_more_memory_never_picks_a_slower_plan():
 
 
 def test_models_with_layers_cudnn_cannot_run_get_triton():
-    """Windows, softcapping and sinks are refused by the cudnn backend (oomb/attention/variants.py): the
-    chooser must not hand `oomb train` a backend the engine then refuses."""
+    """Softcapping is refused by the cudnn backend (oomb/attention/variants.py): the chooser must not hand
+    `oomb train` a backend the engine then refuses. Sliding windows and sinks run on cudnn (its band path),
+    so Gemma 3 and gpt-oss get it as other models do."""
     refuses = {name: ModelShape.from_hf_config(preset_config(name)).cudnn_refuses
                for name in ("qwen2.5-7b", "gemma-2-9b", "gemma-3-12b", "gpt-oss-20b")}
     assert refuses["qwen2.5-7b"] is None
-    assert refuses["gemma-2-9b"] == "sliding-window layers and attention logit softcapping"
-    assert refuses["gemma-3-12b"] == "sliding-window layers"
-    assert refuses["gpt-oss-20b"] == "sliding-window layers and attention sinks"
+    assert refuses["gemma-2-9b"] == "attention logit softcapping"
+    assert refuses["gemma-3-12b"] is None
+    assert refuses["gpt-oss-20b"] is None
     backend, why = choose_backend("cuda", torch.bfloat16, False, refuses["gemma-2-9b"])
     assert backend == "triton" and "softcapping" in why
     assert choose_backend("cuda", torch.float32, False, refuses["gemma-2-9b"])[0] == "torch"
-    shape = ModelShape.from_hf_config(preset_config("gemma-3-12b"))
-    assert choose_config(Workload(shape, 32 * 1024, lora_rank=16), H200).chosen.config.backend == "triton"
+    for name, backend in (("gemma-3-12b", "cudnn"), ("gemma-2-9b", "triton")):
+        shape = ModelShape.from_hf_config(preset_config(name))
+        assert choose_config(Workload(shape, 32 * 1024, lora_rank=16), H200).chosen.config.backend == backend
 
 
 def test_backend_choice_and_resolution():

@@ -456,8 +456,8 @@ def test_window_bounds_intersect_documents():
 
 # --- refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("backend", "kinds", "match"), [
-    ("cudnn", dict(windows=True), "backend 'cudnn' does not support sliding-window layers"),
-    ("cudnn", dict(sinks=True), "backend 'cudnn' does not support attention sinks"),
+    ("cudnn", dict(windows=True, documents=True), "backend 'cudnn' does not support sliding-window layers within "
+                                                  "packed documents"),
     ("cudnn", dict(softcap=True), "backend 'cudnn' does not support attention logit softcapping"),
     ("cudnn", dict(softcap=True, sparse=True), "backend 'cudnn' does not support attention logit softcapping"),
 ])
@@ -465,9 +465,12 @@ def test_backends_without_a_variant_refuse_it(backend, kinds, match):
     options = dict(softcap=False, sinks=False, windows=False, family="gemma2") | kinds
     with pytest.raises(NotImplementedError, match=match):
         check_backend_supports(backend, **options)
-    check_backend_supports("triton", softcap=False, sinks=True, windows=True, family="gpt_oss")
+    for name in ("torch", "triton", "cudnn"):  # windows (without documents) and sinks: the cudnn band path
+        check_backend_supports(name, softcap=False, sinks=True, windows=True, family="gpt_oss", sparse=True)
+        check_backend_supports(name, softcap=False, sinks=True, windows=False, family="gpt_oss", documents=True)
     for name in ("torch", "triton"):
-        check_backend_supports(name, softcap=True, sinks=False, windows=True, family="gemma2", sparse=True)
+        check_backend_supports(name, softcap=True, sinks=False, windows=True, family="gemma2", sparse=True,
+                               documents=True)
 
 
 def test_gemma2_refuses_cudnn_before_allocating(monkeypatch):
@@ -476,7 +479,7 @@ def test_gemma2_refuses_cudnn_before_allocating(monkeypatch):
 
     stand_in = AttentionBackend("cudnn", *(lambda *a, **k: None,) * 3)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda *args, **kwargs: stand_in)
-    match = r"backend 'cudnn' does not support attention logit softcapping and sliding-window layers .*\(gemma2\)"
+    match = r"backend 'cudnn' does not support attention logit softcapping \(gemma2\)"
     with pytest.raises(NotImplementedError, match=match):
         oomb.forward_backward(build("gemma2"), random_ids(1, 64, seed=1), None, replace(CONFIG, backend="cudnn"))
 
@@ -569,6 +572,22 @@ def test_auto_backend_runs_softcapping_on_triton_on_cuda():
     assert oomb.engine._select_step_backend(model, auto, cuda, masked=False).name == "triton"
     deterministic = replace(auto, deterministic=True)
     assert oomb.engine._select_step_backend(model, deterministic, cuda, masked=False).name == "triton"
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "mistral"])
+def test_auto_backend_runs_windows_and_sinks_on_cudnn_on_cuda(family):
+    """backend='auto' on CUDA in bf16: sliding windows and sinks run on cudnn (its band path), as models
+    without them; with packed documents on triton (windows inside documents: cudnn refuses them, and
+    documents alone stay on triton). Only the choice is checked: no CUDA tensor is made."""
+    pytest.importorskip("oomb.attention.triton_paged")
+    model = build(family).to(torch.bfloat16)
+    auto, cuda = replace(CONFIG, backend="auto"), torch.device("cuda")
+    backend, documents, windows = oomb.engine.attention_setup(model, auto, cuda, TOKENS, None)
+    assert backend.name == "cudnn" and documents is None and WINDOW in windows
+    packed = resolve_documents(None, [0, 70, TOKENS], (1, TOKENS), torch.device("cpu"))
+    assert oomb.engine.attention_setup(model, auto, cuda, TOKENS, packed)[0].name == "triton"
+    with pytest.raises(NotImplementedError, match="sliding-window layers within packed documents"):
+        oomb.engine.attention_setup(model, replace(auto, backend="cudnn"), cuda, TOKENS, packed)
 
 
 # --- GPU (H200) ------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ segment see no key of a history window (out 0, lse -inf, merged as empty). A chu
 kernel call per document in it (plus one per history window), so many tiny documents mean many
 small calls.
 
+Sliding windows alone (``documents`` from documents.window_bounds with ``window`` set) are a band:
+its first key moves at every query, so segments would be one call per query; cudnn_band.py cuts the
+band into a few batched plain calls instead. Windows inside packed documents are refused (their
+first key is neither a document start nor the band's).
+
 Unlike the Triton kernels this is not bitwise deterministic (torch documents cuDNN attention's
 backward as non-deterministic), its window outputs are rounded to q's dtype before the merge, and
 each window's dK, dV reach the page buffers rounded to q's dtype. It takes bf16/fp16 CUDA tensors
@@ -124,10 +129,12 @@ def _torch_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 
 TORCH_KERNEL = FusedKernel(_torch_forward, _torch_backward, (torch.bfloat16, torch.float16, torch.float32))
-"""The FusedKernel contract in plain float32 torch: packed documents' short segments run on it."""
+"""The FusedKernel contract in plain float32 torch: packed documents' short segments and the band's
+small calls (cudnn_band.py) run on it."""
 SHORT_SEGMENT = 64
-"""Packed documents: a segment call with fewer query rows (after folding) or keys than this runs on
-TORCH_KERNEL, not cuDNN (documents of a few tokens make such calls; see WindowedAttention)."""
+"""Packed documents and sliding windows: a call with fewer query rows (after folding) or keys than this
+runs on TORCH_KERNEL, not cuDNN (documents of a few tokens, windows under 65 tokens and small band
+remainders make such calls; see WindowedAttention)."""
 
 
 def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
@@ -188,9 +195,12 @@ class WindowedAttention:
                  short_segment: int = SHORT_SEGMENT) -> None:
         self.kernel = kernel
         self.short_kernel, self.short_segment = short_kernel, short_segment
+        from .cudnn_band import BandAttention  # cudnn_band imports this module (its gathers): import it late
+
+        self.band = BandAttention(self._segment_kernel)
 
     def _segment_kernel(self, queries: int, keys: int) -> FusedKernel:
-        """The kernel of a packed-documents call of ``queries`` rows and ``keys`` keys."""
+        """The kernel of a packed-documents or band call of ``queries`` rows and ``keys`` keys."""
         return self.short_kernel if min(queries, keys) < self.short_segment else self.kernel
 
     def _windows(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
@@ -210,6 +220,9 @@ class WindowedAttention:
         Hkv = k_pool.shape[1]
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+        if documents is not None and documents.window is not None:
+            return self.band.forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
+                                     documents.window)
         if documents is not None:
             return self._documents_forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
                                            documents)
@@ -241,8 +254,12 @@ class WindowedAttention:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
         if documents is not None:
-            self._documents_backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
-                                     dv_pool, windows, dq, documents)
+            if documents.window is not None:
+                self.band.backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                                   dv_pool, windows, dq, documents.window)
+            else:
+                self._documents_backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse,
+                                         dk_pool, dv_pool, windows, dq, documents)
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         if windows[0][0] != query_start:  # history windows share one folded copy of each operand
             folded = _fold(dout, Hkv), _fold(q, Hkv), _fold(out, Hkv), lse.reshape(B, Hkv, -1).contiguous()
@@ -336,7 +353,13 @@ def document_segments(documents, query_start: int, num_queries: int) -> list[lis
     starts = documents.start_cpu[:, query_start:query_start + num_queries]
     rows = []
     for row in starts:
-        cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        cut = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
+        if bool((row[cut] != query_start + cut).any()):  # a later segment must start its own document
+            raise NotImplementedError(
+                "key bounds whose first key moves inside a document (a sliding window cut by packed documents) "
+                "are not supported by the cudnn backend: it runs documents as segments and windows alone as a "
+                "band; use backend='triton' or 'torch'")
+        cuts = cut.tolist()
         firsts, ends = [0] + cuts, cuts + [num_queries]
         rows.append([(a, e, int(row[a])) for a, e in zip(firsts, ends, strict=True)])
     return rows

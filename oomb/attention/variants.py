@@ -5,7 +5,8 @@ so the autograd Function (attention/function.py) and the store's key windows sta
 
 * Logit softcapping (Gemma 2: score -> c * tanh(score / c)) is a keyword of the backend's dense and
   sparse functions (torch and triton); cudnn, whose fused attention has no cap, is refused before a
-  step starts (``check_backend_supports``).
+  step starts (``check_backend_supports``), as are sliding windows inside packed documents on cudnn
+  (it runs documents as segments and windows alone as a band: attention/cudnn_band.py).
 * Attention sinks (gpt-oss: a learned logit per query head in every softmax denominator, with no
   value) are a virtual key of the chunk's *local* key window (the chunk itself, which every dense
   call reads last and every query sees): that window's forward folds exp(sink) into its lse and
@@ -13,7 +14,8 @@ so the autograd Function (attention/function.py) and the store's key windows sta
   the backward of every window is already right for dQ, dK, dV. The sink's own gradient,
   d loss / d sink_h = -sum_{b,i} p_sink[b, h, i] * delta[b, h, i]   (delta = rowsum(dO * O)),
   is computed by the local window's backward into a per-call ``SinkGradient`` and handed to autograd
-  by ``attach_sinks``, an identity on q whose backward runs after the attention's.
+  by ``attach_sinks``, an identity on q whose backward runs after the attention's. Every backend's
+  local window is one call returning (out, lse), so this works on all three (cudnn included).
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ attention/triton_paged.py). cuDNN's fused attention has no logit softcapping."""
 
 
 def check_backend_supports(backend: str, *, softcap: bool, sinks: bool, windows: bool, family: str,
-                           sparse: bool = False) -> None:
+                           sparse: bool = False, documents: bool = False) -> None:
     """Refuse, before any allocation, a backend that cannot compute what a layer needs (dense or
-    ``sparse`` mode: the backends that have a variant have it in both)."""
+    ``sparse`` mode: the backends that have a variant have it in both). ``windows``: the model has
+    sliding-window layers shorter than the step; ``documents``: the step has packed documents. Sinks
+    are backend-independent (every backend takes them)."""
     needs = []
     if softcap and backend not in SOFTCAP_BACKENDS:
         needs.append("attention logit softcapping")
-    if backend == "cudnn" and sinks:
-        needs.append("attention sinks")
-    if backend == "cudnn" and windows:
-        needs.append("sliding-window layers (its key windows cannot mask a per-query first key)")
+    if backend == "cudnn" and windows and documents:
+        needs.append("sliding-window layers within packed documents (a window cut by a document start has "
+                     "a first key that is neither the band's nor the document's)")
     if not needs:
         return
     raise NotImplementedError(f"backend {backend!r} does not support {' and '.join(needs)} ({family}); "

@@ -219,8 +219,9 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
                    cudnn_refuses: str | None = None) -> tuple[str, str]:
     """(backend, why) for ``backend="auto"``: cudnn for bf16/fp16 on CUDA (faster in every measured
     case), torch for float32 on CUDA (cuDNN has no float32 path; Triton's float32 kernels take minutes
-    to compile), triton when bitwise determinism is asked for or the model has layers cuDNN cannot run
-    (``cudnn_refuses``, ModelShape.cudnn_refuses), torch on a CPU."""
+    to compile), triton when bitwise determinism is asked for or the model has attention cuDNN cannot
+    run (``cudnn_refuses``, ModelShape.cudnn_refuses: logit softcapping; sliding windows and sinks run
+    on cudnn), torch on a CPU."""
     if device != "cuda":
         return "torch", "on a CPU only the torch reference kernels run"
     if deterministic:
