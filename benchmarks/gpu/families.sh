@@ -16,8 +16,11 @@
 #              sparse+offload, backend auto (= triton: cudnn cannot mask windows)
 #   softcap    gemma-2-9b (21 softcapped window layers of 4096, 21 softcapped global) at 128K, dense on triton
 #   dense7b    qwen2.5-7b at 128K, dense on triton, the same flags: what the hybrids compare to
-#   gptoss     gpt-oss-20b (12 window layers of 128 with sinks, 12 global; MoE) at 128K, dense and sparse
-#   hybrid_1m  gpt-oss-20b at 1M, sparse+offload (the one hybrid preset whose pages fit the host at 1M);
+#   cudnn_tests  the GPU tests of the cuDNN band path (sliding windows, sinks: tests/test_cudnn_windows.py) and of
+#              the cuDNN sparse path
+#   gptoss     gpt-oss-20b (12 window layers of 128 with sinks, 12 global; MoE) at 128K, dense and sparse, backend
+#              auto (cudnn: windows on the band path)
+#   hybrid_1m  gpt-oss-20b at 1M, sparse+offload (the one hybrid preset whose pages fit the host at 1M), auto;
 #              --progress: a run cut by the limit still shows its chunk rate in the log
 # Default: tests. Each call of the device tool has 600 s and the limits below add up per call: give
 # tests | softcap_tests | kernels | kernel | hybrid | softcap dense7b | gptoss | hybrid_1m, one group per call.
@@ -70,10 +73,12 @@ for part in "${@:-tests}"; do
                    --name gemma2_9b_128k ;;
       dense7b) run 240 bench_7b "${B[@]}" --preset qwen2.5-7b --contexts 128K --modes dense --backend triton \
                    --name qwen7b_triton_128k ;;
+      cudnn_tests) run 300 gpu_cudnn_window_tests "${T[@]}" tests/test_cudnn_windows.py tests/test_cudnn_sparse.py \
+                       tests/test_cudnn_paged.py -k "band or window or sparse or selected" ;;
       gptoss) run 480 bench_gptoss "${B[@]}" --preset gpt-oss-20b --contexts 128K --modes dense sparse \
-                  --backend triton --name gptoss_20b_128k ;;
+                  --progress --name gptoss_20b_128k ;;
       hybrid_1m) run 560 bench_gptoss_1m "${B[@]}" --preset gpt-oss-20b --contexts 1M --modes sparse+offload \
-                     --backend triton --query-block-pages 32 --progress --name gptoss_20b_sparse_offload_1m ;;
+                     --query-block-pages 32 --progress --name gptoss_20b_sparse_offload_1m ;;
       *) echo "unknown part $p" ;;
     esac
   done
