@@ -173,6 +173,17 @@ def oomb_attention(causal_lm: PreTrainedModel):
         causal_lm.set_attn_implementation(previous)
 
 
+def plain_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Give ``model`` Hugging Face's SDPA attention where its family has it, else eager (transformers
+    refuses SDPA for some families, e.g. gpt-oss, whose sinks SDPA cannot take). oomb's steps switch to
+    their own attention either way; this is what a plain forward, or plain HF's step, runs."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:
+        model.set_attn_implementation("eager")
+    return model
+
+
 def layer_windows(causal_lm: PreTrainedModel) -> tuple[int | None, ...]:
     """Per layer, the sliding window its attention uses (None: global), as the families set it: from
     ``layer_types`` where the config has them (gemma2/3, gpt-oss, qwen2), else ``sliding_window`` on

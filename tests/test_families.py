@@ -690,3 +690,13 @@ def test_window_pages_follow_the_two_stages(window, tail):
         assert store.is_empty
         assert store.peak_window_pages == store.window_pool.capacity == 2 * (tail * (len(chunks) - 1) + 8)
         assert store.pool.capacity == 2 * tokens // P
+
+
+@pytest.mark.parametrize("family, want", [("qwen2", "sdpa"), ("gpt_oss", "eager")])
+def test_plain_attention_is_sdpa_where_the_family_has_it(family, want):
+    """Models built by `oomb bench` and `oomb train` get SDPA, or eager where transformers refuses SDPA
+    (gpt-oss): building them must not fail (it did for gpt-oss-20b on the H200)."""
+    from oomb.models import plain_attention
+
+    model = plain_attention(build(family))
+    assert model.config._attn_implementation == want

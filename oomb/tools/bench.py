@@ -42,7 +42,7 @@ from ..attention.backend import resolve_backend_name
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
-from ..models import unwrap_causal_lm
+from ..models import plain_attention, unwrap_causal_lm
 from ..training import presets
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
@@ -171,8 +171,7 @@ def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch
             model = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.set_attn_implementation("sdpa")
-    return model.train()
+    return plain_attention(model).train()
 
 
 def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:

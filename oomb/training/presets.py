@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from ..models import SUPPORTED_MODEL_TYPES
+from ..models import SUPPORTED_MODEL_TYPES, plain_attention
 from .config import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
@@ -195,12 +195,11 @@ def build_model(section: ModelSection, config: PretrainedConfig, dtype: torch.dt
     """Load the local model (or build the preset with random weights from the current RNG) on ``device``."""
     if section.path is None:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            Path(section.path).expanduser(), config=config, dtype=dtype, attn_implementation="sdpa",
-            local_files_only=True).to(device)
-    model.train()
+            Path(section.path).expanduser(), config=config, dtype=dtype, local_files_only=True).to(device)
+    plain_attention(model).train()
     return model
 
 
