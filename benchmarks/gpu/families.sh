@@ -20,6 +20,8 @@
 #              the cuDNN sparse path
 #   gptoss     gpt-oss-20b (12 window layers of 128 with sinks, 12 global; MoE) at 128K, dense and sparse, backend
 #              auto (cudnn: windows on the band path)
+#   gptoss_dense  gpt-oss-20b at 128K, dense only (with hybrid_1m in one call: LIMIT_1M=390 bash ... "hybrid_1m
+#              gptoss_dense")
 #   hybrid_1m  gpt-oss-20b at 1M, sparse+offload (the one hybrid preset whose pages fit the host at 1M), auto;
 #              --progress: a run cut by the limit still shows its chunk rate in the log
 # Default: tests. Each call of the device tool has 600 s and the limits below add up per call: give
@@ -77,7 +79,9 @@ for part in "${@:-tests}"; do
                        tests/test_cudnn_paged.py -k "band or window or sparse or selected" ;;
       gptoss) run 480 bench_gptoss "${B[@]}" --preset gpt-oss-20b --contexts 128K --modes dense sparse \
                   --progress --name gptoss_20b_128k ;;
-      hybrid_1m) run 560 bench_gptoss_1m "${B[@]}" --preset gpt-oss-20b --contexts 1M --modes sparse+offload \
+      gptoss_dense) run 170 bench_gptoss_dense "${B[@]}" --preset gpt-oss-20b --contexts 128K --modes dense \
+                        --progress --name gptoss_20b_dense_128k ;;
+      hybrid_1m) run ${LIMIT_1M:-560} bench_gptoss_1m "${B[@]}" --preset gpt-oss-20b --contexts 1M --modes sparse+offload \
                      --query-block-pages 32 --progress --name gptoss_20b_sparse_offload_1m ;;
       *) echo "unknown part $p" ;;
     esac
