@@ -49,7 +49,7 @@ set -u
 ROOT=$PWD
 FINAL=$OUT; OUT=/tmp/checks; rm -rf $OUT; mkdir -p $OUT  # one archive comes back
 rm -rf /tmp/src && tar -xf .gpu_carry/src.tar -C /tmp && cd /tmp/src || exit 1
-export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1 OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}  # the archive's commit
 TAIL=${TAIL:-12}
 source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
 T=(python -m pytest -q -s -m gpu -p no:cacheprovider)
