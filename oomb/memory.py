@@ -346,7 +346,8 @@ def predict(
         tokens: context length T (tokens per sequence).
         config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice).
         setup: dtype, batch, optimizer, LoRA.
-        offload, sparse: assumptions of the planned modes.
+        offload, sparse: assumptions of the planned modes (offload: by default ``config``'s resident layers
+            and stream buffers).
     Returns:
         A MemoryPrediction with the GPU_TERMS and HOST_TERMS in bytes.
 
@@ -370,7 +371,8 @@ def predict(
     mode = MODES[mode] if isinstance(mode, str) else mode
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
-    offload = offload or OffloadAssumptions()
+    offload = offload or OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages,
+                                            config.stream_buffers)
     sparse = sparse or SparseAssumptions()
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")

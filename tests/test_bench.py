@@ -217,6 +217,24 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
         bench.BenchOptions(sparse_budget=-1)
 
 
+def test_resident_layers_reach_the_step_config_and_the_prediction():
+    """--resident-layers keeps the first layers' pages on the GPU in offload modes, and the predicted
+    memory counts them (more GPU, the same host slabs for the offloaded rest)."""
+    from oomb.memory import TrainingSetup, predict
+    from oomb.model_shape import ModelShape
+    from oomb.tools.plan import preset_config
+
+    args = cli.build_parser().parse_args(["bench", "--quick", "--resident-layers", "2", "--modes", "dense+offload"])
+    options = bench.options_from_args(args)
+    assert options.oomb_config().offload_resident_layers == 2
+    config = bench.oomb_config_for("dense+offload", options.oomb_config())
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b", 131072))
+    setup = TrainingSetup(torch.bfloat16, 1, "none")
+    resident, offloaded = (predict("dense+offload", shape, 131072, c, setup)
+                           for c in (config, bench.dataclasses.replace(config, offload_resident_layers=0)))
+    assert resident.gpu_total > offloaded.gpu_total
+
+
 def test_time_limit_extrapolates_dense_quadratically_and_sparse_linearly():
     assert bench.expected_seconds("dense", (32768, 10.0), 131072) == pytest.approx(160.0)
     assert bench.expected_seconds("hf", (32768, 10.0), 65536) == pytest.approx(40.0)

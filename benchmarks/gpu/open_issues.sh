@@ -32,6 +32,10 @@
 #                    cuDNN graph built): whether the first 128K step's host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
 #                    (--no-recompute-logits: one LM-head forward less); HF: fast_step's, in the same call
+#   resident_1m      issue 23: the 1M sparse+offload step with the plan `oomb train`'s chooser makes for it (`oomb plan
+#                    --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125 --optimizer none
+#                    --no-fp32-grad-accumulation --attention sparse --query-block-pages 32 --kv-grad-dtype bf16`:
+#                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
@@ -123,6 +127,10 @@ for part in "$@"; do
       run 200 loss_kept python -m oomb bench --modes sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
           --out-dir "$OUT" --name sparse_fast_kept_logits_128k ;;
+    resident_1m)
+      run 560 resident_1m python -m oomb bench --modes sparse+offload --contexts 1M --resident-layers 18 \
+          --no-checkpoint-layers --backend cudnn --kv-grad-dtype bf16 --query-block-pages 32 --progress \
+          --out-dir "$OUT" --name sparse_offload_resident18_1m ;;
     profile_1m)
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \

@@ -77,6 +77,9 @@ class BenchOptions:
     """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
     recompute_logits: bool = True
+    offload_resident_layers: int = 0
+    """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
+    `oomb train` chooses how many fit)."""
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
     loss_chunk_tokens: int = 1024
@@ -128,6 +131,7 @@ class BenchOptions:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           backend=self.resolved_backend, deterministic=self.deterministic,
                           checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
+                          offload_resident_layers=self.offload_resident_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
@@ -567,6 +571,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recompute-logits", action="store_true",
                         help="keep the chunk's log-probabilities for the backward instead of recomputing each loss "
                              "slice's logits (more memory: chunk x vocabulary x 4 bytes; one LM-head forward less)")
+    parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
+                        help="offload modes: the first N layers keep their pages on the GPU (default 0; "
+                             "`oomb plan` prints how many `oomb train` would keep)")
     parser.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="sparse_query_block_pages", type=int,
                         help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
@@ -592,7 +599,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
-                 "deterministic", "fp32_grad_accumulation", "sparse_query_block_pages", "sparse_budget",
+                 "deterministic", "fp32_grad_accumulation", "offload_resident_layers", "sparse_query_block_pages",
+                 "sparse_budget",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
                  "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
