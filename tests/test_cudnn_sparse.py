@@ -85,3 +85,26 @@ def test_groups_tiling_the_chunk_in_order_are_a_permutation(groups, num_queries,
         torch.testing.assert_close(back, general.from_groups(grouped, 2, 6), rtol=0, atol=0)
         if in_order:
             torch.testing.assert_close(back, t, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_selected_gradients_land_in_their_page_and_head_slots(contiguous):
+    """_add_selected adds each (group, head, k) gradient row into pool[page, head], duplicates summed:
+    the same sums as adding them one by one (integer values, so the order of a sum cannot matter)."""
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, n_groups, K, P, D, n_pages = 2, 3, 4, 5, 4, 2, 7
+    ids = torch.randint(0, n_pages, (B, Hkv, n_groups, K), generator=gen)
+    heads = torch.arange(Hkv).reshape(1, Hkv, 1, 1).expand_as(ids)
+    grad = torch.randint(-8, 8, (B * n_groups, Hkv, K * P, D), generator=gen).float()
+    pool = torch.randint(-8, 8, (n_pages, Hkv, P, D), generator=gen).float()
+    want = pool.clone()
+    rows = grad.reshape(B, n_groups, Hkv, K, P, D)
+    for b in range(B):
+        for g in range(n_groups):
+            for h in range(Hkv):
+                for k in range(K):
+                    want[ids[b, h, g, k], h] += rows[b, g, h, k]
+    target = pool if contiguous else pool.transpose(2, 3).contiguous().transpose(2, 3)
+    assert target.is_contiguous() == contiguous
+    cudnn_sparse.SelectedPagesAttention._add_selected(target, ids, heads, grad)
+    torch.testing.assert_close(target, want, rtol=0, atol=0)

@@ -131,11 +131,17 @@ class SelectedPagesAttention:
     @staticmethod
     def _add_selected(pool, ids, heads, grad) -> None:
         """Add (B * n_groups, Hkv, K * P, D) gradients into the selected (page, head) slots; a page
-        several groups selected gets each group's share."""
+        several groups selected gets each group's share. The (small) indices are put in the gradient's
+        order, so the gradient is read in place: no transposed copy of it."""
         B, Hkv, n_groups, K = ids.shape
         P, D = pool.shape[2:]
-        rows = grad.reshape(B, n_groups, Hkv, K, P, D).transpose(1, 2)
-        pool.index_put_((ids.reshape(-1), heads.reshape(-1)), rows.reshape(-1, P, D).to(pool.dtype), accumulate=True)
+        grad = grad.reshape(-1, P * D).to(pool.dtype)  # (B, n_groups, Hkv, K) rows of P * D
+        if pool.is_contiguous():
+            rows = (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)
+            pool.view(-1, P * D).index_put_((rows,), grad, accumulate=True)
+            return
+        ids, heads = (x.transpose(1, 2).reshape(-1) for x in (ids, heads))
+        pool.index_put_((ids, heads), grad.view(-1, P, D), accumulate=True)
 
     def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, *,
                                  block_group: int | None = None):
