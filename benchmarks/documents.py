@@ -47,6 +47,7 @@ from oomb.config import BACKENDS  # noqa: E402
 from oomb.engine import forward_backward, store_options  # noqa: E402
 from oomb.kv.offload import HostSlabs, reserve_host_slabs  # noqa: E402
 from oomb.memory import GIB  # noqa: E402
+from oomb.model_shape import ModelShape  # noqa: E402
 from oomb.models import unwrap_causal_lm  # noqa: E402
 from oomb.tools.bench import BenchOptions, build_model, hf_step, measure, token_ids  # noqa: E402
 from oomb.tools.plan import parse_tokens  # noqa: E402
@@ -110,7 +111,9 @@ def main() -> None:
     vocab = model.config.vocab_size
     ids = token_ids(vocab, args.context, args.seed, device)
     warm_ids = token_ids(vocab, warm, args.seed, device)
-    base = options.oomb_config()  # the standard workload's OOMBConfig, backend "auto" resolved for the device
+    # The standard workload's OOMBConfig, backend "auto" resolved for the model and device (as its step would).
+    shape = ModelShape.from_hf_config(model.config)
+    base = dataclasses.replace(options.oomb_config(), backend=options.backend_for(shape))
     base = dataclasses.replace(base, offload=args.offload)
     slabs = HostSlabs()  # with --offload: pinned once per size, reused by every step
     gpu = machine.detect_gpu(device) if device.type == "cuda" else None

@@ -266,3 +266,17 @@ def test_documents_benchmark_smoke(tmp_path, monkeypatch):
     assert report["documents"]["lengths"] == lengths and report["ratios"]["oomb_documents[torch]"]["vs_hf_per_document"]
     documents, _, hf = report["rows"]
     assert abs(documents["loss"] - hf["loss"]) < 1e-3  # the same documents, weighted alike up to first tokens
+
+
+def test_reported_backend_follows_the_model_as_the_step_resolves_it():
+    """"auto" goes to the step unresolved (the engine picks per model); the report names what it picks:
+    cudnn for bf16 on CUDA, triton for a softcapped model (cuDNN has no softcap), as given otherwise."""
+    from oomb.model_shape import ModelShape
+    from oomb.tools.plan import preset_config
+
+    gemma2, qwen = (ModelShape.from_hf_config(preset_config(p, 8192)) for p in ("gemma-2-9b", "qwen2.5-7b"))
+    auto = bench.BenchOptions(device="cuda", backend="auto")
+    assert auto.oomb_config().backend == "auto"
+    assert (auto.backend_for(qwen), auto.backend_for(gemma2)) == ("cudnn", "triton")
+    assert bench.BenchOptions(device="cuda", backend="cudnn").backend_for(gemma2) == "cudnn"  # as set: refused later
+    assert bench.BenchOptions(device="cpu").backend_for(gemma2) == "torch"

@@ -71,8 +71,9 @@ class BenchOptions:
     page_size: int = 128
     kv_grad_dtype: str = "float32"
     backend: str = OOMBConfig.backend
-    """Attention kernels of the oomb modes (OOMBConfig.backend); "auto" is resolved with the dtype:
-    cudnn for bf16 on CUDA, triton with ``deterministic`` (attention.backend.resolve_backend_name)."""
+    """Attention kernels of the oomb modes (OOMBConfig.backend); "auto" is resolved by the step for the
+    model, dtype and device: cudnn for bf16 on CUDA, triton with ``deterministic`` or for logit
+    softcapping (oomb/engine.py; the report names it: ``backend_for``)."""
     deterministic: bool = False
     """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
@@ -122,14 +123,17 @@ class BenchOptions:
         """bf16 on a GPU; fp32 on the CPU (bf16 there is 3-7x slower and tells nothing)."""
         return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
 
-    @property
-    def resolved_backend(self) -> str:
-        """The backend the oomb modes run ("auto" resolved for this device and dtype)."""
-        return resolve_backend_name(self.backend, torch.device(self.device), self.dtype, self.deterministic)
+    def backend_for(self, shape: ModelShape) -> str:
+        """The backend the oomb modes run on ``shape``: "auto" resolved for this device and dtype, and, as
+        the engine resolves it, triton for a model with attention logit softcapping, which cuDNN lacks."""
+        name = resolve_backend_name(self.backend, torch.device(self.device), self.dtype, self.deterministic)
+        if self.backend == "auto" and name == "cudnn" and shape.logit_softcap:
+            return "triton"
+        return name
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
-                          backend=self.resolved_backend, deterministic=self.deterministic,
+                          backend=self.backend, deterministic=self.deterministic,
                           checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
                           offload_resident_layers=self.offload_resident_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
@@ -387,7 +391,7 @@ def new_report(options: BenchOptions, shape: ModelShape) -> dict:
             "dtype": str(options.dtype).removeprefix("torch."), "step": "one forward+backward, no optimizer",
             "hf": MODES["hf"].description,
             "options": {**dataclasses.asdict(options), "max_seconds": str(options.max_seconds)},
-            "backend": options.resolved_backend,
+            "backend": options.backend_for(shape),
         },
         "modes": {m: {"status": "implemented" if is_implemented(m) else "planned", "description": MODES[m].description}
                   for m in options.modes},
