@@ -51,8 +51,11 @@
 #   train_512k_bg    issue 19: train_512k started in its own process session (setsid), outliving the call; its
 #                    log, metrics and exit status land in /tmp/keep/train_512k (the dense 512K step takes ~9 min:
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
-#   train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
+#   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
+# Next calls (2026-12-03, one per line, ~8-9 min each): sparse_gpu_tests fast_step defaults_gather loss_kept
+# (issue 18: the per-block path after its sync-free groups, in-order layout and in-place dK/dV adds);
+# resident_1m (issue 23); train_128k then train_512k_bg + train_check (issue 19); dense_warm (issues 19/23).
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
 ROOT=$PWD
@@ -192,7 +195,7 @@ for part in "$@"; do
       cp /tmp/keep/train_512k/train.log /tmp/keep/train_512k/exit "$OUT/train_512k/" 2>/dev/null
       cp /tmp/keep/train_512k/run/metrics.jsonl "$OUT/train_512k/" 2>/dev/null
       tail -n 20 /tmp/keep/train_512k/train.log; cat /tmp/keep/train_512k/exit 2>/dev/null ;;
-    train_512k | train_1m)
+    train_128k | train_512k | train_1m)
       len=${part#train_}; len=${len^^}
       run 590 "$part" python -m oomb train --set model.preset=qwen2.5-7b --lora --seq-len "$len" --steps 2 \
           --output-dir "/tmp/$part" --set logging.progress=false --set checkpoint.export=false \
