@@ -260,6 +260,38 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
     assert all((store.mapped_host is None) == (staging == "copy per run") for store in offload_stores)
 
 
+@pytest.mark.parametrize("score", ["minmax", "rerank"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("staging", ["gather", "copy per run"])
+def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, monkeypatch):
+    """OOMB_STAGE1_IN_PLACE: stage 1 stages one selection per chunk (and rerank's candidate keys) as they
+    lie on the device, duplicates across KV heads included, with a page table scattered on the device:
+    the same bits as without offload; stage 2 keeps the union."""
+    import oomb.kv.sparse_staging as staging_module
+
+    if staging == "copy per run":
+        monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
+    monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", True)
+    calls = []
+    in_place = staging_module.SparseStaging._stage_in_place
+    monkeypatch.setattr(staging_module.SparseStaging, "_stage_in_place",
+                        lambda self, *args: calls.append(args[3]) or in_place(self, *args))
+    model = build_tiny_model("qwen2", seed=4)
+    ids = random_ids(batch, 150, seed=3)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
+                           sparse_score=score, sparse_rerank_factor=2, **SPARSE)
+    results = []
+    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
+        model.zero_grad(set_to_none=True)
+        results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+    # Chunks 1-4 of both layers select in stage 1 (rerank: also its candidates' keys), each as it lies.
+    assert len(calls) == 4 * 2 * (2 if score == "rerank" else 1)
+    assert all(pages.shape[0] == batch for pages in calls)
+
+
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
 def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, monkeypatch):

@@ -10,6 +10,16 @@ backward the history pages' gradients go back to the host and the chunk's own ar
   therefore known, and each call stages them while it computes (``OffloadedKVStore._prefetch``).
 * Stage 1's exact page scores move only keys: those of the candidate pages, from the host, and the
   chunk's own, still on the GPU (``scoring_keys``).
+* Stage 1 without a device sync (``OOMB_STAGE1_IN_PLACE=1``; off until measured on the H200): a
+  selection (or candidate set) that one group shares over the chunk's blocks (stride 0,
+  oomb/sparse.py) is staged as it lies on the GPU, every KV head's pages in turn, gathered by index
+  from the host and placed in the page table by a scatter: the host never reads it. A page several
+  heads chose moves once per head (the same bytes, so any of its slots is read alike): more bytes
+  where heads agree (on a tiny model's short histories, more pages than one selection per block
+  moves), against the union's reading of the selection on the host, one sync per layer and chunk
+  that stalls the kernel launches behind it (about 1.9 s of host gaps per layer of the 1M step's
+  profile). Other selections, packed documents and context parallelism take the union
+  (``_selected_columns``).
 * Packed documents: a query block whose document holds fewer history pages than it reads fills its
   selection up with pages wholly before the document (oomb/sparse.py), which the backend masks. Those
   stay on the host: the page table sends them to one zero page after every sequence's rows (the result
@@ -23,6 +33,7 @@ bookkeeping (``kv_on_host``, ``grad_on_host``) and its copy stream.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +46,10 @@ from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, WindowView
 
 __all__ = ["SparseStaging"]
+
+STAGE1_IN_PLACE = os.environ.get("OOMB_STAGE1_IN_PLACE", "0") == "1"
+"""Stage 1 stages one selection per chunk without a device sync (module docstring); off by default
+until the 1M step measures it (benchmarks/gpu/open_issues.sh stage1_in_place)."""
 
 
 class SparseStaging:
@@ -131,6 +146,11 @@ class SparseStaging:
             raise RuntimeError(f"scoring keys of offloaded layer {layer} are staged in stage 1, after its write")
         fresh = self._fresh_kv[layer, chunk.index]  # None: another context-parallel rank holds the chunk
         first, last = self._page_range(chunk)
+        in_place = self._in_place_pages(history)
+        if in_place is not None:
+            staged = self._stage_in_place(index, layer, chunk, in_place, ("k",), fresh[:1])
+            yield staged.pages["k"], staged.table
+            return
         positions = [p for p in torch.unique(history.cpu()).tolist() if self._holds(p)]
         columns = positions + (list(range(first, last)) if fresh is not None else [])
         n, B, own = len(columns), self.batch_size, last - first
@@ -164,6 +184,11 @@ class SparseStaging:
         adds its zero gradients there (the result is bit-identical to reading the real pages).
         Context parallel: only this rank's selected pages and, on its owner, the chunk's own move; the
         selected pages of other ranks point at the zero page too (the backend reads none of them)."""
+        if not grads and (layer, chunk.index) in self._fresh_kv:
+            in_place = self._in_place_pages(selection)
+            if in_place is not None:  # stage 1, one selection for the chunk: no device sync
+                return self._stage_in_place(index, layer, chunk, in_place, ("k", "v"),
+                                            self._fresh_kv.pop((layer, chunk.index)))
         first, last = self._page_range(chunk)
         history, unseen = self._selected_columns(layer, chunk, selection)
         held = [p for p in history if self._holds(p)]
@@ -207,6 +232,62 @@ class SparseStaging:
                 ready.record(self.copy_stream)
         self._keep_alive(*staged.values())
         return _StagedSelection(staged, table, history, runs, n, ready, stage_one=stage_one, own_chunk=own_chunk)
+
+    def _in_place_pages(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """(B, Hkv * K) int64 page positions, on the device, of a selection or candidate set (B, Hkv,
+        n_blocks, K) that one group shares over the chunk's blocks, when stage 1 can stage them without
+        reading them on the host (module docstring); else None. Needs kernels that gather from host
+        memory (mapped slabs, or a CPU device) and neither context parallelism nor packed documents."""
+        if not STAGE1_IN_PLACE or not shared_by_all_blocks(pages):
+            return None
+        if self.context is not None or self.document_starts is not None:
+            return None
+        if self.mapped_host is None and self.device.type == "cuda":
+            return None  # copies run by run need the positions on the host
+        return pages[:, :, 0].reshape(pages.shape[0], -1).long()
+
+    def _host_rows(self, kind: str, index: int) -> torch.Tensor:
+        """Offloaded global layer ``index``'s host pages of ``kind`` as rows, one per (sequence, position),
+        as kernels on the device read them: mapped into the GPU's address space, or themselves on a CPU."""
+        if self.mapped_host is not None:
+            return rows_of(self._mapped_layer(kind, index).flatten(0, 1))
+        assert self.device.type == "cpu", "without mapped slabs a CUDA device gathers run by run"
+        return rows_of(self._host_layer(kind, index).flatten(0, 1))
+
+    def _stage_in_place(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor, kinds: tuple[str, ...],
+                        fresh: tuple[torch.Tensor, ...]) -> _StagedSelection:
+        """Stage 1's pages of a call without a device sync: per sequence the ``pages`` (B, m) positions
+        (device, duplicates allowed) gathered from the host, then the chunk's own pages (``fresh``, still
+        on the GPU, per kind), and the page table of that layout, built on the device."""
+        first, last = self._page_range(chunk)
+        if not bool(self.kv_on_host[index, :first].all()):
+            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
+        B, m = pages.shape
+        own = last - first
+        n = m + own
+        slots = (torch.arange(B, device=self.device)[:, None] * n
+                 + torch.arange(n, device=self.device)[None, :])  # (B, n): row of each staged page
+        table = torch.zeros((B, last), dtype=torch.int32, device=self.device)
+        table.scatter_(1, pages, slots[:, :m].to(torch.int32))  # a page chosen twice: either copy, the same bytes
+        table[:, first:last] = slots[:, m:].to(torch.int32)
+        source = (torch.arange(B, device=self.device)[:, None] * self.host_pages + pages).reshape(-1)
+        target = slots[:, :m].reshape(-1)
+        staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype,
+                                    device=self.device) for kind in kinds}
+        with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
+            for kind, rows in staged.items():
+                if m:
+                    rows_of(rows).index_copy_(0, target, self._host_rows(kind, index).index_select(0, source))
+            ready = torch.cuda.Event() if self.copy_stream is not None else None
+            if ready is not None:
+                ready.record(self.copy_stream)
+        self._keep_alive(source, target, *staged.values())
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        for rows, own_pages in zip(staged.values(), fresh, strict=True):
+            rows.view(B, n, *rows.shape[1:])[:, m:].copy_(own_pages.view(B, own, *own_pages.shape[1:]))
+        self.staged_history_pages += m
+        return _StagedSelection(staged, table, [], None, n, None, stage_one=True)
 
     def _gather_pages(self, index: int, positions: list[int], staged: dict[str, torch.Tensor]) -> None:
         """One kernel per kind reads the pages at ``positions`` of every sequence from host memory into
