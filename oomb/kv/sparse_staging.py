@@ -17,8 +17,8 @@ backward the history pages' gradients go back to the host and the chunk's own ar
   heads chose moves once per head (the same bytes, so any of its slots is read alike): more bytes
   where heads agree (on a tiny model's short histories, more pages than one selection per block
   moves), against the union's reading of the selection on the host, one sync per layer and chunk
-  that stalls the kernel launches behind it (about 1.9 s of host gaps per layer of the 1M step's
-  profile). Other selections, packed documents and context parallelism take the union
+  that stalls the kernel launches behind it (the 1M step's profile has about 1.9 s of host gaps per
+  layer, to which these syncs contribute). Other selections, packed documents and context parallelism take the union
   (``_selected_columns``).
 * Packed documents: a query block whose document holds fewer history pages than it reads fills its
   selection up with pages wholly before the document (oomb/sparse.py), which the backend masks. Those
