@@ -45,6 +45,11 @@
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
 #                    budget 64 (25.3 % read) and page 128, budget 32 (25.7 %), default rule and oracle; 8K at page 32,
 #                    budget 31 on the GPU's text (the CPU text met the target there: 0.9902 / +0.03 %), in the background
+#   page64_per_block issue 18: the sparse default (one selection per block, budget 64 at page 128) against 64-token
+#                    pages with the same keys (budget 128), as `oomb train` would run them (no replay, bf16 page
+#                    gradients, cudnn). Criterion, fixed before the run (2026-12-03): page 64 becomes the sparse
+#                    default if its step takes at most 1.10x page 128's (it meets the fidelity target at 16K and 32K
+#                    with a quarter of the pages read, page 128 does not: docs/sparse.md "Finer pages").
 #   page64_fast      issue 18: what finer pages cost: the 128K fast sparse step at page 64 with budget 64 (the same
 #                    keys as page 128, budget 32), and HF in the same run
 #   profile_fast     issues 18/23: where the 128K sparse step with the fast settings spends its time (GEMM,
@@ -55,8 +60,8 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (2026-12-03, one per line, ~8-9 min each): sparse_gpu_tests fast_step defaults_gather loss_kept
-# (issue 18: the per-block path after its sync-free groups, in-order layout and in-place dK/dV adds);
+# Next calls (2026-12-03, ~8-9 min each): sparse_gpu_tests fast_step defaults_gather loss_kept (issue 18: the
+# per-block path after its sync-free groups, in-order layout and in-place dK/dV adds); page64_per_block (18);
 # stage1_in_place, resident_1m (issue 23); train_128k then train_512k_bg + train_check (issue 19); dense_warm (issues 19/23).
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
@@ -181,6 +186,11 @@ for part in "$@"; do
           --json "$OUT/gradcheck_smollm2_8k_p32_k31.json" >"$OUT/gradcheck_8k_p32.log" 2>&1;
        echo "exit $?" >>"$OUT/gradcheck_8k_p32.log") &
       ;;
+    page64_per_block)
+      P64=(--modes sparse --contexts 128K --backend cudnn --kv-grad-dtype bf16 --no-checkpoint-layers --out-dir "$OUT")
+      run 150 per_block_p128 python -m oomb bench "${P64[@]}" --name sparse_per_block_p128_b64_128k
+      run 180 per_block_p64 python -m oomb bench "${P64[@]}" --page-size 64 --sparse-budget 128 \
+          --name sparse_per_block_p64_b128_128k ;;
     page64_fast)
       run 240 page64_fast python -m oomb bench --modes hf sparse --contexts 128K --backend cudnn --page-size 64 \
           --kv-grad-dtype bf16 --sparse-score rerank --query-block-pages 64 --sparse-budget 64 \
