@@ -260,6 +260,17 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
     assert all((store.mapped_host is None) == (staging == "copy per run") for store in offload_stores)
 
 
+def _assert_offload_is_bitwise_the_same(model, ids, base: oomb.OOMBConfig) -> None:
+    """One step of ``base`` and one with offload (unpinned slabs): the same loss and gradients, bit for bit."""
+    results = []
+    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
+        model.zero_grad(set_to_none=True)
+        results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+
+
 @pytest.mark.parametrize("score", ["minmax", "rerank"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
@@ -280,13 +291,7 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
     ids = random_ids(batch, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
                            sparse_score=score, sparse_rerank_factor=2, **SPARSE)
-    results = []
-    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
-        model.zero_grad(set_to_none=True)
-        results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+    _assert_offload_is_bitwise_the_same(model, ids, base)
     # Chunks 1-4 of both layers select in stage 1 (rerank: also its candidates' keys), each as it lies.
     assert len(calls) == 4 * 2 * (2 if score == "rerank" else 1)
     assert all(pages.shape[0] == batch for pages in calls)
@@ -301,13 +306,7 @@ def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, m
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=group, **SPARSE)
-    results = []
-    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
-        model.zero_grad(set_to_none=True)
-        results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+    _assert_offload_is_bitwise_the_same(model, ids, base)
 
 
 def test_query_groups_stage_fewer_pages(offload_stores):
