@@ -28,8 +28,10 @@
 #   fast_step        issue 18: HF and the fast 128K sparse step of the commit (sparse-fast-kernels-128k's command)
 #   defaults_gather  issue 18: the 128K sparse step with the defaults (35.29 s at 9a4764f) and with one selection per
 #                    block at the fast settings (26.40 s) after the cuDNN path's whole-row page gather
-#   dense_warm       issues 19/23: the dense 128K step on cuDNN after a warm-up of the same length (every key length's
-#                    cuDNN graph built): whether the first 128K step's host gaps are graph builds
+#   dense_warm       issues 19/23: HF and the dense 128K step on cuDNN without layer replay (what `oomb train`'s
+#                    chooser runs at 128K) after a warm-up of the same length (every key length's cuDNN graph built):
+#                    the steady-state ratio to HF (issue 23's target: <= 1.10x), and whether the first 128K step's
+#                    host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
 #                    (--no-recompute-logits: one LM-head forward less); HF: fast_step's, in the same call
 #   stage1_in_place  issue 23: the 1M sparse+offload step's profile (2 layers) with stage 1's sync-free staging of one
@@ -131,8 +133,8 @@ for part in "$@"; do
           --no-checkpoint-layers --contexts 128K --query-block-pages 1 --sparse-budget 32 --out-dir "$OUT" \
           --name sparse_qbp1_row_gather_128k ;;
     dense_warm)
-      run 280 dense_warm python -m oomb bench --modes dense --backend cudnn --contexts 128K --warmup-tokens 128K \
-          --out-dir "$OUT" --name dense_cudnn_warm_128k ;;
+      run 400 dense_warm python -m oomb bench --modes hf dense --backend cudnn --contexts 128K --warmup-tokens 128K \
+          --no-checkpoint-layers --out-dir "$OUT" --name dense_cudnn_warm_no_replay_128k ;;
     loss_kept)
       run 200 loss_kept python -m oomb bench --modes sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
