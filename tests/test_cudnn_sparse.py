@@ -108,3 +108,13 @@ def test_selected_gradients_land_in_their_page_and_head_slots(contiguous):
     assert target.is_contiguous() == contiguous
     cudnn_sparse.SelectedPagesAttention._add_selected(target, ids, heads, grad)
     torch.testing.assert_close(target, want, rtol=0, atol=0)
+
+
+def test_groups_in_order_put_no_index_on_the_device(monkeypatch):
+    """A layout that is a permutation builds no index tensors (no host-to-device copies per call)."""
+    layout = cudnn_sparse._Layout([(0, 2), (2, 4)], 64, 16, torch.device("cpu"))
+    monkeypatch.setattr(torch.Tensor, "to", lambda *a, **k: pytest.fail("an index was moved to the device"))
+    x = torch.randn(1, 4, 64, 8)
+    layout.from_groups(layout.to_groups(x, 2), 1, 4)
+    sel = torch.arange(8, dtype=torch.int32).reshape(1, 1, 4, 2)
+    assert torch.equal(layout.group_rows(sel), sel[:, :, ::2].long())

@@ -16,6 +16,8 @@ synchronisation per call, which stalls the host's kernel launches behind the GPU
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward
@@ -50,19 +52,49 @@ class _Layout:
 
     def __init__(self, groups: list[tuple[int, int]], num_queries: int, page_size: int, device) -> None:
         self.num_groups = len(groups)
-        self.rows = (groups[0][1] - groups[0][0]) * page_size  # queries per group (the chunk's end pads)
-        rows = torch.cat([torch.arange(b0 * page_size, b1 * page_size) for b0, b1 in groups])
-        self.queries = rows[rows < num_queries].to(device, non_blocking=True)
-        # Positions past the chunk's end read an appended zero row.
-        self.rows_of_groups = rows.clamp(max=num_queries).to(device, non_blocking=True)
-        self.num_valid = int((rows < num_queries).sum())
-        self.first_blocks = torch.tensor([b0 for b0, _ in groups], dtype=torch.long).to(device, non_blocking=True)
+        self.group_blocks = groups[0][1] - groups[0][0]
+        self.rows = self.group_blocks * page_size  # queries per group (the chunk's end pads)
         # Groups that tile exactly the chunk's queries in order (one selection per block, per group of
-        # blocks dividing the chunk, per chunk): the layout is a permutation of dimensions, no gather.
+        # blocks dividing the chunk, per chunk): the layout is a permutation of dimensions, no gather,
+        # and needs no index on the device.
         self.in_order = self.num_groups * self.rows == num_queries and groups[0][0] == 0 and all(
             b0 == a1 for (_, a1), (b0, _) in zip(groups, groups[1:], strict=False))
         # One group of exactly the chunk's queries (one selection per chunk): the layout is a reshape.
         self.whole = self.in_order and self.num_groups == 1
+        self._groups, self._num_queries, self._page_size, self._device = groups, num_queries, page_size, device
+
+    @functools.cached_property
+    def _rows(self) -> torch.Tensor:
+        """The queries of the groups in order, on the host; past the chunk's end for a partial block."""
+        P = self._page_size
+        return torch.cat([torch.arange(b0 * P, b1 * P) for b0, b1 in self._groups])
+
+    @functools.cached_property
+    def queries(self) -> torch.Tensor:
+        """The groups' queries inside the chunk, on the device (the gather layout only)."""
+        return self._rows[self._rows < self._num_queries].to(self._device, non_blocking=True)
+
+    @functools.cached_property
+    def rows_of_groups(self) -> torch.Tensor:
+        """Every group row's query on the device; rows past the chunk's end read an appended zero row."""
+        return self._rows.clamp(max=self._num_queries).to(self._device, non_blocking=True)
+
+    @functools.cached_property
+    def first_blocks(self) -> torch.Tensor:
+        return torch.tensor([b0 for b0, _ in self._groups], dtype=torch.long).to(self._device, non_blocking=True)
+
+    @functools.cached_property
+    def num_valid(self) -> int:
+        """Rows of the groups that are queries of the chunk."""
+        if self.in_order:
+            return self._num_queries
+        return int((self._rows < self._num_queries).sum())
+
+    def group_rows(self, selection: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, n_groups, K) int64: each group's selection (its first block's row)."""
+        if self.in_order:
+            return selection[:, :, ::self.group_blocks].long()
+        return selection.long().index_select(2, self.first_blocks)
 
     def to_groups(self, x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
@@ -107,7 +139,7 @@ class SelectedPagesAttention:
         B, Hkv = selection.shape[:2]
         for groups in _by_length(_groups(selection, block_group)):
             layout = _Layout(groups, q.shape[2], k_pool.shape[2], q.device)
-            positions = selection.long().index_select(2, layout.first_blocks)
+            positions = layout.group_rows(selection)
             ids = page_table.long().gather(1, positions.reshape(B, -1)).reshape(positions.shape)
             heads = torch.arange(Hkv, device=q.device).reshape(1, Hkv, 1, 1).expand_as(ids)
             yield layout, ids, heads
