@@ -1,4 +1,5 @@
-"""Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, chunk, backend.
+"""Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, chunk, backend
+(and, sparse with offload, one selection per chunk).
 
     choice = choose_config(workload, resources, fixed={"kv_grad_dtype": "float32"})
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
@@ -40,7 +41,8 @@ from ..memory import (
 from ..model_shape import ModelShape
 from ..units import format_tokens
 
-AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size")
+AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
+               "sparse_query_block_pages")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
@@ -176,8 +178,10 @@ class Candidate:
             where = f"offload ({c.offload_resident_layers} of {num_layers} layers resident on the GPU)"
         else:
             where = "pages on the GPU"
+        grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
+                    if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
         return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
-                f"chunk {c.chunk_size}, backend {c.backend}")
+                f"chunk {c.chunk_size}, backend {c.backend}{grouping}")
 
 
 @dataclass(frozen=True)
@@ -373,8 +377,19 @@ def candidates(workload: Workload, resources: Resources, base: OOMBConfig, fixed
                 for chunk in grid[3]:
                     config = dataclasses.replace(base, offload=offload, kv_grad_dtype=grad, checkpoint_layers=replay,
                                                  chunk_size=chunk)
-                    out += _resident_layers(workload, resources, config, resident_free)
+                    out += _resident_layers(workload, resources, _sparse_grouping(config, fixed), resident_free)
     return out
+
+
+def _sparse_grouping(config: OOMBConfig, fixed: dict) -> OOMBConfig:
+    """Sparse with offload: one selection per chunk (sparse_query_block_pages = chunk / page) unless the
+    user set it. Each offloaded call stages the union of its query blocks' selections: one per block,
+    that is up to 32 x Hkv x (budget + 1) pages of a 4096-token chunk (most of the history below about
+    1M tokens; about 2 GiB of K and V per call on the 7B shape), one per chunk at most Hkv x (budget +
+    1). The offload_sparse speed fact was measured so (one selection per 32 blocks)."""
+    if config.attention != "sparse" or not config.offload or "sparse_query_block_pages" in fixed:
+        return config
+    return dataclasses.replace(config, sparse_query_block_pages=max(1, config.chunk_size // config.page_size))
 
 
 def _rank(c: Candidate) -> tuple:
@@ -443,6 +458,9 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
                          "the rest (fewer transfers)")
     else:
         parts.append("all pages on the GPU (no transfers)" if resources.device == "cuda" else "no offload on a CPU")
+    if cfg.attention == "sparse" and cfg.offload and "sparse_query_block_pages" not in fixed:
+        parts.append(f"one sparse selection per chunk (sparse_query_block_pages={cfg.sparse_query_block_pages}): "
+                     "offloaded calls then stage at most one selection's pages, not every query block's")
     if "kv_grad_dtype" in fixed:
         parts.append(f"kv_grad_dtype={_dtype_name(cfg.grad_dtype)} as set")
     elif cfg.grad_dtype == torch.float32:
