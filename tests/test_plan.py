@@ -195,6 +195,18 @@ def test_cli_table(capsys):
     assert "fits at 131,072 tokens: dense, hf" in capsys.readouterr().out
 
 
+def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):
+    """`oomb plan --attention sparse` at 1M: what `oomb train` would run takes one selection per chunk
+    with offload, and keeps --query-block-pages when given."""
+    common = ["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139", "--host-gib", "125", "--lora",
+              "--attention", "sparse"]
+    cli.main(common)
+    assert "one sparse selection per 32 query blocks" in capsys.readouterr().out
+    cli.main([*common, "--query-block-pages", "1"])
+    out = capsys.readouterr().out
+    assert "oomb train would run" in out and "one sparse selection per" not in out
+
+
 def test_cli_json_and_model_directory(tmp_path, capsys):
     Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)

@@ -496,8 +496,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
     group.add_argument("--sink-pages", "--sparse-sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
     group.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="query_block_pages", type=int,
-                       default=sparse.query_block_pages,
-                       help="sparse: query blocks sharing one selection (fewer pages staged with offload)")
+                       help=f"sparse: query blocks sharing one selection (fewer pages staged with offload; table "
+                            f"default {sparse.query_block_pages}; unset, `oomb train` takes one per chunk with "
+                            "offload)")
     group.add_argument("--resident-layers", "--offload-resident-layers", dest="resident_layers", type=int,
                        help=f"offload: layers whose pages stay on the GPU (table default {offload.resident_layers})")
     group.add_argument("--stream-block-pages", type=int, default=offload.stream_block_pages)
@@ -508,19 +509,19 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
     given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
              "offload": args.offload, "offload_resident_layers": args.resident_layers,
-             "checkpoint_layers": args.checkpoint_layers}
+             "checkpoint_layers": args.checkpoint_layers, "sparse_query_block_pages": args.query_block_pages}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
                  loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
-                 sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages,
-                 sparse_query_block_pages=args.query_block_pages)
+                 sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages)
     fixed = fixed_from_options(fixed)
+    query_block_pages = args.query_block_pages or defaults.sparse_query_block_pages
     config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
                         kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
                         checkpoint_layers=args.checkpoint_layers is not False, loss_chunk_tokens=args.loss_chunk_tokens,
                         fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
-                        sparse_sink_pages=args.sink_pages, sparse_query_block_pages=args.query_block_pages)
+                        sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank, context_parallel=args.cp)
     modes = args.modes
@@ -531,7 +532,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         modes, fixed = [m for m in args.modes if m != "hf"], None
     offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
-                               query_block_pages=args.query_block_pages)
+                               query_block_pages=query_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
