@@ -297,6 +297,32 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
     assert all(pages.shape[0] == batch for pages in calls)
 
 
+@pytest.mark.parametrize("score", ["minmax", "rerank"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("staging", ["gather", "host tensors"])
+def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, offload_stores, monkeypatch):
+    """OOMB_OFFLOAD_HEAD_ROWS: one selection per chunk moves as (page, KV head) rows in both stages (virtual
+    pages; gradients written back per head, a page's other heads zeroed on its first write): the same
+    bits as without offload; early chunks, whose history is shorter than the selection, keep the union."""
+    import oomb.kv.head_rows as head_rows
+
+    if staging == "host tensors":  # a CPU device without mapped slabs reads the host tensors themselves
+        monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
+    monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
+    calls = []
+    stage = head_rows.HeadRowStaging._stage_head_rows
+    monkeypatch.setattr(head_rows.HeadRowStaging, "_stage_head_rows",
+                        lambda self, *args: calls.append(args[4]) or stage(self, *args))
+    model = build_tiny_model("qwen2", seed=4)
+    ids = random_ids(batch, 200, seed=3)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
+                           sparse_score=score, sparse_rerank_factor=2, offload_resident_layers=resident, **SPARSE)
+    _assert_offload_is_bitwise_the_same(model, ids, base)
+    assert True in calls and False in calls  # backward and forward calls staged by head rows
+    assert all(store.is_empty for store in offload_stores)
+
+
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
 def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, monkeypatch):
@@ -500,3 +526,29 @@ def test_a_selection_shared_by_every_block_stays_one_row_on_the_host():
     assert back.stride(2) == 0 and torch.equal(back, row.expand(2, 2, 2, 1))
     assert store._selected_columns(0, chunk, back) == ([0, 1], False)  # no documents: nothing unseen
     store.free_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["OOMB_OFFLOAD_HEAD_ROWS", "OOMB_STAGE1_IN_PLACE"])
+def test_gpu_sparse_offload_by_head_rows_or_in_place_equals_no_offload_bitwise(switch, offload_stores, monkeypatch):
+    """On the GPU (mapped slabs, side streams): one selection per chunk staged as (page, head) rows, or
+    stage 1 without the union's sync, gives the bits of the step without offload."""
+    import oomb.kv.head_rows as head_rows
+    import oomb.kv.sparse_staging as sparse_staging
+
+    module, flag = ((head_rows, "HEAD_ROWS") if switch == "OOMB_OFFLOAD_HEAD_ROWS"
+                    else (sparse_staging, "STAGE1_IN_PLACE"))
+    monkeypatch.setattr(module, flag, True)
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=3).to("cuda", torch.bfloat16)
+    sparse = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, sparse_query_block_pages=4,
+                             backend="triton", **SPARSE)
+    lengths = (1500, 2100)
+    want = _steps(model, sparse, lengths)
+    got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, HostSlabs())
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+    assert offload_stores and all(store.mapped_host is not None for store in offload_stores)

@@ -34,8 +34,10 @@
 #                    host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
 #                    (--no-recompute-logits: one LM-head forward less); HF: fast_step's, in the same call
-#   stage1_in_place  issue 23: the 1M sparse+offload step's profile (2 layers) with stage 1's sync-free staging of one
-#                    selection per chunk off and on (OOMB_STAGE1_IN_PLACE, kv/sparse_staging.py): host gaps vs bytes
+#   offload_staging  issue 23: the GPU tests of the two sparse offload staging switches, then the 1M sparse+offload
+#                    step's profile (2 layers) with the union (default), stage 1 without a sync (OOMB_STAGE1_IN_PLACE,
+#                    kv/sparse_staging.py) and (page, head) rows (OOMB_OFFLOAD_HEAD_ROWS, kv/head_rows.py): host gaps,
+#                    copies and step time
 #   resident_1m      issue 23: the 1M sparse+offload step with the plan `oomb train`'s chooser makes for it (`oomb plan
 #                    --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125 --optimizer none
 #                    --no-fp32-grad-accumulation --attention sparse --query-block-pages 32 --kv-grad-dtype bf16`:
@@ -64,7 +66,7 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (2026-12-03, ~8-9 min each): sparse_gpu_tests fast_step defaults_gather loss_kept (issue 18: the
 # per-block path after its sync-free groups, in-order layout and in-place dK/dV adds); page64_per_block (18);
-# stage1_in_place, resident_1m (issue 23); train_128k then train_512k_bg + train_check (issue 19); dense_warm (issues 19/23).
+# offload_staging, resident_1m (issue 23); train_128k then train_512k_bg + train_check (issue 19); dense_warm (issues 19/23).
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
 ROOT=$PWD
@@ -139,12 +141,15 @@ for part in "$@"; do
       run 200 loss_kept python -m oomb bench --modes sparse --backend cudnn --kv-grad-dtype bf16 \
           --no-checkpoint-layers --no-recompute-logits --contexts 128K --query-block-pages 32 --sparse-budget 32 \
           --out-dir "$OUT" --name sparse_fast_kept_logits_128k ;;
-    stage1_in_place)
-      for on in 0 1; do
-        (export OOMB_STAGE1_IN_PLACE=$on
-         run 280 "stage1_in_place_$on" python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
+    offload_staging)
+      run 150 offload_staging_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
+          -k "gpu_sparse_offload_by"
+      for switch in none OOMB_STAGE1_IN_PLACE OOMB_OFFLOAD_HEAD_ROWS; do
+        (export OOMB_STAGE1_IN_PLACE=0 OOMB_OFFLOAD_HEAD_ROWS=0
+         [ "$switch" != none ] && export "$switch=1"
+         run 200 "staging_$switch" python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
              --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
-             --name "profile_sparse_offload_1m_2layers_in_place_$on")
+             --name "profile_sparse_offload_1m_2layers_$switch")
       done ;;
     resident_1m)
       run 560 resident_1m python -m oomb bench --modes sparse+offload --contexts 1M --resident-layers 18 \

@@ -86,8 +86,9 @@ def _attention_forward(q: torch.Tensor, call: PagedAttentionCall) -> tuple[torch
     context = call.store.context
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=False) as view:
+            selection = call.selection if view.selection is None else view.selection
             out, lse = call.backend.sparse_forward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                                   call.selection, **call.sparse_kwargs())
+                                                   selection, **call.sparse_kwargs())
         if context is None:
             return out, lse
         out, lse = context.merge(q, out, lse)  # context parallel: every rank's share of the selected keys
@@ -110,9 +111,9 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     """dQ; dK, dV of every page read are added into the page gradients (of the tier holding them)."""
     if call.selection is not None:
         with call.store.selected_pages(call.layer, call.chunk, call.selection, grads=True) as view:
+            selection = call.selection if view.selection is None else view.selection
             dq = call.backend.sparse_backward(q, view.k, view.v, view.page_table, call.chunk.start, call.scale,
-                                              call.selection, out, dout, lse, view.dk, view.dv,
-                                              **call.sparse_kwargs())
+                                              selection, out, dout, lse, view.dk, view.dv, **call.sparse_kwargs())
         if call.store.context is not None:  # context parallel: the float32 dQ shares of every rank
             dq = call.store.context.sum(dq).to(q.dtype)
         return dq

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.reference_sparse import shared_by_all_blocks
+from .head_rows import HeadRowStaging
 from .host_slabs import _load_grads
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, WindowView
@@ -49,12 +50,12 @@ __all__ = ["SparseStaging"]
 
 STAGE1_IN_PLACE = os.environ.get("OOMB_STAGE1_IN_PLACE", "0") == "1"
 """Stage 1 stages one selection per chunk without a device sync (module docstring); off by default
-until the 1M step measures it (benchmarks/gpu/open_issues.sh stage1_in_place)."""
+until the 1M step measures it (benchmarks/gpu/open_issues.sh offload_staging)."""
 
 
-class SparseStaging:
+class SparseStaging(HeadRowStaging):
     """The sparse-mode methods of ``OffloadedKVStore`` (module docstring); the dense streaming and the
-    page bookkeeping stay in kv/offload.py."""
+    page bookkeeping stay in kv/offload.py, staging by (page, head) rows in kv/head_rows.py."""
 
     # --- stage 1's selections wait in host memory -------------------------------------------------
     def save_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor | None) -> None:
@@ -125,7 +126,8 @@ class SparseStaging:
         if staged.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(staged.ready)
         pages = staged.pages
-        yield WindowView((0, chunk.end), pages["k"], pages["v"], staged.table, pages.get("dk"), pages.get("dv"))
+        yield WindowView((0, chunk.end), pages["k"], pages["v"], staged.table, pages.get("dk"), pages.get("dv"),
+                         selection=staged.selection)
         if grads:
             self._finish_selected_backward(index, chunk, staged)
         self._prefetch(self._next_call(layer, chunk, grads, stage_one=staged.stage_one))
@@ -184,6 +186,8 @@ class SparseStaging:
         adds its zero gradients there (the result is bit-identical to reading the real pages).
         Context parallel: only this rank's selected pages and, on its owner, the chunk's own move; the
         selected pages of other ranks point at the zero page too (the backend reads none of them)."""
+        if self._stages_head_rows(chunk, selection):
+            return self._stage_head_rows(index, layer, chunk, selection, grads)
         if not grads and (layer, chunk.index) in self._fresh_kv:
             in_place = self._in_place_pages(selection)
             if in_place is not None:  # stage 1, one selection for the chunk: no device sync
@@ -344,6 +348,9 @@ class SparseStaging:
             own_rows = (torch.arange(B)[:, None] * n + torch.arange(n - (last - first), n)[None, :]).flatten()
             own_rows = own_rows.to(self.device, non_blocking=True)
             self._own_grads[index] = (pages["dk"].index_select(0, own_rows), pages["dv"].index_select(0, own_rows))
+        if staged.head_rows is not None:
+            self._finish_head_rows_backward(index, staged)
+            return
         with self._on_copy_stream(after_compute=True):
             if self.mapped_host is not None and history:
                 target = self._rows(self.host_pages, self._host_positions(history))
@@ -377,6 +384,8 @@ class _StagedSelection:
     ready: torch.cuda.Event | None  # the copy stream has filled them
     stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
     own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
+    selection: torch.Tensor | None = None  # staged as (page, head) rows: the virtual selection the backend reads
+    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, staged rows) of (page, head) rows
 
 
 def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:

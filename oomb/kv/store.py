@@ -110,6 +110,9 @@ class WindowView:
     page_table: torch.Tensor
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
+    selection: torch.Tensor | None = None
+    """Sparse: the selection to read these pools with, where staging laid the pages out by (page, head)
+    rows (kv/head_rows.py); None: the call's own."""
 
 
 def attention_windows(

@@ -1,0 +1,156 @@
+"""Sparse offload by (page, KV head) rows: each head's selected pages move, not every head of their union.
+
+A sparse call's selection names pages per KV head, but kv/sparse_staging.py stages the union of every
+head's pages with all their heads (a page's K is Hkv x P x D): when the heads choose different pages,
+a call moves up to Hkv times the bytes its attention reads, and finding the union reads the selection
+on the host (in stage 1 a device sync per layer and chunk). With one selection per chunk (stride 0
+over the blocks, oomb/sparse.py) a call can instead stage *virtual pages*: staged row j of a sequence
+holds, for every head h, head h's j-th selected page, gathered as (page, head) rows of P x D values by
+one index kernel per kind. The backend is handed the virtual selection (row j for every head; its order
+is the selection's, so every sum runs in the same order and the result is bit-identical) and a page
+table that maps virtual position j to row j and the chunk's own positions to the rows after them.
+
+Gradients go back the same way, one (page, head) row each. The host's per-position flag ``grad_on_host``
+says a page's gradients were written this step; a head row alone would leave the page's other heads
+unwritten, so the first write-back of a position zeroes all its heads first. Positions below the number
+of selected pages would collide with virtual positions: such early chunks keep the union.
+
+``OOMB_OFFLOAD_HEAD_ROWS=1`` switches it on (off until the 1M step measures it on the H200:
+benchmarks/gpu/open_issues.sh offload_staging). Context parallelism and packed documents keep the
+union (their selections point at pages of other ranks or documents).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..attention.reference_sparse import shared_by_all_blocks
+from .mapped import index_tensor, rows_of
+from .store import ChunkSpan
+
+HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "0") == "1"
+"""Stage one selection per chunk as (page, KV head) rows (module docstring); off by default."""
+
+
+class HeadRowStaging:
+    """Methods of ``OffloadedKVStore`` (through kv/sparse_staging.py's ``SparseStaging``) that stage a
+    call's selection as (page, head) rows; they read the store's host tensors and bookkeeping."""
+
+    def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor) -> bool:
+        """Whether this call's selection (host or device) can move as (page, head) rows."""
+        if not HEAD_ROWS or not shared_by_all_blocks(selection):
+            return False
+        if self.context is not None or self.document_starts is not None:
+            return False
+        if self.mapped_host is None and self.device.type == "cuda":
+            return False  # copies run by run: the union path
+        first, _ = self._page_range(chunk)
+        return 0 < selection.shape[3] <= first
+
+    def _head_rows_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, P, D) pages as n * Hkv rows of P x D values."""
+        return rows_of(pages.reshape(-1, *pages.shape[-2:]))
+
+    def _host_head_rows(self, kind: str, index: int) -> torch.Tensor:
+        """Offloaded global layer ``index``'s host pages as (sequence, position, head) rows, as kernels on
+        the device read them: mapped, or the host tensor itself on a CPU device."""
+        host = self._mapped_layer(kind, index) if self.mapped_host is not None else self._host_layer(kind, index)
+        return self._head_rows_of(host.flatten(0, 1))
+
+    def _stage_head_rows(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
+        """Start moving a call's (page, head) rows and the chunk's own pages to the GPU; returns the
+        staged selection with its virtual selection and page table (module docstring)."""
+        from .sparse_staging import _StagedSelection
+
+        first, last = self._page_range(chunk)
+        B, Hkv, n_blocks, K = selection.shape
+        own, dev = last - first, self.device
+        n = K + own
+        if not bool(self.kv_on_host[index, :first].all()):
+            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
+        positions = selection[:, :, 0].to(dev, non_blocking=True).long()  # (B, Hkv, K); a host copy is pinned
+        b = torch.arange(B, device=dev)[:, None, None]
+        h = torch.arange(Hkv, device=dev)[None, :, None]
+        source = ((b * self.host_pages + positions) * Hkv + h).reshape(-1)  # host (sequence, position, head) rows
+        target = ((b * n + torch.arange(K, device=dev)) * Hkv + h).reshape(-1)  # staged (row, head) rows
+        rows = torch.arange(B, device=dev)[:, None] * n + torch.arange(n, device=dev)[None, :]
+        table = torch.zeros((B, last), dtype=torch.int32, device=dev)
+        table[:, :K] = rows[:, :K].to(torch.int32)
+        table[:, first:last] = rows[:, K:].to(torch.int32)
+        virtual = torch.arange(K, dtype=torch.int32, device=dev).expand(B, Hkv, n_blocks, K)  # stride 0 over blocks
+        own_source = self._rows(self.host_pages, range(first, last))  # the chunk's pages, every head
+        own_target = (torch.arange(B, device=dev)[:, None] * n + torch.arange(K, n, device=dev)[None, :]).reshape(-1)
+        stage_one = not grads and (layer, chunk.index) in self._fresh_kv
+        fresh = self._fresh_kv.pop((layer, chunk.index)) if stage_one else None
+        kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
+        staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype, device=dev)
+                  for kind in kinds}
+        history, stale_history, stale_own = [], None, None
+        if grads:  # which gradients were written back this step: read from the selection's host copy
+            host_positions = self._host_selection(layer, chunk, selection)  # (B, Hkv, K) int64
+            history = torch.unique(host_positions).tolist()
+            on_host = self.grad_on_host[index]
+            j = torch.arange(K)
+            stale = ((torch.arange(B)[:, None, None] * n + j) * Hkv + torch.arange(Hkv)[None, :, None])[
+                ~on_host[host_positions]]
+            stale_history = index_tensor(stale.tolist(), dev) if stale.numel() else None
+            own_off = ~on_host[first:last]
+            stale_own = (torch.arange(B)[:, None] * n + K + torch.nonzero(own_off).flatten()[None, :]).flatten()
+            stale_own = index_tensor(stale_own.tolist(), dev) if stale_own.numel() else None
+        with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
+            for kind, pages in staged.items():
+                if kind in ("dk", "dv") and not bool(self.grad_on_host[index].any()):
+                    pages.zero_()  # accumulation begins here: nothing to read
+                    continue
+                head_rows = self._host_head_rows(kind, index).index_select(0, source)
+                self._head_rows_of(pages).index_copy_(0, target, head_rows)
+                if fresh is not None:
+                    pages.view(B, n, *pages.shape[1:])[:, K:].copy_(fresh[kind == "v"].view(B, own, *pages.shape[1:]))
+                else:
+                    host = rows_of(self._host_layer_rows(kind, index))
+                    rows_of(pages).index_copy_(0, own_target, host.index_select(0, own_source))
+                if kind in ("dk", "dv"):
+                    if stale_history is not None:
+                        self._head_rows_of(pages).index_fill_(0, stale_history, 0)
+                    if stale_own is not None:
+                        rows_of(pages).index_fill_(0, stale_own, 0)
+            ready = torch.cuda.Event() if self.copy_stream is not None else None
+            if ready is not None:
+                ready.record(self.copy_stream)
+        self._keep_alive(source, target, own_source, own_target, *staged.values())
+        self.staged_history_pages += K
+        return _StagedSelection(staged, table, history, None, n, ready, stage_one=stage_one, selection=virtual,
+                                head_rows=(source, target))
+
+    def _host_layer_rows(self, kind: str, index: int) -> torch.Tensor:
+        """Offloaded global layer ``index``'s host pages as (sequence, position) rows of every head."""
+        host = self._mapped_layer(kind, index) if self.mapped_host is not None else self._host_layer(kind, index)
+        return host.flatten(0, 1)
+
+    def _host_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, K) int64 positions of the call's selection on the host: its copy kept since stage 1
+        (complete by stage 2: no device sync), else read from ``selection``."""
+        host = self._selections.get((chunk.index, layer))
+        if host is None or host.device.type != "cpu" or host.shape != selection.shape:
+            host = selection.cpu()
+        else:
+            copied = self._selection_copied.get((chunk.index, layer))
+            if copied is not None:
+                copied.synchronize()
+        return host[:, :, 0].long()
+
+    def _finish_head_rows_backward(self, index: int, staged) -> None:
+        """Send the (page, head) rows' gradients back; a position written back for the first time this
+        step has its other heads zeroed first (its flag covers every head)."""
+        source, target = staged.head_rows
+        new = [p for p in staged.history if not bool(self.grad_on_host[index, p])]
+        with self._on_copy_stream(after_compute=True):
+            for kind in ("dk", "dv"):
+                if new:
+                    rows_of(self._host_layer_rows(kind, index)).index_fill_(
+                        0, self._rows(self.host_pages, new), 0)
+                self._host_head_rows(kind, index).index_copy_(
+                    0, source, self._head_rows_of(staged.pages[kind]).index_select(0, target))
+        self.grad_on_host[index, staged.history] = True
