@@ -15,6 +15,10 @@ says a page's gradients were written this step; a head row alone would leave the
 unwritten, so the first write-back of a position zeroes all its heads first. Positions below the number
 of selected pages would collide with virtual positions: such early chunks keep the union.
 
+Rerank's candidate keys (stage 1, kv/sparse_staging.py ``scoring_keys``) keep their page layout, since
+the score writes to the candidates' own positions; with the switch on they move without the union's
+sync (the in-place path, duplicates across heads included).
+
 ``OOMB_OFFLOAD_HEAD_ROWS=1`` switches it on (off until the 1M step measures it on the H200:
 benchmarks/gpu/open_issues.sh offload_staging). Context parallelism and packed documents keep the
 union (their selections point at pages of other ranks or documents).

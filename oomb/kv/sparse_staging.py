@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.reference_sparse import shared_by_all_blocks
+from . import head_rows
 from .head_rows import HeadRowStaging
 from .host_slabs import _load_grads
 from .mapped import index_tensor, rows_of
@@ -242,8 +243,8 @@ class SparseStaging(HeadRowStaging):
         n_blocks, K) that one group shares over the chunk's blocks, when stage 1 can stage them without
         reading them on the host (module docstring); else None. Needs kernels that gather from host
         memory (mapped slabs, or a CPU device) and neither context parallelism nor packed documents."""
-        if not STAGE1_IN_PLACE or not shared_by_all_blocks(pages):
-            return None
+        if not (STAGE1_IN_PLACE or head_rows.HEAD_ROWS) or not shared_by_all_blocks(pages):
+            return None  # (page, head) rows stage 1 too: rerank's candidate keys then move this way
         if self.context is not None or self.document_starts is not None:
             return None
         if self.mapped_host is None and self.device.type == "cuda":
