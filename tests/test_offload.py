@@ -271,6 +271,13 @@ def _assert_offload_is_bitwise_the_same(model, ids, base: oomb.OOMBConfig) -> No
     assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
 
 
+def _record_calls(monkeypatch, cls, method: str, arg: int) -> list:
+    """Wrap ``cls.method``: the list of its ``arg``-th positional argument (after self) per call."""
+    calls, original = [], getattr(cls, method)
+    monkeypatch.setattr(cls, method, lambda self, *args: calls.append(args[arg]) or original(self, *args))
+    return calls
+
+
 @pytest.mark.parametrize("score", ["minmax", "rerank"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
@@ -283,10 +290,7 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", True)
-    calls = []
-    in_place = staging_module.SparseStaging._stage_in_place
-    monkeypatch.setattr(staging_module.SparseStaging, "_stage_in_place",
-                        lambda self, *args: calls.append(args[3]) or in_place(self, *args))
+    calls = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)  # the pages
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
@@ -310,10 +314,7 @@ def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, o
     if staging == "host tensors":  # a CPU device without mapped slabs reads the host tensors themselves
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
-    calls = []
-    stage = head_rows.HeadRowStaging._stage_head_rows
-    monkeypatch.setattr(head_rows.HeadRowStaging, "_stage_head_rows",
-                        lambda self, *args: calls.append(args[4]) or stage(self, *args))
+    calls = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)  # grads
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 200, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
