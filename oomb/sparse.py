@@ -347,7 +347,7 @@ def propose_candidates(
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
-    context: ContextShard | None = None, previous: torch.Tensor | None = None,
+    context: ContextShard | None = None, previous: torch.Tensor | None = None, key_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
     the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
@@ -367,6 +367,9 @@ def rerank_block_scores(
             owner); each rank scores its own candidates with every rank's normaliser (a log-sum-exp
             gathered per tile), and every rank ends with the same scores. Runs the torch code: the
             kernel normalises over the keys it reads.
+        key_pages: where ``candidates``' keys sit in ``page_table`` when not at their own positions
+            (offload staged by (page, head) rows, kv/head_rows.py); the scores still go to the candidates.
+            Not leak-free (that masks the last history page by its position).
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores.
     """
@@ -381,14 +384,17 @@ def rerank_block_scores(
         kernel = q.is_cuda and P % 16 == 0 and context is None
     if kernel and context is not None:
         raise ValueError("the rerank kernel normalises over the keys one process holds: context parallel runs torch")
+    if key_pages is not None and options.leak_free:
+        raise ValueError("leak-free rerank masks the last history page by its position: key_pages must be None")
+    keys_at = candidates if key_pages is None else key_pages
     if kernel:
         from .attention.triton_scores import exact_page_scores
 
-        listed = candidates.to(torch.int32).contiguous()
+        listed = keys_at.to(torch.int32).contiguous()
         scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed,
                                    leak_free=options.leak_free, previous=previous)
-        return _share_over_heads(out.scatter_(3, listed.long(), scores), options)
-    ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, candidates.long())
+        return _share_over_heads(out.scatter_(3, candidates.long(), scores), options)
+    ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, keys_at.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
     held = None if context is None else context.owned_positions(candidates, P)  # (B, Hkv, n_blocks, M)
     own = None
@@ -507,7 +513,7 @@ def select_pages(
         # pooling), its normaliser gathered over the ranks that hold the pages.
         B, Hkv, n_blocks = q.shape[0], store.num_kv_heads, -(-chunk.length // P)
         every = torch.arange(n_hist, device=q.device).expand(B, Hkv, n_blocks, n_hist)
-        with store.scoring_keys(layer, chunk, every) as (k_pool, table):
+        with store.scoring_keys(layer, chunk, every) as (k_pool, table, _):
             scores = rerank_block_scores(q, k_pool, table, chunk, every, options, scale, context=store.context)
     elif options.score == "exact":
         scores = exact_block_scores(q, store, layer, chunk, options, scale)
@@ -516,9 +522,10 @@ def select_pages(
         # offload, stage 1 then moves at most one candidate set per group and KV head.
         candidates = propose_candidates(q, store.history_summaries(layer, n_hist), P, options, layer, scale,
                                         first_pages, previous)
-        with store.scoring_keys(layer, chunk, candidates) as (k_pool, table):
+        # Leak-free scoring masks the last history page by its position: the candidates keep their own.
+        with store.scoring_keys(layer, chunk, candidates, by_head=not options.leak_free) as (k_pool, table, keys_at):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context,
-                                         previous=previous)
+                                         previous=previous, key_pages=keys_at)
     elif options.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)

@@ -307,20 +307,23 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
 @pytest.mark.parametrize("staging", ["gather", "host tensors"])
 def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, offload_stores, monkeypatch):
     """OOMB_OFFLOAD_HEAD_ROWS: one selection per chunk moves as (page, KV head) rows in both stages (virtual
-    pages; gradients written back per head, a page's other heads zeroed on its first write): the same
-    bits as without offload; early chunks, whose history is shorter than the selection, keep the union."""
+    pages; gradients written back per head, a page's other heads zeroed on its first write), and so do
+    rerank's candidate keys: the same bits as without offload; early chunks, whose history is shorter
+    than the selection, keep the union."""
     import oomb.kv.head_rows as head_rows
 
     if staging == "host tensors":  # a CPU device without mapped slabs reads the host tensors themselves
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
     calls = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)  # grads
+    scored = _record_calls(monkeypatch, head_rows.HeadRowStaging, "scoring_head_rows", 3)  # candidates
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 200, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
                            sparse_score=score, sparse_rerank_factor=2, offload_resident_layers=resident, **SPARSE)
     _assert_offload_is_bitwise_the_same(model, ids, base)
     assert True in calls and False in calls  # backward and forward calls staged by head rows
+    assert bool(scored) == (score == "rerank")  # rerank's candidate keys too
     assert all(store.is_empty for store in offload_stores)
 
 

@@ -15,9 +15,10 @@ says a page's gradients were written this step; a head row alone would leave the
 unwritten, so the first write-back of a position zeroes all its heads first. Positions below the number
 of selected pages would collide with virtual positions: such early chunks keep the union.
 
-Rerank's candidate keys (stage 1, kv/sparse_staging.py ``scoring_keys``) keep their page layout, since
-the score writes to the candidates' own positions; with the switch on they move without the union's
-sync (the in-place path, duplicates across heads included).
+Rerank's candidate keys (stage 1, ``scoring_head_rows``) move the same way: the score reads them at
+virtual positions and writes each score to its candidate's own (oomb/sparse.py ``key_pages``). Leak-free
+scoring masks the last history page by its position, so its candidates keep their page layout (moved
+without the union's sync by kv/sparse_staging.py's in-place path).
 
 ``OOMB_OFFLOAD_HEAD_ROWS=1`` switches it on (off until the 1M step measures it on the H200:
 benchmarks/gpu/open_issues.sh offload_staging). Context parallelism and packed documents keep the
@@ -27,6 +28,8 @@ union (their selections point at pages of other ranks or documents).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +39,18 @@ from .store import ChunkSpan
 
 HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "0") == "1"
 """Stage one selection per chunk as (page, KV head) rows (module docstring); off by default."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A call's (page, head) rows: ``n`` staged rows per sequence (the virtual pages, then the chunk's)."""
+
+    n: int
+    table: torch.Tensor  # (B, chunk's last page) int32: virtual positions, then the chunk's own
+    source: torch.Tensor  # host (sequence, position, head) rows of the virtual pages
+    target: torch.Tensor  # their staged (row, head) rows
+    virtual: torch.Tensor  # (B, Hkv, n_blocks, K) int32 selection of the virtual pages, stride 0 over blocks
+    own_target: torch.Tensor  # staged rows of the chunk's own pages (every head)
 
 
 class HeadRowStaging:
@@ -63,6 +78,47 @@ class HeadRowStaging:
         host = self._mapped_layer(kind, index) if self.mapped_host is not None else self._host_layer(kind, index)
         return self._head_rows_of(host.flatten(0, 1))
 
+    def _head_row_layout(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor) -> _Layout:
+        """Where a call's (page, head) rows come from and go, its page table and virtual selection."""
+        first, last = self._page_range(chunk)
+        B, Hkv, n_blocks, K = pages.shape
+        n, dev = K + last - first, self.device
+        if not bool(self.kv_on_host[index, :first].all()):
+            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
+        positions = pages[:, :, 0].to(dev, non_blocking=True).long()  # (B, Hkv, K); a host copy is pinned
+        b = torch.arange(B, device=dev)[:, None, None]
+        h = torch.arange(Hkv, device=dev)[None, :, None]
+        rows = torch.arange(B, device=dev)[:, None] * n + torch.arange(n, device=dev)[None, :]
+        table = torch.zeros((B, last), dtype=torch.int32, device=dev)
+        table[:, :K] = rows[:, :K].to(torch.int32)
+        table[:, first:last] = rows[:, K:].to(torch.int32)
+        return _Layout(
+            n=n, table=table,
+            source=((b * self.host_pages + positions) * Hkv + h).reshape(-1),  # host (sequence, position, head)
+            target=((b * n + torch.arange(K, device=dev)) * Hkv + h).reshape(-1),  # staged (row, head)
+            virtual=torch.arange(K, dtype=torch.int32, device=dev).expand(B, Hkv, n_blocks, K),  # stride 0
+            own_target=rows[:, K:].reshape(-1))
+
+    @contextmanager
+    def scoring_head_rows(self, index: int, layer: int, chunk: ChunkSpan, candidates: torch.Tensor):
+        """Stage 1's candidate keys as (page, head) rows, then the chunk's own keys (still on the GPU):
+        (keys, page table, virtual candidates) for oomb/sparse.py's rerank score."""
+        layout = self._head_row_layout(index, layer, chunk, candidates)
+        B, n = self.batch_size, layout.n
+        own_keys = self._fresh_kv[layer, chunk.index][0]
+        keys = torch.empty((B * n, *self.host["k"].shape[3:]), dtype=self.host["k"].dtype, device=self.device)
+        with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
+            self._head_rows_of(keys).index_copy_(
+                0, layout.target, self._host_head_rows("k", index).index_select(0, layout.source))
+            keys.index_copy_(0, layout.own_target, own_keys)
+            ready = torch.cuda.Event() if self.copy_stream is not None else None
+            if ready is not None:
+                ready.record(self.copy_stream)
+        self._keep_alive(layout.source, layout.target, layout.own_target, keys)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        yield keys, layout.table, layout.virtual
+
     def _stage_head_rows(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
         """Start moving a call's (page, head) rows and the chunk's own pages to the GPU; returns the
         staged selection with its virtual selection and page table (module docstring)."""
@@ -71,21 +127,10 @@ class HeadRowStaging:
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = selection.shape
         own, dev = last - first, self.device
-        n = K + own
-        if not bool(self.kv_on_host[index, :first].all()):
-            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
-        positions = selection[:, :, 0].to(dev, non_blocking=True).long()  # (B, Hkv, K); a host copy is pinned
-        b = torch.arange(B, device=dev)[:, None, None]
-        h = torch.arange(Hkv, device=dev)[None, :, None]
-        source = ((b * self.host_pages + positions) * Hkv + h).reshape(-1)  # host (sequence, position, head) rows
-        target = ((b * n + torch.arange(K, device=dev)) * Hkv + h).reshape(-1)  # staged (row, head) rows
-        rows = torch.arange(B, device=dev)[:, None] * n + torch.arange(n, device=dev)[None, :]
-        table = torch.zeros((B, last), dtype=torch.int32, device=dev)
-        table[:, :K] = rows[:, :K].to(torch.int32)
-        table[:, first:last] = rows[:, K:].to(torch.int32)
-        virtual = torch.arange(K, dtype=torch.int32, device=dev).expand(B, Hkv, n_blocks, K)  # stride 0 over blocks
+        layout = self._head_row_layout(index, layer, chunk, selection)
+        n, table, source, target, virtual = layout.n, layout.table, layout.source, layout.target, layout.virtual
         own_source = self._rows(self.host_pages, range(first, last))  # the chunk's pages, every head
-        own_target = (torch.arange(B, device=dev)[:, None] * n + torch.arange(K, n, device=dev)[None, :]).reshape(-1)
+        own_target = layout.own_target
         stage_one = not grads and (layer, chunk.index) in self._fresh_kv
         fresh = self._fresh_kv.pop((layer, chunk.index)) if stage_one else None
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")

@@ -134,25 +134,31 @@ class SparseStaging(HeadRowStaging):
         self._prefetch(self._next_call(layer, chunk, grads, stage_one=staged.stage_one))
 
     @contextmanager
-    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor
-                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor, by_head: bool = False
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Stage 1 of an offloaded layer: only keys move, those of the distinct pages in ``history``
         (from the host, as selected pages move) and the chunk's own (still on the GPU), with a page
-        table of the staged layout. One device sync, to read the positions. Context parallel: only the
-        pages this rank holds (the others' positions point at row 0; the score masks them)."""
+        table of the staged layout. One device sync, to read the positions, unless the in-place path
+        or, with ``by_head``, (page, head) rows take them (kv/head_rows.py: then the third item is the
+        virtual positions to read ``history``'s keys at). Context parallel: only the pages this rank
+        holds (the others' positions point at row 0; the score masks them)."""
         index = self._offloaded(layer)
         if index is None:
-            with super().scoring_keys(layer, chunk, history) as keys:
+            with super().scoring_keys(layer, chunk, history, by_head) as keys:
                 yield keys
             return
         if (layer, chunk.index) not in self._fresh_kv:
             raise RuntimeError(f"scoring keys of offloaded layer {layer} are staged in stage 1, after its write")
         fresh = self._fresh_kv[layer, chunk.index]  # None: another context-parallel rank holds the chunk
         first, last = self._page_range(chunk)
+        if by_head and self._stages_head_rows(chunk, history):
+            with self.scoring_head_rows(index, layer, chunk, history) as keys:
+                yield keys
+            return
         in_place = self._in_place_pages(history)
         if in_place is not None:
             staged = self._stage_in_place(index, layer, chunk, in_place, ("k",), fresh[:1])
-            yield staged.pages["k"], staged.table
+            yield staged.pages["k"], staged.table, None
             return
         positions = [p for p in torch.unique(history.cpu()).tolist() if self._holds(p)]
         columns = positions + (list(range(first, last)) if fresh is not None else [])
@@ -176,7 +182,7 @@ class SparseStaging(HeadRowStaging):
         if fresh is not None:
             for b in range(B):
                 keys[b * n + len(positions):(b + 1) * n].copy_(fresh[0][b * own:(b + 1) * own])
-        yield keys, table
+        yield keys, table, None
 
     def _stage_selection(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor,
                          grads: bool) -> _StagedSelection:

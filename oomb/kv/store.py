@@ -437,12 +437,15 @@ class PagedKVStore:
         return {name: summary[rows] for name, summary in self._layer_summaries(layer).items()}
 
     @contextmanager
-    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor
-                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(k_pool, page_table) holding the keys of the history pages at the page-table positions in
-        ``history`` (any shape) and of the chunk's own pages, as stage 1 wrote them: what an exact page
-        score over candidate pages reads (oomb/sparse.py). Here: the layer's pool and table."""
-        yield self.layers[layer].k, self.page_table
+    def scoring_keys(self, layer: int, chunk: ChunkSpan, history: torch.Tensor, by_head: bool = False
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(k_pool, page_table, key positions) holding the keys of the history pages at the page-table
+        positions in ``history`` (a (B, Hkv, n_blocks, M) selection) and of the chunk's own pages, as
+        stage 1 wrote them: what an exact page score over candidate pages reads (oomb/sparse.py). Key
+        positions: None (read ``history``'s keys at its own positions), or, where ``by_head`` let the
+        offloaded store stage each head's pages as rows of their own (kv/head_rows.py), the positions
+        to read them at. Here: the layer's pool and table."""
+        yield self.layers[layer].k, self.page_table, None
 
     @contextmanager
     def selected_pages(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
