@@ -308,8 +308,7 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
 def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, offload_stores, monkeypatch):
     """OOMB_OFFLOAD_HEAD_ROWS: one selection per chunk moves as (page, KV head) rows in both stages (virtual
     pages; gradients written back per head, a page's other heads zeroed on its first write), and so do
-    rerank's candidate keys: the same bits as without offload; early chunks, whose history is shorter
-    than the selection, keep the union."""
+    rerank's candidate keys: the same bits as without offload."""
     import oomb.kv.head_rows as head_rows
 
     if staging == "host tensors":  # a CPU device without mapped slabs reads the host tensors themselves

@@ -12,8 +12,9 @@ table that maps virtual position j to row j and the chunk's own positions to the
 
 Gradients go back the same way, one (page, head) row each. The host's per-position flag ``grad_on_host``
 says a page's gradients were written this step; a head row alone would leave the page's other heads
-unwritten, so the first write-back of a position zeroes all its heads first. Positions below the number
-of selected pages would collide with virtual positions: such early chunks keep the union.
+unwritten, so the first write-back of a position zeroes all its heads first. Virtual positions stay
+below the chunk's first page: a selection is never longer than the history (one that would cover it
+is the dense path), which ``_stages_head_rows`` checks all the same.
 
 Rerank's candidate keys (stage 1, ``scoring_head_rows``) move the same way: the score reads them at
 virtual positions and writes each score to its candidate's own (oomb/sparse.py ``key_pages``). Leak-free
@@ -83,7 +84,7 @@ class HeadRowStaging:
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = pages.shape
         n, dev = K + last - first, self.device
-        if not bool(self.kv_on_host[index, :first].all()):
+        if not bool(self.kv_on_host[index, :first].all()):  # (the chunk's own: checked where read from the host)
             raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
         positions = pages[:, :, 0].to(dev, non_blocking=True).long()  # (B, Hkv, K); a host copy is pinned
         b = torch.arange(B, device=dev)[:, None, None]
@@ -136,7 +137,9 @@ class HeadRowStaging:
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
         staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype, device=dev)
                   for kind in kinds}
-        history, stale_history, stale_own = [], None, None
+        if fresh is None and not bool(self.kv_on_host[index, first:last].all()):
+            raise RuntimeError(f"pages of offloaded layer {layer} were read before they were written")
+        history, stale_rows = [], ([], [])
         if grads:  # which gradients were written back this step: read from the selection's host copy
             host_positions = self._host_selection(layer, chunk, selection)  # (B, Hkv, K) int64
             history = torch.unique(host_positions).tolist()
@@ -144,11 +147,12 @@ class HeadRowStaging:
             j = torch.arange(K)
             stale = ((torch.arange(B)[:, None, None] * n + j) * Hkv + torch.arange(Hkv)[None, :, None])[
                 ~on_host[host_positions]]
-            stale_history = index_tensor(stale.tolist(), dev) if stale.numel() else None
-            own_off = ~on_host[first:last]
-            stale_own = (torch.arange(B)[:, None] * n + K + torch.nonzero(own_off).flatten()[None, :]).flatten()
-            stale_own = index_tensor(stale_own.tolist(), dev) if stale_own.numel() else None
+            own_off = torch.nonzero(~on_host[first:last]).flatten()
+            stale_rows = (stale.tolist(), (torch.arange(B)[:, None] * n + K + own_off[None, :]).flatten().tolist())
         with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
+            # Made on the copy stream, which reads them (made on the compute stream, the allocator could
+            # hand their memory to a later kernel before the copies run).
+            stale_history, stale_own = (index_tensor(rows, dev) if rows else None for rows in stale_rows)
             for kind, pages in staged.items():
                 if kind in ("dk", "dv") and not bool(self.grad_on_host[index].any()):
                     pages.zero_()  # accumulation begins here: nothing to read
