@@ -73,11 +73,17 @@ class HeadRowStaging:
         """(n, Hkv, P, D) pages as n * Hkv rows of P x D values."""
         return rows_of(pages.reshape(-1, *pages.shape[-2:]))
 
+    def _host_layer_rows(self, kind: str, index: int) -> torch.Tensor:
+        """Offloaded global layer ``index``'s host pages, (sequence x position, Hkv, P, D), as kernels on the
+        device read them: mapped into its address space, or the host tensor itself on a CPU device."""
+        if self.mapped_host is not None:
+            return self._mapped_layer(kind, index).flatten(0, 1)
+        assert self.device.type == "cpu", "without mapped slabs a CUDA device gathers run by run"
+        return self._host_layer(kind, index).flatten(0, 1)
+
     def _host_head_rows(self, kind: str, index: int) -> torch.Tensor:
-        """Offloaded global layer ``index``'s host pages as (sequence, position, head) rows, as kernels on
-        the device read them: mapped, or the host tensor itself on a CPU device."""
-        host = self._mapped_layer(kind, index) if self.mapped_host is not None else self._host_layer(kind, index)
-        return self._head_rows_of(host.flatten(0, 1))
+        """The same as (sequence, position, head) rows of P x D values."""
+        return self._head_rows_of(self._host_layer_rows(kind, index))
 
     def _head_row_layout(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor) -> _Layout:
         """Where a call's (page, head) rows come from and go, its page table and virtual selection."""
@@ -130,10 +136,11 @@ class HeadRowStaging:
         own, dev = last - first, self.device
         layout = self._head_row_layout(index, layer, chunk, selection)
         n, table, source, target, virtual = layout.n, layout.table, layout.source, layout.target, layout.virtual
-        own_source = self._rows(self.host_pages, range(first, last))  # the chunk's pages, every head
         own_target = layout.own_target
         stage_one = not grads and (layer, chunk.index) in self._fresh_kv
         fresh = self._fresh_kv.pop((layer, chunk.index)) if stage_one else None
+        # The chunk's own pages, every head: from the host, unless stage 1 still holds them on the GPU.
+        own_source = None if fresh is not None else self._rows(self.host_pages, range(first, last))
         kinds = ("k", "v", "dk", "dv") if grads else ("k", "v")
         staged = {kind: torch.empty((B * n, *self.host[kind].shape[3:]), dtype=self.host[kind].dtype, device=dev)
                   for kind in kinds}
@@ -172,15 +179,12 @@ class HeadRowStaging:
             ready = torch.cuda.Event() if self.copy_stream is not None else None
             if ready is not None:
                 ready.record(self.copy_stream)
-        self._keep_alive(source, target, own_source, own_target, *staged.values())
+        self._keep_alive(source, target, own_target, *staged.values())
+        if own_source is not None:
+            self._keep_alive(own_source)
         self.staged_history_pages += K
         return _StagedSelection(staged, table, history, None, n, ready, stage_one=stage_one, selection=virtual,
                                 head_rows=(source, target))
-
-    def _host_layer_rows(self, kind: str, index: int) -> torch.Tensor:
-        """Offloaded global layer ``index``'s host pages as (sequence, position) rows of every head."""
-        host = self._mapped_layer(kind, index) if self.mapped_host is not None else self._host_layer(kind, index)
-        return host.flatten(0, 1)
 
     def _host_selection(self, layer: int, chunk: ChunkSpan, selection: torch.Tensor) -> torch.Tensor:
         """(B, Hkv, K) int64 positions of the call's selection on the host: its copy kept since stage 1

@@ -257,14 +257,6 @@ class SparseStaging(HeadRowStaging):
             return None  # copies run by run need the positions on the host
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
-    def _host_rows(self, kind: str, index: int) -> torch.Tensor:
-        """Offloaded global layer ``index``'s host pages of ``kind`` as rows, one per (sequence, position),
-        as kernels on the device read them: mapped into the GPU's address space, or themselves on a CPU."""
-        if self.mapped_host is not None:
-            return rows_of(self._mapped_layer(kind, index).flatten(0, 1))
-        assert self.device.type == "cpu", "without mapped slabs a CUDA device gathers run by run"
-        return rows_of(self._host_layer(kind, index).flatten(0, 1))
-
     def _stage_in_place(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor, kinds: tuple[str, ...],
                         fresh: tuple[torch.Tensor, ...]) -> _StagedSelection:
         """Stage 1's pages of a call without a device sync: per sequence the ``pages`` (B, m) positions
@@ -288,7 +280,8 @@ class SparseStaging(HeadRowStaging):
         with self._on_copy_stream(after_compute=True):  # after the history's writes to the host
             for kind, rows in staged.items():
                 if m:
-                    rows_of(rows).index_copy_(0, target, self._host_rows(kind, index).index_select(0, source))
+                    host = rows_of(self._host_layer_rows(kind, index))  # kv/head_rows.py
+                    rows_of(rows).index_copy_(0, target, host.index_select(0, source))
             ready = torch.cuda.Event() if self.copy_stream is not None else None
             if ready is not None:
                 ready.record(self.copy_stream)
