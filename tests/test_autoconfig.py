@@ -4,6 +4,7 @@ refusals with numbers; user-set options kept; token counts with K/M; backend res
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import runpy
 import sys
 
@@ -291,7 +292,8 @@ def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_di
 
     assert main(args(tmp_path / "out")) == 0
     printed = capsys.readouterr().out
-    assert "configuration: pages on the GPU, dK/dV float32, layer replay off, chunk 128, backend torch" in printed
+    assert ("configuration: pages on the GPU, dK/dV float32, layer replay off, log-probabilities kept, chunk 128, "
+            "backend torch") in printed
     assert "why: no offload on a CPU" in printed
     assert "step time: first" in printed and "first step's overhead" in printed
     ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["oomb"]
@@ -314,3 +316,22 @@ def test_float32_documents_on_cuda_take_the_torch_kernels():
     for masked in (False, True):
         backend = oomb.engine._select_step_backend(model, OOMBConfig(), torch.device("cuda"), masked)
         assert backend.name == "torch"
+
+
+def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
+    """The chooser keeps the loss slices' log-probabilities (no LM-head recompute) as a last choice: where
+    they fit next to the plan (7B LoRA 128K on the H200), never at the cost of an earlier decision (at 1M the
+    offloaded plan stays as without the option), and never against the user's setting."""
+    workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
+    kept = choose_config(workload, H200)
+    assert kept.config.recompute_logits is False and "log-probabilities kept" in kept.reason
+    assert kept.chosen.relative_time < SPEED_FACTS["recompute_logits_dense"].factor
+    recomputed = choose_config(workload, H200, {"recompute_logits": True})
+    assert recomputed.config.recompute_logits is True and "recompute_logits=True as set" in recomputed.reason
+    assert kept.gpu_bytes > recomputed.gpu_bytes  # the kept log-probabilities are counted
+    between = (recomputed.chosen.gpu_counted + kept.chosen.gpu_counted) // 2
+    tight = choose_config(workload, Resources("cuda", between, H200.host_limit))
+    assert tight.config.recompute_logits is True and "keeping them does not fit" in tight.reason
+    long = choose_config(dataclasses.replace(workload, seq_len=M), H200)
+    plain = choose_config(dataclasses.replace(workload, seq_len=M), H200, {"recompute_logits": True})
+    assert dataclasses.replace(long.config, recompute_logits=True) == plain.config

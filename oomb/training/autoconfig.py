@@ -1,5 +1,5 @@
-"""Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, chunk, backend
-(and, sparse with offload, one selection per chunk).
+"""Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, kept or
+recomputed log-probabilities, chunk, backend (and, sparse with offload, one selection per chunk).
 
     choice = choose_config(workload, resources, fixed={"kv_grad_dtype": "float32"})
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
@@ -22,6 +22,7 @@ names the smallest configuration's memory against the limits and the longest con
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,7 +43,7 @@ from ..model_shape import ModelShape
 from ..units import format_tokens
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
-               "sparse_query_block_pages")
+               "sparse_query_block_pages", "recompute_logits")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
@@ -97,6 +98,14 @@ SPEED_FACTS: dict[str, SpeedFact] = {
         23.29 / 24.41, "sparse 128K cudnn, no replay, budget 32: bf16 dK/dV 23.29 s vs float32 24.41 s",
         "sparse_cudnn_no_replay_budget32_bf16_h200_2026-11-30.json, "
         "sparse_cudnn_no_replay_budget32_h200_2026-11-30.json"),
+    "recompute_logits_sparse": SpeedFact(
+        21.31 / 20.70, "sparse 128K cudnn, fast settings: log-probabilities recomputed 21.31 s vs kept 20.70 s "
+        "(one run each, same machine session)",
+        "sparse_fast_128k_h200_2026-12-03.json, sparse_fast_kept_logits_128k_h200_2026-12-03.json"),
+    "recompute_logits_dense": SpeedFact(
+        1 + (21.31 - 20.70) / 45.21, "dense 128K cudnn: the recompute's 0.61 s (sparse runs above) over 45.21 s "
+        "(derived: the recompute is one LM-head forward per loss slice, the same work in both modes)",
+        "derived from the sparse pair and dense_cudnn_warm_no_replay_128k_h200_2026-12-03.json"),
     "half_chunk": SpeedFact(
         1.05, "each halving of the chunk below 4096 (more, smaller kernel launches): not measured", "assumed"),
 }
@@ -181,7 +190,8 @@ class Candidate:
         grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
                     if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
         return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
-                f"chunk {c.chunk_size}, backend {c.backend}{grouping}")
+                f"log-probabilities {'recomputed' if c.recompute_logits else 'kept'}, chunk {c.chunk_size}, "
+                f"backend {c.backend}{grouping}")
 
 
 @dataclass(frozen=True)
@@ -281,8 +291,8 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
 
 
 def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str, ...]]:
-    """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, float32
-    dK/dV, chunk >= 4096, cudnn)."""
+    """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, log-probabilities
+    kept, float32 dK/dV, chunk >= 4096, cudnn)."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
     if config.backend == "triton":
@@ -291,6 +301,10 @@ def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str
         factors.append(key)
     if config.checkpoint_layers:
         key = "replay_sparse" if sparse else "replay_dense"
+        time *= SPEED_FACTS[key].factor
+        factors.append(key)
+    if config.recompute_logits:
+        key = "recompute_logits_sparse" if sparse else "recompute_logits_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
     if config.offload:
@@ -371,13 +385,10 @@ def candidates(workload: Workload, resources: Resources, base: OOMBConfig, fixed
     grid = [_options(n, base, fixed, workload, resources)
             for n in ("offload", "kv_grad_dtype", "checkpoint_layers", "chunk_size")]
     resident_free = "offload_resident_layers" not in fixed
-    for offload in grid[0]:
-        for grad in grid[1]:
-            for replay in grid[2]:
-                for chunk in grid[3]:
-                    config = dataclasses.replace(base, offload=offload, kv_grad_dtype=grad, checkpoint_layers=replay,
-                                                 chunk_size=chunk)
-                    out += _resident_layers(workload, resources, _sparse_grouping(config, fixed), resident_free)
+    for offload, grad, replay, chunk in itertools.product(*grid):
+        config = dataclasses.replace(base, offload=offload, kv_grad_dtype=grad, checkpoint_layers=replay,
+                                     chunk_size=chunk)
+        out += _resident_layers(workload, resources, _sparse_grouping(config, fixed), resident_free)
     return out
 
 
@@ -390,6 +401,16 @@ def _sparse_grouping(config: OOMBConfig, fixed: dict) -> OOMBConfig:
     if config.attention != "sparse" or not config.offload or "sparse_query_block_pages" in fixed:
         return config
     return dataclasses.replace(config, sparse_query_block_pages=max(1, config.chunk_size // config.page_size))
+
+
+def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
+    """The chosen plan with the loss slices' log-probabilities kept (no LM-head recompute) when they fit
+    next to it. Decided last, so that it never changes a weightier choice (offload, resident layers,
+    dK/dV dtype, replay, chunk) for its small gain (SPEED_FACTS recompute_logits_*)."""
+    if "recompute_logits" in fixed or not best.config.recompute_logits:
+        return best
+    kept = predict_candidate(workload, resources, dataclasses.replace(best.config, recompute_logits=False))
+    return kept if _fits(kept, resources) else best
 
 
 def _rank(c: Candidate) -> tuple:
@@ -426,7 +447,7 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
     if not fitting:
         raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
-    best = fitting[0]
+    best = _keep_logits(fitting[0], workload, resources, fixed)
     # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
     # alternative to a step that keeps every page on the GPU.
     runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
@@ -474,6 +495,13 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         parts.append(f"no layer replay: a chunk's activations fit (replay takes {SPEED_FACTS[key].factor:.2f}x)")
     else:
         parts.append("layer replay on: without it a chunk's activations do not fit")
+    if "recompute_logits" in fixed:
+        parts.append(f"recompute_logits={cfg.recompute_logits} as set")
+    elif not cfg.recompute_logits:
+        key = "recompute_logits_sparse" if cfg.attention == "sparse" else "recompute_logits_dense"
+        parts.append(f"log-probabilities kept: they fit (recomputing them takes {SPEED_FACTS[key].factor:.3f}x)")
+    else:
+        parts.append("log-probabilities recomputed: keeping them does not fit next to the rest")
     if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
         parts.append(f"chunk {cfg.chunk_size}: larger chunks do not fit")
     parts.append(backend_why)
