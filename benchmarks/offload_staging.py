@@ -4,7 +4,8 @@ place, (page, KV head) rows), and whether each gives the union's loss and gradie
 The modes are module switches (OOMB_STAGE1_IN_PLACE, OOMB_OFFLOAD_HEAD_ROWS), flipped here between steps, so
 one model build and one warm-up serve every mode. An untimed union step at the full length first builds every
 key length's cuDNN graph and is the reference of the bitwise check; by default the union is also timed first and
-last (the drift of the machine).
+last (the drift of the machine). The bitwise check means something only on deterministic kernels
+(--deterministic): on cuDNN two union steps already differ in their last bits.
 
     python benchmarks/offload_staging.py --modes sparse+offload --contexts 1M --backend cudnn \
         --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir benchmarks/results --name NAME

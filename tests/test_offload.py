@@ -285,11 +285,13 @@ def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, m
     """OOMB_STAGE1_IN_PLACE: stage 1 stages one selection per chunk (and rerank's candidate keys) as they
     lie on the device, duplicates across KV heads included, with a page table scattered on the device:
     the same bits as without offload; stage 2 keeps the union."""
+    import oomb.kv.head_rows as head_rows
     import oomb.kv.sparse_staging as staging_module
 
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
     monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", True)
+    monkeypatch.setattr(head_rows, "HEAD_ROWS", False)  # head rows take precedence where they apply
     calls = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)  # the pages
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 150, seed=3)
@@ -541,6 +543,7 @@ def test_gpu_sparse_offload_by_head_rows_or_in_place_equals_no_offload_bitwise(s
 
     module, flag = ((head_rows, "HEAD_ROWS") if switch == "OOMB_OFFLOAD_HEAD_ROWS"
                     else (sparse_staging, "STAGE1_IN_PLACE"))
+    monkeypatch.setattr(head_rows, "HEAD_ROWS", False)  # on by default; it takes precedence over in place
     monkeypatch.setattr(module, flag, True)
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

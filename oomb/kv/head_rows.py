@@ -21,9 +21,11 @@ virtual positions and writes each score to its candidate's own (oomb/sparse.py `
 scoring masks the last history page by its position, so its candidates keep their page layout (moved
 without the union's sync by kv/sparse_staging.py's in-place path).
 
-``OOMB_OFFLOAD_HEAD_ROWS=1`` switches it on (off until the 1M step measures it on the H200:
-benchmarks/gpu/open_issues.sh offload_staging). Context parallelism and packed documents keep the
-union (their selections point at pages of other ranks or documents).
+On by default: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it
+against 33.61 s with the union (benchmarks/offload_staging.py,
+benchmarks/results/offload_staging_1m_2layers_h200_2026-12-03.json). ``OOMB_OFFLOAD_HEAD_ROWS=0`` switches
+it off. Context parallelism and packed documents keep the union (their selections point at pages of
+other ranks or documents).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from ..attention.reference_sparse import shared_by_all_blocks
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan
 
-HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "0") == "1"
-"""Stage one selection per chunk as (page, KV head) rows (module docstring); off by default."""
+HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "1") == "1"
+"""Stage one selection per chunk as (page, KV head) rows (module docstring); on unless the variable is 0."""
 
 
 @dataclass(frozen=True)
