@@ -35,9 +35,11 @@
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept
 #                    (--no-recompute-logits: one LM-head forward less); HF: fast_step's, in the same call
 #   offload_staging  issue 23: the GPU tests of the two sparse offload staging switches, then the 1M sparse+offload
-#                    step's profile (2 layers) with the union (default), stage 1 without a sync (OOMB_STAGE1_IN_PLACE,
-#                    kv/sparse_staging.py) and (page, head) rows (OOMB_OFFLOAD_HEAD_ROWS, kv/head_rows.py): host gaps,
-#                    copies and step time
+#                    step (first 2 layers) under each staging in one process (benchmarks/offload_staging.py: union,
+#                    stage 1 without a sync, (page, head) rows, union again); 2026-12-03 timed head rows 28.56 s vs
+#                    union 33.61 s (head rows are the default since), stage 1 in place not yet timed
+#   sparse_chosen    issue 18: HF and the 128K sparse step with the sparse defaults and what `oomb train`'s chooser
+#                    adds at 128K (no layer replay, float32 page gradients, log-probabilities kept, cuDNN)
 #   resident_1m      issue 23: the 1M sparse+offload step with the plan `oomb train`'s chooser makes for it (`oomb plan
 #                    --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125 --optimizer none
 #                    --no-fp32-grad-accumulation --attention sparse --query-block-pages 32 --kv-grad-dtype bf16`:
@@ -64,9 +66,9 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (2026-12-03, ~8-9 min each): sparse_gpu_tests fast_step defaults_gather loss_kept (issue 18: the
-# per-block path after its sync-free groups, in-order layout and in-place dK/dV adds); page64_per_block (18);
-# offload_staging, resident_1m (issue 23); train_128k then train_512k_bg + train_check (issue 19); dense_warm (issues 19/23).
+# Next calls (after 2026-12-03): resident_1m (issue 23 D2, now with head rows by default; ~6-8 min), then
+# sparse_chosen (18) and offload_staging (23: stage 1 in place against head rows; ~5 min). Budget each call's parts
+# from earlier runs: a 1M profile under the profiler takes over 200 s per staging (limits of 200 s lost a call).
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
 ROOT=$PWD
@@ -144,13 +146,11 @@ for part in "$@"; do
     offload_staging)
       run 150 offload_staging_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
           -k "gpu_sparse_offload_by"
-      for switch in none OOMB_STAGE1_IN_PLACE OOMB_OFFLOAD_HEAD_ROWS; do
-        (export OOMB_STAGE1_IN_PLACE=0 OOMB_OFFLOAD_HEAD_ROWS=0
-         [ "$switch" != none ] && export "$switch=1"
-         run 200 "staging_$switch" python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
-             --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
-             --name "profile_sparse_offload_1m_2layers_$switch")
-      done ;;
+      run 330 offload_staging python benchmarks/offload_staging.py --modes sparse+offload --contexts 1M --backend cudnn \
+          --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" --name offload_staging_1m_2layers ;;
+    sparse_chosen)
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --no-checkpoint-layers \
+          --no-recompute-logits --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
     resident_1m)
       run 560 resident_1m python -m oomb bench --modes sparse+offload --contexts 1M --resident-layers 18 \
           --no-checkpoint-layers --backend cudnn --kv-grad-dtype bf16 --query-block-pages 32 --progress \
