@@ -65,10 +65,14 @@ def main() -> None:
                         default=["union", "stage1_in_place", "head_rows", "union"],
                         help="the timed steps, in order (default: union, stage1_in_place, head_rows, union)")
     args = parser.parse_args()
+    if args.quick or args.replot:
+        parser.error("--quick and --replot are options of `oomb bench` only")
     options = options_from_args(args)
-    (mode,), (tokens,) = options.modes, options.contexts
-    if mode != "sparse+offload":
-        parser.error("--modes must be sparse+offload")
+    if options.modes != ["sparse+offload"] or len(options.contexts) != 1:
+        parser.error("give --modes sparse+offload and one --contexts length")
+    mode, tokens = options.modes[0], options.contexts[0]
+    if options.threads:
+        torch.set_num_threads(options.threads)
     out = Path(options.out_dir) / f"{options.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
@@ -84,7 +88,8 @@ def main() -> None:
     print(f"first step at {tokens:,} (union, untimed in the table): {first:.2f} s", flush=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),
-              "machine": machine.machine_info(device), "options": dataclasses.asdict(options),
+              "machine": machine.machine_info(device),
+              "options": {k: str(v) if v == float("inf") else v for k, v in dataclasses.asdict(options).items()},
               "layers": model.config.num_hidden_layers, "first_step_s": round(first, 3), "runs": []}
     for name in args.stagings:
         _set_staging(*STAGINGS[name])

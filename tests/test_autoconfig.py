@@ -335,3 +335,8 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
     long = choose_config(dataclasses.replace(workload, seq_len=M), H200)
     plain = choose_config(dataclasses.replace(workload, seq_len=M), H200, {"recompute_logits": True})
     assert dataclasses.replace(long.config, recompute_logits=True) == plain.config
+    # A base that keeps them, not fixed, does not steer the search: the same plan as the default base.
+    steered = choose_config(dataclasses.replace(workload, seq_len=M), H200, base=OOMBConfig(recompute_logits=False))
+    assert steered.config == long.config
+    # The runner-up is compared after the same last decision.
+    assert kept.runner_up is not None and kept.runner_up.config.recompute_logits is False

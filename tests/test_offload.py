@@ -241,9 +241,13 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
                                                                  offload_stores, monkeypatch):
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
     Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies.
-    Score "rerank": its candidates' keys are staged in stage 1 for scoring."""
+    Score "rerank": its candidates' keys are staged in stage 1 for scoring. "copy per run" stands for a
+    CUDA device without mapped slabs, which stages the union: (page, head) rows are pinned off for it."""
+    import oomb.kv.head_rows as head_rows
+
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
+        monkeypatch.setattr(head_rows, "HEAD_ROWS", False)
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
                            sparse_selection=selection, sparse_query_block_pages=group, sparse_pooling=pooling,
@@ -328,12 +332,37 @@ def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, o
     assert all(store.is_empty for store in offload_stores)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_leak_free_candidates_move_in_place_by_default(batch, offload_stores, monkeypatch):
+    """With (page, head) rows on (the default), leak-free rerank's candidate keys keep their page layout
+    (their score masks the last history page by position) and move by stage 1's in-place path, without
+    a sync, even with OOMB_STAGE1_IN_PLACE off: the same bits as without offload."""
+    import oomb.kv.head_rows as head_rows
+    import oomb.kv.sparse_staging as staging_module
+
+    monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
+    monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", False)
+    in_place = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)
+    rows = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)
+    model = build_tiny_model("qwen2", seed=4)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
+                           sparse_score="rerank", sparse_rerank_factor=2, sparse_leak_free=True, **SPARSE)
+    _assert_offload_is_bitwise_the_same(model, random_ids(batch, 200, seed=3), base)
+    assert in_place and all(pages.shape[0] == batch for pages in in_place)  # the candidates' keys
+    assert rows  # the selections themselves: (page, head) rows
+    assert all(store.is_empty for store in offload_stores)
+
+
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("staging", ["gather", "copy per run"])
 def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, monkeypatch):
-    """Two sequences: each one's pages are gathered into its own rows and written back to its own slots."""
+    """Two sequences: each one's pages are gathered into its own rows and written back to its own slots
+    ("copy per run": the union's copies, as on a CUDA device without mapped slabs)."""
+    import oomb.kv.head_rows as head_rows
+
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
+        monkeypatch.setattr(head_rows, "HEAD_ROWS", False)
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=group, **SPARSE)

@@ -29,7 +29,7 @@
 #   defaults_gather  issue 18: the 128K sparse step with the defaults (35.29 s at 9a4764f) and with one selection per
 #                    block at the fast settings (26.40 s) after the cuDNN path's whole-row page gather
 #   dense_warm       issues 19/23: HF and the dense 128K step on cuDNN without layer replay (what `oomb train`'s
-#                    chooser runs at 128K) after a warm-up of the same length (every key length's cuDNN graph built):
+#                    chooser ran at 128K before it kept log-probabilities) after a warm-up of the same length (every key length's cuDNN graph built):
 #                    the steady-state ratio to HF (issue 23's target: <= 1.10x), and whether the first 128K step's
 #                    host gaps are graph builds
 #   loss_kept        issues 18/23: the fast 128K sparse step with the loss slices' log-probabilities kept

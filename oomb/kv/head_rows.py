@@ -40,7 +40,7 @@ from ..attention.reference_sparse import shared_by_all_blocks
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan
 
-HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "1") == "1"
+HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "1") != "0"
 """Stage one selection per chunk as (page, KV head) rows (module docstring); on unless the variable is 0."""
 
 

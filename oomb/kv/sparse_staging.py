@@ -51,7 +51,8 @@ __all__ = ["SparseStaging"]
 
 STAGE1_IN_PLACE = os.environ.get("OOMB_STAGE1_IN_PLACE", "0") == "1"
 """Stage 1 stages one selection per chunk without a device sync (module docstring); off by default
-until the 1M step measures it (benchmarks/gpu/open_issues.sh offload_staging)."""
+until the 1M step measures it (benchmarks/offload_staging.py). With (page, head) rows on (their default,
+kv/head_rows.py) this path still moves leak-free rerank's candidate keys, which keep their page layout."""
 
 
 class SparseStaging(HeadRowStaging):

@@ -443,6 +443,7 @@ def _choice_to_dict(choice: Choice) -> dict:
         return {"offload": cfg.offload, "offload_resident_layers": cfg.offload_resident_layers,
                 "kv_grad_dtype": _dtype(cfg.grad_dtype), "checkpoint_layers": cfg.checkpoint_layers,
                 "chunk_size": cfg.chunk_size, "backend": cfg.backend, "attention": cfg.attention,
+                "recompute_logits": cfg.recompute_logits, "sparse_query_block_pages": cfg.sparse_query_block_pages,
                 "gpu_bytes": c.gpu_bytes, "host_bytes": c.host_bytes, "relative_step_time": round(c.relative_time, 4),
                 "speed_factors": list(c.factors)}
 

@@ -437,6 +437,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
     base = dataclasses.replace(base or OOMBConfig(), **fixed)
+    if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
+        base = dataclasses.replace(base, recompute_logits=True)
     if "backend" in fixed and fixed["backend"] != "auto":
         backend, backend_why = fixed["backend"], f"backend={fixed['backend']!r} as set"
     else:
@@ -452,6 +454,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     # alternative to a step that keeps every page on the GPU.
     runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
                       and (best.config.offload or not c.config.offload)), None)
+    if runner_up is not None:  # comparable with the choice: the same last decision
+        runner_up = _keep_logits(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
                   workload.shape.num_layers)
