@@ -207,6 +207,18 @@ def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):
     assert "oomb train would run" in out and "one sparse selection per" not in out
 
 
+def test_cli_log_probabilities_kept_unless_given(capsys):
+    """`oomb plan` at 128K (7B, LoRA, H200): the chooser keeps the loss slices' log-probabilities; the flags
+    fix either choice, and the JSON says which."""
+    common = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
+              "--lora", "--json"]
+    for flags, kept in (([], True), (["--recompute-logits"], False), (["--no-recompute-logits"], True)):
+        cli.main([*common, *flags])
+        choice = json.loads(capsys.readouterr().out)["choice"]
+        assert choice["recompute_logits"] is not kept
+        assert ("as set" in choice["reason"]) == bool(flags)
+
+
 def test_cli_json_and_model_directory(tmp_path, capsys):
     Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)

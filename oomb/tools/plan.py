@@ -492,6 +492,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-chunk-tokens", type=parse_tokens, default=defaults.loss_chunk_tokens)
     group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
                        help="layer replay in backward (default on in the table)")
+    group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction,
+                       help="recompute the loss slices' log-probabilities in backward (default on in the table; "
+                            "unset, the chooser keeps them where they fit)")
     group.add_argument("--no-fp32-grad-accumulation", action="store_true")
     group = parser.add_argument_group("planned modes (assumptions)")
     group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
@@ -510,7 +513,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
     given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
              "offload": args.offload, "offload_resident_layers": args.resident_layers,
-             "checkpoint_layers": args.checkpoint_layers, "sparse_query_block_pages": args.query_block_pages}
+             "checkpoint_layers": args.checkpoint_layers, "sparse_query_block_pages": args.query_block_pages,
+             "recompute_logits": args.recompute_logits}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
                  loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
@@ -519,7 +523,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     query_block_pages = args.query_block_pages or defaults.sparse_query_block_pages
     config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
                         kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
-                        checkpoint_layers=args.checkpoint_layers is not False, loss_chunk_tokens=args.loss_chunk_tokens,
+                        checkpoint_layers=args.checkpoint_layers is not False,
+                        recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
                         fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
                         sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)
