@@ -280,3 +280,36 @@ def test_reported_backend_follows_the_model_as_the_step_resolves_it():
     assert (auto.backend_for(qwen), auto.backend_for(gemma2)) == ("cudnn", "triton")
     assert bench.BenchOptions(device="cuda", backend="cudnn").backend_for(gemma2) == "cudnn"  # as set: refused later
     assert bench.BenchOptions(device="cpu").backend_for(gemma2) == "torch"
+
+
+def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
+    """--chosen: an oomb mode runs the plan `oomb train`'s chooser makes from the free memory, the mode
+    fixing attention and offload and the command line's options kept; the rows' predictions follow it."""
+    from oomb.tools.bench_choice import CHOSEN_FIELDS, chosen_options
+    from oomb.training.autoconfig import Resources, Workload, choose_config
+
+    rc = cli.main(["bench", "--quick", "--chosen", "--modes", "hf", "sparse", "--contexts", "1K",
+                   "--no-checkpoint-layers", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "bench_quick.json").read_text())
+    assert "chosen" not in report["modes"]["hf"]
+    chosen = report["modes"]["sparse"]["chosen"]
+    assert set(chosen) == set(CHOSEN_FIELDS) and "configuration:" in report["modes"]["sparse"]["plan"]
+    assert chosen["chunk_size"] == 512 and chosen["checkpoint_layers"] is False  # given (--quick, the flag)
+    assert report["workload"]["options"]["given"] == ["chunk_size", "checkpoint_layers"]
+    row = next(r for r in report["rows"] if r["mode"] == "sparse")
+    assert row["status"] == "ok"
+    # The same plan as the chooser's for that workload; a given option stays whatever the chooser prefers.
+    options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen"]))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 2048))
+    changes, plan = chosen_options("sparse", options, shape, None, 20 << 30)
+    base = bench.oomb_config_for("sparse", options.oomb_config())
+    want = choose_config(Workload(shape, 2048, 1, options.dtype, optimizer="none"),
+                         Resources("cpu", None, int(0.95 * (20 << 30)), weights_loaded=True),
+                         {"chunk_size": 512, "attention": "sparse", "offload": False, "deterministic": False}, base)
+    assert changes == {**{n: getattr(want.config, n) for n in CHOSEN_FIELDS}, "kv_grad_dtype": "float32"}
+    assert changes["recompute_logits"] is False and "log-probabilities kept" in plan
+    replay = bench.dataclasses.replace(options, checkpoint_layers=True, given=(*options.given, "checkpoint_layers"))
+    assert chosen_options("sparse", replay, shape, None, 20 << 30)[0]["checkpoint_layers"] is True
+    with pytest.raises(ValueError, match="free GPU memory"):
+        chosen_options("sparse", bench.dataclasses.replace(options, device="cuda"), shape, None, 20 << 30)

@@ -38,8 +38,11 @@
 #                    step (first 2 layers) under each staging in one process (benchmarks/offload_staging.py: union,
 #                    stage 1 without a sync, (page, head) rows, union again); 2026-12-03 timed head rows 28.56 s vs
 #                    union 33.61 s (head rows are the default since), stage 1 in place not yet timed
-#   sparse_chosen    issue 18: HF and the 128K sparse step with the sparse defaults and what `oomb train`'s chooser
-#                    adds at 128K (no layer replay, float32 page gradients, log-probabilities kept, cuDNN)
+#   sparse_chosen    issue 18: HF and the 128K sparse step with the sparse defaults and the plan `oomb train`'s chooser
+#                    makes for the step (`oomb bench --chosen`: no layer replay, float32 page gradients,
+#                    log-probabilities kept, cuDNN where they fit)
+#   resident_1m_chosen issue 23: resident_1m with `--chosen` (the chooser's plan from the free memory: resident
+#                    layers, dK/dV dtype, replay, one selection per chunk) instead of hand-copied flags
 #   resident_1m      issue 23: the 1M sparse+offload step with the plan `oomb train`'s chooser makes for it (`oomb plan
 #                    --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125 --optimizer none
 #                    --no-fp32-grad-accumulation --attention sparse --query-block-pages 32 --kv-grad-dtype bf16`:
@@ -66,7 +69,7 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after 2026-12-03): resident_1m (issue 23 D2, now with head rows by default; ~6-8 min), then
+# Next calls (after 2026-12-03): resident_1m_chosen (issue 23 D2, now with head rows by default; ~6-8 min), then
 # sparse_chosen (18) and offload_staging (23: stage 1 in place against head rows; ~5 min). Budget each call's parts
 # from earlier runs: a 1M profile under the profiler takes over 200 s per staging (limits of 200 s lost a call).
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
@@ -149,8 +152,11 @@ for part in "$@"; do
       run 330 offload_staging python benchmarks/offload_staging.py --modes sparse+offload --contexts 1M --backend cudnn \
           --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" --name offload_staging_1m_2layers ;;
     sparse_chosen)
-      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --no-checkpoint-layers \
-          --no-recompute-logits --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
+    resident_1m_chosen)
+      run 560 resident_1m_chosen python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --out-dir "$OUT" --name sparse_offload_chosen_1m ;;
     resident_1m)
       run 560 resident_1m python -m oomb bench --modes sparse+offload --contexts 1M --resident-layers 18 \
           --no-checkpoint-layers --backend cudnn --kv-grad-dtype bf16 --query-block-pages 32 --progress \

@@ -44,6 +44,7 @@ from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
 from ..models import plain_attention, unwrap_causal_lm
 from ..training import presets
+from .bench_choice import CHOSEN_FIELDS, chosen_options
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 from .step_floor import StepSpec, step_work
@@ -108,6 +109,11 @@ class BenchOptions:
     """CPU threads of a worker (torch.set_num_threads); None: torch's default."""
     out_dir: str = "bench-results"
     name: str = "bench"
+    chosen: bool = False
+    """oomb modes run the plan `oomb train`'s chooser picks from the memory free after the weights load
+    (tools/bench_choice.py) for the step options not in ``given``."""
+    given: tuple[str, ...] = ()
+    """Step options set on the command line (``chosen`` keeps them)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -309,10 +315,18 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
         gpu = machine.detect_gpu(device)
         emit({"event": "device", "gpu": gpu.name, "total_bytes": gpu.total_bytes, "count": torch.cuda.device_count()})
     start = time.perf_counter()
-    warmup = warmup_tokens(mode, options)
-    model = build_model(options.preset, max(options.contexts + [warmup]), device, options.dtype, options.seed)
+    # Longer than options.warmup_tokens, a sparse warm-up stays within the contexts, whatever the chunk.
+    model = build_model(options.preset, max(options.contexts + [options.warmup_tokens]), device, options.dtype,
+                        options.seed)
     _sync(device)
     emit({"event": "init", "seconds": round(time.perf_counter() - start, 2)})
+    if options.chosen and MODES[mode].attention != "hf":
+        gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        changes, plan = chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free,
+                                       machine.host_available_bytes() or 0)
+        options = dataclasses.replace(options, **changes)
+        emit({"event": "chosen", "options": changes, "plan": plan})
+    warmup = warmup_tokens(mode, options)
     step = make_step(mode, options)
     vocab = model.config.vocab_size
     start = time.perf_counter()
@@ -511,7 +525,11 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
                 break
             continue
         kind = event["event"]
-        if kind == "device":
+        if kind == "chosen":  # the rows' predictions and FLOPs follow the plan that runs
+            options = dataclasses.replace(options, **event["options"])
+            info.update(chosen=event["options"], plan=event["plan"])
+            print(f"{mode:>15} plan: {event['plan']}", flush=True)
+        elif kind == "device":
             _record_gpu(report, event, shape, options)
         elif kind in ("init", "warmup"):
             info[f"{kind}_seconds"] = event["seconds"]
@@ -590,6 +608,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-rerank-candidates", choices=RERANK_CANDIDATES,
                         help=f"score rerank: the summary score proposing the candidates "
                              f"(default {d.sparse_rerank_candidates})")
+    parser.add_argument("--chosen", action="store_true",
+                        help="oomb modes run what `oomb train`'s chooser picks for the longest context from the "
+                             "memory free after the weights load (every weight trained, no optimizer), for the "
+                             "step options not given here; the mode fixes attention and offload")
     parser.add_argument("--warmup-tokens", type=parse_tokens)
     parser.add_argument("--progress", action="store_true", default=None,
                         help="show each oomb step's progress over its chunks (stderr)")
@@ -614,6 +636,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         values["checkpoint_layers"] = False
     if args.no_recompute_logits:
         values["recompute_logits"] = False
+    if args.chosen:
+        values.update(chosen=True, given=tuple(name for name in CHOSEN_FIELDS if name in values))
     if "kv_grad_dtype" in values:
         resolve_dtype(values["kv_grad_dtype"], "kv_grad_dtype")
     options = BenchOptions(**values)

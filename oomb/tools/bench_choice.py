@@ -1,0 +1,48 @@
+"""`oomb bench --chosen`: a mode runs the step options `oomb train`'s chooser picks, not the flags' defaults.
+
+The chooser (oomb/training/autoconfig.py) decides the options a user leaves unset from the memory free
+when the step starts. A benchmark of "what users get" must run that plan, not a hand-copied list of
+flags that goes stale when the chooser learns a new decision. Here the bench step's workload (every
+weight trained, no optimizer) is planned for the sweep's longest context, which fits every shorter one
+too (memory grows with the context); the mode fixes the attention and offload, and every option given
+on the command line stays as given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory import GIB
+from ..model_shape import ModelShape
+from ..training.autoconfig import Resources, Workload, choose_config
+from .plan import oomb_config_for
+
+MEMORY_HEADROOM = 0.95
+"""Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
+
+CHOSEN_FIELDS = ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers", "recompute_logits",
+                 "offload_resident_layers", "sparse_query_block_pages")
+"""The chooser's OOMBConfig fields that BenchOptions carries under the same names (offload is the mode's)."""
+
+
+def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None,
+                   host_free: int) -> tuple[dict, str]:
+    """The BenchOptions fields to replace for ``mode`` (``options``: a BenchOptions whose ``given`` names
+    the fields set on the command line) and the plan's description, for ``gpu_free`` / ``host_free``
+    bytes free after the weights were loaded (``gpu_free`` None on a CPU)."""
+    base = oomb_config_for(mode, options.oomb_config())
+    fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
+    fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
+    cuda = torch.device(options.device).type == "cuda"
+    if cuda and gpu_free is None:
+        raise ValueError("a CUDA bench needs the free GPU memory to choose a plan")
+    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
+                          int(MEMORY_HEADROOM * host_free), weights_loaded=True)
+    workload = Workload(shape, max(options.contexts), 1, options.dtype, optimizer="none")
+    choice = choose_config(workload, resources, fixed, base)
+    config = choice.config
+    changes = {name: getattr(config, name) for name in CHOSEN_FIELDS}
+    changes["kv_grad_dtype"] = str(config.grad_dtype).removeprefix("torch.")
+    gpu = f"GPU {gpu_free / GIB:.1f} GiB and " if cuda else ""
+    return changes, (f"{choice.describe()}\n  planned at {max(options.contexts):,} tokens for {gpu}"
+                     f"host {host_free / GIB:.1f} GiB free")
