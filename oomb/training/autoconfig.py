@@ -492,20 +492,20 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         parts.append("float32 dK/dV (exact; bf16 is chosen only when float32 does not fit)")
     else:
         parts.append("bf16 dK/dV: no float32 configuration fits")
-    if "checkpoint_layers" in fixed:
-        parts.append(f"checkpoint_layers={cfg.checkpoint_layers} as set")
-    elif not cfg.checkpoint_layers:
-        key = "replay_sparse" if cfg.attention == "sparse" else "replay_dense"
-        parts.append(f"no layer replay: a chunk's activations fit (replay takes {SPEED_FACTS[key].factor:.2f}x)")
-    else:
-        parts.append("layer replay on: without it a chunk's activations do not fit")
-    if "recompute_logits" in fixed:
-        parts.append(f"recompute_logits={cfg.recompute_logits} as set")
-    elif not cfg.recompute_logits:
-        key = "recompute_logits_sparse" if cfg.attention == "sparse" else "recompute_logits_dense"
-        parts.append(f"log-probabilities kept: they fit (recomputing them takes {SPEED_FACTS[key].factor:.3f}x)")
-    else:
-        parts.append("log-probabilities recomputed: keeping them does not fit next to the rest")
+    # Two recomputations the chooser turns off where memory allows: (field, SPEED_FACTS key, why off, why on).
+    for name, fact, off, on in (
+            ("checkpoint_layers", "replay", "no layer replay: a chunk's activations fit (replay takes {:.2f}x)",
+             "layer replay on: without it a chunk's activations do not fit"),
+            ("recompute_logits", "recompute_logits",
+             "log-probabilities kept: they fit (recomputing them takes {:.3f}x)",
+             "log-probabilities recomputed: keeping them does not fit next to the rest")):
+        value = getattr(cfg, name)
+        if name in fixed:
+            parts.append(f"{name}={value} as set")
+        elif not value:
+            parts.append(off.format(SPEED_FACTS[f"{fact}_{'sparse' if cfg.attention == 'sparse' else 'dense'}"].factor))
+        else:
+            parts.append(on)
     if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
         parts.append(f"chunk {cfg.chunk_size}: larger chunks do not fit")
     parts.append(backend_why)
