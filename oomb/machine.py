@@ -56,6 +56,12 @@ def host_available_bytes() -> int | None:
     return _meminfo_bytes("MemAvailable")
 
 
+def host_free_bytes() -> int:
+    """Memory the kernel could hand out now (MemAvailable), else free physical pages (off Linux)."""
+    available = host_available_bytes()
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def host_total_bytes() -> int | None:
     return _meminfo_bytes("MemTotal")
 

@@ -302,7 +302,9 @@ def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
     # The same plan as the chooser's for that workload; a given option stays whatever the chooser prefers.
     options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen"]))
     shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 2048))
-    changes, plan = chosen_options("sparse", options, shape, None, 20 << 30)
+    choice = chosen_options("sparse", options, shape, None, 20 << 30)
+    changes, plan = choice.changes, choice.plan
+    assert choice.too_long == ()
     base = bench.oomb_config_for("sparse", options.oomb_config())
     want = choose_config(Workload(shape, 2048, 1, options.dtype, optimizer="none"),
                          Resources("cpu", None, int(0.95 * (20 << 30)), weights_loaded=True),
@@ -310,6 +312,37 @@ def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
     assert changes == {**{n: getattr(want.config, n) for n in CHOSEN_FIELDS}, "kv_grad_dtype": "float32"}
     assert changes["recompute_logits"] is False and "log-probabilities kept" in plan
     replay = bench.dataclasses.replace(options, checkpoint_layers=True, given=(*options.given, "checkpoint_layers"))
-    assert chosen_options("sparse", replay, shape, None, 20 << 30)[0]["checkpoint_layers"] is True
+    assert chosen_options("sparse", replay, shape, None, 20 << 30).changes["checkpoint_layers"] is True
+    assert "The chooser's plans (`--chosen`" in (tmp_path / "bench_quick.md").read_text()
+
+
+def test_chosen_reports_contexts_nothing_fits_and_measures_the_rest(monkeypatch):
+    """--chosen with a context no configuration fits: that row says so (a result, not a failure), the plan is
+    made for the longest context that fits, and the shorter contexts are measured (the worker's code, run
+    in this process)."""
+    from oomb.tools.bench_choice import chosen_options
+
+    options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen",
+                                                                      "--contexts", "1K", "1M"]))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 1 << 20))
+    small = chosen_options("sparse", options, shape, None, 5 << 29)  # 2.5 GiB of host: 1M does not fit
+    assert small.too_long == (1 << 20,) and small.why_too_long.startswith("no configuration fits")
+    assert "planned at 1,024 tokens" in small.plan
+    assert not chosen_options("sparse", options, shape, None, 1 << 20).changes  # nothing fits at all
+    monkeypatch.setattr(bench.machine, "host_free_bytes", lambda: 5 << 29)
+    events = []
+    bench._run_mode("sparse", bench.dataclasses.replace(options, warmup_tokens=512), float("inf"), events.append)
+    rows = {e["tokens"]: e for e in events if e["event"] == "row"}
+    assert rows[1024]["status"] == "ok"
+    assert rows[1 << 20]["status"].startswith("does not fit (the chooser): no configuration fits")
+    assert "\n" not in rows[1 << 20]["status"] and events[-1] == {"event": "done"}
+    assert next(e for e in events if e["event"] == "chosen")["plan"] == small.plan
+
+
+def test_chosen_needs_the_free_gpu_memory_on_cuda():
+    from oomb.tools.bench_choice import chosen_options
+
+    options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen"]))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 2048))
     with pytest.raises(ValueError, match="free GPU memory"):
         chosen_options("sparse", bench.dataclasses.replace(options, device="cuda"), shape, None, 20 << 30)

@@ -320,12 +320,19 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
                         options.seed)
     _sync(device)
     emit({"event": "init", "seconds": round(time.perf_counter() - start, 2)})
+    too_long: tuple[int, ...] = ()
     if options.chosen and MODES[mode].attention != "hf":
         gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        changes, plan = chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free,
-                                       machine.host_available_bytes() or 0)
-        options = dataclasses.replace(options, **changes)
-        emit({"event": "chosen", "options": changes, "plan": plan})
+        choice = chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free,
+                                machine.host_free_bytes())
+        options = dataclasses.replace(options, **choice.changes)
+        too_long = choice.too_long
+        emit({"event": "chosen", "options": choice.changes, "plan": choice.plan})
+        for tokens in too_long:  # a result of the plan, as out of memory is one of a step
+            emit({"event": "row", "tokens": tokens, "status": f"does not fit (the chooser): {choice.why_too_long}"})
+        if len(too_long) == len(options.contexts):
+            emit({"event": "done"})
+            return
     warmup = warmup_tokens(mode, options)
     step = make_step(mode, options)
     vocab = model.config.vocab_size
@@ -336,6 +343,8 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
     last = None  # (tokens, seconds) of the last completed step
     stopped = None
     for tokens in options.contexts:
+        if tokens in too_long:
+            continue
         if stopped:
             emit({"event": "row", "tokens": tokens, "status": f"skipped: {stopped}"})
             continue

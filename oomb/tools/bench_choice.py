@@ -3,18 +3,21 @@
 The chooser (oomb/training/autoconfig.py) decides the options a user leaves unset from the memory free
 when the step starts. A benchmark of "what users get" must run that plan, not a hand-copied list of
 flags that goes stale when the chooser learns a new decision. Here the bench step's workload (every
-weight trained, no optimizer) is planned for the sweep's longest context, which fits every shorter one
-too (memory grows with the context); the mode fixes the attention and offload, and every option given
-on the command line stays as given.
+weight trained, no optimizer: not the plan of a run with an optimizer or LoRA) is planned for the
+sweep's longest context that some configuration fits, which fits every shorter one too (memory grows
+with the context); longer contexts are reported as not fitting. The mode fixes the attention and
+offload, and every option given on the command line (or by --quick) stays as given.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..memory import GIB
 from ..model_shape import ModelShape
-from ..training.autoconfig import Resources, Workload, choose_config
+from ..training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
 from .plan import oomb_config_for
 
 MEMORY_HEADROOM = 0.95
@@ -25,11 +28,21 @@ CHOSEN_FIELDS = ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers", 
 """The chooser's OOMBConfig fields that BenchOptions carries under the same names (offload is the mode's)."""
 
 
-def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None,
-                   host_free: int) -> tuple[dict, str]:
-    """The BenchOptions fields to replace for ``mode`` (``options``: a BenchOptions whose ``given`` names
-    the fields set on the command line) and the plan's description, for ``gpu_free`` / ``host_free``
-    bytes free after the weights were loaded (``gpu_free`` None on a CPU)."""
+@dataclass(frozen=True)
+class BenchChoice:
+    """A mode's plan: the BenchOptions fields to replace, its description, and the contexts too long for
+    any configuration (with the chooser's reason, one line)."""
+
+    changes: dict
+    plan: str
+    too_long: tuple[int, ...] = ()
+    why_too_long: str = ""
+
+
+def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int) -> BenchChoice:
+    """The plan of ``mode`` (``options``: a BenchOptions whose ``given`` names the fields set on the command
+    line) for ``gpu_free`` / ``host_free`` bytes free after the weights were loaded (``gpu_free`` None on a
+    CPU), made for the longest context some configuration fits; None changes when none fits."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
@@ -38,11 +51,20 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None,
         raise ValueError("a CUDA bench needs the free GPU memory to choose a plan")
     resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
                           int(MEMORY_HEADROOM * host_free), weights_loaded=True)
-    workload = Workload(shape, max(options.contexts), 1, options.dtype, optimizer="none")
-    choice = choose_config(workload, resources, fixed, base)
-    config = choice.config
-    changes = {name: getattr(config, name) for name in CHOSEN_FIELDS}
-    changes["kv_grad_dtype"] = str(config.grad_dtype).removeprefix("torch.")
-    gpu = f"GPU {gpu_free / GIB:.1f} GiB and " if cuda else ""
-    return changes, (f"{choice.describe()}\n  planned at {max(options.contexts):,} tokens for {gpu}"
-                     f"host {host_free / GIB:.1f} GiB free")
+    too_long, why = [], ""
+    for tokens in sorted(options.contexts, reverse=True):
+        try:
+            choice = choose_config(Workload(shape, tokens, 1, options.dtype, optimizer="none"), resources, fixed, base)
+        except NoConfigFitsError as err:
+            too_long.append(tokens)
+            lines = [line.strip() for line in str(err).splitlines()]
+            why = why or lines[0].rstrip(":") + (f" ({lines[1]})" if len(lines) > 1 else "")
+            continue
+        config = choice.config
+        changes = {name: getattr(config, name) for name in CHOSEN_FIELDS}
+        changes["kv_grad_dtype"] = str(config.grad_dtype).removeprefix("torch.")
+        gpu = f"GPU {gpu_free / GIB:.1f} GiB and " if cuda else ""
+        plan = (f"{choice.describe()}\n  planned at {tokens:,} tokens for {gpu}host {host_free / GIB:.1f} GiB free"
+                f"{' (longer contexts: nothing fits)' if too_long else ''}")
+        return BenchChoice(changes, plan, tuple(sorted(too_long)), why)
+    return BenchChoice({}, "nothing fits any context", tuple(sorted(too_long)), why)

@@ -130,6 +130,10 @@ def render_markdown(report: dict) -> str:
              for k, i in report["modes"].items() if "warmup_seconds" in i]
     if setup:
         lines += ["", "Excluded from the table: " + "; ".join(setup) + "."]
+    plans = [f"{k}: {i['plan'].splitlines()[0].removeprefix('configuration: ')}"
+             for k, i in report["modes"].items() if i.get("plan")]
+    if plans:  # --chosen: what ran, where it differs from the workload line's options
+        lines += ["", "The chooser's plans (`--chosen`; the workload line gives the flags): " + "; ".join(plans) + "."]
     if missing:
         lines += ["", f"{NOT_IMPLEMENTED.capitalize()} of oomb (nothing measured): {', '.join(missing)}. "
                   "The JSON holds the planner's predictions for them (`predicted_*`, mode status \"planned\")."]

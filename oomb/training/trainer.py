@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import signal
@@ -565,8 +564,7 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def host_available_bytes() -> int:
     """Memory the kernel could hand out now (MemAvailable), else free physical pages."""
-    available = machine.host_available_bytes()
-    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return machine.host_free_bytes()
 
 
 def host_rss_bytes() -> int:
