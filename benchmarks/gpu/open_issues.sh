@@ -42,7 +42,9 @@
 #                    makes for the step (`oomb bench --chosen`: no layer replay, float32 page gradients,
 #                    log-probabilities kept, cuDNN where they fit)
 #   resident_1m_chosen issue 23: resident_1m with `--chosen` (the chooser's plan from the free memory: resident
-#                    layers, dK/dV dtype, replay, one selection per chunk) instead of hand-copied flags
+#                    layers, replay, kept log-probabilities, one selection per chunk) instead of hand-copied flags;
+#                    bf16 page gradients given, as in sparse-offload-rerank-1m (float32 would keep ~12 layers
+#                    resident, not ~18, and may outlast the call)
 #   resident_1m      issue 23: the 1M sparse+offload step with the plan `oomb train`'s chooser makes for it (`oomb plan
 #                    --model qwen2.5-7b --context 1M --gpu-gib 139 --host-gib 125 --optimizer none
 #                    --no-fp32-grad-accumulation --attention sparse --query-block-pages 32 --kv-grad-dtype bf16`:
@@ -156,7 +158,7 @@ for part in "$@"; do
           --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
     resident_1m_chosen)
       run 560 resident_1m_chosen python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
-          --out-dir "$OUT" --name sparse_offload_chosen_1m ;;
+          --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_1m ;;
     resident_1m)
       run 560 resident_1m python -m oomb bench --modes sparse+offload --contexts 1M --resident-layers 18 \
           --no-checkpoint-layers --backend cudnn --kv-grad-dtype bf16 --query-block-pages 32 --progress \
