@@ -311,8 +311,11 @@ def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
                          {"chunk_size": 512, "attention": "sparse", "offload": False, "deterministic": False}, base)
     assert changes == {**{n: getattr(want.config, n) for n in CHOSEN_FIELDS}, "kv_grad_dtype": "float32"}
     assert changes["recompute_logits"] is False and "log-probabilities kept" in plan
-    replay = bench.dataclasses.replace(options, checkpoint_layers=True, given=(*options.given, "checkpoint_layers"))
-    assert chosen_options("sparse", replay, shape, None, 20 << 30).changes["checkpoint_layers"] is True
+    replay = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen",
+                                                                     "--checkpoint-layers", "--recompute-logits"]))
+    assert replay.given == ("chunk_size", "checkpoint_layers", "recompute_logits")
+    forced = chosen_options("sparse", replay, shape, None, 20 << 30).changes
+    assert forced["checkpoint_layers"] is True and forced["recompute_logits"] is True
     assert "The chooser's plans (`--chosen`" in (tmp_path / "bench_quick.md").read_text()
 
 

@@ -598,10 +598,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--deterministic, torch on a CPU)")
     parser.add_argument("--deterministic", action="store_true", default=None,
                         help="bitwise-deterministic kernels: backend auto resolves to triton")
-    parser.add_argument("--no-checkpoint-layers", action="store_true")
-    parser.add_argument("--no-recompute-logits", action="store_true",
-                        help="keep the chunk's log-probabilities for the backward instead of recomputing each loss "
-                             "slice's logits (more memory: chunk x vocabulary x 4 bytes; one LM-head forward less)")
+    parser.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
+                        help="layer replay in backward (default on; with --chosen unset: the chooser's)")
+    parser.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction,
+                        help="--no-recompute-logits keeps the chunk's log-probabilities for the backward instead of "
+                             "recomputing each loss slice's logits (more memory: chunk x vocabulary x 4 bytes; one "
+                             "LM-head forward less); default on; with --chosen unset: the chooser's")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
@@ -641,10 +643,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    if args.no_checkpoint_layers:
-        values["checkpoint_layers"] = False
-    if args.no_recompute_logits:
-        values["recompute_logits"] = False
+    for name in ("checkpoint_layers", "recompute_logits"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
     if args.chosen:
         values.update(chosen=True, given=tuple(name for name in CHOSEN_FIELDS if name in values))
     if "kv_grad_dtype" in values:
