@@ -60,14 +60,19 @@ class HeadRowStaging:
     """Methods of ``OffloadedKVStore`` (through kv/sparse_staging.py's ``SparseStaging``) that stage a
     call's selection as (page, head) rows; they read the store's host tensors and bookkeeping."""
 
-    def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor) -> bool:
-        """Whether this call's selection (host or device) can move as (page, head) rows."""
-        if not HEAD_ROWS or not shared_by_all_blocks(selection):
-            return False
+    def _gathers_by_device_index(self) -> bool:
+        """Whether pages can move by index tensors on the device, without the host reading the positions:
+        kernels that read host memory (mapped slabs, or a CPU device), and neither context parallelism
+        nor packed documents (their selections point at pages of other ranks or documents). Otherwise
+        copies run by run, or the union, stage them."""
         if self.context is not None or self.document_starts is not None:
             return False
-        if self.mapped_host is None and self.device.type == "cuda":
-            return False  # copies run by run: the union path
+        return self.mapped_host is not None or self.device.type != "cuda"
+
+    def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor) -> bool:
+        """Whether this call's selection (host or device) can move as (page, head) rows."""
+        if not HEAD_ROWS or not shared_by_all_blocks(selection) or not self._gathers_by_device_index():
+            return False
         first, _ = self._page_range(chunk)
         return 0 < selection.shape[3] <= first
 
@@ -120,9 +125,7 @@ class HeadRowStaging:
             self._head_rows_of(keys).index_copy_(
                 0, layout.target, self._host_head_rows("k", index).index_select(0, layout.source))
             keys.index_copy_(0, layout.own_target, own_keys)
-            ready = torch.cuda.Event() if self.copy_stream is not None else None
-            if ready is not None:
-                ready.record(self.copy_stream)
+            ready = self._copies_recorded()
         self._keep_alive(layout.source, layout.target, layout.own_target, keys)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
@@ -178,9 +181,7 @@ class HeadRowStaging:
                         self._head_rows_of(pages).index_fill_(0, stale_history, 0)
                     if stale_own is not None:
                         rows_of(pages).index_fill_(0, stale_own, 0)
-            ready = torch.cuda.Event() if self.copy_stream is not None else None
-            if ready is not None:
-                ready.record(self.copy_stream)
+            ready = self._copies_recorded()
         self._keep_alive(source, target, own_target, *staged.values())
         if own_source is not None:
             self._keep_alive(own_source)

@@ -447,6 +447,15 @@ class OffloadedKVStore(SparseStaging, PagedKVStore):
             self.copy_stream.wait_event(wait)
         return torch.cuda.stream(self.copy_stream)
 
+    def _copies_recorded(self) -> torch.cuda.Event | None:
+        """An event recorded on the copy stream after the copies issued so far (None on CPU): the compute
+        stream waits on it before reading what they staged."""
+        if self.copy_stream is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(self.copy_stream)
+        return ready
+
     def _keep_alive(self, *tensors: torch.Tensor) -> None:
         """Tensors made on the compute stream and read by the copy stream: tell the allocator."""
         if self.copy_stream is not None:

@@ -174,9 +174,7 @@ class SparseStaging(HeadRowStaging):
                 self._gather_pages(index, positions, {"k": keys})
             else:
                 self._copy_runs(index, _runs(positions, self.grad_on_host[index]), {"k": keys})
-            ready = torch.cuda.Event() if self.copy_stream is not None else None
-            if ready is not None:
-                ready.record(self.copy_stream)
+            ready = self._copies_recorded()
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         self._keep_alive(keys)
@@ -239,9 +237,7 @@ class SparseStaging(HeadRowStaging):
                 for b in range(B):
                     for kind, pages in zip(("k", "v"), fresh, strict=True):
                         rows[kind][b * n + len(history):(b + 1) * n].copy_(pages[b * own:(b + 1) * own])
-            ready = torch.cuda.Event() if self.copy_stream is not None else None
-            if ready is not None:
-                ready.record(self.copy_stream)
+            ready = self._copies_recorded()
         self._keep_alive(*staged.values())
         return _StagedSelection(staged, table, history, runs, n, ready, stage_one=stage_one, own_chunk=own_chunk)
 
@@ -252,10 +248,8 @@ class SparseStaging(HeadRowStaging):
         memory (mapped slabs, or a CPU device) and neither context parallelism nor packed documents."""
         if not (STAGE1_IN_PLACE or head_rows.HEAD_ROWS) or not shared_by_all_blocks(pages):
             return None  # (page, head) rows stage 1 too: rerank's candidate keys then move this way
-        if self.context is not None or self.document_starts is not None:
+        if not self._gathers_by_device_index():
             return None
-        if self.mapped_host is None and self.device.type == "cuda":
-            return None  # copies run by run need the positions on the host
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
     def _stage_in_place(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor, kinds: tuple[str, ...],
@@ -283,9 +277,7 @@ class SparseStaging(HeadRowStaging):
                 if m:
                     host = rows_of(self._host_layer_rows(kind, index))  # kv/head_rows.py
                     rows_of(rows).index_copy_(0, target, host.index_select(0, source))
-            ready = torch.cuda.Event() if self.copy_stream is not None else None
-            if ready is not None:
-                ready.record(self.copy_stream)
+            ready = self._copies_recorded()
         self._keep_alive(source, target, *staged.values())
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
