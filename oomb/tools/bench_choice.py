@@ -42,7 +42,7 @@ class BenchChoice:
 def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int) -> BenchChoice:
     """The plan of ``mode`` (``options``: a BenchOptions whose ``given`` names the fields set on the command
     line) for ``gpu_free`` / ``host_free`` bytes free after the weights were loaded (``gpu_free`` None on a
-    CPU), made for the longest context some configuration fits; None changes when none fits."""
+    CPU), made for the longest context some configuration fits; no changes when none fits."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
