@@ -51,6 +51,8 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   profile_chosen   issues 18/23: where the 128K sparse step with the sparse defaults and the chooser's plan (no
+#                    replay, float32 page gradients, kept log-probabilities, cuDNN) spends its time, first 4 layers
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
 #   rerank_fast_x2   issue 18: rerank_fast's sparse step with 2x the budget as candidates (the curve's cheaper point)
 #   gradcheck_pages  issue 18: finer pages (= finer query blocks) at the same read: SmolLM2 32K (YaRN x4) at page 64,
@@ -167,6 +169,9 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    profile_chosen)
+      run 200 profile_sparse_chosen python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
+          --chosen --out-dir "$OUT" --name profile_sparse_chosen_128k_4layers ;;
     profile_default)
       run 150 profile_sparse_default python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
           --out-dir "$OUT" --name profile_sparse_default_128k_4layers ;;
