@@ -25,6 +25,7 @@ sparse model.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.variants import check_backend_supports
+from .compiled_layers import compile_decoder_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients
@@ -132,6 +134,8 @@ def forward_backward(
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
+    if os.environ.get("OOMB_COMPILE_LAYERS", "0") not in ("", "0"):  # experiment: fused elementwise kernels
+        compile_decoder_layers(decoder)
     lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 

@@ -135,7 +135,8 @@ def oomb_attention_forward(
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
 
 
-AttentionInterface.register(ATTENTION_NAME, oomb_attention_forward)
+# Outside any torch.compile graph: compiled decoder layers (compiled_layers.py) call it as a black box.
+AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(oomb_attention_forward))
 
 
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
