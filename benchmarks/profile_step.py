@@ -56,6 +56,7 @@ from oomb.attention.function import SCORING_RANGE  # noqa: E402
 from oomb.loss import LOSS_RANGE  # noqa: E402
 from oomb.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
+    MODES,
     BenchOptions,
     add_arguments,
     build_model,
@@ -65,6 +66,7 @@ from oomb.tools.bench import (  # noqa: E402
     token_ids,
     warmup_tokens,
 )
+from oomb.tools.bench_choice import chosen_options  # noqa: E402
 from oomb.tools.step_floor import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 
 ROWS = PARTS + ("other", "host gaps")
@@ -293,11 +295,26 @@ def _timed_step(step, model, ids: torch.Tensor, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _planned(mode: str, options: BenchOptions, tokens: int, model, device: torch.device
+             ) -> tuple[BenchOptions, str | None]:
+    """With ``--chosen``, the options of the plan `oomb train`'s chooser makes for the model profiled (its N
+    layers, as `oomb bench --chosen` does for the whole model) from the memory free once it is loaded."""
+    if not options.chosen or MODES[mode].attention == "hf":
+        return options, None
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    choice = chosen_options(mode, dataclasses.replace(options, contexts=[tokens]),
+                            ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes())
+    if choice.too_long:
+        raise SystemExit(f"{mode} at {tokens:,} tokens does not fit (the chooser): {choice.why_too_long}")
+    return dataclasses.replace(options, **choice.changes), choice.plan
+
+
 def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | None,
                  layers: int | None = None) -> dict:
     device = torch.device(options.device)
     warmup = warmup_tokens(mode, options)
     model = build_model(options.preset, max(tokens, warmup), device, options.dtype, options.seed, layers)
+    options, plan = _planned(mode, options, tokens, model, device)
     step = make_step(mode, options)
     vocab = model.config.vocab_size
     step(model, token_ids(vocab, warmup, options.seed, device))  # compile, autotune
@@ -335,7 +352,7 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
             "time_kind": "device (kernels)" if use_device else "CPU self time (aten ops)",
             "parts": table, "rates": None if rates is None else dataclasses.asdict(rates),
             "linear_tflop_by_pass": {k: round(v / 1e12, 3) for k, v in linear_flops(spec).items()},
-            "step_spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "shape"},
+            "step_spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "shape"}, "plan": plan,
             "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "groups_share": {k: round(v / total, 4) for k, v in groups.items()}, "top": rows[:40]}
 
@@ -369,6 +386,8 @@ def main() -> None:
             run = profile_step(mode, options, tokens, rates, args.layers)
             report["runs"].append(run)
             busy = "" if run["gpu_busy_seconds"] is None else f", GPU busy {run['gpu_busy_seconds']} s"
+            if run["plan"]:
+                print(f"{mode} plan: {run['plan']}")
             print(f"{mode} {tokens:,}, {run['layers']} layers: {run['step_seconds_under_profiler']} s under the "
                   f"profiler, {run['step_seconds_without_profiler']} s without{busy} "
                   f"({run['time_kind']})\n{format_table(run['parts'])}")

@@ -254,3 +254,15 @@ def test_profile_of_the_first_layers_only(tmp_path, monkeypatch):
         ModelShape.from_hf_config(config), 1024, _quick_config(), dtype=torch.float32)).values()))
     with pytest.raises(ValueError, match="layers=0"):
         _quick_profile(script, tmp_path, monkeypatch, "--layers", "0")
+
+
+def test_profile_with_the_choosers_plan(tmp_path, monkeypatch):
+    """--chosen: the profiled step runs the plan `oomb train`'s chooser makes (not the flags' defaults, which
+    replay layers), and the JSON keeps the plan; without it the plan is None."""
+    script = _profile_script()
+    plain = _quick_profile(script, tmp_path, monkeypatch)
+    assert plain["plan"] is None and plain["step_spec"]["checkpoint_layers"] is True
+    chosen = _quick_profile(script, tmp_path, monkeypatch, "--chosen")
+    assert "layer replay off" in chosen["plan"]  # a 1K step of the tiny model fits without replay
+    assert chosen["step_spec"]["checkpoint_layers"] is False
+    assert chosen["step_spec"]["chunk_size"] == 256  # a flag the user gave stays
