@@ -53,7 +53,7 @@
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   compiled_layers  issues 18/23: the 128K sparse-defaults and dense steps with the chooser's plan, decoder layers
 #                    compiled (OOMB_COMPILE_LAYERS=1: fused norms, rotary, SiLU, adds; attention outside the graph)
-#                    and then eager, in one call
+#                    and then the sparse step eager, in one call
 #   profile_chosen   issues 18/23: where the 128K sparse step with the sparse defaults and the chooser's plan (no
 #                    replay, float32 page gradients, kept log-probabilities, cuDNN) spends its time, first 4 layers
 #   profile_default  issues 18/23: profile_fast's sparse profile with the default sparse settings
@@ -176,7 +176,7 @@ for part in "$@"; do
       (export OOMB_COMPILE_LAYERS=1
        run 330 compiled_layers python -m oomb bench --modes sparse dense --contexts 128K --chosen \
            --out-dir "$OUT" --name compiled_layers_128k)
-      run 220 eager_layers python -m oomb bench --modes sparse dense --contexts 128K --chosen \
+      run 150 eager_layers python -m oomb bench --modes sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name eager_layers_128k ;;
     profile_chosen)
       run 200 profile_sparse_chosen python benchmarks/profile_step.py --modes sparse --contexts 128K --layers 4 \
