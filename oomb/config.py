@@ -126,6 +126,13 @@ class OOMBConfig:
     parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
     linear layers' gradients are computed with float32 results, so no chunk's is rounded either
     (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
+    compile_layers: bool | None = None
+    """Compile each decoder layer with torch.compile for the step (oomb's attention stays outside the
+    graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
+    memory (7B shape, 128K sparse step on the H200: 23.48 s instead of 25.39 s, 57.2 instead of 64.3 GiB).
+    The first step compiles (about 25 s there). Gradients match the eager layers' to rounding, not bit for
+    bit. None: on for a single-process CUDA step of a model without experts unless deterministic=True;
+    off on a CPU, where compiling costs more than it saves. True/False fix it."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
     is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
@@ -188,6 +195,8 @@ class OOMBConfig:
                      "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
+            raise ValueError(f"compile_layers={self.compile_layers!r} must be True, False or None (automatic)")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     def _check_layer_options(self) -> None:

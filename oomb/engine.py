@@ -25,7 +25,6 @@ sparse model.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 import torch
@@ -34,7 +33,7 @@ from tqdm.auto import tqdm
 from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.variants import check_backend_supports
-from .compiled_layers import compile_decoder_layers
+from .compiled_layers import compile_layers_by_default, compiled_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients
@@ -134,8 +133,7 @@ def forward_backward(
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
-    if os.environ.get("OOMB_COMPILE_LAYERS", "0") not in ("", "0"):  # experiment: fused elementwise kernels
-        compile_decoder_layers(decoder)
+    compile_layers = compile_layers_by_default(config, device, parallel, causal_lm)
     lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
@@ -162,7 +160,7 @@ def forward_backward(
     rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
     accumulator = None
     try:
-        with oomb_attention(causal_lm):
+        with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers):
             # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
             # same dropout masks (e.g. LoRA dropout) and recomputes exactly what stage 1 stored.
             rng_states = []

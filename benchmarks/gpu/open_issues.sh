@@ -51,6 +51,8 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   compiled_checks  issues 18/23: with compiled layers the default on CUDA: the GPU engine tests (bf16 gradients no
+#                    worse than HF's, determinism) and the compiled-layers GPU test, then resident_1m_chosen again
 #   compiled_layers  issues 18/23: the 128K sparse-defaults and dense steps with the chooser's plan, decoder layers
 #                    compiled (OOMB_COMPILE_LAYERS=1: fused norms, rotary, SiLU, adds; attention outside the graph)
 #                    and then the sparse step eager, in one call
@@ -172,6 +174,11 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    compiled_checks)
+      run 240 compiled_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
+          tests/test_compiled_layers.py
+      run 280 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
     compiled_layers)
       (export OOMB_COMPILE_LAYERS=1
        run 330 compiled_layers python -m oomb bench --modes sparse dense --contexts 128K --chosen \

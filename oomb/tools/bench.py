@@ -79,6 +79,8 @@ class BenchOptions:
     """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
     recompute_logits: bool = True
+    compile_layers: bool | None = None
+    """OOMBConfig.compile_layers (None: on for a CUDA step of a model without experts, off on a CPU)."""
     offload_resident_layers: int = 0
     """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
     `oomb train` chooses how many fit)."""
@@ -137,11 +139,17 @@ class BenchOptions:
             return "triton"
         return name
 
+    def compiled_layers_for(self, shape: ModelShape) -> bool:
+        """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
+        if self.compile_layers is not None:
+            return self.compile_layers
+        return torch.device(self.device).type == "cuda" and not self.deterministic and not shape.num_experts
+
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           backend=self.backend, deterministic=self.deterministic,
                           checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
-                          offload_resident_layers=self.offload_resident_layers,
+                          compile_layers=self.compile_layers, offload_resident_layers=self.offload_resident_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
@@ -415,6 +423,7 @@ def new_report(options: BenchOptions, shape: ModelShape) -> dict:
             "hf": MODES["hf"].description,
             "options": {**dataclasses.asdict(options), "max_seconds": str(options.max_seconds)},
             "backend": options.backend_for(shape),
+            "compiled_layers": options.compiled_layers_for(shape),
         },
         "modes": {m: {"status": "implemented" if is_implemented(m) else "planned", "description": MODES[m].description}
                   for m in options.modes},
@@ -604,6 +613,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--no-recompute-logits keeps the chunk's log-probabilities for the backward instead of "
                              "recomputing each loss slice's logits (more memory: chunk x vocabulary x 4 bytes; one "
                              "LM-head forward less); default on; with --chosen unset: the chooser's")
+    parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
+                        help="oomb modes: compile each decoder layer (fused norms, rotary, SiLU, adds; attention "
+                             "outside the graph); default: on for CUDA (models without experts), off on a CPU")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
@@ -643,7 +655,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    for name in ("checkpoint_layers", "recompute_logits"):
+    for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.chosen:

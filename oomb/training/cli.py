@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="oomb.offload_resident_layers")
     group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
                        help="oomb.checkpoint_layers (layer replay in backward)")
+    group.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
+                       help="oomb.compile_layers: compile each decoder layer for the step (default: on for CUDA, "
+                            "models without experts; off on a CPU)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                        help="oomb.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
     group.add_argument("--no-auto-config", action="store_true",
@@ -75,7 +78,8 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.page_size", args.page_size), ("oomb.backend", args.backend),
              ("oomb.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload", args.offload),
              ("oomb.offload_resident_layers", args.resident_layers),
-             ("oomb.checkpoint_layers", args.checkpoint_layers), ("oomb.deterministic", args.deterministic)]
+             ("oomb.checkpoint_layers", args.checkpoint_layers), ("oomb.compile_layers", args.compile_layers),
+             ("oomb.deterministic", args.deterministic)]
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
