@@ -26,12 +26,33 @@ COMPILED_CALL = "_compiled_call_impl"
 
 def compile_layers_by_default(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
     """OOMBConfig.compile_layers resolved: the user's choice, else on for a single-process CUDA step of a
-    model without experts that does not ask for bitwise determinism."""
-    if config.compile_layers is not None:
-        return config.compile_layers
+    model without experts that does not ask for bitwise determinism. Never with layer replay while a
+    dropout is active: a compiled layer replays its checkpoint inside the graph, where dropout draws other
+    masks than the stage-1 graph did (tests/test_engine.py::test_lora_dropout_is_replayed_in_stage_two)."""
+    if config.compile_layers is False:
+        return False
+    dropout = active_dropout(causal_lm) if config.checkpoint_layers else None
+    if dropout is not None:
+        if config.compile_layers:
+            raise ValueError(
+                f"compile_layers=True with checkpoint_layers=True and an active dropout ({dropout}): "
+                "compiled layers replayed in backward draw other dropout masks than stage 1 used, so stage 2 would "
+                "not recompute the stored keys and values; set checkpoint_layers=False, compile_layers=False, or "
+                "dropout to 0")
+        return False
+    if config.compile_layers:
+        return True
     experts = getattr(causal_lm.config, "num_experts", None) or getattr(causal_lm.config, "num_local_experts", None)
     return (device.type == "cuda" and not config.deterministic and parallel.mesh is None and not experts
             and hasattr(nn.Module, "compile"))
+
+
+def active_dropout(model: nn.Module) -> str | None:
+    """The name of a dropout module of ``model`` that drops something now (training mode, p > 0), else None."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+            return name
+    return None
 
 
 def decoder_layers(decoder: nn.Module) -> list[nn.Module]:

@@ -131,7 +131,8 @@ class OOMBConfig:
     graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
     memory (7B shape, 128K sparse step on the H200: 23.48 s instead of 25.39 s, 57.2 instead of 64.3 GiB).
     The first step compiles (about 25 s there). Gradients match the eager layers' to rounding, not bit for
-    bit. None: on for a single-process CUDA step of a model without experts unless deterministic=True;
+    bit. None: on for a single-process CUDA step of a model without experts unless deterministic=True,
+    or layer replay meets an active dropout (compiled replay draws other masks; True is refused then);
     off on a CPU, where compiling costs more than it saves. True/False fix it."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"

@@ -80,6 +80,13 @@ def test_automatic_choice():
     assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
     sharded = ParallelSetup(mesh=object())
     assert compile_layers_by_default(auto, cuda, sharded, model) is False
+    dropping = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, lora_dropout=0.1, target_modules=["v_proj"]))
+    dropping.train()
+    assert compile_layers_by_default(auto, cuda, single, dropping) is False  # replay would redraw the masks
+    no_replay = dataclasses.replace(auto, checkpoint_layers=False)
+    assert compile_layers_by_default(no_replay, cuda, single, dropping) is True
+    dropping.eval()
+    assert compile_layers_by_default(auto, cuda, single, dropping) is True
     moe = build_tiny_model("qwen2")
     moe.config.num_experts = 4
     assert compile_layers_by_default(auto, cuda, single, moe) is False
