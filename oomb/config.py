@@ -129,11 +129,12 @@ class OOMBConfig:
     compile_layers: bool | None = None
     """Compile each decoder layer with torch.compile for the step (oomb's attention stays outside the
     graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
-    memory (7B shape, 128K sparse step on the H200: 23.48 s instead of 25.39 s, 57.2 instead of 64.3 GiB).
-    The first step compiles (about 25 s there). Gradients match the eager layers' to rounding, not bit for
-    bit. None: on for a single-process CUDA step of a model without experts unless deterministic=True,
-    or layer replay meets an active dropout (compiled replay draws other masks; True is refused then);
-    off on a CPU, where compiling costs more than it saves. True/False fix it."""
+    memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
+    instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
+    rounding, not bit for bit. Needs checkpoint_layers=False (with replay, stage 2 would run eager: other
+    rounding, other dropout masks than stage 1). None: on for a single-process CUDA step without layer
+    replay of a model without experts, unless deterministic=True; off on a CPU, where compiling costs
+    more than it saves. True/False fix it."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
     is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
@@ -198,6 +199,10 @@ class OOMBConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
             raise ValueError(f"compile_layers={self.compile_layers!r} must be True, False or None (automatic)")
+        if self.compile_layers and self.checkpoint_layers:
+            raise ValueError("compile_layers=True needs checkpoint_layers=False: a replayed layer runs inside "
+                             "torch.utils.checkpoint, which does not compile, so stage 2 would recompute keys, "
+                             "values and dropout masks differently from the compiled stage 1")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     def _check_layer_options(self) -> None:

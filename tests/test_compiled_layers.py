@@ -21,7 +21,7 @@ norm weight) is O(1)."""
 
 def _step(model, ids, **options):
     model.zero_grad(set_to_none=True)
-    config = oomb.OOMBConfig(chunk_size=128, page_size=32, **options)
+    config = oomb.OOMBConfig(chunk_size=128, page_size=32, checkpoint_layers=False, **options)
     loss = oomb.forward_backward(model, ids, config=config)
     return float(loss), grads(model)
 
@@ -33,8 +33,7 @@ def _assert_close(got: dict, want: dict) -> None:
         assert rel <= TOLERANCE, (name, rel)
 
 
-@pytest.mark.parametrize("options", [{}, {"attention": "sparse", "sparse_budget": 2}, {"checkpoint_layers": False}],
-                         ids=["dense", "sparse", "no-replay"])
+@pytest.mark.parametrize("options", [{}, {"attention": "sparse", "sparse_budget": 2}], ids=["dense", "sparse"])
 def test_compiled_layers_give_the_eager_gradients(options):
     model = build_tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(0))
@@ -68,33 +67,69 @@ def test_a_layer_the_user_compiled_stays_compiled():
     assert getattr(decoder_layers(model.model)[1], COMPILED_CALL, None) is None
 
 
-def test_automatic_choice():
+def test_automatic_choice(monkeypatch):
+    monkeypatch.setattr("oomb.compiled_layers.can_compile", lambda: True)  # as on a CUDA machine with Triton
     model = build_tiny_model("qwen2")
-    auto = oomb.OOMBConfig()
+    auto = oomb.OOMBConfig(checkpoint_layers=False)
     single = ParallelSetup()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert compile_layers_by_default(auto, cuda, single, model) is True
     assert compile_layers_by_default(auto, cpu, single, model) is False  # compiling costs more than it saves there
+    replay = dataclasses.replace(auto, checkpoint_layers=True)  # stage 2 would run eager inside the checkpoint
+    assert compile_layers_by_default(replay, cuda, single, model) is False
     assert compile_layers_by_default(dataclasses.replace(auto, deterministic=True), cuda, single, model) is False
     assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cpu, single, model) is True
     assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
-    sharded = ParallelSetup(mesh=object())
-    assert compile_layers_by_default(auto, cuda, sharded, model) is False
-    dropping = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, lora_dropout=0.1, target_modules=["v_proj"]))
-    dropping.train()
-    assert compile_layers_by_default(auto, cuda, single, dropping) is False  # replay would redraw the masks
-    no_replay = dataclasses.replace(auto, checkpoint_layers=False)
-    assert compile_layers_by_default(no_replay, cuda, single, dropping) is True
-    dropping.eval()
-    assert compile_layers_by_default(auto, cuda, single, dropping) is True
-    moe = build_tiny_model("qwen2")
-    moe.config.num_experts = 4
-    assert compile_layers_by_default(auto, cuda, single, moe) is False
+    assert compile_layers_by_default(auto, cuda, ParallelSetup(mesh=object()), model) is False
+    for experts in ("num_experts", "num_local_experts"):  # qwen3_moe, gpt_oss
+        moe = build_tiny_model("qwen2")
+        setattr(moe.config, experts, 4)
+        assert compile_layers_by_default(auto, cuda, single, moe) is False
+    monkeypatch.setattr("oomb.compiled_layers.can_compile", lambda: False)  # no Triton: stay eager
+    assert compile_layers_by_default(auto, cuda, single, model) is False
 
 
-def test_compile_layers_must_be_a_bool_or_none():
+def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():
     with pytest.raises(ValueError, match="compile_layers='yes' must be True, False or None"):
         oomb.OOMBConfig(compile_layers="yes")
+    with pytest.raises(ValueError, match="compile_layers=True needs checkpoint_layers=False"):
+        oomb.OOMBConfig(compile_layers=True)
+
+
+def test_the_chooser_keeps_replay_off_for_compiled_layers():
+    from oomb.model_shape import ModelShape
+    from oomb.training.autoconfig import Resources, Workload, choose_config
+
+    shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
+    tight = Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True)
+    choice = choose_config(Workload(shape, 4096, 1, torch.bfloat16, optimizer="none"), tight,
+                           {"compile_layers": True})
+    assert choice.config.compile_layers is True and choice.config.checkpoint_layers is False
+
+
+def test_uneven_chunks_and_a_second_step_reuse_the_compiled_code():
+    """A short last chunk compiles once more (its length); a second step compiles nothing new."""
+    model = build_tiny_model("qwen2")
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(2))
+    _, eager = _step(model, ids, compile_layers=False)
+    _, first = _step(model, ids, compile_layers=True)
+    captured = counters["stats"]["calls_captured"]
+    _, second = _step(model, ids, compile_layers=True)
+    assert counters["stats"]["calls_captured"] == captured
+    _assert_close(first, eager)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_layers_are_restored_when_the_step_raises(monkeypatch):
+    model = build_tiny_model("qwen2")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("oomb.engine.chunked_cross_entropy", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        _step(model, torch.randint(0, model.config.vocab_size, (1, 256)), compile_layers=True)
+    assert all(getattr(layer, COMPILED_CALL, None) is None for layer in decoder_layers(model.model))
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
+from ..compiled_layers import can_compile
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
@@ -80,7 +81,7 @@ class BenchOptions:
     checkpoint_layers: bool = True
     recompute_logits: bool = True
     compile_layers: bool | None = None
-    """OOMBConfig.compile_layers (None: on for a CUDA step of a model without experts, off on a CPU)."""
+    """OOMBConfig.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
     offload_resident_layers: int = 0
     """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
     `oomb train` chooses how many fit)."""
@@ -143,7 +144,8 @@ class BenchOptions:
         """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
         if self.compile_layers is not None:
             return self.compile_layers
-        return torch.device(self.device).type == "cuda" and not self.deterministic and not shape.num_experts
+        return (torch.device(self.device).type == "cuda" and not self.checkpoint_layers and not self.deterministic
+                and not shape.num_experts and can_compile())
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
@@ -423,7 +425,6 @@ def new_report(options: BenchOptions, shape: ModelShape) -> dict:
             "hf": MODES["hf"].description,
             "options": {**dataclasses.asdict(options), "max_seconds": str(options.max_seconds)},
             "backend": options.backend_for(shape),
-            "compiled_layers": options.compiled_layers_for(shape),
         },
         "modes": {m: {"status": "implemented" if is_implemented(m) else "planned", "description": MODES[m].description}
                   for m in options.modes},
@@ -553,6 +554,8 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
             info[f"{kind}_seconds"] = event["seconds"]
             if kind == "warmup":
                 info["warmup_tokens"] = event["tokens"]
+                if MODES[mode].attention != "hf":  # as the step resolves OOMBConfig.compile_layers
+                    info["compiled_layers"] = options.compiled_layers_for(shape)
             print(f"{mode:>15} {kind}: {event['seconds']:.1f} s", flush=True)
         elif kind == "start":
             in_flight = event["tokens"]

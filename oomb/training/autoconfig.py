@@ -436,6 +436,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     unknown = sorted(set(fixed) - {f.name for f in dataclasses.fields(OOMBConfig)})
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
+    if fixed.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
+        fixed.setdefault("checkpoint_layers", False)
     base = dataclasses.replace(base or OOMBConfig(), **fixed)
     if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
         base = dataclasses.replace(base, recompute_logits=True)
