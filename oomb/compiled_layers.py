@@ -36,14 +36,20 @@ instead."""
 
 
 def compile_layers_by_default(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
-    """OOMBConfig.compile_layers resolved: the user's choice (True needs checkpoint_layers=False: the config
-    refuses the pair), else on for a single-process CUDA step without layer replay of a model without
-    experts, when torch can compile there (Triton present) and bitwise determinism is not asked for."""
+    """OOMBConfig.compile_layers resolved for this step: ``compiles(...)``, and for the automatic choice
+    also whether torch can compile here (``can_compile``)."""
+    experts = getattr(causal_lm.config, "num_experts", None) or getattr(causal_lm.config, "num_local_experts", None)
+    chosen = compiles(config, device.type == "cuda", bool(experts), parallel.mesh is None)
+    return chosen and (config.compile_layers is True or can_compile())
+
+
+def compiles(config, cuda: bool, experts: bool, single_process: bool = True) -> bool:
+    """The rule of OOMBConfig.compile_layers, without the machine check: the user's choice (True needs
+    checkpoint_layers=False: the config refuses the pair), else on for a single-process CUDA step without
+    layer replay of a model without experts, unless bitwise determinism is asked for."""
     if config.compile_layers is not None:
         return config.compile_layers
-    experts = getattr(causal_lm.config, "num_experts", None) or getattr(causal_lm.config, "num_local_experts", None)
-    return (device.type == "cuda" and not config.checkpoint_layers and not config.deterministic
-            and parallel.mesh is None and not experts and can_compile())
+    return cuda and single_process and not experts and not config.checkpoint_layers and not config.deterministic
 
 
 def can_compile() -> bool:

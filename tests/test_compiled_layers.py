@@ -141,3 +141,19 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients():
         _, eager = _step(model, ids, compile_layers=False, **options)
         _, compiled = _step(model, ids, compile_layers=True, **options)
         _assert_close(compiled, eager)
+
+
+def test_the_plan_says_when_layers_compile():
+    from oomb.model_shape import ModelShape
+    from oomb.training.autoconfig import Resources, Workload, choose_config
+
+    workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.bfloat16,
+                        optimizer="none")
+    roomy = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True))
+    assert not roomy.config.checkpoint_layers and roomy.compiled_layers
+    assert "layers: compiled for the step" in roomy.describe()
+    replay = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True),
+                           {"checkpoint_layers": True})
+    assert not replay.compiled_layers and "layers: compiled" not in replay.describe()
+    on_cpu = choose_config(workload, Resources("cpu", None, 1 << 40))
+    assert not on_cpu.compiled_layers

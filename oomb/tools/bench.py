@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..compiled_layers import can_compile
+from ..compiled_layers import can_compile, compiles
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
@@ -142,10 +142,8 @@ class BenchOptions:
 
     def compiled_layers_for(self, shape: ModelShape) -> bool:
         """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
-        if self.compile_layers is not None:
-            return self.compile_layers
-        return (torch.device(self.device).type == "cuda" and not self.checkpoint_layers and not self.deterministic
-                and not shape.num_experts and can_compile())
+        chosen = compiles(self.oomb_config(), torch.device(self.device).type == "cuda", bool(shape.num_experts))
+        return chosen and (self.compile_layers is True or can_compile())
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
 from ..memory import (
     FP32_BYTES,
@@ -206,6 +207,9 @@ class Choice:
     chosen: Candidate
     fixed: dict = field(default_factory=dict)
     num_layers: int = 0
+    compiled_layers: bool = False
+    """Whether the step compiles its decoder layers (OOMBConfig.compile_layers as a CUDA step without
+    replay resolves it; whether Triton is installed is checked by the step, not here)."""
 
     def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
@@ -214,6 +218,9 @@ class Choice:
                  f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
                  f"relative step time {self.chosen.relative_time:.2f}",
                  f"  why: {self.reason}"]
+        if self.compiled_layers:
+            lines.append("  layers: compiled for the step (no layer replay; the first step compiles them, "
+                         "tens of seconds)")
         if self.runner_up is not None:
             r = self.runner_up
             lines.append(f"  runner-up: {r.summary(num_layers)} (GPU {r.gpu_bytes / GIB:.1f} GiB, host "
@@ -459,8 +466,9 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     if runner_up is not None:  # comparable with the choice: the same last decision
         runner_up = _keep_logits(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
+    compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
-                  workload.shape.num_layers)
+                  workload.shape.num_layers, compiled)
 
 
 def _headline(c: Candidate) -> tuple:
