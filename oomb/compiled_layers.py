@@ -11,7 +11,9 @@ its own kernels.
 Only without layer replay: transformers runs a layer's checkpoint inside its forward, and
 ``torch.utils.checkpoint`` disables compilation for what it runs, so with replay stage 2 would run
 eager while stage 1 ran compiled (keys and values recomputed with other rounding, dropout with other
-masks). The layers are compiled in place with ``nn.Module.compile`` only for the step and restored
+masks). Not with an active dropout either: with bf16 weights on CUDA, stage 2's graphs break at the
+float32-gradient linear layers (fp32_linear.py) and stage 1's do not, so their masks are not shown to
+agree. The layers are compiled in place with ``nn.Module.compile`` only for the step and restored
 afterwards, so a user's own calls of the model (generation, evaluation) run as they did. Compiled code
 is cached by torch per code object: the first step compiles (tens of seconds), later steps reuse it.
 """
@@ -36,20 +38,53 @@ instead."""
 
 
 def compile_layers_by_default(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
-    """OOMBConfig.compile_layers resolved for this step: ``compiles(...)``, and for the automatic choice
-    also whether torch can compile here (``can_compile``)."""
+    """OOMBConfig.compile_layers resolved for this step: ``compiles(...)``; the automatic choice also needs
+    no active dropout and a machine where torch can compile (``can_compile``). Raises for True where the
+    step cannot keep both stages' code the same."""
     experts = getattr(causal_lm.config, "num_experts", None) or getattr(causal_lm.config, "num_local_experts", None)
-    chosen = compiles(config, device.type == "cuda", bool(experts), parallel.mesh is None)
-    return chosen and (config.compile_layers is True or can_compile())
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    if not compiles(config, device.type == "cuda", bool(experts), parallel.mesh is None and not distributed):
+        return False
+    dropout = active_dropout(causal_lm)
+    problem = compile_problem()
+    if config.compile_layers is None:
+        return dropout is None and problem is None and can_compile()
+    if dropout is not None:
+        raise ValueError(f"compile_layers=True with an active dropout ({dropout}): stage 2 must draw the masks "
+                         "stage 1 drew, which is tested for compiled layers only on a CPU in float32; set "
+                         "compile_layers=False (or None), or the dropout to 0")
+    if problem is not None:
+        raise ValueError(f"compile_layers=True: {problem}")
+    return True
 
 
 def compiles(config, cuda: bool, experts: bool, single_process: bool = True) -> bool:
-    """The rule of OOMBConfig.compile_layers, without the machine check: the user's choice (True needs
-    checkpoint_layers=False: the config refuses the pair), else on for a single-process CUDA step without
-    layer replay of a model without experts, unless bitwise determinism is asked for."""
+    """The rule of OOMBConfig.compile_layers without the model's and the machine's checks: the user's
+    choice (True needs checkpoint_layers=False: the config refuses the pair), else on for a single-process
+    CUDA step without layer replay of a model without experts, unless bitwise determinism is asked for."""
     if config.compile_layers is not None:
         return config.compile_layers
     return cuda and single_process and not experts and not config.checkpoint_layers and not config.deterministic
+
+
+def active_dropout(model: nn.Module) -> str | None:
+    """The name of a dropout module of ``model`` that drops something now (training mode, p > 0), else None."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+            return name
+    return None
+
+
+def compile_problem() -> str | None:
+    """Why compiled layers cannot run safely in this process, or None."""
+    dynamo_config = torch._dynamo.config
+    if not hasattr(dynamo_config, "recompile_limit") or not hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        return f"torch {torch.__version__} lacks the recompile limit settings the step sets (torch >= 2.7 has them)"
+    if dynamo_config.suppress_errors:
+        return ("torch._dynamo's suppress_errors is on: a frame that fails to compile would run eager in one stage "
+                "and compiled in the other")
+    return None
 
 
 def can_compile() -> bool:

@@ -132,9 +132,10 @@ class OOMBConfig:
     memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
     instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
     rounding, not bit for bit. Needs checkpoint_layers=False (with replay, stage 2 would run eager: other
-    rounding, other dropout masks than stage 1). None: on for a single-process CUDA step without layer
-    replay of a model without experts, unless deterministic=True; off on a CPU, where compiling costs
-    more than it saves. True/False fix it."""
+    rounding, other dropout masks than stage 1), and is refused while a dropout is active. None: on for a
+    single-process CUDA step without layer replay or active dropout of a model without experts, with
+    Triton installed, unless deterministic=True; off on a CPU, where compiling costs more than it saves.
+    True/False fix it."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
     is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise

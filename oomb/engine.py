@@ -116,6 +116,7 @@ def forward_backward(
     parallel = check_setup(model, parallel, grad_targets, config)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
+    compile_layers = compile_layers_by_default(config, device, parallel, causal_lm)  # may refuse: before any page
     batch, num_tokens = input_ids.shape
     documents = resolve_documents(position_ids, cu_seqlens, (batch, num_tokens), device)
     if documents is not None:
@@ -133,7 +134,6 @@ def forward_backward(
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
-    compile_layers = compile_layers_by_default(config, device, parallel, causal_lm)
     lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 

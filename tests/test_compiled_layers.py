@@ -81,6 +81,18 @@ def test_automatic_choice(monkeypatch):
     assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cpu, single, model) is True
     assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
     assert compile_layers_by_default(auto, cuda, ParallelSetup(mesh=object()), model) is False
+    dropping = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, lora_dropout=0.1, target_modules=["v_proj"]))
+    dropping.train()
+    assert compile_layers_by_default(auto, cuda, single, dropping) is False  # both stages must draw one mask
+    with pytest.raises(ValueError, match="active dropout"):
+        compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cuda, single, dropping)
+    dropping.eval()
+    assert compile_layers_by_default(auto, cuda, single, dropping) is True
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)  # a failed frame would run eager
+    assert compile_layers_by_default(auto, cuda, single, model) is False
+    with pytest.raises(ValueError, match="suppress_errors"):
+        compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cuda, single, model)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
     for experts in ("num_experts", "num_local_experts"):  # qwen3_moe, gpt_oss
         moe = build_tiny_model("qwen2")
         setattr(moe.config, experts, 4)
@@ -108,14 +120,17 @@ def test_the_chooser_keeps_replay_off_for_compiled_layers():
 
 
 def test_uneven_chunks_and_a_second_step_reuse_the_compiled_code():
-    """A short last chunk compiles once more (its length); a second step compiles nothing new."""
+    """A short last chunk compiles once more (its length); a second step compiles nothing new; torch's
+    recompile settings are back to the user's after the step."""
     model = build_tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(2))
+    limit = torch._dynamo.config.recompile_limit
     _, eager = _step(model, ids, compile_layers=False)
     _, first = _step(model, ids, compile_layers=True)
     captured = counters["stats"]["calls_captured"]
     _, second = _step(model, ids, compile_layers=True)
     assert counters["stats"]["calls_captured"] == captured
+    assert torch._dynamo.config.recompile_limit == limit and not torch._dynamo.config.fail_on_recompile_limit_hit
     _assert_close(first, eager)
     assert all(torch.equal(first[name], second[name]) for name in first)
 
@@ -157,3 +172,24 @@ def test_the_plan_says_when_layers_compile():
     assert not replay.compiled_layers and "layers: compiled" not in replay.describe()
     on_cpu = choose_config(workload, Resources("cpu", None, 1 << 40))
     assert not on_cpu.compiled_layers
+
+
+def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defaults(tmp_path):
+    """`oomb train --compile-layers` / `oomb.compile_layers: true` and `oomb bench --compile-layers` fix
+    checkpoint_layers=False (not refused for the replay default); the chooser does not put replay back,
+    not even when nothing fits."""
+    from oomb import cli
+    from oomb.model_shape import ModelShape
+    from oomb.tools import bench
+    from oomb.training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
+    from oomb.training.config import TrainerConfig
+
+    config = TrainerConfig.load(overrides=["oomb.compile_layers=true"])
+    assert config.oomb.compile_layers is True and config.oomb.checkpoint_layers is False
+    assert "checkpoint_layers" not in config.oomb_auto
+    options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--compile-layers"]))
+    assert options.compile_layers is True and options.checkpoint_layers is False
+    shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
+    with pytest.raises(NoConfigFitsError):
+        choose_config(Workload(shape, 1 << 20, 1, torch.bfloat16, optimizer="none"),
+                      Resources("cuda", 1 << 20, 1 << 20, weights_loaded=True), {"compile_layers": True})

@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..compiled_layers import can_compile, compiles
+from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
@@ -143,7 +143,7 @@ class BenchOptions:
     def compiled_layers_for(self, shape: ModelShape) -> bool:
         """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
         chosen = compiles(self.oomb_config(), torch.device(self.device).type == "cuda", bool(shape.num_experts))
-        return chosen and (self.compile_layers is True or can_compile())
+        return chosen and (self.compile_layers is True or (can_compile() and compile_problem() is None))
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
@@ -616,7 +616,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "LM-head forward less); default on; with --chosen unset: the chooser's")
     parser.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
                         help="oomb modes: compile each decoder layer (fused norms, rotary, SiLU, adds; attention "
-                             "outside the graph); default: on for CUDA (models without experts), off on a CPU")
+                             "outside the graph; implies --no-checkpoint-layers); default: on for a CUDA step "
+                             "without layer replay (models without experts, not --deterministic)")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
@@ -659,6 +660,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if values.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
+        values.setdefault("checkpoint_layers", False)
     if args.chosen:
         values.update(chosen=True, given=tuple(name for name in CHOSEN_FIELDS if name in values))
     if "kv_grad_dtype" in values:

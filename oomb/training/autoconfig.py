@@ -219,8 +219,8 @@ class Choice:
                  f"relative step time {self.chosen.relative_time:.2f}",
                  f"  why: {self.reason}"]
         if self.compiled_layers:
-            lines.append("  layers: compiled for the step (no layer replay; the first step compiles them, "
-                         "tens of seconds)")
+            lines.append("  layers: compiled for the step (no layer replay; on one process, without an active "
+                         "dropout; the first step compiles them, tens of seconds)")
         if self.runner_up is not None:
             r = self.runner_up
             lines.append(f"  runner-up: {r.summary(num_layers)} (GPU {r.gpu_bytes / GIB:.1f} GiB, host "
@@ -443,8 +443,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     unknown = sorted(set(fixed) - {f.name for f in dataclasses.fields(OOMBConfig)})
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
-    if fixed.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
-        fixed.setdefault("checkpoint_layers", False)
+    if fixed.get("compile_layers", getattr(base, "compile_layers", None)) is True:
+        fixed["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig.compile_layers)
     base = dataclasses.replace(base or OOMBConfig(), **fixed)
     if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
         base = dataclasses.replace(base, recompute_logits=True)
@@ -538,10 +538,11 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
                      "large (train LoRA adapters, offload the optimizer, or use a larger GPU)")
     if fixed:
-        free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS}
+        tied = {"checkpoint_layers"} if base.compile_layers is True else set()  # compiled layers: no replay
+        free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS and k not in tied}
         if free:
             try:
-                other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in AUTO_FIELDS},
+                other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in free},
                                       dataclasses.replace(base, **{k: getattr(OOMBConfig(), k) for k in free}))
                 lines.append(f"  without the options you set ({', '.join(f'{k}={v!r}' for k, v in free.items())}) "
                              f"it fits: {other.chosen.summary(workload.shape.num_layers)} (GPU "

@@ -258,6 +258,8 @@ class TrainerConfig:
             values = {k: coerce_tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
                       for k, v in values.items()}
             if section_cls is OOMBConfig:
+                if values.get("compile_layers") is True and values.get("checkpoint_layers", "auto") == "auto":
+                    values["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig)
                 auto = tuple(f for f in AUTO_FIELDS if values.get(f, "auto") == "auto")
                 values = {k: v for k, v in values.items() if not (k in AUTO_FIELDS and v == "auto")}
                 sections[name] = OOMBConfig.from_dict(values)
