@@ -62,7 +62,8 @@ def compare_stages(model, ids: torch.Tensor, config: oomb.OOMBConfig) -> dict:
         rows.append({"layer": call.layer, "chunk": call.chunk.index, "equal": bool(torch.equal(k, want_k)
                                                                               and torch.equal(v, want_v)),
                      "max_abs_diff": float(max((k.float() - want_k.float()).abs().max(),
-                                               (v.float() - want_v.float()).abs().max()))})
+                                               (v.float() - want_v.float()).abs().max())),
+                     "max_abs": float(max(want_k.float().abs().max(), want_v.float().abs().max()))})
         return real_attention(q, k, v, call, recompute_cache)
 
     with mock.patch.object(PagedKVStore, "write", recording_write), \
@@ -71,7 +72,8 @@ def compare_stages(model, ids: torch.Tensor, config: oomb.OOMBConfig) -> dict:
         model.zero_grad(set_to_none=True)
         oomb.forward_backward(model, ids, config=config)
     return {"compared": len(rows), "equal": sum(r["equal"] for r in rows),
-            "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0), "rows": rows}
+            "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0),
+            "largest_value": max((r["max_abs"] for r in rows), default=0.0), "rows": rows}
 
 
 def main() -> None:
@@ -97,7 +99,8 @@ def main() -> None:
         arm = compare_stages(model, ids, config)
         report["arms"][name] = arm
         print(f"{name:>8}: {arm['equal']} of {arm['compared']} (layer, chunk) calls recompute stage 1's k, v "
-              f"bit for bit; largest difference {arm['max_abs_diff']:.3g}")
+              f"bit for bit; largest difference {arm['max_abs_diff']:.3g} "
+              f"(largest |k|, |v|: {arm['largest_value']:.3g})")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
