@@ -29,7 +29,8 @@ from oomb import machine  # noqa: E402
 from oomb.kv import PagedKVStore  # noqa: E402
 
 
-def tiny_lora_model(dtype: torch.dtype, device: str, dropout: float) -> torch.nn.Module:
+def tiny_lora_model(dtype: torch.dtype, device: str, dropout: float,
+                    adapters_in_dtype: bool = False) -> torch.nn.Module:
     """A 3-layer Llama with random weights and LoRA (with dropout, B nonzero) on q, k, v, in training mode."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,7 +40,8 @@ def tiny_lora_model(dtype: torch.dtype, device: str, dropout: float) -> torch.nn
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
-                                             target_modules=["q_proj", "k_proj", "v_proj"]))
+                                             target_modules=["q_proj", "k_proj", "v_proj"]),
+                           autocast_adapter_dtype=not adapters_in_dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:  # B starts at zero, where no mask would show in k, v
@@ -83,16 +85,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--dropout", type=float, default=0.3)
+    parser.add_argument("--adapters-in-dtype", action="store_true",
+                        help="LoRA adapters in --dtype (PEFT keeps them float32 by default): trainable bf16 linear "
+                             "layers, which stage 2 swaps for float32-gradient ones (fp32_linear.py)")
     parser.add_argument("--out", help="JSON path (default: print only)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    model = tiny_lora_model(dtype, args.device, args.dropout)
+    model = tiny_lora_model(dtype, args.device, args.dropout, args.adapters_in_dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(1))
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),
               "machine": machine.machine_info(torch.device(args.device)), "dtype": args.dtype,
-              "tokens": args.tokens, "chunk_size": args.chunk_size, "dropout": args.dropout, "arms": {}}
+              "tokens": args.tokens, "chunk_size": args.chunk_size, "dropout": args.dropout,
+              "adapters_in_dtype": args.adapters_in_dtype, "arms": {}}
     for name, compiled in (("eager", False), ("compiled", True)):
         config = oomb.OOMBConfig(chunk_size=args.chunk_size, page_size=64, checkpoint_layers=False,
                                  compile_layers=compiled)
