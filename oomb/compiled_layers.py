@@ -11,9 +11,9 @@ its own kernels.
 Only without layer replay: transformers runs a layer's checkpoint inside its forward, and
 ``torch.utils.checkpoint`` disables compilation for what it runs, so with replay stage 2 would run
 eager while stage 1 ran compiled (keys and values recomputed with other rounding, dropout with other
-masks). Not with an active dropout either: with bf16 weights on CUDA, stage 2's graphs break at the
-float32-gradient linear layers (fp32_linear.py) and stage 1's do not, so their masks are not shown to
-agree. The layers are compiled in place with ``nn.Module.compile`` only for the step and restored
+masks). Not with an active dropout either: with trainable bf16 linear layers (bf16 LoRA adapters), stage
+2's graphs break at the float32-gradient linear layers (fp32_linear.py) and stage 1's do not, and the
+masks differed (benchmarks/compiled_dropout.py). The layers are compiled in place with ``nn.Module.compile`` only for the step and restored
 afterwards, so a user's own calls of the model (generation, evaluation) run as they did. Compiled code
 is cached by torch per code object: the first step compiles (tens of seconds), later steps reuse it.
 """
