@@ -84,9 +84,8 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (after the 2026-12-03 third session): compiled_checks' 1M part (resident_1m_chosen with compiled layers,
 # the default since: issue 23 D2; 215.75 s eager; ~5 min), then offload_staging (23: stage 1 in place against head
-# rows; ~5 min). Compiled layers with an active dropout are refused until a GPU bf16 LoRA-dropout check shows both
-# stages draw the same masks (tests/test_engine.py::test_lora_dropout_is_replayed_in_stage_two's recording, run on
-# CUDA in bf16 with the refusal bypassed). Budget each call's parts from earlier runs: a 1M profile under the
+# rows; ~5 min), and compiled_dropout (~2 min: on the CPU, float32 adapters kept dropout masks equal across the
+# stages and bf16 adapters did not; compiled layers with an active dropout are refused until this is known on CUDA). Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call). Refused starts cost device time too.
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
