@@ -66,7 +66,7 @@ from oomb.tools.bench import (  # noqa: E402
     token_ids,
     warmup_tokens,
 )
-from oomb.tools.bench_choice import chosen_options  # noqa: E402
+from oomb.tools.bench_choice import chosen_for_loaded_model  # noqa: E402
 from oomb.tools.step_floor import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 
 ROWS = PARTS + ("other", "host gaps")
@@ -301,9 +301,7 @@ def _planned(mode: str, options: BenchOptions, tokens: int, model, device: torch
     layers, as `oomb bench --chosen` does for the whole model) from the memory free once it is loaded."""
     if not options.chosen or MODES[mode].attention == "hf":
         return options, None
-    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    choice = chosen_options(mode, dataclasses.replace(options, contexts=[tokens]),
-                            ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes())
+    choice = chosen_for_loaded_model(mode, dataclasses.replace(options, contexts=[tokens]), model, device)
     if choice.too_long:
         raise SystemExit(f"{mode} at {tokens:,} tokens does not fit (the chooser): {choice.why_too_long}")
     return dataclasses.replace(options, **choice.changes), choice.plan

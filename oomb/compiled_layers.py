@@ -27,6 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .models import decoder_layers
+
 COMPILED_CALL = "_compiled_call_impl"
 """The attribute nn.Module.compile sets and nn.Module.__call__ reads (torch >= 2.2)."""
 
@@ -38,7 +40,7 @@ and stage 1 and stage 2 must run the same code (with a dropout, the same masks),
 instead."""
 
 
-def compile_layers_by_default(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
+def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
     """OOMBConfig.compile_layers resolved for this step: ``compiles(...)``; the automatic choice also needs
     no active dropout and a machine where torch can compile (``can_compile``). Raises for True where the
     step cannot keep both stages' code the same."""
@@ -96,13 +98,6 @@ def can_compile() -> bool:
         return bool(torch._dynamo.is_dynamo_supported() and has_triton() and hasattr(nn.Module, "compile"))
     except Exception:  # an older torch without these helpers: stay eager
         return False
-
-
-def decoder_layers(decoder: nn.Module) -> list[nn.Module]:
-    """The decoder's layer modules (transformers' GradientCheckpointingLayer)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 @contextlib.contextmanager

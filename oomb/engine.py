@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.variants import check_backend_supports
-from .compiled_layers import compile_layers_by_default, compiled_layers
+from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients
@@ -116,7 +116,7 @@ def forward_backward(
     parallel = check_setup(model, parallel, grad_targets, config)
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
-    compile_layers = compile_layers_by_default(config, device, parallel, causal_lm)  # may refuse: before any page
+    compile_layers = resolve_compile_layers(config, device, parallel, causal_lm)  # may refuse: before any page
     batch, num_tokens = input_ids.shape
     documents = resolve_documents(position_ids, cu_seqlens, (batch, num_tokens), device)
     if documents is not None:

@@ -237,6 +237,13 @@ def history_start(chunk: ChunkSpan, windows: tuple[int | None, ...], bounds: Map
     return min(0 if b is None else b.history_start(chunk.start, page_size) for b in starts)
 
 
+def decoder_layers(decoder: nn.Module) -> list[nn.Module]:
+    """The decoder's layer modules (transformers' GradientCheckpointingLayer)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 @contextlib.contextmanager
 def layer_checkpointing(decoder: nn.Module, enabled: bool):
     """Switch per-layer recomputation (transformers' GradientCheckpointingLayer) on or off for a stage.
@@ -245,9 +252,7 @@ def layer_checkpointing(decoder: nn.Module, enabled: bool):
     checkpointing switch reads); submodules keep their train/eval state, so dropout is untouched.
     Stage 1 runs with it off: it has no backward, and a user's own checkpointing would only warn.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(decoder)
     saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"), m.training)
              for m in layers]
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)

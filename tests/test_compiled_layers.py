@@ -10,7 +10,8 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 import oomb
-from oomb.compiled_layers import COMPILED_CALL, compile_layers_by_default, decoder_layers
+from oomb.compiled_layers import COMPILED_CALL, resolve_compile_layers
+from oomb.models import decoder_layers
 from oomb.parallel import ParallelSetup
 
 TOLERANCE = 1e-5
@@ -73,32 +74,32 @@ def test_automatic_choice(monkeypatch):
     auto = oomb.OOMBConfig(checkpoint_layers=False)
     single = ParallelSetup()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert compile_layers_by_default(auto, cuda, single, model) is True
-    assert compile_layers_by_default(auto, cpu, single, model) is False  # compiling costs more than it saves there
+    assert resolve_compile_layers(auto, cuda, single, model) is True
+    assert resolve_compile_layers(auto, cpu, single, model) is False  # compiling costs more than it saves there
     replay = dataclasses.replace(auto, checkpoint_layers=True)  # stage 2 would run eager inside the checkpoint
-    assert compile_layers_by_default(replay, cuda, single, model) is False
-    assert compile_layers_by_default(dataclasses.replace(auto, deterministic=True), cuda, single, model) is False
-    assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cpu, single, model) is True
-    assert compile_layers_by_default(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
-    assert compile_layers_by_default(auto, cuda, ParallelSetup(mesh=object()), model) is False
+    assert resolve_compile_layers(replay, cuda, single, model) is False
+    assert resolve_compile_layers(dataclasses.replace(auto, deterministic=True), cuda, single, model) is False
+    assert resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cpu, single, model) is True
+    assert resolve_compile_layers(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
+    assert resolve_compile_layers(auto, cuda, ParallelSetup(mesh=object()), model) is False
     dropping = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, lora_dropout=0.1, target_modules=["v_proj"]))
     dropping.train()
-    assert compile_layers_by_default(auto, cuda, single, dropping) is False  # both stages must draw one mask
+    assert resolve_compile_layers(auto, cuda, single, dropping) is False  # both stages must draw one mask
     with pytest.raises(ValueError, match="active dropout"):
-        compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cuda, single, dropping)
+        resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cuda, single, dropping)
     dropping.eval()
-    assert compile_layers_by_default(auto, cuda, single, dropping) is True
+    assert resolve_compile_layers(auto, cuda, single, dropping) is True
     monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)  # a failed frame would run eager
-    assert compile_layers_by_default(auto, cuda, single, model) is False
+    assert resolve_compile_layers(auto, cuda, single, model) is False
     with pytest.raises(ValueError, match="suppress_errors"):
-        compile_layers_by_default(dataclasses.replace(auto, compile_layers=True), cuda, single, model)
+        resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cuda, single, model)
     monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
     for experts in ("num_experts", "num_local_experts"):  # qwen3_moe, gpt_oss
         moe = build_tiny_model("qwen2")
         setattr(moe.config, experts, 4)
-        assert compile_layers_by_default(auto, cuda, single, moe) is False
+        assert resolve_compile_layers(auto, cuda, single, moe) is False
     monkeypatch.setattr("oomb.compiled_layers.can_compile", lambda: False)  # no Triton: stay eager
-    assert compile_layers_by_default(auto, cuda, single, model) is False
+    assert resolve_compile_layers(auto, cuda, single, model) is False
 
 
 def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():

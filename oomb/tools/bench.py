@@ -45,7 +45,7 @@ from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
 from ..models import plain_attention, unwrap_causal_lm
 from ..training import presets
-from .bench_choice import CHOSEN_FIELDS, chosen_options
+from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
 from .step_floor import StepSpec, step_work
@@ -330,9 +330,7 @@ def _run_mode(mode: str, options: BenchOptions, deadline: float, emit) -> None:
     emit({"event": "init", "seconds": round(time.perf_counter() - start, 2)})
     too_long: tuple[int, ...] = ()
     if options.chosen and MODES[mode].attention != "hf":
-        gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        choice = chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free,
-                                machine.host_free_bytes())
+        choice = chosen_for_loaded_model(mode, options, model, device)
         options = dataclasses.replace(options, **choice.changes)
         too_long = choice.too_long
         emit({"event": "chosen", "options": choice.changes, "plan": choice.plan})

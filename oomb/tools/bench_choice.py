@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import machine
 from ..memory import GIB
 from ..model_shape import ModelShape
 from ..training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
@@ -68,3 +69,10 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
                 f"{' (longer contexts: nothing fits)' if too_long else ''}")
         return BenchChoice(changes, plan, tuple(sorted(too_long)), why)
     return BenchChoice({}, "nothing fits any context", tuple(sorted(too_long)), why)
+
+
+def chosen_for_loaded_model(mode: str, options, model, device: torch.device) -> BenchChoice:
+    """``chosen_options`` for ``model`` once its weights are on ``device``: from the GPU memory free now (None
+    on a CPU) and the host memory free now."""
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes())
