@@ -51,6 +51,7 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   compiled_1m      issue 23: compiled_checks' 1M part alone (D2 with compiled layers; eager 215.75 s, 270 s wall)
 #   compiled_dropout issues 18/23: benchmarks/compiled_dropout.py on CUDA (bf16, LoRA dropout 0.3; float32 adapters,
 #                    then bf16 adapters): do compiled layers recompute stage 1's keys, values and masks in stage 2?
 #   compiled_gpu_tests issues 18/23: compiled_checks' GPU tests alone (bf16 gradient error vs HF with compiled
@@ -180,6 +181,9 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    compiled_1m)
+      run 340 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
     compiled_dropout)
       run 70 compiled_dropout python benchmarks/compiled_dropout.py --device cuda --dtype bfloat16 --dropout 0.3 \
           --out "$OUT/compiled_dropout_bf16_p03_h200.json"
