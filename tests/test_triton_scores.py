@@ -69,12 +69,14 @@ def test_exact_scores_kernel_refuses_what_it_cannot_score():
         triton_scores.exact_page_scores(q, torch.zeros(4, 1, 16, 16), table, 16, 0.25, row_stride=0)
 
 
-@pytest.mark.parametrize("length", [32, 29])
-def test_listed_pages_kernel_matches_the_rerank_reference(length):
+@pytest.mark.parametrize("length,P", [(32, 16), (29, 16), (61, 32)])
+def test_listed_pages_kernel_matches_the_rerank_reference(length, P):
     """score="rerank": probabilities over each block's listed candidate pages (normaliser: those pages
-    and the chunk, causal), scattered into the history's columns, -1 elsewhere."""
-    B, Hkv, G, D, P = 2, 2, 3, 24, 16
-    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=80, length=length, dtype=torch.float32, seed=2)
+    and the chunk, causal), scattered into the history's columns, -1 elsewhere. Pages of 32 take two key
+    tiles each under the interpreter (a page's log-mass is folded over its tiles)."""
+    B, Hkv, G, D = 2, 2, 3, 24
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=5 * P, length=length, dtype=torch.float32,
+                                         seed=2)
     gen = torch.Generator().manual_seed(4)
     n_blocks = -(-length // P)
     candidates = torch.stack([torch.randperm(5, generator=gen)[:3].sort().values
@@ -90,14 +92,18 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length):
     store.free_all()
 
 
-@pytest.mark.parametrize("with_previous", [True, False], ids=["previous_page", "no_previous"])
-def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, monkeypatch):
+@pytest.mark.parametrize("with_previous,P", [(True, 16), (False, 16), (True, 32)],
+                         ids=["previous_page", "no_previous", "previous_page_of_two_tiles"])
+def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, monkeypatch):
     """Leak-free rerank: block j scored by the page of queries before it and its first query, each seeing
-    the keys at or before it (the last history page causally, for the previous chunk's queries)."""
-    B, Hkv, G, D, P = 2, 2, 3, 24, 16
-    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=80, length=45, dtype=torch.float32, seed=3)
+    the keys at or before it (the last history page causally, for the previous chunk's queries; at pages
+    of 32 its second key tile is hidden from some of those rows)."""
+    B, Hkv, G, D = 2, 2, 3, 24
+    length = 45 if P == 16 else 90
+    store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=5 * P, length=length, dtype=torch.float32,
+                                         seed=3)
     gen = torch.Generator().manual_seed(5)
-    n_blocks = -(-45 // P)
+    n_blocks = -(-length // P)
     candidates = torch.stack([torch.cat([torch.randperm(4, generator=gen)[:2].sort().values, torch.tensor([4])])
                               for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 3)
     candidates = candidates.to(DEVICE, torch.int32)

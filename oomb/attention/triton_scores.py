@@ -161,20 +161,41 @@ def _exact_scores_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     scratch_row = scratch_ptr + pid_bh.to(tl.int64) * stride_sbh + (j - first_block).to(tl.int64) * stride_sj + local
-    if LISTED:
-        for i in range(0, num_history):
-            first_key = tl.load(list_row_ptr + i) * PAGE_SIZE
-            m_p = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_p = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for slot in range(0, PAGE_SIZE, BLOCK_N):
-                s = _scaled_logits(q, k_base, table_row_ptr, first_key + slot, offs_n, offs_d, d_ok, qk_scale,
-                                   stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)
-                if LEAK_FREE:  # rows of the previous chunk's last page see that page up to themselves
-                    s = tl.where((first_key + slot + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
-                m_p, l_p = _online_lse(m_p, l_p, s)  # finite: every row sees a listed page's first key
-            tl.store(scratch_row + i * stride_si, m_p + tl.log2(l_p))  # the row's base-2 log-mass on the page
-            m_new = tl.maximum(m_i, m_p)  # the page folded into the row's running log-sum-exp
-            l_i = l_i * tl.exp2(m_i - m_new) + l_p * tl.exp2(m_p - m_new)
+    if LISTED:  # one flat loop over the listed pages' key tiles; each tile's key rows are found one
+        # iteration ahead, so its load depends on no load of its own iteration and runs stages ahead
+        TILES_PER_PAGE: tl.constexpr = PAGE_SIZE // BLOCK_N
+        n_tiles = num_history * TILES_PER_PAGE
+        m_p = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+        next_first = tl.load(list_row_ptr) * PAGE_SIZE
+        next_rows = _key_offsets(table_row_ptr, next_first, offs_n, offs_n < BLOCK_N, stride_kp, stride_kt,
+                                 PAGE_SIZE, BLOCK_N, False)
+        for t in range(0, n_tiles):
+            slot = t % TILES_PER_PAGE
+            first_key = next_first
+            k_rows = next_rows
+            ahead = tl.minimum(t + 1, n_tiles - 1)
+            next_first = tl.load(list_row_ptr + ahead // TILES_PER_PAGE) * PAGE_SIZE + (ahead % TILES_PER_PAGE) * BLOCK_N
+            next_rows = _key_offsets(table_row_ptr, next_first, offs_n, offs_n < BLOCK_N, stride_kp, stride_kt,
+                                     PAGE_SIZE, BLOCK_N, False)
+            k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n < BLOCK_N, d_ok, False,
+                           EVEN_D)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if LEAK_FREE:  # rows of the previous chunk's last page see that page up to themselves
+                s = tl.where((first_key + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_p = tl.where(slot == 0, float("-inf"), m_p)  # a page's first tile starts its log-mass afresh
+            l_p = tl.where(slot == 0, 0.0, l_p)
+            m_pn = tl.maximum(m_p, tl.max(s, 1))  # finite: every row sees a listed page's first key
+            l_t = tl.sum(tl.exp2(s - m_pn[:, None]), 1)
+            l_p = l_p * tl.exp2(m_p - m_pn) + l_t
+            m_p = m_pn
+            # the row's base-2 log-mass on the page, stored after the page's last tile
+            tl.store(scratch_row + (t // TILES_PER_PAGE) * stride_si, m_p + tl.log2(l_p),
+                     mask=(local >= 0) & (slot == TILES_PER_PAGE - 1))
+            m_new = tl.maximum(m_i, m_pn)  # the tile folded into the row's running log-sum-exp
+            l_i = l_i * tl.exp2(m_i - m_new) + l_t * tl.exp2(m_pn - m_new)
             m_i = m_new
         own_first = query_start
     else:
@@ -197,10 +218,15 @@ def _exact_scores_kernel(
     # Pass 2: per history (listed) page, each row's probability there; the tile's largest, max-folded
     # into out (atomics of a max: the result does not depend on the programs' order).
     out_row = out_ptr + b * stride_ob + kvh.to(tl.int64) * stride_oh + j.to(tl.int64) * stride_oj
-    for i in range(0, num_history):
-        if LISTED:  # the log-mass this program stored in pass 1
-            mass = tl.exp2(tl.load(scratch_row + i * stride_si) - lse2)
-        else:
+    if LISTED:  # the log-masses this program stored in pass 1, a (rows x BLOCK_N pages) tile at a time
+        for first in range(0, num_history, BLOCK_N):
+            listed = first + offs_n
+            log_mass = tl.load(scratch_row[:, None] + listed[None, :] * stride_si,
+                               mask=row_ok[:, None] & (listed < num_history)[None, :], other=float("-inf"))
+            mass = tl.exp2(log_mass - lse2[:, None])
+            tl.atomic_max(out_row + listed, tl.max(mass, 0), mask=listed < num_history)
+    else:
+        for i in range(0, num_history):
             first_key = i * PAGE_SIZE
             mass = tl.zeros([BLOCK_M], dtype=tl.float32)
             for slot in range(0, PAGE_SIZE, BLOCK_N):
@@ -208,7 +234,7 @@ def _exact_scores_kernel(
                                    stride_kp, stride_kt, stride_kd, PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST,
                                    DOT_PRECISION)
                 mass += tl.sum(tl.exp2(s - lse2[:, None]), 1)
-        tl.atomic_max(out_row + i, tl.max(tl.where(row_ok, mass, 0.0)))
+            tl.atomic_max(out_row + i, tl.max(tl.where(row_ok, mass, 0.0)))
 
 
 def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
