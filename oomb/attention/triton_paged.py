@@ -256,6 +256,31 @@ def _cap(x, SOFTCAP: tl.constexpr):
 # Forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW: tl.constexpr, DOCS: tl.constexpr):
+    """A key tile's key indices and which of them may be read: keys < key_hi, with WINDOW also >= key_lo,
+    with DOCS also >= the tile's earliest row document start (keys before it are not even loaded)."""
+    keys = start_n + offs_n
+    if WINDOW:
+        key_ok = (keys >= key_lo) & (keys < key_hi)
+    else:
+        key_ok = keys < key_hi
+    if DOCS:
+        key_ok = key_ok & (keys >= tl.min(doc_start, 0))
+    return keys, key_ok
+
+
+@triton.jit
+def _kv_rows(table_row_ptr, start_n, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt, stride_vp, stride_vt,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+             DOCS: tl.constexpr):
+    """The pool offsets of key tile start_n's keys and values (_key_offsets for both)."""
+    _, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N, MASKED)
+    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+    return k_rows, v_rows
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, lo, hi, key_hi, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
@@ -267,18 +292,18 @@ def _fwd_inner(
     """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
     key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row). SOFTCAP
     (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax."""
+    # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
+    # their own iteration, and Triton keeps them in flight while the previous tile computes.
+    last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
+    ahead = tl.minimum(lo, tl.maximum(hi - 1, 0))  # lo, or with no tile a key whose table entry exists
+    next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
+                              stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS)
     for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n
-        if WINDOW:
-            key_ok = (keys >= key_lo) & (keys < key_hi)
-        else:
-            key_ok = keys < key_hi
-        if DOCS:  # keys before every row's document start are not even loaded (nor their page ids)
-            key_ok = key_ok & (keys >= tl.min(doc_start, 0))
-        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt,
-                              PAGE_SIZE, BLOCK_N, MASKED)
-        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt,
-                              PAGE_SIZE, BLOCK_N, MASKED)
+        keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+        k_rows, v_rows = next_k, next_v
+        next_k, next_v = _kv_rows(table_row_ptr, tl.minimum(start_n + BLOCK_N, last), offs_n, key_lo, key_hi,
+                                  doc_start, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED,
+                                  WINDOW, DOCS)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
         if UPCAST:
@@ -676,18 +701,18 @@ def _dq_inner(
 ):
     """Accumulate dQ of one row tile over key tiles [lo, hi); masks and SOFTCAP as in _fwd_inner, dS
     times the cap's derivative as in _dkdv_inner."""
+    # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
+    # their own iteration, and Triton keeps them in flight while the previous tile computes.
+    last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
+    ahead = tl.minimum(lo, tl.maximum(hi - 1, 0))  # lo, or with no tile a key whose table entry exists
+    next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
+                              stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS)
     for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n
-        if WINDOW:
-            key_ok = (keys >= key_lo) & (keys < key_hi)
-        else:
-            key_ok = keys < key_hi
-        if DOCS:  # keys before every row's document start are not even loaded (nor their page ids)
-            key_ok = key_ok & (keys >= tl.min(doc_start, 0))
-        k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt,
-                              PAGE_SIZE, BLOCK_N, MASKED)
-        v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt,
-                              PAGE_SIZE, BLOCK_N, MASKED)
+        keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+        k_rows, v_rows = next_k, next_v
+        next_k, next_v = _kv_rows(table_row_ptr, tl.minimum(start_n + BLOCK_N, last), offs_n, key_lo, key_hi,
+                                  doc_start, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED,
+                                  WINDOW, DOCS)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
         if UPCAST:

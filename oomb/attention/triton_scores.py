@@ -175,7 +175,8 @@ def _exact_scores_kernel(
             first_key = next_first
             k_rows = next_rows
             ahead = tl.minimum(t + 1, n_tiles - 1)
-            next_first = tl.load(list_row_ptr + ahead // TILES_PER_PAGE) * PAGE_SIZE + (ahead % TILES_PER_PAGE) * BLOCK_N
+            next_first = (tl.load(list_row_ptr + ahead // TILES_PER_PAGE) * PAGE_SIZE
+                          + (ahead % TILES_PER_PAGE) * BLOCK_N)
             next_rows = _key_offsets(table_row_ptr, next_first, offs_n, offs_n < BLOCK_N, stride_kp, stride_kt,
                                      PAGE_SIZE, BLOCK_N, False)
             k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, offs_n < BLOCK_N, d_ok, False,

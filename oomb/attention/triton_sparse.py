@@ -116,6 +116,21 @@ def _page_offsets(table_row_ptr, position, slots, stride_page, stride_slot):
 
 
 @triton.jit
+def _selected_tile(table_row_ptr, sel_row_ptr, t, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile t (clamped to the last; none: page-table position 0) of a row tile's selected pages: its
+    page-table position, slots in the page, and the pool offsets of its keys and values. Looked up a tile
+    ahead of use, so that the K/V loads depend on no load of their own iteration (Triton then keeps them
+    in flight while the previous tile computes)."""
+    TILES: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+    tile = tl.maximum(tl.minimum(t, n_tiles - 1), 0)
+    position = tl.load(sel_row_ptr + tile // TILES, mask=n_tiles > 0, other=0)
+    slots = (tile % TILES) * BLOCK_N + offs_n
+    return (position, slots, _page_offsets(table_row_ptr, position, slots, stride_kp, stride_kt),
+            _page_offsets(table_row_ptr, position, slots, stride_vp, stride_vt))
+
+
+@triton.jit
 def _fwd_pages_inner(
     acc, l_i, m_i, q, k_base, v_base, table_row_ptr, sel_row_ptr, num_selected, qk_scale,
     stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
@@ -126,37 +141,40 @@ def _fwd_pages_inner(
     """Online softmax over every key of the selected history pages (all visible to every row; with
     DOCS only keys at or after each row's document start; SOFTCAP as triton_paged._fwd_inner)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    for s in range(0, num_selected):
-        position = tl.load(sel_row_ptr + s)
-        for start in range(0, PAGE_SIZE, BLOCK_N):
-            slots = start + offs_n
-            slot_ok = slots < PAGE_SIZE
-            k_rows = _page_offsets(table_row_ptr, position, slots, stride_kp, stride_kt)
-            v_rows = _page_offsets(table_row_ptr, position, slots, stride_vp, stride_vt)
-            k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if SOFTCAP > 0:
-                qk, _ = _cap(qk, SOFTCAP)
-            if not EVEN_PAGE:
-                qk = tl.where(slot_ok[None, :], qk, float("-inf"))
+    TILES: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+    n_tiles = num_selected * TILES  # one flat loop over the selected pages' key tiles, each found a tile ahead
+    next_position, next_slots, next_k, next_v = _selected_tile(
+        table_row_ptr, sel_row_ptr, 0, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
+    for t in range(0, n_tiles):
+        position, slots, k_rows, v_rows = next_position, next_slots, next_k, next_v
+        next_position, next_slots, next_k, next_v = _selected_tile(
+            table_row_ptr, sel_row_ptr, t + 1, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt,
+            PAGE_SIZE, BLOCK_N)
+        slot_ok = slots < PAGE_SIZE
+        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
+                       EVEN_D)
+        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
+                       EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk, _ = _cap(qk, SOFTCAP)
+        if not EVEN_PAGE:
+            qk = tl.where(slot_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+        if DOCS:  # a row may see none of the tile (its document starts later): no exp2(-inf + inf)
+            keys = position * PAGE_SIZE + slots
+            qk = tl.where(keys[None, :] >= doc_start[:, None], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_ref = m_new
-            if DOCS:  # a row may see none of the tile (its document starts later): no exp2(-inf + inf)
-                keys = position * PAGE_SIZE + slots
-                qk = tl.where(keys[None, :] >= doc_start[:, None], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -171,34 +189,37 @@ def _dq_pages_inner(
     """Accumulate dQ of one row tile over the keys of its selected history pages (DOCS, SOFTCAP: as the
     forward; dS times the cap's derivative as in triton_paged._dq_inner)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    for s in range(0, num_selected):
-        position = tl.load(sel_row_ptr + s)
-        for start in range(0, PAGE_SIZE, BLOCK_N):
-            slots = start + offs_n
-            slot_ok = slots < PAGE_SIZE
-            k_rows = _page_offsets(table_row_ptr, position, slots, stride_kp, stride_kt)
-            v_rows = _page_offsets(table_row_ptr, position, slots, stride_vp, stride_vt)
-            k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if SOFTCAP > 0:
-                qk, tanh = _cap(qk, SOFTCAP)
-            p = tl.exp2(qk - lse2[:, None])
-            if not EVEN_PAGE:
-                p = tl.where(slot_ok[None, :], p, 0.0)
-            if DOCS:
-                keys = position * PAGE_SIZE + slots
-                p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP > 0:
-                ds = ds * (1.0 - tanh * tanh)
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    TILES: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
+    n_tiles = num_selected * TILES  # one flat loop over the selected pages' key tiles, each found a tile ahead
+    next_position, next_slots, next_k, next_v = _selected_tile(
+        table_row_ptr, sel_row_ptr, 0, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
+    for t in range(0, n_tiles):
+        position, slots, k_rows, v_rows = next_position, next_slots, next_k, next_v
+        next_position, next_slots, next_k, next_v = _selected_tile(
+            table_row_ptr, sel_row_ptr, t + 1, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt,
+            PAGE_SIZE, BLOCK_N)
+        slot_ok = slots < PAGE_SIZE
+        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
+                       EVEN_D)
+        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
+                       EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk, tanh = _cap(qk, SOFTCAP)
+        p = tl.exp2(qk - lse2[:, None])
+        if not EVEN_PAGE:
+            p = tl.where(slot_ok[None, :], p, 0.0)
+        if DOCS:
+            keys = position * PAGE_SIZE + slots
+            p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP > 0:
+            ds = ds * (1.0 - tanh * tanh)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
