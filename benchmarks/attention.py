@@ -234,6 +234,8 @@ def kernel_device(smoke: bool) -> torch.device:
 
 
 def main() -> None:
+    from oomb.machine import git_commit
+
     args = parse_args()
     device = kernel_device(args.smoke)
     import triton
@@ -264,6 +266,7 @@ def main() -> None:
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "workload": {
             "chunk": args.chunk, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,

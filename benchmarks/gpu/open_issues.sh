@@ -51,6 +51,8 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
+#                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
 #   compiled_1m      issue 23: compiled_checks' 1M part alone (D2 with compiled layers; eager 215.75 s, 270 s wall)
 #   compiled_dropout issues 18/23: benchmarks/compiled_dropout.py on CUDA (bf16, LoRA dropout 0.3; float32 adapters,
 #                    then bf16 adapters): do compiled layers recompute stage 1's keys, values and masks in stage 2?
@@ -181,6 +183,20 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    kernel_ab)
+      # the same measurements on the commit before the kernel change (.gpu_carry/old.tar, `git archive
+      # --prefix=old/ <commit>`) and on this one, in one call
+      run 200 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
+          tests/test_triton_paged.py tests/test_triton_sparse.py
+      rm -rf /tmp/old && tar -xf "$ROOT/.gpu_carry/old.tar" -C /tmp
+      for tree in new old; do
+        dir=/tmp/src; [ $tree = old ] && dir=/tmp/old
+        (cd $dir && export PYTHONPATH=$dir OOMB_GIT_COMMIT=$([ $tree = old ] && echo "${OLD_COMMIT:-old}" || echo "$OOMB_GIT_COMMIT")
+         run 100 score_speed_$tree python benchmarks/sparse_score_speed.py --histories 131072 1048576 --strides 1 \
+             --factors 4 --out "$OUT/sparse_score_speed_$tree.json"
+         run 130 attention_$tree python benchmarks/attention.py --histories 32768 131072
+         cp benchmarks/results/attention_h200.json "$OUT/attention_$tree.json")
+      done ;;
     compiled_1m)
       run 340 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
