@@ -189,37 +189,34 @@ def _dq_pages_inner(
     """Accumulate dQ of one row tile over the keys of its selected history pages (DOCS, SOFTCAP: as the
     forward; dS times the cap's derivative as in triton_paged._dq_inner)."""
     EVEN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    TILES: tl.constexpr = (PAGE_SIZE + BLOCK_N - 1) // BLOCK_N
-    n_tiles = num_selected * TILES  # one flat loop over the selected pages' key tiles, each found a tile ahead
-    next_position, next_slots, next_k, next_v = _selected_tile(
-        table_row_ptr, sel_row_ptr, 0, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
-    for t in range(0, n_tiles):
-        position, slots, k_rows, v_rows = next_position, next_slots, next_k, next_v
-        next_position, next_slots, next_k, next_v = _selected_tile(
-            table_row_ptr, sel_row_ptr, t + 1, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt,
-            PAGE_SIZE, BLOCK_N)
-        slot_ok = slots < PAGE_SIZE
-        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
-                       EVEN_D)
-        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
-                       EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SOFTCAP > 0:
-            qk, tanh = _cap(qk, SOFTCAP)
-        p = tl.exp2(qk - lse2[:, None])
-        if not EVEN_PAGE:
-            p = tl.where(slot_ok[None, :], p, 0.0)
-        if DOCS:
-            keys = position * PAGE_SIZE + slots
-            p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP > 0:
-            ds = ds * (1.0 - tanh * tanh)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    for s in range(0, num_selected):
+        position = tl.load(sel_row_ptr + s)
+        for start in range(0, PAGE_SIZE, BLOCK_N):
+            slots = start + offs_n
+            slot_ok = slots < PAGE_SIZE
+            k_rows = _page_offsets(table_row_ptr, position, slots, stride_kp, stride_kt)
+            v_rows = _page_offsets(table_row_ptr, position, slots, stride_vp, stride_vt)
+            k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
+                           EVEN_D)
+            v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
+                           EVEN_D)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk, tanh = _cap(qk, SOFTCAP)
+            p = tl.exp2(qk - lse2[:, None])
+            if not EVEN_PAGE:
+                p = tl.where(slot_ok[None, :], p, 0.0)
+            if DOCS:
+                keys = position * PAGE_SIZE + slots
+                p = tl.where(keys[None, :] >= doc_start[:, None], p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP > 0:
+                ds = ds * (1.0 - tanh * tanh)
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
