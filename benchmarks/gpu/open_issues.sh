@@ -51,6 +51,7 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
 #   compiled_1m      issue 23: compiled_checks' 1M part alone (D2 with compiled layers; eager 215.75 s, 270 s wall)
@@ -183,6 +184,11 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    kernel_tests)
+      run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
+          tests/test_triton_paged.py tests/test_triton_sparse.py
+      run 130 attention python benchmarks/attention.py --histories 32768 131072
+      cp benchmarks/results/attention_h200.json "$OUT/attention_h200.json" ;;
     kernel_ab)
       # the same measurements on the commit before the kernel change (.gpu_carry/old.tar, `git archive
       # --prefix=old/ <commit>`) and on this one, in one call
