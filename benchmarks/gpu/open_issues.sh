@@ -86,11 +86,11 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 third session): compiled_checks' 1M part (resident_1m_chosen with compiled layers,
-# the default since: issue 23 D2; 215.75 s eager; ~5 min), then offload_staging (23: stage 1 in place against head
-# rows; ~5 min), and compiled_dropout (~2 min: on the CPU, float32 adapters kept dropout masks equal across the
-# stages and bf16 adapters did not; compiled layers with an active dropout are refused until this is known on CUDA). Budget each call's parts from earlier runs: a 1M profile under the
-# profiler takes over 200 s per staging (limits of 200 s lost a call). Refused starts cost device time too.
+# Next calls (after the 2026-12-03 fourth session): offload_staging (23: stage 1 in place against head rows; ~5 min);
+# the dense 512K step again (23 D3; ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead
+# (deterministic path; 68.76 s before). Budget each call's parts from earlier runs: a 1M profile under the
+# profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
+# in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
 set -u
 ROOT=$PWD
