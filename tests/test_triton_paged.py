@@ -449,3 +449,49 @@ def test_gpu_softcap_fp32_matches_reference_and_repeats_bitwise():
     again = run_capped(triton_paged, low, softcap=5.0)
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+
+
+MARKER = -777777
+"""A page id no table holds: put where a kernel must not read (past a table's width, before its window)."""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="instruments the Triton interpreter's loads")
+@pytest.mark.parametrize("P,Lq,key_range", [(8, 20, (0, 8)), (8, 20, (24, 32)), (16, 20, (16, 32)), (8, 5, None)],
+                         ids=["P8-first-window", "P8-last-window", "P16-window", "P8-short-chunk"])
+def test_forward_reads_no_page_table_entry_it_does_not_need(P, Lq, key_range, monkeypatch):
+    """The forward looks each tile's pages up a tile ahead; a call that visits no tile (an empty range, as
+    windows and short chunks make) must still read no table entry outside its window or past the table's
+    width (offload's window tables are exactly that wide). Every int32 load the interpreter makes is checked
+    for MARKER."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if not hasattr(builder, "create_masked_load"):
+        pytest.skip("this Triton's interpreter has no create_masked_load to instrument")
+    seen = []
+    original = builder.create_masked_load
+
+    def recording_load(self, ptrs, mask, other, *args, **kwargs):
+        loaded = original(self, ptrs, mask, other, *args, **kwargs)
+        if loaded.data.dtype == np.int32:
+            seen.append(bool(np.any((loaded.data == MARKER) & np.broadcast_to(mask.data, loaded.data.shape))))
+        return loaded
+
+    monkeypatch.setattr(builder, "create_masked_load", recording_load)
+    B, Hq, Hkv, D, history = 1, 2, 1, 16, 32 if key_range else 0
+    gen = torch.Generator().manual_seed(7)
+    pages = (history + Lq + P - 1) // P
+    k_pool, v_pool = (torch.randn(pages + 2, Hkv, P, D, generator=gen) for _ in range(2))
+    ids = torch.randperm(pages + 2, generator=gen)[:pages].reshape(B, pages).to(torch.int32)
+    q = torch.randn(B, Hq, Lq, D, generator=gen)
+    lo, hi = key_range or (0, history + Lq)
+    width = -(-hi // P)
+    padded = torch.full((B, width + 4), MARKER, dtype=torch.int32)  # past the width: MARKER
+    padded[:, :width] = ids[:, :width]
+    padded[:, :lo // P] = MARKER  # before the window: MARKER
+    kwargs = dict(key_range=key_range, out_dtype=torch.float32) if key_range else {}
+    got = triton_paged.paged_attention_forward(q, k_pool, v_pool, padded[:, :width], history, D ** -0.5, **kwargs)
+    want = reference.paged_attention_forward(q, k_pool, v_pool, ids, history, D ** -0.5, **kwargs)
+    assert seen and not any(seen)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=2e-5)

@@ -190,18 +190,24 @@ _DELTA_BLOCK_M = 64  # rows per program of the elementwise rowsum(dO * O)
 @triton.jit
 def _key_offsets(
     table_row_ptr, start_n, offs_n, key_ok, stride_page, stride_slot,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, tile_ok=True,
+    GUARD: tl.constexpr = False,
 ):
     """int64 (BLOCK_N,) offsets into a pool of keys start_n + offs_n of one sequence.
 
     A one-page tile always holds a key the caller reads, so its page id is one the caller may read."""
     if PAGE_SIZE % BLOCK_N == 0:
         # The tile lies in one page (start_n is a multiple of BLOCK_N): one page-id load.
-        page = tl.load(table_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
+        if GUARD:  # a look-up ahead of a loop that may run no tile: read nothing then
+            page = tl.load(table_row_ptr + start_n // PAGE_SIZE, mask=tile_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
         slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
     else:
         keys = start_n + offs_n
-        if MASK_KEYS:  # keys past the end or outside the window: their table entries may be garbage
+        if GUARD:
+            page = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=key_ok & tile_ok, other=0).to(tl.int64)
+        elif MASK_KEYS:  # keys past the end or outside the window: their table entries may be garbage
             page = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         else:
             page = tl.load(table_row_ptr + keys // PAGE_SIZE).to(tl.int64)
@@ -272,11 +278,13 @@ def _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW: tl.constexpr,
 @triton.jit
 def _kv_rows(table_row_ptr, start_n, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt, stride_vp, stride_vt,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-             DOCS: tl.constexpr):
+             DOCS: tl.constexpr, tile_ok=True, GUARD: tl.constexpr = False):
     """The pool offsets of key tile start_n's keys and values (_key_offsets for both)."""
     _, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N, MASKED)
-    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+    k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N, MASKED,
+                          tile_ok, GUARD)
+    v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED,
+                          tile_ok, GUARD)
     return k_rows, v_rows
 
 
@@ -295,9 +303,8 @@ def _fwd_inner(
     # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
     # their own iteration, and Triton keeps them in flight while the previous tile computes.
     last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
-    ahead = tl.minimum(lo, tl.maximum(hi - 1, 0))  # lo, or with no tile a key whose table entry exists
-    next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
-                              stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS)
+    next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
+                              stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS, lo < hi, True)
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
         k_rows, v_rows = next_k, next_v
