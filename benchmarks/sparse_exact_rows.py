@@ -1,8 +1,11 @@
 """How many queries of a block an exact page score needs: `oomb gradcheck`'s measurement with the exact
 score (max pooling) computed from every ``stride``-th query of each block only (oomb/sparse.py
-exact_block_scores(row_stride=)), so that a fused scoring kernel could score a few rows per block.
+exact_block_scores(row_stride=)), so that a fused scoring kernel could score a few rows per block; with
+``--score rerank`` the default score's exact stage over its candidates (rerank_block_scores(row_stride=)),
+whose cost grows with the rows it scores.
 
     python benchmarks/sparse_exact_rows.py --strides 8 64 --out result.json    # SmolLM2, 8K, budget 15
+    python benchmarks/sparse_exact_rows.py --score rerank --strides 1 2 4 --out result.json
 
 Prints gradcheck's table per stride and writes one JSON (gradcheck's report per stride)."""
 
@@ -19,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import oomb.sparse  # noqa: E402
 from oomb.tools.gradcheck import GradcheckOptions, format_report, run_gradcheck  # noqa: E402
 
-EXACT = oomb.sparse.exact_block_scores
+SCORERS = {"exact": "exact_block_scores", "rerank": "rerank_block_scores"}
 
 
 def main() -> None:
@@ -31,18 +34,21 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--score", choices=sorted(SCORERS), default="exact")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     options = GradcheckOptions(model=args.model, text=args.text, seq_len=args.seq_len, chunk_size=args.chunk_size,
-                               page_size=args.page_size, budgets=[args.budget], scores=["exact"], poolings=["max"],
+                               page_size=args.page_size, budgets=[args.budget], scores=[args.score], poolings=["max"],
                                hf="off")
     reports = {}
+    name = SCORERS[args.score]
+    scorer = getattr(oomb.sparse, name)
     for stride in args.strides:
-        oomb.sparse.exact_block_scores = functools.partial(EXACT, row_stride=stride)
+        setattr(oomb.sparse, name, functools.partial(scorer, row_stride=stride))
         try:
             report = run_gradcheck(options)
         finally:
-            oomb.sparse.exact_block_scores = EXACT
+            setattr(oomb.sparse, name, scorer)
         report["row_stride"] = stride
         report["command"] = "python benchmarks/sparse_exact_rows.py " + " ".join(sys.argv[1:])
         print(f"every {stride}-th query of a block:")

@@ -348,6 +348,7 @@ def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
     options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
     context: ContextShard | None = None, previous: torch.Tensor | None = None, key_pages: torch.Tensor | None = None,
+    row_stride: int = 1,
 ) -> torch.Tensor:
     """The "rerank" score: each row's attention probability on each *candidate* page, normalised over
     the candidates' keys and the row's own chunk (causally), the best row's per block; -1 for pages
@@ -370,6 +371,8 @@ def rerank_block_scores(
         key_pages: where ``candidates``' keys sit in ``page_table`` when not at their own positions
             (offload staged by (page, head) rows, kv/head_rows.py); the scores still go to the candidates.
             Not leak-free (that masks the last history page by its position).
+        row_stride: pool only every row_stride-th query of a block (the last of each group), as
+            exact_block_scores does: what scoring fewer rows costs in accuracy (not leak-free).
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores.
     """
@@ -386,13 +389,15 @@ def rerank_block_scores(
         raise ValueError("the rerank kernel normalises over the keys one process holds: context parallel runs torch")
     if key_pages is not None and options.leak_free:
         raise ValueError("leak-free rerank masks the last history page by its position: key_pages must be None")
+    if row_stride != 1 and options.leak_free:
+        raise ValueError("leak-free rerank scores a block from its P + 1 fixed rows: row_stride must be 1")
     keys_at = candidates if key_pages is None else key_pages
     if kernel:
         from .attention.triton_scores import exact_page_scores
 
         listed = keys_at.to(torch.int32).contiguous()
         scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed,
-                                   leak_free=options.leak_free, previous=previous)
+                                   leak_free=options.leak_free, previous=previous, row_stride=row_stride)
         return _share_over_heads(out.scatter_(3, candidates.long(), scores), options)
     ids = page_table[:, None, None].expand(B, Hkv, n_blocks, -1).gather(3, keys_at.long())
     heads = torch.arange(Hkv, device=q.device)[None, :, None, None]
@@ -416,6 +421,7 @@ def rerank_block_scores(
         rows = q.float().reshape(B, Hkv, G, Lq, D)
         rows = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(B, Hkv, G, n_blocks, P, D)
         row_ok = (torch.arange(n_blocks * P, device=q.device) < Lq).reshape(n_blocks, P)
+        row_ok &= torch.arange(P, device=q.device) % row_stride == row_stride - 1  # the pooled rows
         position = torch.arange(n_blocks * P, device=q.device).reshape(n_blocks, P)
     per_block = B * Hq * R * (M * P + Lq)
     blocks_per_tile = max(1, (4 * SCORE_TILE_ELEMENTS) // max(1, per_block))

@@ -69,11 +69,12 @@ def test_exact_scores_kernel_refuses_what_it_cannot_score():
         triton_scores.exact_page_scores(q, torch.zeros(4, 1, 16, 16), table, 16, 0.25, row_stride=0)
 
 
-@pytest.mark.parametrize("length,P", [(32, 16), (29, 16), (61, 32)])
-def test_listed_pages_kernel_matches_the_rerank_reference(length, P):
+@pytest.mark.parametrize("length,P,row_stride", [(32, 16, 1), (29, 16, 1), (61, 32, 1), (29, 16, 4), (61, 32, 2)])
+def test_listed_pages_kernel_matches_the_rerank_reference(length, P, row_stride):
     """score="rerank": probabilities over each block's listed candidate pages (normaliser: those pages
     and the chunk, causal), scattered into the history's columns, -1 elsewhere. Pages of 32 take two key
-    tiles each under the interpreter (a page's log-mass is folded over its tiles)."""
+    tiles each under the interpreter (a page's log-mass is folded over its tiles); row_stride pools every
+    n-th query of a block only."""
     B, Hkv, G, D = 2, 2, 3, 24
     store, chunk, q = _store_and_queries(B, Hkv, G, D, P, history=5 * P, length=length, dtype=torch.float32,
                                          seed=2)
@@ -85,10 +86,14 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length, P):
     options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=False)
     from oomb.sparse import rerank_block_scores
 
-    want = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options, kernel=False)
-    got = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates, options, kernel=True)
+    args = (q, store.layers[0].k, store.page_table, chunk, candidates, options)
+    want = rerank_block_scores(*args, kernel=False, row_stride=row_stride)
+    got = rerank_block_scores(*args, kernel=True, row_stride=row_stride)
     assert (got == -1).sum() == (want == -1).sum() == B * Hkv * n_blocks * 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if row_stride > 1:  # fewer rows pooled: no score above the all-rows one, some below it
+        every = rerank_block_scores(*args, kernel=False)
+        assert (want <= every + 1e-7).all() and (want < every - 1e-6).any()
     store.free_all()
 
 
@@ -122,6 +127,8 @@ def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, m
                                 SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head",
                                               leak_free=False), kernel=True)
     assert not torch.equal(got, leaky)
+    with pytest.raises(ValueError, match="row_stride must be 1"):
+        rerank_block_scores(*args, kernel=False, previous=previous, row_stride=2)
     with pytest.raises(ValueError, match="leak_free scores listed pages"):
         triton_scores.exact_page_scores(q, store.layers[0].k, store.page_table, chunk.start, D ** -0.5,
                                         leak_free=True)
