@@ -276,11 +276,10 @@ def _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW: tl.constexpr,
 
 
 @triton.jit
-def _kv_rows(table_row_ptr, start_n, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt, stride_vp, stride_vt,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-             DOCS: tl.constexpr, tile_ok=True, GUARD: tl.constexpr = False):
-    """The pool offsets of key tile start_n's keys and values (_key_offsets for both)."""
-    _, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+def _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, tile_ok=True,
+             GUARD: tl.constexpr = False):
+    """The pool offsets of key tile start_n's keys and values (_key_offsets for both; key_ok: _tile_keys')."""
     k_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N, MASKED,
                           tile_ok, GUARD)
     v_rows = _key_offsets(table_row_ptr, start_n, offs_n, key_ok, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED,
@@ -303,14 +302,16 @@ def _fwd_inner(
     # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
     # their own iteration, and Triton keeps them in flight while the previous tile computes.
     last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
-    next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
-                              stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS, lo < hi, True)
+    _, next_ok = _tile_keys(lo, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+    next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+                              PAGE_SIZE, BLOCK_N, MASKED, lo < hi, True)
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
         k_rows, v_rows = next_k, next_v
-        next_k, next_v = _kv_rows(table_row_ptr, tl.minimum(start_n + BLOCK_N, last), offs_n, key_lo, key_hi,
-                                  doc_start, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED,
-                                  WINDOW, DOCS)
+        ahead = tl.minimum(start_n + BLOCK_N, last)
+        _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+        next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+                                  PAGE_SIZE, BLOCK_N, MASKED)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
         if UPCAST:
@@ -712,8 +713,8 @@ def _dq_inner(
     # dQ took 1.19x as long on the H200 (7.47 vs 6.29 ms at 32K of history, benchmarks/attention.py).
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_lo, key_hi, doc_start, stride_kp, stride_kt,
-                                  stride_vp, stride_vt, PAGE_SIZE, BLOCK_N, MASKED, WINDOW, DOCS)
+        k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+                                  PAGE_SIZE, BLOCK_N, MASKED)
         k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
         if UPCAST:
