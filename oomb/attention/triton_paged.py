@@ -232,6 +232,18 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr
 
 
 @triton.jit
+def _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok,
+             MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+    """A key tile's K and V (BLOCK_N, BLOCK_D) at pool offsets k_rows / v_rows (float32 under UPCAST)."""
+    k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASK_ROWS, EVEN_D)
+    v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASK_ROWS, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _tanh(x):
     """tanh(x) = 1 - 2 / (e^(2x) + 1) in float32, from exp2: Triton has no tanh that also runs in the
     interpreter (libdevice's does not). Saturates to +-1 for large |x| (2 / inf = 0, never inf / inf);
@@ -312,11 +324,8 @@ def _fwd_inner(
         _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
         next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
                                   PAGE_SIZE, BLOCK_N, MASKED)
-        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
-        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED, EVEN_D,
+                        UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if SOFTCAP > 0:
             qk, _ = _cap(qk, SOFTCAP)
@@ -715,11 +724,8 @@ def _dq_inner(
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
         k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp, stride_vt,
                                   PAGE_SIZE, BLOCK_N, MASKED)
-        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, key_ok, d_ok, MASKED, EVEN_D)
-        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, key_ok, d_ok, MASKED, EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED, EVEN_D,
+                        UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             qk, tanh = _cap(qk, SOFTCAP)

@@ -77,6 +77,7 @@ from .triton_paged import (
     _document_args,
     _dq_inner,
     _fwd_inner,
+    _load_kv,
     _load_tile,
     _meta,
     _qk_scale,
@@ -151,13 +152,8 @@ def _fwd_pages_inner(
             table_row_ptr, sel_row_ptr, t + 1, n_tiles, offs_n, stride_kp, stride_kt, stride_vp, stride_vt,
             PAGE_SIZE, BLOCK_N)
         slot_ok = slots < PAGE_SIZE
-        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
-                       EVEN_D)
-        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
-                       EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, slot_ok, d_ok, not EVEN_PAGE,
+                        EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             qk, _ = _cap(qk, SOFTCAP)
@@ -196,13 +192,8 @@ def _dq_pages_inner(
             slot_ok = slots < PAGE_SIZE
             k_rows = _page_offsets(table_row_ptr, position, slots, stride_kp, stride_kt)
             v_rows = _page_offsets(table_row_ptr, position, slots, stride_vp, stride_vt)
-            k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, slot_ok, d_ok, not EVEN_PAGE,
-                           EVEN_D)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, slot_ok, d_ok, not EVEN_PAGE,
+                            EVEN_D, UPCAST)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if SOFTCAP > 0:
                 qk, tanh = _cap(qk, SOFTCAP)
