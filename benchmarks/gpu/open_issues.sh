@@ -51,6 +51,8 @@
 #                    18 of 28 layers' pages resident on the GPU, no layer replay), against sparse-offload-rerank-1m
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
+#   profile_1m_chosen issue 23 D1: the 1M chosen plan (compiled, no replay) profiled on 2 layers, one resident and
+#                    one offloaded
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -184,6 +186,12 @@ for part in "$@"; do
       run 480 profile_sparse_offload_1m python benchmarks/profile_step.py --modes sparse+offload --contexts 1M \
           --backend cudnn --query-block-pages 32 --kv-grad-dtype bf16 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_1m_2layers ;;
+    profile_1m_chosen)
+      # D1 for the 1M chosen plan (no replay, log-probabilities recomputed, one selection per chunk, compiled
+      # layers, bf16 page gradients) on 2 layers: one resident, one offloaded, so each kind's cost shows
+      run 330 profile_1m_chosen python benchmarks/profile_step.py --modes sparse+offload --contexts 1M --chosen \
+          --kv-grad-dtype bf16 --recompute-logits --resident-layers 1 --layers 2 --out-dir "$OUT" \
+          --name profile_sparse_offload_chosen_1m_2layers ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
