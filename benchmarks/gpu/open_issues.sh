@@ -53,6 +53,8 @@
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_1m_chosen issue 23 D1: the 1M chosen plan (compiled, no replay) profiled on 2 layers, one resident and
 #                    one offloaded
+#   score_sweep      issues 18/23: rerank's score kernel per launch config, this commit vs .gpu_carry/old.tar's
+#                    autotuned pick, then the score kernel's GPU tests
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -192,6 +194,16 @@ for part in "$@"; do
       run 330 profile_1m_chosen python benchmarks/profile_step.py --modes sparse+offload --contexts 1M --chosen \
           --kv-grad-dtype bf16 --recompute-logits --resident-layers 1 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_chosen_1m_2layers ;;
+    score_sweep)
+      # rerank's listed-page score kernel under each launch config (benchmarks/score_kernel_configs.py), on this
+      # commit and (its autotuned pick only) on .gpu_carry/old.tar; then the score kernel's GPU tests
+      run 260 score_sweep python benchmarks/score_kernel_configs.py --out "$OUT/score_kernel_configs.json"
+      rm -rf /tmp/old && tar -xf "$ROOT/.gpu_carry/old.tar" -C /tmp
+      (cd /tmp/old && export PYTHONPATH=/tmp/old OOMB_GIT_COMMIT=${OLD_COMMIT:-old}
+       cp /tmp/src/benchmarks/score_kernel_configs.py benchmarks/
+       run 90 score_sweep_old python benchmarks/score_kernel_configs.py --autotuned-only \
+           --out "$OUT/score_kernel_configs_old.json")
+      run 200 scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py

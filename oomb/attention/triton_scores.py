@@ -61,6 +61,9 @@ _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb"
             "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si", "first_block"]
 SCRATCH_ELEMENTS = 1 << 24
 """At most this many float32 log-masses (64 MiB) in the listed pages' scratch: launches cover fewer blocks."""
+_SCRATCH_ROWS = 256
+"""The scratch's rows per block are a multiple of this, which every BLOCK_M must divide (a program's tile
+past a block's last row stores there too)."""
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -183,13 +186,15 @@ def _exact_scores_kernel(
                            EVEN_D)
             if UPCAST:
                 k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            # unscaled logits: the maxima are taken before the scale, which then folds into each exponent's
+            # subtraction (one fused multiply-add per logit instead of a multiply and a subtraction)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if LEAK_FREE:  # rows of the previous chunk's last page see that page up to themselves
                 s = tl.where((first_key + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
             m_p = tl.where(slot == 0, float("-inf"), m_p)  # a page's first tile starts its log-mass afresh
             l_p = tl.where(slot == 0, 0.0, l_p)
-            m_pn = tl.maximum(m_p, tl.max(s, 1))  # finite: every row sees a listed page's first key
-            l_t = tl.sum(tl.exp2(s - m_pn[:, None]), 1)
+            m_pn = tl.maximum(m_p, tl.max(s, 1) * qk_scale)  # finite: every row sees a listed page's first key
+            l_t = tl.sum(tl.exp2(s * qk_scale - m_pn[:, None]), 1)
             l_p = l_p * tl.exp2(m_p - m_pn) + l_t
             m_p = m_pn
             # the row's base-2 log-mass on the page, stored after the page's last tile
@@ -293,10 +298,11 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
     else:
         q_rows = q
     listed = pages if pages is not None else out  # an unused pointer when nothing is listed
-    if pages is not None:  # every config's BLOCK_M divides 128, so tiles x BLOCK_M <= rows rounded up to 128
-        per_block = B * Hkv * n_scored * (-(-rows // 128) * 128)
+    if pages is not None:  # every config's BLOCK_M divides _SCRATCH_ROWS: tiles x BLOCK_M <= rows rounded up
+        padded_rows = -(-rows // _SCRATCH_ROWS) * _SCRATCH_ROWS
+        per_block = B * Hkv * n_scored * padded_rows
         blocks_per_launch = max(1, min(n_blocks, SCRATCH_ELEMENTS // per_block))
-        scratch = torch.empty((B * Hkv, blocks_per_launch, n_scored, -(-rows // 128) * 128), dtype=torch.float32,
+        scratch = torch.empty((B * Hkv, blocks_per_launch, n_scored, padded_rows), dtype=torch.float32,
                               device=q.device)
     else:
         blocks_per_launch = n_blocks
