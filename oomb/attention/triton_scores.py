@@ -53,10 +53,11 @@ from .triton_paged import (
     _prune_for_dtype,
 )
 
-# The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits). Tiles of a
-# whole 128-key page ((128, 128, 8, 3), (64, 128, 4, 3)) were tried on the H200: the autotuner kept
-# (128, 64, 8, 3) for the listed pages at the 7B shape (2026-12-02), so they only lengthened the tuning.
-_SCORE_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
+# The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits). The others
+# from benchmarks/score_kernel_configs.py on the H200 (2026-12-03, rerank x4's 256 listed pages per block
+# of the 7B shape): 128 rows on one warpgroup (4 warps) ran fastest, 3.6 ms per chunk at 128K against 4.2
+# for the autotuner's pick of the list before, and (128, 64, 8, 3), first in that list, took 5.1 ms.
+_SCORE_CONFIGS = _configs([(128, 64, 4, 3), (256, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
 _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
             "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si", "first_block"]
 SCRATCH_ELEMENTS = 1 << 24
@@ -186,15 +187,13 @@ def _exact_scores_kernel(
                            EVEN_D)
             if UPCAST:
                 k = k.to(tl.float32)
-            # unscaled logits: the maxima are taken before the scale, which then folds into each exponent's
-            # subtraction (one fused multiply-add per logit instead of a multiply and a subtraction)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if LEAK_FREE:  # rows of the previous chunk's last page see that page up to themselves
                 s = tl.where((first_key + offs_n)[None, :] <= q_pos[:, None], s, float("-inf"))
             m_p = tl.where(slot == 0, float("-inf"), m_p)  # a page's first tile starts its log-mass afresh
             l_p = tl.where(slot == 0, 0.0, l_p)
-            m_pn = tl.maximum(m_p, tl.max(s, 1) * qk_scale)  # finite: every row sees a listed page's first key
-            l_t = tl.sum(tl.exp2(s * qk_scale - m_pn[:, None]), 1)
+            m_pn = tl.maximum(m_p, tl.max(s, 1))  # finite: every row sees a listed page's first key
+            l_t = tl.sum(tl.exp2(s - m_pn[:, None]), 1)
             l_p = l_p * tl.exp2(m_p - m_pn) + l_t
             m_p = m_pn
             # the row's base-2 log-mass on the page, stored after the page's last tile
