@@ -55,6 +55,7 @@
 #                    one offloaded
 #   score_sweep      issues 18/23: rerank's score kernel per launch config, this commit vs .gpu_carry/old.tar's
 #                    autotuned pick, then the score kernel's GPU tests
+#   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -204,6 +205,12 @@ for part in "$@"; do
        run 90 score_sweep_old python benchmarks/score_kernel_configs.py --autotuned-only \
            --out "$OUT/score_kernel_configs_old.json")
       run 200 scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py ;;
+    score_1m)
+      # after the score kernel's new configs: the sweep on this commit, its GPU tests, then compiled_1m
+      run 110 score_sweep python benchmarks/score_kernel_configs.py --out "$OUT/score_kernel_configs.json"
+      run 100 scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py
+      run 330 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
