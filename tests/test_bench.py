@@ -349,3 +349,23 @@ def test_chosen_needs_the_free_gpu_memory_on_cuda():
     shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 2048))
     with pytest.raises(ValueError, match="free GPU memory"):
         chosen_options("sparse", bench.dataclasses.replace(options, device="cuda"), shape, None, 20 << 30)
+
+
+def test_sparse_warmup_reaches_rerank_candidates():
+    """On a GPU the sparse warm-up runs until a chunk's history outgrows the sinks and rerank's candidates
+    (factor x budget pages), so the score kernel is tuned for its largest calls before the timed step; minmax
+    needs the budget only, and a CPU run keeps the given warm-up."""
+    options = bench.BenchOptions(contexts=[131072], warmup_tokens=8192, device="cuda")
+    page, chunk = options.page_size, options.chunk_size
+
+    def covering(pages: int) -> int:
+        return (-(-pages * page // chunk) + 1) * chunk
+
+    config = bench.OOMBConfig()
+    rerank_pages = config.sparse_sink_pages + config.sparse_rerank_factor * config.sparse_budget + 1
+    assert bench.warmup_tokens("sparse", options) == covering(rerank_pages) == 40960
+    minmax = bench.dataclasses.replace(options, sparse_score="minmax")
+    assert bench.warmup_tokens("sparse", minmax) == covering(config.sparse_sink_pages + config.sparse_budget + 1)
+    assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[32768])) == 8192
+    assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, device="cpu")) == 8192
+    assert bench.warmup_tokens("dense", options) == 8192

@@ -133,3 +133,12 @@ def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, m
         triton_scores.exact_page_scores(q, store.layers[0].k, store.page_table, chunk.start, D ** -0.5,
                                         leak_free=True)
     store.free_all()
+
+
+def test_tuning_key_classes_the_scored_pages():
+    """The autotuner tunes per power of two of a call's scored pages, not once per head dim, page size and
+    group: a step's first scoring call (a few dozen pages) must not choose the tiles of its later calls
+    (hundreds)."""
+    assert "tuning_bucket" in triton_scores._exact_scores_kernel.keys
+    assert [triton_scores.tune_bucket(n) for n in (0, 1, 65, 96, 128, 129, 256, 8192)] == \
+        [1, 1, 128, 128, 128, 256, 256, 8192]

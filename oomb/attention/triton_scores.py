@@ -60,7 +60,8 @@ from .triton_paged import (
 # the list before, (64, 64, 4, 3); (128, 64, 8, 3), first in that list, took 5.1 ms.
 _SCORE_CONFIGS = _configs([(128, 128, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 2)])
 _DYNAMIC = ["num_kv_heads", "seq_len", "query_start", "num_history", "stride_tb", "stride_lb", "stride_lh",
-            "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si", "first_block"]
+            "stride_lj", "stride_ob", "stride_oh", "stride_oj", "stride_sbh", "stride_sj", "stride_si", "first_block",
+            "tuning_bucket"]
 SCRATCH_ELEMENTS = 1 << 24
 """At most this many float32 log-masses (64 MiB) in the listed pages' scratch: launches cover fewer blocks."""
 _SCRATCH_ROWS = 128
@@ -100,7 +101,7 @@ def _online_lse(m_i, l_i, s):
     return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED", "LEAK_FREE"],
+@triton.autotune(configs=_SCORE_CONFIGS, key=_TUNING_KEY + ["ROW_STRIDE", "LISTED", "LEAK_FREE", "tuning_bucket"],
                  cache_results=CACHE_TUNING, prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["out_ptr"])  # tuning reruns the kernel: each config's max from zero
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -110,7 +111,7 @@ def _exact_scores_kernel(
     stride_kp, stride_kh, stride_kt, stride_kd,
     stride_tb, stride_lb, stride_lh, stride_lj, stride_ob, stride_oh, stride_oj,
     stride_sbh, stride_sj, stride_si,
-    num_kv_heads, seq_len, query_start, num_history, scale, first_block,
+    num_kv_heads, seq_len, query_start, num_history, scale, first_block, tuning_bucket,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_STRIDE: tl.constexpr, LISTED: tl.constexpr,
     LEAK_FREE: tl.constexpr, NO_PREVIOUS: tl.constexpr, ROWS: tl.constexpr,
@@ -125,7 +126,8 @@ def _exact_scores_kernel(
     previous chunk's last page of queries, then the chunk's (``seq_len`` = P + the chunk's length), and
     block j is scored by the P queries before its first and that first query, each seeing only the keys
     at or before it; NO_PREVIOUS: the first P are copies of query 0 (at its position). ROWS: a block's
-    scoring rows, (P + 1) x GROUP leak-free, else (P / ROW_STRIDE) x GROUP."""
+    scoring rows, (P + 1) x GROUP leak-free, else (P / ROW_STRIDE) x GROUP. ``tuning_bucket`` (unused by the
+    code) is the tuning key's class of the work: tune_bucket(num_history)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -246,6 +248,14 @@ def _exact_scores_kernel(
             tl.atomic_max(out_row + i, tl.max(tl.where(row_ok, mass, 0.0)))
 
 
+def tune_bucket(num_history: int) -> int:
+    """The tuning key's class of a call's scored pages: the next power of two. A program's loop runs over
+    them, and the best tiles for a few dozen pages need not be those for a few hundred; keyed on the head
+    dim, page size and group alone, a step's first scoring call (under 100 listed pages in `oomb bench`'s
+    warm-up) chose the config of every later one (256 listed pages with the defaults)."""
+    return triton.next_power_of_2(max(1, num_history))
+
+
 def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, query_start: int,
                       scale: float, row_stride: int = 1, pages: torch.Tensor | None = None,
                       leak_free: bool = False, previous: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,8 +329,8 @@ def exact_page_scores(q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.T
         _exact_scores_kernel[grid](
             q_rows, k_pool, page_table, listed, out, scratch, *q_rows.stride(), *k_pool.stride(),
             page_table.stride(0), *listed.stride()[:3], *out.stride()[:3], *scratch.stride()[:3], Hkv,
-            q_rows.shape[2], query_start, n_scored, float(scale), first, ROW_STRIDE=row_stride,
-            LISTED=pages is not None, LEAK_FREE=leak_free, NO_PREVIOUS=leak_free and no_previous, ROWS=rows,
-            **_meta(q, Hq, Hkv, D, P),
+            q_rows.shape[2], query_start, n_scored, float(scale), first, tune_bucket(n_scored),
+            ROW_STRIDE=row_stride, LISTED=pages is not None, LEAK_FREE=leak_free,
+            NO_PREVIOUS=leak_free and no_previous, ROWS=rows, **_meta(q, Hq, Hkv, D, P),
         )
     return out

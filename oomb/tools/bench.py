@@ -244,12 +244,16 @@ def make_step(mode: str, options: BenchOptions):
 
 def warmup_tokens(mode: str, options: BenchOptions) -> int:
     """The warm-up step's length: options.warmup_tokens, and in sparse modes long enough that a chunk's
-    history outgrows the sinks and the budget, so the sparse kernels compile and tune before timing
-    (on a GPU, when some context is that long)."""
+    history outgrows the sinks and the budget (with rerank: its candidates, so that the score kernel tunes
+    for its largest calls too; its tuning key is the scored pages' power of two), so the sparse kernels
+    compile and tune before timing (on a GPU, when some context is that long)."""
     config = oomb_config_for(mode, options.oomb_config()) if mode.startswith("sparse") else None
     if config is None or torch.device(options.device).type != "cuda":
         return options.warmup_tokens
-    selecting = (config.sparse_sink_pages + config.sparse_budget + 1) * config.page_size  # history that selects
+    budget = max([config.sparse_budget, *(config.sparse_layer_budgets or [])])
+    if config.resolved_sparse_score == "rerank":
+        budget *= config.sparse_rerank_factor
+    selecting = (config.sparse_sink_pages + budget + 1) * config.page_size  # history that selects
     tokens = (-(-selecting // config.chunk_size) + 1) * config.chunk_size
     return max(options.warmup_tokens, tokens) if max(options.contexts) >= tokens else options.warmup_tokens
 
