@@ -67,6 +67,16 @@ def layer_activation_bytes_per_token(shape: ModelShape, dtype: torch.dtype, moe:
     return saved * dtype.itemsize + mlp + 4 * h * 4  # two RMSNorms keep fp32 inputs and variance
 
 
+def compiled_saving_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
+    """What a compiled dense decoder layer (oomb/compiled_layers.py) keeps less of per token than the eager
+    one: the fused graph recomputes one of the gated MLP's elementwise products and both RMSNorms' float32
+    upcasts of their inputs in the backward instead of saving them. Counted from the saved tensors of a
+    compiled layer (tests/test_activations_compiled.py) and in line with the H200: the 7B shape's 128K and
+    1M sparse steps kept 7.09 and 7.11 GiB less compiled, 66,380 bytes per token and layer at chunk 4096
+    against the 66,560 counted here (compiled-layers-128k, sparse-offload-chosen-compiled-1m)."""
+    return shape.intermediate_size * dtype.itemsize + 2 * shape.hidden_size * FP32_BYTES
+
+
 def all_layers_activation_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
     """layer_activation_bytes_per_token summed over the layers (MoE and dense MLP layers each their own)."""
     moe = shape.moe_layers
@@ -111,8 +121,11 @@ def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, re
     return 0 if recompute_logits else chunk_tokens * batch_size * shape.head_vocab * FP32_BYTES
 
 
-def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype) -> int:
-    """Activations autograd holds for one chunk of ``chunk_tokens`` tokens (batch included) in stage 2."""
+def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype,
+                           compiled: bool = False) -> int:
+    """Activations autograd holds for one chunk of ``chunk_tokens`` tokens (batch included) in stage 2;
+    ``compiled``: the decoder layers run compiled (only without layer replay), and the dense ones keep
+    compiled_saving_bytes_per_token less."""
     per_layer = max_layer_activation_bytes_per_token(shape, dtype) * chunk_tokens
     if config.checkpoint_layers:
         # Layer inputs of every layer are kept, one layer's full activations exist at a time,
@@ -121,4 +134,7 @@ def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBCon
         activations = stored + per_layer + recompute_cache_bytes_per_token(shape, dtype) * chunk_tokens
     else:
         activations = all_layers_activation_bytes_per_token(shape, dtype) * chunk_tokens
+        if compiled:
+            dense_layers = shape.num_layers - shape.moe_layers
+            activations -= dense_layers * compiled_saving_bytes_per_token(shape, dtype) * chunk_tokens
     return activations + paged_backward_workspace_per_token(shape, dtype, config.grad_dtype) * chunk_tokens

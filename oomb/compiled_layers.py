@@ -71,6 +71,13 @@ def compiles(config, cuda: bool, experts: bool, single_process: bool = True) -> 
     return cuda and single_process and not experts and not config.checkpoint_layers and not config.deterministic
 
 
+def may_compile(causal_lm: nn.Module, single_process: bool = True) -> bool:
+    """The conditions of an automatic compile beyond the config (resolve_compile_layers): one process, a
+    machine where torch can compile, and no active dropout. The planner counts compiled layers' activations
+    only where these hold."""
+    return single_process and active_dropout(causal_lm) is None and compile_problem() is None and can_compile()
+
+
 def active_dropout(model: nn.Module) -> str | None:
     """The name of a dropout module of ``model`` that drops something now (training mode, p > 0), else None."""
     for name, module in model.named_modules():

@@ -36,6 +36,7 @@ from .activations import (
     ROUTER_SAVED_FP32_PER_EXPERT,
     all_layers_activation_bytes_per_token,
     chunk_activation_bytes,
+    compiled_saving_bytes_per_token,
     layer_activation_bytes_per_token,
     logits_slice_bytes,
     max_layer_activation_bytes_per_token,
@@ -60,9 +61,9 @@ __all__ = [
     # re-exported from activations
     "FP32_BYTES", "LOGITS_FP32_COPIES", "MOE_ROUTED_ROW_INDEX_BYTES", "MOE_ROUTED_ROW_SAVED_HIDDEN",
     "ROUTER_SAVED_FP32_PER_EXPERT", "all_layers_activation_bytes_per_token", "chunk_activation_bytes",
-    "layer_activation_bytes_per_token", "logits_slice_bytes", "max_layer_activation_bytes_per_token",
-    "mlp_activation_bytes_per_token", "paged_backward_workspace_per_token", "recompute_cache_bytes_per_token",
-    "sdpa_backward_workspace_per_token",
+    "compiled_saving_bytes_per_token", "layer_activation_bytes_per_token", "logits_slice_bytes",
+    "max_layer_activation_bytes_per_token", "mlp_activation_bytes_per_token", "paged_backward_workspace_per_token",
+    "recompute_cache_bytes_per_token", "sdpa_backward_workspace_per_token",
 ]
 
 GIB = 1024**3
@@ -189,6 +190,11 @@ class TrainingSetup:
     chunk (on the GPU, or with offload in its host memory); the busiest one (rank 0, which holds chunk
     0) is planned. Sparse page summaries and selections are kept for every chunk on every rank. Every
     oomb mode; not plain HF."""
+    compiled_layers: bool = False
+    """The step runs its decoder layers compiled (oomb/compiled_layers.py: OOMBConfig.compile_layers as the
+    step resolves it for the machine and the model); they keep fewer activations without layer replay
+    (activations.compiled_saving_bytes_per_token). False counts the eager layers: never less than a step
+    uses."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
@@ -420,7 +426,7 @@ def predict(
         # during stage 2 only the embedding's and norms' gradients pass through a low-precision .grad.
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
         gpu["param grads"] = shape.low_precision_grad_params(trainable) * grad_bytes
-    gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype)
+    gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, setup.compiled_layers)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens)
                           + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits))
     pages = _num_pages(tokens, P, B)  # pages of one layer

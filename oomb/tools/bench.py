@@ -399,8 +399,9 @@ def _mp_context():
 
 
 def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> dict:
-    p = predict(mode, shape, tokens, options.oomb_config(), TrainingSetup(options.dtype, 1, "none"),
-                sparse=options.sparse_assumptions())
+    compiled = MODES[mode].attention != "hf" and options.compiled_layers_for(shape)
+    p = predict(mode, shape, tokens, options.oomb_config(),
+                TrainingSetup(options.dtype, 1, "none", compiled_layers=compiled), sparse=options.sparse_assumptions())
     return {"predicted_gpu_above_weights_gib": round(p.gpu_above_weights / GIB, 3),
             "predicted_host_gib": round(p.host_total / GIB, 3)}
 

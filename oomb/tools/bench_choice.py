@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import machine
+from ..compiled_layers import may_compile
 from ..memory import GIB
 from ..model_shape import ModelShape
 from ..training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
@@ -40,10 +41,12 @@ class BenchChoice:
     why_too_long: str = ""
 
 
-def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int) -> BenchChoice:
+def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int,
+                   may_compile: bool = False) -> BenchChoice:
     """The plan of ``mode`` (``options``: a BenchOptions whose ``given`` names the fields set on the command
     line) for ``gpu_free`` / ``host_free`` bytes free after the weights were loaded (``gpu_free`` None on a
-    CPU), made for the longest context some configuration fits; no changes when none fits."""
+    CPU), made for the longest context some configuration fits; no changes when none fits. ``may_compile``:
+    Workload.may_compile."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
@@ -55,7 +58,8 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     too_long, why = [], ""
     for tokens in sorted(options.contexts, reverse=True):
         try:
-            choice = choose_config(Workload(shape, tokens, 1, options.dtype, optimizer="none"), resources, fixed, base)
+            workload = Workload(shape, tokens, 1, options.dtype, optimizer="none", may_compile=may_compile)
+            choice = choose_config(workload, resources, fixed, base)
         except NoConfigFitsError as err:
             too_long.append(tokens)
             lines = [line.strip() for line in str(err).splitlines()]
@@ -75,4 +79,5 @@ def chosen_for_loaded_model(mode: str, options, model, device: torch.device) -> 
     """``chosen_options`` for ``model`` once its weights are on ``device``: from the GPU memory free now (None
     on a CPU) and the host memory free now."""
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes())
+    return chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes(),
+                          may_compile(model))

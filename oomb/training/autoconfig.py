@@ -136,6 +136,10 @@ class Workload:
     """Exact GPU bytes of optimizer state and master weights (the trainer knows them); None: predicted."""
     fp32_targets: bool = False
     """Chunk gradients go to the caller's fp32 tensors (master weights on the GPU): no fp32 sums."""
+    may_compile: bool = False
+    """The step may compile its decoder layers (compiled_layers.may_compile: one process, a machine that
+    compiles, no active dropout): a candidate whose config then compiles is counted with the compiled
+    layers' activations. False counts every candidate eager (never less than it uses)."""
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.batch_size <= 0:
@@ -268,7 +272,10 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
     sparse = SparseAssumptions.from_config(config)
-    p = predict(mode, workload.shape, workload.seq_len, config, workload.setup(), offload=offload, sparse=sparse)
+    compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
+                and (config.compile_layers is True or workload.may_compile))
+    setup = dataclasses.replace(workload.setup(), compiled_layers=compiled)
+    p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload, sparse=sparse)
     gpu = dict(p.gpu)
     if workload.trainable_params is not None:
         gpu["param grads"], gpu["fp32 grad sums"] = _grad_bytes(workload, config)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import machine
+from ..compiled_layers import may_compile
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
 from ..memory import GIB, estimate_step_memory
@@ -318,7 +319,8 @@ class Trainer(Checkpointing):
             gpu_free, host_free = (int(x) for x in free.tolist())
         workload = Workload(shape, cfg.data.seq_len, 1, self.dtype, cfg.lora.r if cfg.lora.enabled else 0,
                             trainable_params=self.trainable, optimizer_bytes=self._optimizer_bytes(),
-                            fp32_targets=cfg.optim.master_weights and not cfg.optim.offload)
+                            fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
+                            may_compile=may_compile(causal_lm, self.parallel.mesh is None))
         resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
                               int(MEMORY_HEADROOM * host_free), weights_loaded=True,
                               gpu_name=torch.cuda.get_device_name(self.device) if cuda else None)
