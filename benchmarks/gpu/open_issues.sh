@@ -52,7 +52,7 @@
 #   profile_1m       issue 23: where the 1M sparse+offload step (sparse-offload-1m's settings on cuDNN) spends its
 #                    time, on the 7B shape's first 2 layers (the profiler's events at 1M)
 #   profile_1m_chosen issue 23 D1: the 1M chosen plan (compiled, no replay) profiled on 2 layers, one resident and
-#                    one offloaded
+#                    one offloaded (alone in a call: 330 s was not enough on 2026-12-03)
 #   score_sweep      issues 18/23: rerank's score kernel per launch config, this commit vs .gpu_carry/old.tar's
 #                    autotuned pick, then the score kernel's GPU tests
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
@@ -91,9 +91,12 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 fourth session): offload_staging (23: stage 1 in place against head rows; ~5 min);
-# the dense 512K step again (23 D3; ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead
-# (deterministic path; 68.76 s before). Budget each call's parts from earlier runs: a 1M profile under the
+# Next calls (after the 2026-12-03 fifth session): sparse_chosen then compiled_1m in one call (~9 min: do the 128K
+# defaults and the 1M chosen plan gain now that the score kernel tunes per scored-page class, and does the 1M plan
+# with 20 resident layers, which the memory model now allows, fit and run faster than 18?); profile_1m_chosen
+# alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
+# ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead (deterministic path; 68.76 s
+# before; its kernels too tune once per head dim, page size and group: at the warm-up's lengths). Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
@@ -192,7 +195,7 @@ for part in "$@"; do
     profile_1m_chosen)
       # D1 for the 1M chosen plan (no replay, log-probabilities recomputed, one selection per chunk, compiled
       # layers, bf16 page gradients) on 2 layers: one resident, one offloaded, so each kind's cost shows
-      run 330 profile_1m_chosen python benchmarks/profile_step.py --modes sparse+offload --contexts 1M --chosen \
+      run 560 profile_1m_chosen python benchmarks/profile_step.py --modes sparse+offload --contexts 1M --chosen \
           --kv-grad-dtype bf16 --recompute-logits --resident-layers 1 --layers 2 --out-dir "$OUT" \
           --name profile_sparse_offload_chosen_1m_2layers ;;
     score_sweep)
