@@ -84,6 +84,8 @@ def main() -> None:
     from oomb.machine import git_commit
 
     kernel = triton_scores._exact_scores_kernel
+    if any(triton_scores._SCRATCH_ROWS % m for m, *_ in CONFIGS):
+        raise SystemExit(f"every BLOCK_M must divide the scratch's row padding ({triton_scores._SCRATCH_ROWS})")
     kernel._oomb_all_configs = list(kernel.configs)
     timer = Timer(device)
     configs = [None] + ([] if args.smoke or args.autotuned_only else [

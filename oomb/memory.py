@@ -193,8 +193,10 @@ class TrainingSetup:
     compiled_layers: bool = False
     """The step runs its decoder layers compiled (oomb/compiled_layers.py: OOMBConfig.compile_layers as the
     step resolves it for the machine and the model); they keep fewer activations without layer replay
-    (activations.compiled_saving_bytes_per_token). False counts the eager layers: never less than a step
-    uses."""
+    (activations.compiled_saving_bytes_per_token), counted for full fine-tuning with bf16 ``.grad`` and for
+    LoRA with float32 adapters (what this model assumes for LoRA), not where linear layers' gradients go to
+    float32 sums (their graphs break there and keep more). False counts the eager layers: never less than
+    a step uses."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
@@ -426,7 +428,10 @@ def predict(
         # during stage 2 only the embedding's and norms' gradients pass through a low-precision .grad.
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
         gpu["param grads"] = shape.low_precision_grad_params(trainable) * grad_bytes
-    gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, setup.compiled_layers)
+    # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
+    # product is then saved after all, so nothing of the compiled saving is counted there.
+    compiled = setup.compiled_layers and not (config.fp32_grad_accumulation and trainable_low_precision)
+    gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens)
                           + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits))
     pages = _num_pages(tokens, P, B)  # pages of one layer

@@ -11,6 +11,8 @@ from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
 import oomb
 from oomb.activations import chunk_activation_bytes, compiled_saving_bytes_per_token
+from oomb.fp32_linear import float32_weight_gradients
+from oomb.grads import Fp32GradAccumulator
 from oomb.memory import TrainingSetup, predict
 from oomb.model_shape import ModelShape
 from oomb.tools.plan import preset_config
@@ -44,9 +46,10 @@ def _saved_bytes(layer, x, position_embeddings) -> int:
     return sum(storages.values())
 
 
-def test_compiled_layer_saves_what_the_memory_model_counts():
-    """Hidden 256 and intermediate 768 (so that the MLP's and the norms' terms differ), bf16: the compiled
-    layer saves exactly compiled_saving_bytes_per_token less per token than the eager one."""
+def _saving_per_token(fp32_linear_grads: bool) -> tuple[int, ModelShape]:
+    """Bytes per token a compiled layer saves less than the eager one (hidden 256, intermediate 768, so that
+    the MLP's and the norms' terms differ; bf16), with the linear layers' gradients going to float32 sums
+    (fp32_linear.py) or to .grad."""
     config = Qwen2Config(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2,
                          num_hidden_layers=1, vocab_size=64, attn_implementation="oomb_test_uncompiled")
     torch.manual_seed(0)
@@ -54,15 +57,36 @@ def test_compiled_layer_saves_what_the_memory_model_counts():
     layer = model.model.layers[0]
     x = torch.randn(1, TOKENS, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     position_embeddings = model.model.rotary_emb(x, torch.arange(TOKENS)[None])
-    eager = _saved_bytes(layer, x, position_embeddings)
-    torch._dynamo.reset()
-    layer.compile()
-    try:
-        compiled = _saved_bytes(layer, x, position_embeddings)
-    finally:
+    routed = float32_weight_gradients(model, Fp32GradAccumulator(model.parameters(), fp32_linear_grads))
+    with routed as layers:
+        assert bool(layers) == fp32_linear_grads
+        eager = _saved_bytes(layer, x, position_embeddings)
         torch._dynamo.reset()
-    shape = ModelShape.from_hf_config(config)
-    assert eager - compiled == TOKENS * compiled_saving_bytes_per_token(shape, torch.bfloat16)
+        layer.compile()
+        try:
+            compiled = _saved_bytes(layer, x, position_embeddings)
+        finally:
+            torch._dynamo.reset()
+    return (eager - compiled) // TOKENS, ModelShape.from_hf_config(config)
+
+
+def test_compiled_layer_saves_what_the_memory_model_counts():
+    """The compiled layer saves exactly compiled_saving_bytes_per_token less per token than the eager one."""
+    saving, shape = _saving_per_token(fp32_linear_grads=False)
+    assert saving == compiled_saving_bytes_per_token(shape, torch.bfloat16)
+
+
+def test_float32_linear_gradients_are_not_counted():
+    """Where the linear layers' gradients go to float32 sums the compiled graphs break at them and save more
+    (the MLP's product): the compiled layer still saves something, less than the formula, and the memory
+    model counts nothing of it there (never less memory than the step takes)."""
+    saving, shape = _saving_per_token(fp32_linear_grads=True)
+    assert 0 < saving < compiled_saving_bytes_per_token(shape, torch.bfloat16)
+    config = oomb.OOMBConfig(checkpoint_layers=False, fp32_grad_accumulation=True)
+    setup = TrainingSetup(optimizer="none")
+    eager = predict("dense", shape, 4096, config, setup).gpu["activations"]
+    assert predict("dense", shape, 4096, config, dataclasses.replace(setup, compiled_layers=True)).gpu[
+        "activations"] == eager
 
 
 @pytest.mark.parametrize("replay", [False, True])
@@ -79,12 +103,13 @@ def test_chunk_activations_count_compiled_layers_without_replay(replay):
 
 
 def test_predict_and_planner_follow_compiled_layers():
-    """predict's activations term takes TrainingSetup.compiled_layers; the planner counts compiled layers only
-    for a candidate that compiles where Workload.may_compile says the machine and model allow it."""
+    """predict's activations term takes TrainingSetup.compiled_layers (bf16 .grad, as oomb bench runs); the
+    planner counts compiled layers only for a candidate that compiles where Workload.may_compile says the
+    machine and model allow it, and not with float32 gradient targets."""
     from oomb.training.autoconfig import Resources, Workload, predict_candidate
 
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
-    config = oomb.OOMBConfig(attention="sparse", checkpoint_layers=False)
+    config = oomb.OOMBConfig(attention="sparse", checkpoint_layers=False, fp32_grad_accumulation=False)
     setup = TrainingSetup(optimizer="none")
     eager = predict("sparse", shape, 131072, config, setup).gpu["activations"]
     compiled = predict("sparse", shape, 131072, config, dataclasses.replace(setup, compiled_layers=True))
@@ -98,3 +123,6 @@ def test_predict_and_planner_follow_compiled_layers():
     assert predict_candidate(may, gpu, replay).gpu_bytes == predict_candidate(workload, gpu, replay).gpu_bytes
     cpu = Resources("cpu", host_limit=200 * 1024**3)  # compiled layers are a CUDA default
     assert predict_candidate(may, cpu, config).gpu_bytes == predict_candidate(workload, cpu, config).gpu_bytes
+    targets = dataclasses.replace(workload, fp32_targets=True)  # master weights: float32 linear gradients
+    assert predict_candidate(dataclasses.replace(targets, may_compile=True), gpu, config).gpu_bytes \
+        == predict_candidate(targets, gpu, config).gpu_bytes

@@ -353,8 +353,9 @@ def test_chosen_needs_the_free_gpu_memory_on_cuda():
 
 def test_sparse_warmup_reaches_rerank_candidates():
     """On a GPU the sparse warm-up runs until a chunk's history outgrows the sinks and rerank's candidates
-    (factor x budget pages), so the score kernel is tuned for its largest calls before the timed step; minmax
-    needs the budget only, and a CPU run keeps the given warm-up."""
+    (factor x budget pages), so the score kernel is tuned for its largest calls before the timed step; when
+    the contexts are shorter than that, until it outgrows the budget; minmax needs the budget only, and a CPU
+    run keeps the given warm-up."""
     options = bench.BenchOptions(contexts=[131072], warmup_tokens=8192, device="cuda")
     page, chunk = options.page_size, options.chunk_size
 
@@ -364,8 +365,10 @@ def test_sparse_warmup_reaches_rerank_candidates():
     config = bench.OOMBConfig()
     rerank_pages = config.sparse_sink_pages + config.sparse_rerank_factor * config.sparse_budget + 1
     assert bench.warmup_tokens("sparse", options) == covering(rerank_pages) == 40960
+    budget_pages = covering(config.sparse_sink_pages + config.sparse_budget + 1)
     minmax = bench.dataclasses.replace(options, sparse_score="minmax")
-    assert bench.warmup_tokens("sparse", minmax) == covering(config.sparse_sink_pages + config.sparse_budget + 1)
-    assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[32768])) == 8192
+    assert bench.warmup_tokens("sparse", minmax) == budget_pages == 16384
+    assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[32768])) == budget_pages
+    assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[12288])) == 8192
     assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, device="cpu")) == 8192
     assert bench.warmup_tokens("dense", options) == 8192

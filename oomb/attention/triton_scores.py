@@ -68,6 +68,8 @@ _SCRATCH_ROWS = 128
 """The scratch's rows per block are a multiple of this, which every BLOCK_M must divide (a program's tile
 past a block's last row stores there too). Not 256: the 7B shape's 896 rows would become 1024, a
 power-of-two stride between a row's pages, and the kernel ran about 10 % slower on the H200."""
+if any(_SCRATCH_ROWS % config.kwargs["BLOCK_M"] for config in _SCORE_CONFIGS):
+    raise ImportError("every score config's BLOCK_M must divide _SCRATCH_ROWS (the scratch's row padding)")
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -252,7 +254,8 @@ def tune_bucket(num_history: int) -> int:
     """The tuning key's class of a call's scored pages: the next power of two. A program's loop runs over
     them, and the best tiles for a few dozen pages need not be those for a few hundred; keyed on the head
     dim, page size and group alone, a step's first scoring call (under 100 listed pages in `oomb bench`'s
-    warm-up) chose the config of every later one (256 listed pages with the defaults)."""
+    warm-up) chose the config of every later one (257 listed pages with the defaults: 256 candidates and
+    the sink)."""
     return triton.next_power_of_2(max(1, num_history))
 
 

@@ -251,11 +251,13 @@ def warmup_tokens(mode: str, options: BenchOptions) -> int:
     if config is None or torch.device(options.device).type != "cuda":
         return options.warmup_tokens
     budget = max([config.sparse_budget, *(config.sparse_layer_budgets or [])])
-    if config.resolved_sparse_score == "rerank":
-        budget *= config.sparse_rerank_factor
-    selecting = (config.sparse_sink_pages + budget + 1) * config.page_size  # history that selects
-    tokens = (-(-selecting // config.chunk_size) + 1) * config.chunk_size
-    return max(options.warmup_tokens, tokens) if max(options.contexts) >= tokens else options.warmup_tokens
+    factor = config.sparse_rerank_factor if config.resolved_sparse_score == "rerank" else 1
+    for pages in dict.fromkeys((factor * budget, budget)):  # rerank's candidates if the contexts reach them
+        selecting = (config.sparse_sink_pages + pages + 1) * config.page_size  # history that selects
+        tokens = (-(-selecting // config.chunk_size) + 1) * config.chunk_size
+        if max(options.contexts) >= tokens:
+            return max(options.warmup_tokens, tokens)
+    return options.warmup_tokens
 
 
 def token_ids(vocab: int, tokens: int, seed: int, device: torch.device) -> torch.Tensor:

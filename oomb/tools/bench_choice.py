@@ -42,11 +42,11 @@ class BenchChoice:
 
 
 def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int,
-                   may_compile: bool = False) -> BenchChoice:
+                   compile_possible: bool = False) -> BenchChoice:
     """The plan of ``mode`` (``options``: a BenchOptions whose ``given`` names the fields set on the command
     line) for ``gpu_free`` / ``host_free`` bytes free after the weights were loaded (``gpu_free`` None on a
-    CPU), made for the longest context some configuration fits; no changes when none fits. ``may_compile``:
-    Workload.may_compile."""
+    CPU), made for the longest context some configuration fits; no changes when none fits.
+    ``compile_possible``: Workload.may_compile."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
@@ -58,7 +58,7 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     too_long, why = [], ""
     for tokens in sorted(options.contexts, reverse=True):
         try:
-            workload = Workload(shape, tokens, 1, options.dtype, optimizer="none", may_compile=may_compile)
+            workload = Workload(shape, tokens, 1, options.dtype, optimizer="none", may_compile=compile_possible)
             choice = choose_config(workload, resources, fixed, base)
         except NoConfigFitsError as err:
             too_long.append(tokens)

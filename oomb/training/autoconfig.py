@@ -272,8 +272,9 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
     sparse = SparseAssumptions.from_config(config)
+    fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
     compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
-                and (config.compile_layers is True or workload.may_compile))
+                and (config.compile_layers is True or workload.may_compile) and not fp32_linear)
     setup = dataclasses.replace(workload.setup(), compiled_layers=compiled)
     p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload, sparse=sparse)
     gpu = dict(p.gpu)
