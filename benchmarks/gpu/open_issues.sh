@@ -55,6 +55,7 @@
 #                    one offloaded (alone in a call: 330 s was not enough on 2026-12-03)
 #   score_sweep      issues 18/23: rerank's score kernel per launch config, this commit vs .gpu_carry/old.tar's
 #                    autotuned pick, then the score kernel's GPU tests
+#   after_tuning     issues 18/23: sparse_chosen then compiled_1m in one call (~9.5 min)
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
@@ -91,7 +92,7 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 fifth session): sparse_chosen then compiled_1m in one call (~9 min: do the 128K
+# Next calls (after the 2026-12-03 fifth session): after_tuning (sparse_chosen then compiled_1m, ~9.5 min: do the 128K
 # defaults and the 1M chosen plan gain now that the score kernel tunes per scored-page class, and does the 1M plan
 # with 20 resident layers, which the memory model now allows, fit and run faster than 18?); profile_1m_chosen
 # alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
@@ -208,6 +209,13 @@ for part in "$@"; do
        run 90 score_sweep_old python benchmarks/score_kernel_configs.py --autotuned-only \
            --out "$OUT/score_kernel_configs_old.json")
       run 200 scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py ;;
+    after_tuning)
+      # the 128K defaults (HF + sparse, the chooser's plan) and the 1M chosen plan after the score kernel's tuning
+      # key (tune_bucket) and the warm-up that reaches rerank's candidates; the 1M plan keeps 20 layers resident
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k
+      run 330 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
     score_1m)
       # after the score kernel's new configs: the sweep on this commit, its GPU tests, then compiled_1m
       run 110 score_sweep python benchmarks/score_kernel_configs.py --out "$OUT/score_kernel_configs.json"
