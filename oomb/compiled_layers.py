@@ -49,10 +49,10 @@ def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn
         and torch.distributed.get_world_size() > 1
     if not compiles(config, device.type == "cuda", bool(experts), parallel.mesh is None and not distributed):
         return False
+    if config.compile_layers is None:
+        return may_compile(causal_lm)
     dropout = active_dropout(causal_lm)
     problem = compile_problem()
-    if config.compile_layers is None:
-        return dropout is None and problem is None and can_compile()
     if dropout is not None:
         raise ValueError(f"compile_layers=True with an active dropout ({dropout}): stage 2 must draw the masks "
                          "stage 1 drew, and compiled layers with trainable bf16 linear layers drew others "
