@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import TINY, build_tiny_model, grads, hf_step, perturb_, random_ids, relative_error
+from helpers import TINY, build_tiny_model, end_distributed_worker, grads, hf_step, perturb_, random_ids, relative_error
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import oomb.engine
@@ -292,4 +292,4 @@ def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device
             results[name] = {"traceback": traceback.format_exc()}
             break  # the ranks may no longer agree on the collectives that come next
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_distributed_worker()

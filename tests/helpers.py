@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -154,3 +155,21 @@ def visible_from_selections(selections: dict, layer: int, batch: int, kv_heads: 
                     for page in pages:
                         visible[b, h, rows, page * page_size:(page + 1) * page_size] = True
     return visible
+
+
+def end_distributed_worker(barrier: bool = False) -> None:
+    """Tear the process group down and leave without interpreter finalization.
+
+    Gloo's worker threads can still hold work objects that reference Python callables (DDP communication
+    hooks, future callbacks); destroying them while the interpreter shuts down aborted a CI run twice
+    ("terminate called without an active exception", SIGABRT). The results are on disk by now, so skipping
+    the finalizers loses nothing. ``barrier`` waits for the other ranks first (only where they all get here).
+    """
+    import torch.distributed as dist
+
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

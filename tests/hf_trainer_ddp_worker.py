@@ -14,7 +14,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from helpers import build_tiny_model
+from helpers import build_tiny_model, end_distributed_worker
 from test_hf_trainer import STEP, logged, right_padded, token_lists, training_args
 from transformers import Trainer, TrainerCallback
 
@@ -86,10 +86,7 @@ def main(out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    # Tear the gloo group down before the interpreter exits: left to exit, its threads were once found still
-    # joinable on a loaded CI machine ("terminate called without an active exception", SIGABRT on rank 0).
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed_worker(barrier=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error
+from helpers import build_tiny_model, end_distributed_worker, grads, hf_step, random_ids, relative_error
 
 from oomb import OOMBConfig, forward_backward
 from oomb.parallel import full_tensor, setup_parallel
@@ -187,7 +187,7 @@ def train(rank: int, world: int, port: int, out_dir: str, jobs: list[dict], devi
             results[job["name"]] = {"traceback": traceback.format_exc()}
             break  # the ranks may no longer agree on what comes next
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_distributed_worker()
 
 
 def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
@@ -205,4 +205,4 @@ def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device
         except Exception:  # reported by the test, which then fails with the traceback
             results[name] = {"traceback": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_distributed_worker()
