@@ -25,6 +25,21 @@ from .reference import _check, merge_window
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
 
+def _pool_rows(pool: torch.Tensor, ids: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """Rows of a contiguous pool seen as (pages * Hkv, P * D), in (B, n_groups, Hkv, K) order."""
+    return (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)
+
+
+@functools.cache
+def _row_add_kernel():
+    """triton_row_add.add_rows_, imported on first use; None without Triton (an optional dependency)."""
+    try:
+        from .triton_row_add import add_rows_
+    except ImportError:
+        return None
+    return add_rows_
+
+
 def _groups(selection: torch.Tensor, block_group: int | None = None) -> list[tuple[int, int]]:
     """Runs [b0, b1) of consecutive query blocks that share one selection (every sequence and head):
     runs of ``block_group`` blocks when given, else the runs of equal rows (read on the host)."""
@@ -155,23 +170,28 @@ class SelectedPagesAttention:
         B, Hkv, n_groups, K = ids.shape
         P, D = pool.shape[2:]
         if pool.is_contiguous():
-            rows = (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)  # (B, n_groups, Hkv, K) order
-            return pool.view(-1, P * D).index_select(0, rows).view(B * n_groups, Hkv, K * P, D)
+            return pool.view(-1, P * D).index_select(0, _pool_rows(pool, ids, heads)).view(B * n_groups, Hkv, K * P, D)
         pages = pool[ids, heads]  # (B, Hkv, n_groups, K, P, D)
         return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D).contiguous()
 
     @staticmethod
     def _add_selected(pool, ids, heads, grad) -> None:
         """Add (B * n_groups, Hkv, K * P, D) gradients into the selected (page, head) slots; a page
-        several groups selected gets each group's share. The (small) indices are put in the gradient's
-        order, so the gradient is read in place: no transposed copy of it."""
-        B, Hkv, n_groups, K = ids.shape
+        several groups selected gets each group's share, in the groups' order. The (small) indices are put
+        in the gradient's order, so the gradient is read in place: no transposed copy of it. On CUDA one
+        Triton kernel (triton_row_add.py) reads it and adds in float32, where torch would cast all of it
+        to the pool's dtype first and sort-scatter the copy."""
         P, D = pool.shape[2:]
-        grad = grad.reshape(-1, P * D).to(pool.dtype)  # (B, n_groups, Hkv, K) rows of P * D
+        grad = grad.reshape(-1, P * D)  # (B, n_groups, Hkv, K) rows of P * D
         if pool.is_contiguous():
-            rows = (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)
-            pool.view(-1, P * D).index_put_((rows,), grad, accumulate=True)
+            rows, flat = _pool_rows(pool, ids, heads), pool.view(-1, P * D)
+            kernel = _row_add_kernel() if pool.is_cuda else None
+            if kernel is not None:  # the gradient read once, converted in registers
+                kernel(flat, rows, grad.contiguous())
+            else:
+                flat.index_put_((rows,), grad.to(pool.dtype), accumulate=True)
             return
+        grad = grad.to(pool.dtype)
         ids, heads = (x.transpose(1, 2).reshape(-1) for x in (ids, heads))
         pool.index_put_((ids, heads), grad.view(-1, P, D), accumulate=True)
 
