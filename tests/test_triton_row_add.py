@@ -96,3 +96,21 @@ def test_the_sparse_cudnn_backward_adds_through_the_kernel(monkeypatch):
     want.view(-1, P * D).index_put_((rows,), grad.reshape(-1, P * D).float(), accumulate=True)
     assert calls == [1]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_speed_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/row_add_speed.py on tiny shapes: both paths run and agree on a float32 pool."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "row_add_speed.py"
+    spec = importlib.util.spec_from_file_location("row_add_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["row_add_speed.py", "--smoke", "--pool-dtypes", "float32", "--out", str(out)])
+    module.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["bitwise_equal"] and row["rows"] == 4 * 2 * 4  # 4 groups x 2 heads x (sink + budget 3)

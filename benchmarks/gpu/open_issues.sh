@@ -56,6 +56,9 @@
 #   score_sweep      issues 18/23: rerank's score kernel per launch config, this commit vs .gpu_carry/old.tar's
 #                    autotuned pick, then the score kernel's GPU tests
 #   after_tuning     issues 18/23: sparse_chosen then compiled_1m in one call (~9.5 min)
+#   row_add          issues 18/23: the Triton row add's GPU tests (dK/dV into the page gradients of the sparse cuDNN
+#                    backward), the cuDNN sparse GPU tests, and its per-call cost against torch's cast + index_put
+#                    (benchmarks/row_add_speed.py); then sparse_chosen (the 128K defaults step with it)
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
@@ -92,9 +95,10 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 fifth session): after_tuning (sparse_chosen then compiled_1m, ~9.5 min: do the 128K
-# defaults and the 1M chosen plan gain now that the score kernel tunes per scored-page class, and does the 1M plan
-# with 20 resident layers, which the memory model now allows, fit and run faster than 18?); profile_1m_chosen
+# Next calls (after the 2026-12-03 sixth session, which had no device time): row_add FIRST (~6 min: the new kernel's
+# GPU tests and cost, then the 128K defaults step, which also measures the score kernel's tuning key); then
+# compiled_1m (~5.5 min: the 1M chosen plan after both, with 20 resident layers, which the memory model now allows:
+# does it fit and run faster than 18?); profile_1m_chosen
 # alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
 # ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead (deterministic path; 68.76 s
 # before; its kernels too tune once per head dim, page size and group: at the warm-up's lengths). Budget each call's parts from earlier runs: a 1M profile under the
@@ -216,6 +220,13 @@ for part in "$@"; do
           --out-dir "$OUT" --name sparse_defaults_chosen_128k
       run 330 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
+    row_add)
+      run 60 row_add_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_row_add.py
+      run 150 sparse_cudnn_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_cudnn_paged.py \
+          tests/test_offload.py -k "sparse or offload_steps"
+      run 60 row_add_speed python benchmarks/row_add_speed.py --out "$OUT/row_add_speed.json"
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
     score_1m)
       # after the score kernel's new configs: the sweep on this commit, its GPU tests, then compiled_1m
       run 110 score_sweep python benchmarks/score_kernel_configs.py --out "$OUT/score_kernel_configs.json"
