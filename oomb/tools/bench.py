@@ -204,8 +204,9 @@ def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
     try:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         targets = shift_labels(ids)
+        # autograd's loss (oomb's fused one is oomb's own): HF baselines stay comparable across commits
         loss = chunked_cross_entropy(hidden, targets, model.lm_head, int((targets != IGNORE_INDEX).sum()),
-                                     loss_chunk_tokens)
+                                     loss_chunk_tokens, fused=False)
         loss.backward()
     finally:
         model.gradient_checkpointing_disable()
