@@ -110,15 +110,30 @@ def recompute_cache_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> in
     return shape.num_layers * shape.num_heads * (shape.head_dim * dtype.itemsize + FP32_BYTES)
 
 
-def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chunk_tokens: int) -> int:
-    """fp32 logits (and their gradients) of one slice of the chunked LM-head loss."""
-    return LOGITS_FP32_COPIES * min(loss_chunk_tokens, tokens) * batch_size * shape.head_vocab * FP32_BYTES
+def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chunk_tokens: int,
+                       fused_dtype: torch.dtype | None = None) -> int:
+    """One slice of the chunked LM-head loss at its peak: autograd's fp32 logits, log-softmax and gradient
+    (LOGITS_FP32_COPIES); with the fused loss (``fused_dtype``: the model dtype; oomb/loss.py
+    _HeadCrossEntropy) the logits turned into their gradient in place, plus the slice's (tokens, hidden)
+    product through the head."""
+    rows = min(loss_chunk_tokens, tokens) * batch_size
+    if fused_dtype is not None:
+        return rows * (shape.head_vocab + shape.hidden_size) * fused_dtype.itemsize
+    return LOGITS_FP32_COPIES * rows * shape.head_vocab * FP32_BYTES
 
 
-def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, recompute_logits: bool) -> int:
-    """Without recompute_logits autograd keeps the chunk's fp32 log-probabilities (log-softmax's output)
-    from the loss's forward to its backward; with it, nothing (each slice recomputes its logits)."""
-    return 0 if recompute_logits else chunk_tokens * batch_size * shape.head_vocab * FP32_BYTES
+def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, recompute_logits: bool,
+                       fused_dtype: torch.dtype | None = None, head_trained: bool = True) -> int:
+    """What the loss keeps from its forward to its backward for a chunk. Autograd without recompute_logits:
+    the fp32 log-probabilities (log-softmax's output); with it, nothing (each slice recomputes its logits).
+    The fused loss (``fused_dtype``: the model dtype) keeps a (tokens, hidden) tensor per slice (dL/dhidden,
+    or with recompute the head's input), and a trained head without recompute also the logits' gradient;
+    a frozen head (LoRA) nothing of the vocabulary's size."""
+    tokens = chunk_tokens * batch_size
+    if fused_dtype is None:
+        return 0 if recompute_logits else tokens * shape.head_vocab * FP32_BYTES
+    vocab = shape.head_vocab if head_trained and not recompute_logits else 0
+    return tokens * (vocab + shape.hidden_size) * fused_dtype.itemsize
 
 
 def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype,

@@ -221,6 +221,15 @@ def loss_head(causal_lm: PreTrainedModel) -> nn.Module:
     return head
 
 
+def fused_loss_possible(causal_lm: PreTrainedModel, single_process: bool = True) -> bool:
+    """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process;
+    tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused
+    loss's memory only where this holds."""
+    from .loss import fused_head
+
+    return single_process and fused_head(loss_head(causal_lm))
+
+
 def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],
                        device: torch.device) -> dict[int, Documents]:
     """window -> key bounds for every layer window shorter than the step's ``shape[1]`` tokens (longer

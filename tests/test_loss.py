@@ -136,3 +136,180 @@ def test_kept_logits_are_the_log_probabilities_the_planner_counts():
     assert kept - recomputed >= saved_logits_bytes(shape, counted, 1, False) == counted * V * 4
     assert kept - recomputed <= saved_logits_bytes(shape, B * L, 1, False) * 1.25  # little besides them
     assert saved_logits_bytes(shape, B * L, 1, True) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused loss (bias-free linear heads): oomb/loss.py _HeadCrossEntropy, oomb/loss_gradient.py
+# ---------------------------------------------------------------------------------------------
+
+def _bias_free(seed: int, trained: bool, dtype=torch.float32):
+    lm_head, hidden, targets = _setup(seed)
+    head = nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(lm_head.weight)
+    head.weight.requires_grad_(trained)
+    return head.to(dtype), hidden.to(dtype), targets
+
+
+def _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, grad_scale=1.0, **kwargs):
+    hidden = hidden.clone().requires_grad_()
+    head.zero_grad(set_to_none=True)
+    loss = chunked_cross_entropy(hidden, targets, head, normalizer, slice_tokens, **kwargs)
+    (loss * grad_scale).backward()
+    return loss.detach(), hidden.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("trained, recompute", [(False, True), (False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("slice_tokens", [1, 5, 23])
+def test_fused_loss_equals_autograds(monkeypatch, trained, recompute, slice_tokens):
+    """The fused slices give the loss and gradients of autograd's loss over full logits (the tolerances of
+    test_chunked_cross_entropy_matches_full_logits), and are the path taken."""
+    import oomb.loss as loss_module
+
+    head, hidden, targets = _bias_free(3, trained)
+    counted = int((targets != IGNORE_INDEX).sum())
+    normalizer = torch.tensor(counted + 3)
+    want = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, fused=False, recompute=recompute)
+    calls = []
+    real = loss_module._HeadCrossEntropy.apply
+    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or real(*a))
+    got = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, recompute=recompute)
+    assert calls and set(calls) == {recompute}
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
+    assert not got[1][targets == IGNORE_INDEX].any()
+    if trained:
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-7)
+    else:
+        assert got[2] is None
+
+
+def test_fused_loss_in_bf16_equals_autograds_bits():
+    """bf16 (CPU): the same float32 arithmetic rounded once to bf16, as autograd's cast back does."""
+    head, hidden, targets = _bias_free(4, True, torch.bfloat16)
+    counted = int((targets != IGNORE_INDEX).sum())
+    want = _loss_and_grads(head, hidden, targets, counted, 7, fused=False, recompute=False)
+    got = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_fused_loss_recompute_and_kept_give_the_same_bits_and_rescaled_backward():
+    head, hidden, targets = _bias_free(5, True)
+    kept = _loss_and_grads(head, hidden, targets, 40, 5, recompute=False)
+    recomputed = _loss_and_grads(head, hidden, targets, 40, 5, recompute=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed, strict=True))
+    doubled = _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=2.0, recompute=False)
+    assert torch.equal(doubled[1], 2 * kept[1]) and torch.equal(doubled[2], 2 * kept[2])
+
+
+def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_trained_one():
+    """What the fused slices save for the backward is what the planner counts (activations.
+    saved_logits_bytes): a frozen head (LoRA) (tokens, hidden) products only; a trained head without
+    recompute the logits' gradient in the model dtype too (half of autograd's kept float32
+    log-probabilities in bf16); with recompute nothing of the vocabulary's size."""
+    from oomb.activations import saved_logits_bytes
+    from oomb.model_shape import ModelShape
+
+    shape = ModelShape(num_layers=1, hidden_size=H, intermediate_size=H, num_heads=1, num_kv_heads=1, head_dim=H,
+                       vocab_size=V)
+    for trained, recompute in ((False, False), (False, True), (True, True), (True, False)):
+        head, hidden, targets = _bias_free(6, trained)
+        hidden.requires_grad_(True)
+        saved = _saved_bytes(lambda h=head, x=hidden, t=targets, r=recompute: chunked_cross_entropy(
+            x, t, h, 7, L, recompute=r))
+        want = saved_logits_bytes(shape, L, B, recompute, torch.float32, head_trained=trained)
+        # besides: the targets, the scale, a trained head's weight (recompute) and its input (kept)
+        extra = B * L * 8 + 4 + (V * H * 4 if trained and recompute else 0) + (B * L * H * 4 if trained else 0)
+        assert want <= saved <= want + extra, (trained, recompute, saved, want)
+        assert (want >= B * L * V * 4) == (trained and not recompute)
+
+
+def test_heads_the_fused_loss_leaves_to_autograd():
+    """Bias, a replaced forward (fp32_linear.py's float32 weight gradients), forward hooks (a trainer's loss
+    scaling): the head is called as it is."""
+    from oomb.loss import fused_head
+
+    head, _, _ = _bias_free(0, True)
+    assert fused_head(head)
+    assert not fused_head(nn.Linear(H, V, bias=True))
+    patched = nn.Linear(H, V, bias=False)
+    patched.forward = lambda x: x
+    assert not fused_head(patched)
+    handle = head.register_forward_hook(lambda module, args, out: out)
+    assert not fused_head(head)
+    handle.remove()
+    assert fused_head(head)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_kernel_equals_the_torch_rows(dtype):
+    """The Triton kernel (interpreter on CPU, which rounds to bf16 by truncation: within one bf16 step
+    there) against the torch path: the losses, the gradient in place, ignored rows zero, and the
+    losses-only pass that leaves the logits as they were."""
+    lg = pytest.importorskip("oomb.loss_gradient")
+    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(9, 300, generator=g) * 4).to(device, dtype)  # several vocabulary tiles on CPU
+    targets = torch.randint(0, 300, (9,), generator=g).to(device)
+    targets[2] = IGNORE_INDEX
+    scale = torch.ones((), device=device) / 8
+    want_logits = logits.clone()
+    want = lg._torch_rows(want_logits, targets, scale)
+    got_logits = logits.clone()
+    got = kernel_module.logits_to_gradient_triton(got_logits, targets, scale)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    step = 2 ** -8 / 8 if dtype == torch.bfloat16 else 1e-7  # |gradient| <= 1 / 8
+    assert (got_logits.float() - want_logits.float()).abs().max().item() <= step
+    assert not got_logits[2].any()
+    untouched = logits.clone()
+    torch.testing.assert_close(kernel_module.logits_to_gradient_triton(untouched, targets, scale, False), want,
+                               rtol=1e-6, atol=1e-6)
+    assert torch.equal(untouched, logits)
+
+
+def test_predict_and_planner_follow_the_fused_loss():
+    """predict counts the fused loss where TrainingSetup.fused_loss says so (not where a trained bf16 head's
+    gradient goes to float32 sums); the planner where Workload.may_fuse_loss does (not with float32
+    gradient targets); models.fused_loss_possible asks the model's loss head."""
+    import dataclasses
+
+    from helpers import build_tiny_model
+
+    import oomb
+    from oomb.memory import TrainingSetup, predict
+    from oomb.model_shape import ModelShape
+    from oomb.models import fused_loss_possible
+    from oomb.tools.plan import preset_config
+    from oomb.training.autoconfig import Resources, Workload, predict_candidate
+
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
+    vocab, slice_rows = shape.head_vocab, 1024
+    for lora, recompute in ((16, True), (16, False), (0, True), (0, False)):
+        config = oomb.OOMBConfig(attention="sparse", recompute_logits=recompute, fp32_grad_accumulation=False,
+                                 loss_chunk_tokens=slice_rows)
+        setup = TrainingSetup(optimizer="none", lora_rank=lora)
+        autograd = predict("sparse", shape, 131072, config, setup).gpu["activations"]
+        fused = predict("sparse", shape, 131072, config, dataclasses.replace(setup, fused_loss=True)).gpu["activations"]
+        kept = 0 if recompute else 4096 * vocab * 4  # autograd's float32 log-probabilities
+        kept_fused = 4096 * ((vocab if not lora and not recompute else 0) + shape.hidden_size) * 2
+        assert autograd - fused == (3 * slice_rows * vocab * 4 + kept) - (slice_rows * (vocab + shape.hidden_size) * 2
+                                                                           + kept_fused), (lora, recompute)
+    summed = oomb.OOMBConfig(attention="sparse", fp32_grad_accumulation=True)  # full fine-tune, bf16: float32 sums
+    full = TrainingSetup(optimizer="none")
+    assert predict("sparse", shape, 131072, summed, full).gpu == \
+        predict("sparse", shape, 131072, summed, dataclasses.replace(full, fused_loss=True)).gpu
+    gpu = Resources("cuda", gpu_limit=200 * 1024**3, host_limit=200 * 1024**3, weights_loaded=True)
+    config = oomb.OOMBConfig(attention="sparse", fp32_grad_accumulation=False)
+    workload = Workload(shape, 131072, optimizer="none")
+    may = dataclasses.replace(workload, may_fuse_loss=True)
+    assert predict_candidate(may, gpu, config).gpu_bytes < predict_candidate(workload, gpu, config).gpu_bytes
+    targets = dataclasses.replace(workload, fp32_targets=True)  # master weights: float32 linear gradients
+    assert predict_candidate(dataclasses.replace(targets, may_fuse_loss=True), gpu, config).gpu_bytes \
+        == predict_candidate(targets, gpu, config).gpu_bytes
+    model = build_tiny_model("llama")
+    assert fused_loss_possible(model) and not fused_loss_possible(model, single_process=False)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out)
+    assert not fused_loss_possible(model)
+    handle.remove()

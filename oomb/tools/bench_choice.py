@@ -19,6 +19,7 @@ from .. import machine
 from ..compiled_layers import may_compile
 from ..memory import GIB
 from ..model_shape import ModelShape
+from ..models import fused_loss_possible
 from ..training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
 from .plan import oomb_config_for
 
@@ -42,11 +43,11 @@ class BenchChoice:
 
 
 def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, host_free: int,
-                   compile_possible: bool = False) -> BenchChoice:
+                   compile_possible: bool = False, fuse_possible: bool = False) -> BenchChoice:
     """The plan of ``mode`` (``options``: a BenchOptions whose ``given`` names the fields set on the command
     line) for ``gpu_free`` / ``host_free`` bytes free after the weights were loaded (``gpu_free`` None on a
     CPU), made for the longest context some configuration fits; no changes when none fits.
-    ``compile_possible``: Workload.may_compile."""
+    ``compile_possible``: Workload.may_compile; ``fuse_possible``: Workload.may_fuse_loss."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
@@ -58,7 +59,8 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     too_long, why = [], ""
     for tokens in sorted(options.contexts, reverse=True):
         try:
-            workload = Workload(shape, tokens, 1, options.dtype, optimizer="none", may_compile=compile_possible)
+            workload = Workload(shape, tokens, 1, options.dtype, optimizer="none", may_compile=compile_possible,
+                                may_fuse_loss=fuse_possible)
             choice = choose_config(workload, resources, fixed, base)
         except NoConfigFitsError as err:
             too_long.append(tokens)
@@ -80,4 +82,4 @@ def chosen_for_loaded_model(mode: str, options, model, device: torch.device) -> 
     on a CPU) and the host memory free now."""
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes(),
-                          may_compile(model))
+                          may_compile(model), fused_loss_possible(model))

@@ -41,7 +41,7 @@ from ..engine import forward_backward
 from ..kv.offload import HostSlabs
 from ..memory import GIB, estimate_step_memory
 from ..model_shape import ModelShape
-from ..models import unwrap_causal_lm
+from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
 from .checkpoint import (
@@ -320,7 +320,8 @@ class Trainer(Checkpointing):
         workload = Workload(shape, cfg.data.seq_len, 1, self.dtype, cfg.lora.r if cfg.lora.enabled else 0,
                             trainable_params=self.trainable, optimizer_bytes=self._optimizer_bytes(),
                             fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
-                            may_compile=may_compile(causal_lm, self.parallel.mesh is None))
+                            may_compile=may_compile(causal_lm, self.parallel.mesh is None),
+                            may_fuse_loss=fused_loss_possible(causal_lm, self.parallel.mesh is None))
         resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
                               int(MEMORY_HEADROOM * host_free), weights_loaded=True,
                               gpu_name=torch.cuda.get_device_name(self.device) if cuda else None)
