@@ -313,3 +313,21 @@ def test_predict_and_planner_follow_the_fused_loss():
     handle = model.lm_head.register_forward_hook(lambda module, args, out: out)
     assert not fused_loss_possible(model)
     handle.remove()
+
+
+def test_loss_speed_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/loss_speed.py on tiny CPU shapes: every variant runs and agrees with autograd's."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_speed.py"
+    spec = importlib.util.spec_from_file_location("loss_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "l.json"
+    monkeypatch.setattr(sys, "argv", ["loss_speed.py", "--smoke", "--out", str(out)])
+    module.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 8 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)

@@ -59,6 +59,11 @@
 #   row_add          issues 18/23: the Triton row add's GPU tests (dK/dV into the page gradients of the sparse cuDNN
 #                    backward), the cuDNN sparse GPU tests, and its per-call cost against torch's cast + index_put
 #                    (benchmarks/row_add_speed.py); then sparse_chosen (the 128K defaults step with it)
+#   fused_tests      issues 18/23: the GPU tests of both new kernels (row add; the fused loss's gradient kernel),
+#                    the cuDNN sparse and offload-bitwise GPU tests, then both per-call benchmarks (row_add_speed,
+#                    loss_speed: one 4096-token chunk of the 7B head, autograd vs fused, frozen and trained) (~5 min)
+#   engine_tests     issues 18/23: the GPU engine tests (bf16 gradient error no worse than HF's, now with the fused
+#                    loss) and the compiled-layers GPU test (~4.5 min)
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
@@ -95,10 +100,11 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 sixth session, which had no device time): row_add FIRST (~6 min: the new kernel's
-# GPU tests and cost, then the 128K defaults step, which also measures the score kernel's tuning key); then
-# compiled_1m (~5.5 min: the 1M chosen plan after both, with 20 resident layers, which the memory model now allows:
-# does it fit and run faster than 18?); profile_1m_chosen
+# Next calls (after the 2026-12-03 sixth session, which had no device time): fused_tests FIRST (~5 min: the row add
+# and the fused loss, both new and not yet run on a GPU); engine_tests plus sparse_chosen (~8.5 min: the 128K
+# defaults step with both and the score kernel's tuning key); compiled_1m (~5.5 min: the 1M chosen plan after all
+# three, with the resident layers the memory model now allows: compiled layers and the fused loss counted);
+# profile_1m_chosen
 # alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
 # ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead (deterministic path; 68.76 s
 # before; its kernels too tune once per head dim, page size and group: at the warm-up's lengths). Budget each call's parts from earlier runs: a 1M profile under the
@@ -227,6 +233,16 @@ for part in "$@"; do
       run 60 row_add_speed python benchmarks/row_add_speed.py --out "$OUT/row_add_speed.json"
       run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
+    fused_tests)
+      run 60 row_add_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_row_add.py
+      run 60 loss_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_loss.py
+      run 150 sparse_cudnn_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_cudnn_paged.py \
+          tests/test_offload.py -k "sparse or offload_steps"
+      run 40 row_add_speed python benchmarks/row_add_speed.py --out "$OUT/row_add_speed.json"
+      run 40 loss_speed python benchmarks/loss_speed.py --out "$OUT/loss_speed.json" ;;
+    engine_tests)
+      run 270 engine_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
+          tests/test_compiled_layers.py ;;
     score_1m)
       # after the score kernel's new configs: the sweep on this commit, its GPU tests, then compiled_1m
       run 110 score_sweep python benchmarks/score_kernel_configs.py --out "$OUT/score_kernel_configs.json"
