@@ -67,6 +67,15 @@ def _forward_with_float32_grads(sink: Fp32GradAccumulator, module: nn.Linear, x:
     return _LinearWithFloat32Grads.apply(x, module.weight, module.bias, module, sink)
 
 
+FLOAT32_SINK = "_oomb_float32_sink"
+"""Attribute naming the accumulator a layer's weight gradient goes to while float32_weight_gradients holds it."""
+
+
+def float32_sink(module: nn.Module) -> Fp32GradAccumulator | None:
+    """The accumulator that takes ``module``'s weight gradient in float32 now, or None (autograd's .grad)."""
+    return getattr(module, FLOAT32_SINK, None)
+
+
 ELIGIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Weight dtypes whose gradient a float32 result holds at least as precisely (not float64)."""
 
@@ -101,8 +110,10 @@ def float32_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
     layers = eligible_linears(model, accumulator) if enabled else []
     for m in layers:
         m.forward = types.MethodType(lambda self, input: _forward_with_float32_grads(accumulator, self, input), m)
+        setattr(m, FLOAT32_SINK, accumulator)  # for code that computes the layer's product itself (loss.py)
     try:
         yield layers
     finally:
         for m in layers:
             del m.forward  # the instance attribute: nn.Linear.forward again
+            delattr(m, FLOAT32_SINK)

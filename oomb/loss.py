@@ -9,6 +9,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from .fp32_linear import float32_sink, matmul_float32
+from .grads import Fp32GradAccumulator
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 LOSS_RANGE = "oomb.loss"
@@ -60,11 +62,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                recompute: bool):
+                recompute: bool, sink: Fp32GradAccumulator | None):
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = targets.reshape(-1)
         logits = rows @ weight.t()  # the head's own product: F.linear
-        ctx.shape, ctx.trained = hidden.shape, ctx.needs_input_grad[1]
+        ctx.shape, ctx.trained, ctx.sink = hidden.shape, ctx.needs_input_grad[1], sink
+        ctx.param = weight if sink is not None else None  # the parameter the float32 sums are keyed by
         ctx.recompute = recompute and ctx.trained
         if ctx.recompute:
             loss = logits_to_gradient_(logits, targets, scale, write_gradient=False).sum()
@@ -88,29 +91,32 @@ class _HeadCrossEntropy(torch.autograd.Function):
         d_hidden = d_weight = None
         if grad_hidden is not None:
             d_hidden = (grad_hidden.float() * factor).to(grad_hidden.dtype).view(ctx.shape)
-        if ctx.trained:
+        if ctx.trained and ctx.sink is not None:  # float32 sums (fp32_linear.py): a float32 product, as there
+            ctx.sink.add(ctx.param, matmul_float32(logits_grad.t(), rows, "LM head weight gradient").mul_(factor))
+        elif ctx.trained:
             # In place: a float32 copy of a vocabulary-sized product would cost GBs. Exact for a factor of
             # 1.0; any other (a caller back-propagating a rescaled loss) rounds the product once more.
             d_weight = torch.mm(logits_grad.t(), rows).mul_(factor)
-        return d_hidden, d_weight, None, None, None
+        return d_hidden, d_weight, None, None, None, None
 
 
 def fused_head(lm_head: nn.Module) -> bool:
     """Whether the fused loss can stand in for calling the head: a plain bias-free ``nn.Linear`` whose
     weight is an ordinary tensor (not a tensor-parallel or FSDP DTensor), whose forward nobody replaced
-    (fp32_linear.py does, to send a trained head's gradient to float32 sums) and that no forward hook
-    watches (a trainer's loss scaling, FSDP's unsharding): those keep autograd's path."""
+    except fp32_linear.py (its float32 gradient sums the fused loss feeds too) and that no forward hook
+    watches (a trainer's loss scaling, FSDP's unsharding): the others keep autograd's path."""
     from torch.nn.modules import module as module_hooks
 
+    replaced = "forward" in vars(lm_head) and float32_sink(lm_head) is None
     return (type(lm_head) is nn.Linear and lm_head.bias is None and not isinstance(lm_head.weight, DTensor)
-            and "forward" not in vars(lm_head) and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
+            and not replaced and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
             and not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks)
 
 
 def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
                           scale: torch.Tensor, recompute: bool) -> torch.Tensor:
     with record_function(LOSS_RANGE):
-        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, recompute)
+        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, recompute, float32_sink(lm_head))
 
 
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:

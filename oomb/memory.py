@@ -192,9 +192,8 @@ class TrainingSetup:
     oomb mode; not plain HF."""
     fused_loss: bool = False
     """The step's LM-head loss may be oomb's fused one (loss.fused_head: a plain bias-free linear head, one
-    process): counted (activations.logits_slice_bytes, saved_logits_bytes) except where a trained head's
-    gradient goes to float32 sums (fp32_linear.py replaces its forward). False counts autograd's loss:
-    never less than a step uses."""
+    process): counted so (activations.logits_slice_bytes, saved_logits_bytes). False counts autograd's
+    loss: never less than a step uses."""
     compiled_layers: bool = False
     """The step runs its decoder layers compiled (oomb/compiled_layers.py: OOMBConfig.compile_layers as the
     step resolves it for the machine and the model); they keep fewer activations without layer replay
@@ -436,9 +435,7 @@ def predict(
     # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
     # product is then saved after all, so nothing of the compiled saving is counted there.
     compiled = setup.compiled_layers and not (config.fp32_grad_accumulation and trainable_low_precision)
-    # The fused loss, unless the trained head's forward was replaced for float32 gradient sums (as above).
-    fused = setup.dtype if setup.fused_loss and not (config.fp32_grad_accumulation and trainable_low_precision) \
-        else None
+    fused = setup.dtype if setup.fused_loss else None
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens, fused)
                           + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits, fused,

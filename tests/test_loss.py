@@ -172,7 +172,7 @@ def test_fused_loss_equals_autograds(monkeypatch, trained, recompute, slice_toke
     want = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, fused=False, recompute=recompute)
     calls = []
     real = loss_module._HeadCrossEntropy.apply
-    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(a[4]) or real(*a))
     got = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, recompute=recompute)
     assert calls and set(calls) == {recompute}
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
@@ -225,6 +225,32 @@ def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_tra
         assert (want >= B * L * V * 4) == (trained and not recompute)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fused_loss_feeds_the_float32_gradient_sums(recompute):
+    """Inside fp32_linear.float32_weight_gradients a trained bf16 head's weight gradient goes to the
+    accumulator's float32 sums, as the replaced forward's does: the fused loss gives the same sums."""
+    from oomb.fp32_linear import float32_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
+    from oomb.loss import fused_head
+
+    head, hidden, targets = _bias_free(8, True, torch.bfloat16)
+    sums = {}
+    for fused in (False, True):
+        head.zero_grad(set_to_none=True)  # before the accumulator takes .grad as its prior
+        accumulator = Fp32GradAccumulator([head.weight])
+        with float32_weight_gradients(head, accumulator) as layers:
+            assert layers == [head] and fused_head(head)
+            got = _loss_and_grads(head, hidden, targets, 40, 7, fused=fused, recompute=recompute)
+        accumulator.collect()
+        accumulator.finish()
+        assert got[2] is None  # nothing in .grad during the step
+        sums[fused] = (got[1], head.weight.grad.clone())
+    assert head.weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(sums[True][0], sums[False][0], rtol=0, atol=0)
+    torch.testing.assert_close(sums[True][1], sums[False][1], rtol=0, atol=0)
+    assert "forward" not in vars(head) and fused_head(head)
+
+
 def test_heads_the_fused_loss_leaves_to_autograd():
     """Bias, a replaced forward (fp32_linear.py's float32 weight gradients), forward hooks (a trainer's loss
     scaling): the head is called as it is."""
@@ -270,9 +296,8 @@ def test_gradient_kernel_equals_the_torch_rows(dtype):
 
 
 def test_predict_and_planner_follow_the_fused_loss():
-    """predict counts the fused loss where TrainingSetup.fused_loss says so (not where a trained bf16 head's
-    gradient goes to float32 sums); the planner where Workload.may_fuse_loss does (not with float32
-    gradient targets); models.fused_loss_possible asks the model's loss head."""
+    """predict counts the fused loss where TrainingSetup.fused_loss says so, the planner where
+    Workload.may_fuse_loss does; models.fused_loss_possible asks the model's loss head."""
     import dataclasses
 
     from helpers import build_tiny_model
@@ -296,18 +321,14 @@ def test_predict_and_planner_follow_the_fused_loss():
         kept_fused = 4096 * ((vocab if not lora and not recompute else 0) + shape.hidden_size) * 2
         assert autograd - fused == (3 * slice_rows * vocab * 4 + kept) - (slice_rows * (vocab + shape.hidden_size) * 2
                                                                            + kept_fused), (lora, recompute)
-    summed = oomb.OOMBConfig(attention="sparse", fp32_grad_accumulation=True)  # full fine-tune, bf16: float32 sums
-    full = TrainingSetup(optimizer="none")
-    assert predict("sparse", shape, 131072, summed, full).gpu == \
-        predict("sparse", shape, 131072, summed, dataclasses.replace(full, fused_loss=True)).gpu
     gpu = Resources("cuda", gpu_limit=200 * 1024**3, host_limit=200 * 1024**3, weights_loaded=True)
-    config = oomb.OOMBConfig(attention="sparse", fp32_grad_accumulation=False)
+    config = oomb.OOMBConfig(attention="sparse")
     workload = Workload(shape, 131072, optimizer="none")
     may = dataclasses.replace(workload, may_fuse_loss=True)
     assert predict_candidate(may, gpu, config).gpu_bytes < predict_candidate(workload, gpu, config).gpu_bytes
-    targets = dataclasses.replace(workload, fp32_targets=True)  # master weights: float32 linear gradients
+    targets = dataclasses.replace(workload, fp32_targets=True)  # master weights: float32 linear gradients, fused too
     assert predict_candidate(dataclasses.replace(targets, may_fuse_loss=True), gpu, config).gpu_bytes \
-        == predict_candidate(targets, gpu, config).gpu_bytes
+        < predict_candidate(targets, gpu, config).gpu_bytes
     model = build_tiny_model("llama")
     assert fused_loss_possible(model) and not fused_loss_possible(model, single_process=False)
     handle = model.lm_head.register_forward_hook(lambda module, args, out: out)

@@ -141,8 +141,8 @@ class Workload:
     compiles, no active dropout): a candidate whose config then compiles is counted with the compiled
     layers' activations. False counts every candidate eager (never less than it uses)."""
     may_fuse_loss: bool = False
-    """The step's loss may be the fused one (models.fused_loss_possible): counted so (TrainingSetup.fused_loss)
-    except where a trained head's gradients go to float32 sums. False counts autograd's loss."""
+    """The step's loss may be the fused one (models.fused_loss_possible): counted so (TrainingSetup.fused_loss).
+    False counts autograd's loss."""
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.batch_size <= 0:
@@ -278,8 +278,7 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
     compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
                 and (config.compile_layers is True or workload.may_compile) and not fp32_linear)
-    setup = dataclasses.replace(workload.setup(), compiled_layers=compiled,
-                                fused_loss=workload.may_fuse_loss and not fp32_linear)
+    setup = dataclasses.replace(workload.setup(), compiled_layers=compiled, fused_loss=workload.may_fuse_loss)
     p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload, sparse=sparse)
     gpu = dict(p.gpu)
     if workload.trainable_params is not None:
