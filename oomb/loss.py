@@ -13,6 +13,10 @@ from .fp32_linear import float32_sink, matmul_float32
 from .grads import Fp32GradAccumulator
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
+GRADIENT_SCALE = "_oomb_loss_gradient_scale"
+"""Attribute of an LM head: a factor on every gradient of the loss (training/hf_trainer.py
+scaled_loss_gradient sets it on heads the fused loss takes; others get a forward hook there)."""
+
 LOSS_RANGE = "oomb.loss"
 """Profiler range around a slice's LM head and cross-entropy (also their recompute in backward):
 benchmarks/profile_step.py counts its kernels, and those of the backward of what ran inside, as loss."""
@@ -26,9 +30,32 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
+def gradient_scale(lm_head: nn.Module) -> float:
+    """The GRADIENT_SCALE factor on the loss's gradients through ``lm_head`` (or the head a softcap wraps)."""
+    inner = lm_head.head if isinstance(lm_head, SoftcappedHead) else lm_head
+    return getattr(inner, GRADIENT_SCALE, 1.0)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
 def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
     with record_function(LOSS_RANGE):
-        logits = lm_head(hidden).float()  # (B, S, V): softmax in fp32
+        logits = lm_head(hidden)
+        factor = gradient_scale(lm_head)
+        if factor != 1.0 and torch.is_grad_enabled():
+            logits = _ScaledGradient.apply(logits, factor)
+        logits = logits.float()  # (B, S, V): softmax in fp32
         # A tensor-parallel head returns vocabulary-sharded DTensor logits; inside loss_parallel (the engine
         # enters it for forward and backward) cross_entropy reduces over the shards and returns a
         # replicated DTensor, so the full-vocabulary logits are never gathered.
@@ -62,7 +89,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                recompute: bool, sink: Fp32GradAccumulator | None):
+                gradient_scale: torch.Tensor, recompute: bool, sink: Fp32GradAccumulator | None):
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = targets.reshape(-1)
         logits = rows @ weight.t()  # the head's own product: F.linear
@@ -70,24 +97,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
         ctx.param = weight if sink is not None else None  # the parameter the float32 sums are keyed by
         ctx.recompute = recompute and ctx.trained
         if ctx.recompute:
-            loss = logits_to_gradient_(logits, targets, scale, write_gradient=False).sum()
-            ctx.save_for_backward(rows, weight, targets, scale)
+            loss = logits_to_gradient_(logits, targets, gradient_scale, write_gradient=False).sum()
+            ctx.save_for_backward(hidden, weight, targets, scale, gradient_scale)
             return loss
-        loss = logits_to_gradient_(logits, targets, scale).sum()
+        loss = logits_to_gradient_(logits, targets, gradient_scale).sum()
         grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
-        ctx.save_for_backward(grad_hidden, logits if ctx.trained else None, rows if ctx.trained else None, scale)
+        # The input itself, not ``rows`` (a copy when the slice is not contiguous, batch > 1).
+        ctx.save_for_backward(grad_hidden, logits if ctx.trained else None, hidden if ctx.trained else None, scale)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         if ctx.recompute:
-            rows, weight, targets, scale = ctx.saved_tensors
+            hidden, weight, targets, scale, gradient_scale = ctx.saved_tensors
+            rows = hidden.reshape(-1, hidden.shape[-1])
             logits_grad = rows @ weight.t()
-            logits_to_gradient_(logits_grad, targets, scale)
+            logits_to_gradient_(logits_grad, targets, gradient_scale)
             grad_hidden = logits_grad @ weight if ctx.needs_input_grad[0] else None
         else:
-            grad_hidden, logits_grad, rows, scale = ctx.saved_tensors
-        factor = grad_loss.float() / scale  # 1.0 exactly for the normalized loss's backward
+            grad_hidden, logits_grad, hidden, scale = ctx.saved_tensors
+            rows = hidden.reshape(-1, hidden.shape[-1]) if hidden is not None else None
+        factor = grad_loss.float() / scale  # 1.0 exactly for the normalized loss's backward (GRADIENT_SCALE is in)
         d_hidden = d_weight = None
         if grad_hidden is not None:
             d_hidden = (grad_hidden.float() * factor).to(grad_hidden.dtype).view(ctx.shape)
@@ -97,26 +127,36 @@ class _HeadCrossEntropy(torch.autograd.Function):
             # In place: a float32 copy of a vocabulary-sized product would cost GBs. Exact for a factor of
             # 1.0; any other (a caller back-propagating a rescaled loss) rounds the product once more.
             d_weight = torch.mm(logits_grad.t(), rows).mul_(factor)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def fused_head(lm_head: nn.Module) -> bool:
     """Whether the fused loss can stand in for calling the head: a plain bias-free ``nn.Linear`` whose
     weight is an ordinary tensor (not a tensor-parallel or FSDP DTensor), whose forward nobody replaced
     except fp32_linear.py (its float32 gradient sums the fused loss feeds too) and that no forward hook
-    watches (a trainer's loss scaling, FSDP's unsharding): the others keep autograd's path."""
-    from torch.nn.modules import module as module_hooks
-
+    or backward hook watches (FSDP's unsharding, a user's): the others keep autograd's path. Not float16
+    either (chunked_cross_entropy): its gradient, made already divided by the token count, would
+    underflow before a loss scaler's factor reaches it."""
     replaced = "forward" in vars(lm_head) and float32_sink(lm_head) is None
     return (type(lm_head) is nn.Linear and lm_head.bias is None and not isinstance(lm_head.weight, DTensor)
-            and not replaced and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
-            and not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks)
+            and not replaced and not _hooked(lm_head))
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Forward or backward hooks on ``module`` or on every module: they expect the module to be called."""
+    from torch.nn.modules import module as hooks
+
+    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+                hooks._global_forward_hooks, hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
+                hooks._global_backward_pre_hooks))
 
 
 def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
                           scale: torch.Tensor, recompute: bool) -> torch.Tensor:
+    factor = scale * gradient_scale(lm_head)  # float32, before the gradient rounds
     with record_function(LOSS_RANGE):
-        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, recompute, float32_sink(lm_head))
+        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, factor, recompute,
+                                       float32_sink(lm_head))
 
 
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
@@ -150,7 +190,8 @@ def chunked_cross_entropy(
     ``recompute``, nothing with it.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
-    fused = fused and torch.is_grad_enabled() and hidden.requires_grad and fused_head(lm_head)
+    fused = (fused and torch.is_grad_enabled() and (hidden.requires_grad or lm_head.weight.requires_grad)
+             and hidden.dtype != torch.float16 and fused_head(lm_head))
     scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer if fused else None
     for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
                               strict=True):

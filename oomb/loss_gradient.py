@@ -10,8 +10,11 @@ casting it back: about 0.24 s of the 7B shape's 128K step (4-layer profile, 2026
 log-softmax 77 ms forward and 81 ms backward, fills 17 ms) over GEMMs of 0.62 s. Here the logits are
 read twice and written once, in their own dtype, and nothing float32 of their size exists.
 
-The arithmetic is autograd's: float32 log-sum-exp of the float32 logits, the loss lse - x[target], the
-gradient exp(x - lse) * scale - scale at the target, rounded once to the logits' dtype.
+The arithmetic is autograd's: float32 log-probabilities, the loss -log p[target], the gradient p * scale
+- scale at the target, rounded once to the logits' dtype. The torch path calls log_softmax itself (so
+on the CPU it gives autograd's bits); the kernel computes (x - max) - log(sum exp(x - max)), as torch's
+CPU kernel does (CUDA's rounds x - (max + log sum) at the logits' magnitude: the kernel is the more
+precise of the two on a GPU).
 On CUDA a Triton kernel (loss_gradient_kernel.py) does it; elsewhere torch does, a block of rows
 at a time so that its float32 temporaries stay small.
 """
@@ -49,14 +52,13 @@ def _torch_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
     losses = []
     for start in range(0, logits.shape[0], _TORCH_ROWS):
         block, target = logits[start:start + _TORCH_ROWS], targets[start:start + _TORCH_ROWS]
-        x = block.float()
-        lse = torch.logsumexp(x, dim=1)
+        log_probs = torch.log_softmax(block.float(), dim=1)  # autograd's own kernel: its bits on this device
         counted = target != IGNORE_INDEX
         index = torch.where(counted, target, 0).long()[:, None]
-        losses.append(torch.where(counted, lse - x.gather(1, index)[:, 0], 0.0))
+        losses.append(torch.where(counted, -log_probs.gather(1, index)[:, 0], 0.0))
         if not write_gradient:
             continue
-        grad = torch.exp(x - lse[:, None]) * scale
+        grad = log_probs.exp_().mul_(scale)
         grad.scatter_(1, index, grad.gather(1, index) - scale)
         block.copy_(grad * counted[:, None])
     return torch.cat(losses)

@@ -27,24 +27,28 @@ def _logits_to_gradient_kernel(logits_ptr, targets_ptr, scale_ptr, loss_ptr, voc
         new_top = tl.maximum(top, tl.max(x, axis=0))
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
         top = new_top
-    lse = top + tl.log(total)
+    log_total = tl.log(total)
     target = tl.load(targets_ptr + row).to(tl.int64)
     counted = target != IGNORE
-    x_target = tl.load(base + target, mask=counted, other=0.0).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(counted, lse - x_target, 0.0))
+    valid = (target >= 0) & (target < vocab)  # an out-of-range target gives NaN, as no read may go astray
+    x_target = tl.load(base + target, mask=counted & valid, other=0.0).to(tl.float32)
+    loss = log_total - (x_target - top)
+    tl.store(loss_ptr + row, tl.where(counted, tl.where(valid, loss, float("nan")), 0.0))
     if WRITE:
-        _write_gradient(base, lse, target, counted, tl.load(scale_ptr), vocab, BLOCK)
+        scale = tl.where(valid | ~counted, tl.load(scale_ptr), float("nan"))
+        _write_gradient(base, top, log_total, target, counted, scale, vocab, BLOCK)
 
 
 @triton.jit
-def _write_gradient(base, lse, target, counted, scale, vocab, BLOCK: tl.constexpr):
-    """The second pass: scale * (softmax - onehot) over the row, in the logits' dtype."""
+def _write_gradient(base, top, log_total, target, counted, scale, vocab, BLOCK: tl.constexpr):
+    """The second pass: scale * (softmax - onehot) over the row, in the logits' dtype; log-probabilities as
+    log-softmax makes them, (x - max) - log(sum)."""
     offs = tl.arange(0, BLOCK)
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         ok = cols < vocab
         x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        grad = tl.exp(x - lse) * scale
+        grad = tl.exp((x - top) - log_total) * scale
         grad = tl.where(cols == target, grad - scale, grad)
         grad = tl.where(counted, grad, 0.0)
         tl.store(base + cols, grad.to(base.dtype.element_ty), mask=ok)

@@ -113,6 +113,8 @@ def estimate_step_memory(
     trainable_params: int = 0,
     fp32_targets: bool = False,
     context_parallel: int = 1,
+    fused_loss: bool = False,
+    head_trained: bool = True,
 ) -> StepMemory:
     """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
@@ -122,7 +124,9 @@ def estimate_step_memory(
     caller's fp32 tensors receive the gradients (a trainer's master weights, counted by the caller):
     no sums, and the same few low-precision ``.grad``. With ``config.offload``
     the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
-    ``context_parallel``: ranks sharing the sequence; the pages of the busiest one.
+    ``context_parallel``: ranks sharing the sequence; the pages of the busiest one. ``fused_loss``: the
+    step's loss is the fused one (TrainingSetup.fused_loss), whose LM head is trained (``head_trained``)
+    or frozen.
     """
     chunk = min(config.chunk_size, num_tokens) * batch_size
     own_tokens = context_parallel_tokens(num_tokens, config.chunk_size, config.page_size, context_parallel)
@@ -143,8 +147,9 @@ def estimate_step_memory(
         if not fp32_targets:
             grads += trainable_params * FP32_BYTES
     chunk_len = min(config.chunk_size, num_tokens)
-    logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens)
-              + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits))
+    fused = dtype if fused_loss else None
+    logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens, fused)
+              + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits, fused, head_trained))
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
 
 

@@ -213,21 +213,27 @@ def loss_head(causal_lm: PreTrainedModel) -> nn.Module:
     """The module that turns final hidden states into the logits the loss sees: the LM head, softcapped
     where the family softcaps its final logits (Gemma 2/3 ``final_logit_softcapping``)."""
     head = causal_lm.get_output_embeddings()
-    cap = getattr(causal_lm.config, "final_logit_softcapping", None)
-    if causal_lm.config.model_type in ("gemma2", "gemma3_text") and cap is not None:
+    cap = final_logit_softcap(causal_lm.config)
+    if cap is not None:
         from .loss import SoftcappedHead
 
         return SoftcappedHead(head, cap)
     return head
 
 
+def final_logit_softcap(config) -> float | None:
+    """The cap a family puts on its final logits before the loss (Gemma 2/3 ``final_logit_softcapping``)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return cap if config.model_type in ("gemma2", "gemma3_text") and cap is not None else None
+
+
 def fused_loss_possible(causal_lm: PreTrainedModel, single_process: bool = True) -> bool:
-    """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process;
-    tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused
+    """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process, not
+    in float16; tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused
     loss's memory only where this holds."""
     from .loss import fused_head
 
-    return single_process and fused_head(loss_head(causal_lm))
+    return single_process and causal_lm.dtype != torch.float16 and fused_head(loss_head(causal_lm))
 
 
 def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],

@@ -172,7 +172,7 @@ def test_fused_loss_equals_autograds(monkeypatch, trained, recompute, slice_toke
     want = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, fused=False, recompute=recompute)
     calls = []
     real = loss_module._HeadCrossEntropy.apply
-    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(a[5]) or real(*a))
     got = _loss_and_grads(head, hidden, targets, normalizer, slice_tokens, recompute=recompute)
     assert calls and set(calls) == {recompute}
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
@@ -262,10 +262,59 @@ def test_heads_the_fused_loss_leaves_to_autograd():
     patched = nn.Linear(H, V, bias=False)
     patched.forward = lambda x: x
     assert not fused_head(patched)
-    handle = head.register_forward_hook(lambda module, args, out: out)
+    for register in (head.register_forward_hook, head.register_forward_pre_hook, head.register_full_backward_hook):
+        handle = register(lambda *args: None)
+        assert not fused_head(head)
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *args: None)
     assert not fused_head(head)
     handle.remove()
     assert fused_head(head)
+
+
+def test_fused_loss_cases_beside_the_engines():
+    """Only the head trained (the body frozen: hidden needs no gradient), a float16 head (autograd's path:
+    a gradient already divided by the count would underflow before a loss scaler's factor), and an
+    out-of-range target in the kernel (NaN, never a read elsewhere; the torch path raises)."""
+    import oomb.loss as loss_module
+
+    head, hidden, targets = _bias_free(9, True)
+    want = chunked_cross_entropy(hidden, targets, head, 50, 7, fused=False)
+    want.backward()
+    want_grad = head.weight.grad.clone()
+    head.zero_grad(set_to_none=True)
+    got = chunked_cross_entropy(hidden, targets, head, 50, 7)
+    assert got.requires_grad
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(head.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
+    calls = []
+    real = loss_module._HeadCrossEntropy.apply
+    half, x16, _ = _bias_free(9, True, torch.float16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+        chunked_cross_entropy(x16.requires_grad_(), targets, half, 50, 7).backward()
+    assert not calls
+    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    logits = torch.randn(3, 40)
+    loss = kernel_module.logits_to_gradient_triton(logits, torch.tensor([1, 40, IGNORE_INDEX]), torch.ones(()))
+    assert loss[0].isfinite() and loss[1].isnan() and loss[2] == 0
+    assert logits[0].isfinite().all() and logits[1].isnan().all() and not logits[2].any()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_gradient_scale_attribute_scales_both_paths(fused):
+    """loss.GRADIENT_SCALE on the head (hf_trainer.scaled_loss_gradient) multiplies every gradient, in the
+    fused loss and in autograd's, and leaves the loss as it is."""
+    from oomb.loss import GRADIENT_SCALE
+
+    head, hidden, targets = _bias_free(10, True)
+    plain = _loss_and_grads(head, hidden, targets, 40, 7, fused=fused)
+    setattr(head, GRADIENT_SCALE, 0.25)
+    scaled = _loss_and_grads(head, hidden, targets, 40, 7, fused=fused)
+    delattr(head, GRADIENT_SCALE)
+    assert torch.equal(scaled[0], plain[0])
+    assert torch.equal(scaled[1], plain[1] * 0.25) and torch.equal(scaled[2], plain[2] * 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,7 +43,7 @@ from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
-from ..models import plain_attention, unwrap_causal_lm
+from ..models import final_logit_softcap, plain_attention, unwrap_causal_lm
 from ..training import presets
 from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
@@ -144,6 +144,11 @@ class BenchOptions:
         """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
         chosen = compiles(self.oomb_config(), torch.device(self.device).type == "cuda", bool(shape.num_experts))
         return chosen and (self.compile_layers is True or (can_compile() and compile_problem() is None))
+
+    def fused_loss_for(self) -> bool:
+        """Whether oomb modes run the fused loss on the preset's model (models.fused_loss_possible: a plain
+        linear head, which the presets' models have unless they softcap their logits; not float16)."""
+        return self.dtype != torch.float16 and final_logit_softcap(preset_config(self.preset)) is None
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
@@ -402,9 +407,10 @@ def _mp_context():
 
 
 def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> dict:
-    compiled = MODES[mode].attention != "hf" and options.compiled_layers_for(shape)
-    p = predict(mode, shape, tokens, options.oomb_config(),
-                TrainingSetup(options.dtype, 1, "none", compiled_layers=compiled), sparse=options.sparse_assumptions())
+    oomb = MODES[mode].attention != "hf"
+    setup = TrainingSetup(options.dtype, 1, "none", compiled_layers=oomb and options.compiled_layers_for(shape),
+                          fused_loss=oomb and options.fused_loss_for())
+    p = predict(mode, shape, tokens, options.oomb_config(), setup, sparse=options.sparse_assumptions())
     return {"predicted_gpu_above_weights_gib": round(p.gpu_above_weights / GIB, 3),
             "predicted_host_gib": round(p.host_total / GIB, 3)}
 
@@ -444,7 +450,7 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
     report["machine"].update(gpu=event["gpu"], gpu_memory_gib=round(event["total_bytes"] / GIB, 1),
                              gpu_count=event["count"])
     budget = Budget(event["total_bytes"], machine.host_available_bytes() or event["total_bytes"])
-    setup = TrainingSetup(options.dtype, 1, "none")
+    setup = TrainingSetup(options.dtype, 1, "none", fused_loss=options.fused_loss_for())  # (hf: not read there)
 
     def fits(mode: str, tokens: int) -> bool:
         p = predict(mode, shape, tokens, options.oomb_config(), setup, sparse=options.sparse_assumptions())

@@ -45,7 +45,7 @@ from transformers import Trainer
 from ..config import OOMBConfig
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
-from ..loss import IGNORE_INDEX, shift_labels
+from ..loss import GRADIENT_SCALE, IGNORE_INDEX, shift_labels
 from ..models import unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
@@ -59,32 +59,21 @@ IGNORED_KEYS = frozenset({"use_cache", "return_dict", "token_type_ids"})
 _BUCKET_BYTES = 64 * 2**20
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 @contextlib.contextmanager
 def scaled_loss_gradient(model: nn.Module, scale: float) -> Iterator[None]:
     """Inside, every gradient of the LM loss is ``scale`` times larger: the LM head's output (the
-    logits, the only way the loss depends on the parameters) passes its gradient on scaled."""
+    logits, the only way the loss depends on the parameters) passes its gradient on scaled. The LM head
+    carries the factor (loss.GRADIENT_SCALE): the fused loss builds its gradient with it, autograd's loss
+    scales the logits' gradient (loss.gradient_scale)."""
     if scale == 1.0:
         yield
         return
     head = unwrap_causal_lm(model).get_output_embeddings()
-    handle = head.register_forward_hook(lambda module, args, out: _ScaleGradient.apply(out, scale))
+    setattr(head, GRADIENT_SCALE, scale)
     try:
         yield
     finally:
-        handle.remove()
+        delattr(head, GRADIENT_SCALE)
 
 
 def _known_compute_losses() -> set:

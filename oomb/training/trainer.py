@@ -352,7 +352,9 @@ class Trainer(Checkpointing):
         step = estimate_step_memory(shape, cfg.data.seq_len, cfg.oomb, dtype=self.dtype,
                                     trainable_params=self.trainable,
                                     fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
-                                    context_parallel=cfg.parallel.cp)
+                                    context_parallel=cfg.parallel.cp,
+                                    fused_loss=fused_loss_possible(causal_lm, self.parallel.mesh is None),
+                                    head_trained=causal_lm.get_output_embeddings().weight.requires_grad)
         terms = {
             "KV and KV-gradient pages": step.kv_pages,
             "activations of one chunk": step.chunk_activations,
