@@ -121,11 +121,34 @@ def _score_variants():
                dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax))
 
 
+def _plain_variants():
+    """The kernels without autotuning (CUDA only, one launch config each): the sparse backward's row add and
+    the fused loss's gradient kernel, at the 7B shape's widths."""
+    import triton
+
+    from oomb import loss_gradient_kernel
+    from oomb.attention import triton_row_add
+
+    class Pinned:  # what _compile reads of an autotuner: the function and its (one) launch config
+        def __init__(self, fn, num_warps: int) -> None:
+            self.fn, self.configs = fn, [triton.Config({}, num_warps=num_warps, num_stages=1)]
+
+    rows = Pinned(triton_row_add._add_rows_kernel, 4)
+    for pool in ("fp32", "bf16"):
+        yield ("row_add", f"pool={pool}", rows, {"pool_ptr": f"*{pool}", "grad_ptr": "*bf16", "sorted_rows_ptr": "*i64",
+                                                 "order_ptr": "*i64"}, {"BLOCK": triton_row_add._BLOCK})
+    loss = Pinned(loss_gradient_kernel._logits_to_gradient_kernel, 8)
+    for write in (True, False):
+        yield ("loss_gradient", f"write={write}", loss, {"logits_ptr": "*bf16", "targets_ptr": "*i64",
+                                                         "scale_ptr": "*fp32", "loss_ptr": "*fp32"},
+               {"IGNORE": -100, "WRITE": write, "BLOCK": loss_gradient_kernel._BLOCK})
+
+
 def compile_all(captured: str | None) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
-    variants = list(_score_variants())
+    variants = list(_score_variants()) + list(_plain_variants())
     for launch in json.loads(Path(captured).read_text()) if captured else []:
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         name = f"{launch['module'].rsplit('.', 1)[-1]}.{launch['kernel']}"

@@ -38,7 +38,8 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
             "triton_sparse._fwd_kernel", "triton_sparse._dq_kernel"} <= kernels
     assert all(launch["types"]["q_ptr"] == "*bf16" for launch in launches)
     results = [json.loads(line) for line in _run("compile", str(captured), interpret=False).stdout.splitlines()]
-    assert {r["kernel"] for r in results} >= {"exact_scores", "block_scores"} | kernels
+    assert {r["kernel"] for r in results} >= {"exact_scores", "block_scores", "row_add", "loss_gradient"} | kernels
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
-    assert all(0 < r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
+    assert all(r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
+    assert all(r["shared"] > 0 for r in results if r["kernel"] != "row_add")  # (the row add stages nothing)
