@@ -222,6 +222,21 @@ def chosen_configs() -> dict:
     return picks
 
 
+def write_kernel_report(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> dict:
+    """The per-call benchmarks' JSON (date, commit, device, command, workload, rows), written to ``args.out``
+    when given."""
+    from oomb.machine import git_commit
+
+    report = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "command": " ".join(sys.argv), "workload": {k: v for k, v in vars(args).items() if k != "out"},
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print("wrote", args.out)
+    return report
+
+
 def kernel_device(smoke: bool) -> torch.device:
     """The GPU, or with ``smoke`` the CPU through the Triton interpreter (chosen before any kernel
     module is imported); exits without a GPU otherwise."""

@@ -14,7 +14,6 @@ call adds into a fresh copy of the pool; the copy's time is measured alone and s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -69,11 +68,10 @@ def _paths(pool, rows, grad, add_rows_) -> dict:
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from attention import Timer, kernel_device
+    from attention import Timer, kernel_device, write_kernel_report
 
     device = kernel_device(args.smoke)
     from oomb.attention.triton_row_add import add_rows_
-    from oomb.machine import git_commit
 
     timer = Timer(device)
     results = []
@@ -93,13 +91,7 @@ def main() -> None:
                 row[f"{name} ms without the copy"] = row[f"{name} ms"] - row["copy only ms"]
             results.append(row)
             print(json.dumps(row), flush=True)
-    report = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "command": " ".join(sys.argv), "workload": {k: v for k, v in vars(args).items() if k != "out"},
-              "rows": results}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print("wrote", args.out)
+    write_kernel_report(args, device, results)
 
 
 if __name__ == "__main__":

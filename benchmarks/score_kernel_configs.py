@@ -16,9 +16,7 @@ pages of the history (rerank x4 at budget 64: 256). CUDA events, median of ``--i
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -75,13 +73,12 @@ def _run_config(kernel, config, call) -> None:
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from attention import Timer, kernel_device
+    from attention import Timer, kernel_device, write_kernel_report
 
     device = kernel_device(args.smoke)
     import triton
 
     from oomb.attention import triton_scores
-    from oomb.machine import git_commit
 
     kernel = triton_scores._exact_scores_kernel
     if any(triton_scores._SCRATCH_ROWS % m for m, *_ in CONFIGS):
@@ -113,13 +110,7 @@ def main() -> None:
                   + (f"{row['ms']:8.3f} ms  diff {row['max_abs_diff_vs_autotuned']:.2e}" if "ms" in row
                      else row["error"]), flush=True)
     kernel.configs = kernel._oomb_all_configs
-    report = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "command": " ".join(sys.argv), "workload": {k: v for k, v in vars(args).items() if k != "out"},
-              "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print("wrote", args.out)
+    write_kernel_report(args, device, rows)
 
 
 if __name__ == "__main__":

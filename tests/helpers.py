@@ -173,3 +173,15 @@ def end_distributed_worker(barrier: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_benchmark(name: str, argv: list[str], monkeypatch) -> None:
+    """Run benchmarks/NAME.py's main() in this process with ``argv`` (its smoke runs)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [path.name, *argv])
+    module.main()

@@ -387,17 +387,11 @@ def test_predict_and_planner_follow_the_fused_loss():
 
 def test_loss_speed_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/loss_speed.py on tiny CPU shapes: every variant runs and agrees with autograd's."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_speed.py"
-    spec = importlib.util.spec_from_file_location("loss_speed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from helpers import run_benchmark
+
     out = tmp_path / "l.json"
-    monkeypatch.setattr(sys, "argv", ["loss_speed.py", "--smoke", "--out", str(out)])
-    module.main()
+    run_benchmark("loss_speed", ["--smoke", "--out", str(out)], monkeypatch)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 8 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)

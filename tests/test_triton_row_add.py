@@ -100,17 +100,11 @@ def test_the_sparse_cudnn_backward_adds_through_the_kernel(monkeypatch):
 
 def test_speed_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/row_add_speed.py on tiny shapes: both paths run and agree on a float32 pool."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "row_add_speed.py"
-    spec = importlib.util.spec_from_file_location("row_add_speed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from helpers import run_benchmark
+
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["row_add_speed.py", "--smoke", "--pool-dtypes", "float32", "--out", str(out)])
-    module.main()
+    run_benchmark("row_add_speed", ["--smoke", "--pool-dtypes", "float32", "--out", str(out)], monkeypatch)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["bitwise_equal"] and row["rows"] == 4 * 2 * 4  # 4 groups x 2 heads x (sink + budget 3)
