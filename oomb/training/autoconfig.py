@@ -188,6 +188,18 @@ class Candidate:
     factors: tuple[str, ...]
     """Keys of SPEED_FACTS that apply."""
     prediction: MemoryPrediction
+    fused_loss: bool = False
+    """The step's loss is counted fused (TrainingSetup.fused_loss)."""
+    head_trained: bool = True
+
+    def loss_words(self) -> str:
+        """What the loss keeps for its backward, in words."""
+        kept = "recomputed" if self.config.recompute_logits else "kept"
+        if not self.fused_loss:
+            return f"log-probabilities {kept}"
+        if self.head_trained:
+            return f"loss fused (logits' gradient {kept})"
+        return "loss fused (frozen head: nothing kept)"
 
     def summary(self, num_layers: int) -> str:
         c = self.config
@@ -198,7 +210,7 @@ class Candidate:
         grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
                     if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
         return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
-                f"log-probabilities {'recomputed' if c.recompute_logits else 'kept'}, chunk {c.chunk_size}, "
+                f"{self.loss_words()}, chunk {c.chunk_size}, "
                 f"backend {c.backend}{grouping}")
 
 
@@ -293,7 +305,8 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers)
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
-    return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction)
+    return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
+                     head_trained=not workload.lora_rank)
 
 
 def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
@@ -521,7 +534,9 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
              "log-probabilities kept: they fit (recomputing them takes {:.3f}x)",
              "log-probabilities recomputed: keeping them does not fit next to the rest")):
         value = getattr(cfg, name)
-        if name in fixed:
+        if name == "recompute_logits" and best.fused_loss and not best.head_trained:
+            parts.append("loss fused: the frozen head's slices keep nothing and recompute nothing")
+        elif name in fixed:
             parts.append(f"{name}={value} as set")
         elif not value:
             parts.append(off.format(SPEED_FACTS[f"{fact}_{'sparse' if cfg.attention == 'sparse' else 'dense'}"].factor))
