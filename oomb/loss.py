@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,10 @@ from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
 """Attribute of an LM head: a factor on every gradient of the loss (training/hf_trainer.py
 scaled_loss_gradient sets it on heads the fused loss takes; others get a forward hook there)."""
+
+FUSED_LOSS = os.environ.get("OOMB_FUSED_LOSS", "1") != "0"
+"""chunked_cross_entropy's ``fused`` default; OOMB_FUSED_LOSS=0 (read at import) keeps autograd's loss
+everywhere (to compare the two on a GPU). The planner counts what models.fused_loss_possible says."""
 
 LOSS_RANGE = "oomb.loss"
 """Profiler range around a slice's LM head and cross-entropy (also their recompute in backward):
@@ -175,7 +181,7 @@ def chunked_cross_entropy(
     normalizer: int | torch.Tensor,
     slice_tokens: int,
     recompute: bool = True,
-    fused: bool = True,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
 
@@ -190,6 +196,7 @@ def chunked_cross_entropy(
     ``recompute``, nothing with it.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
+    fused = FUSED_LOSS if fused is None else fused
     fused = (fused and torch.is_grad_enabled() and (hidden.requires_grad or lm_head.weight.requires_grad)
              and hidden.dtype != torch.float16 and fused_head(lm_head))
     scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer if fused else None

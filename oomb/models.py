@@ -231,9 +231,9 @@ def fused_loss_possible(causal_lm: PreTrainedModel, single_process: bool = True)
     """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process, not
     in float16; tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused
     loss's memory only where this holds."""
-    from .loss import fused_head
+    from .loss import FUSED_LOSS, fused_head
 
-    return single_process and causal_lm.dtype != torch.float16 and fused_head(loss_head(causal_lm))
+    return FUSED_LOSS and single_process and causal_lm.dtype != torch.float16 and fused_head(loss_head(causal_lm))
 
 
 def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],

@@ -62,6 +62,8 @@
 #   fused_tests      issues 18/23: the GPU tests of both new kernels (row add; the fused loss's gradient kernel),
 #                    the cuDNN sparse and offload-bitwise GPU tests, then both per-call benchmarks (row_add_speed,
 #                    loss_speed: one 4096-token chunk of the 7B head, autograd vs fused, frozen and trained) (~5 min)
+#   switches_off     issues 18/23: the 128K sparse chosen step (no HF) with OOMB_FUSED_LOSS=0 OOMB_ROW_ADD_KERNEL=0:
+#                    torch's loss and page-gradient scatter, for the step-level difference of the two kernels (~2 min)
 #   engine_tests     issues 18/23: the GPU engine tests (bf16 gradient error no worse than HF's, now with the fused
 #                    loss) and the compiled-layers GPU test (~4.5 min)
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
@@ -102,7 +104,7 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (after the 2026-12-03 sixth session, which had no device time): fused_tests FIRST (~5 min: the row add
 # and the fused loss, both new and not yet run on a GPU); engine_tests plus sparse_chosen (~8.5 min: the 128K
-# defaults step with both and the score kernel's tuning key); compiled_1m (~5.5 min: the 1M chosen plan after all
+# defaults step with both and the score kernel's tuning key); switches_off (the same step without the two kernels); compiled_1m (~5.5 min: the 1M chosen plan after all
 # three, with the resident layers the memory model now allows: compiled layers and the fused loss counted);
 # profile_1m_chosen
 # alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
@@ -240,6 +242,10 @@ for part in "$@"; do
           tests/test_offload.py -k "sparse or offload_steps"
       run 40 row_add_speed python benchmarks/row_add_speed.py --out "$OUT/row_add_speed.json"
       run 40 loss_speed python benchmarks/loss_speed.py --out "$OUT/loss_speed.json" ;;
+    switches_off)
+      (export OOMB_FUSED_LOSS=0 OOMB_ROW_ADD_KERNEL=0
+       run 150 switches_off python -m oomb bench --modes sparse --contexts 128K --chosen \
+           --out-dir "$OUT" --name sparse_defaults_chosen_switches_off_128k) ;;
     engine_tests)
       run 270 engine_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
           tests/test_compiled_layers.py ;;

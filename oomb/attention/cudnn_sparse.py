@@ -17,6 +17,7 @@ synchronisation per call, which stalls the host's kernel launches behind the GPU
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -30,9 +31,17 @@ def _pool_rows(pool: torch.Tensor, ids: torch.Tensor, heads: torch.Tensor) -> to
     return (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)
 
 
+ROW_ADD_KERNEL = os.environ.get("OOMB_ROW_ADD_KERNEL", "1") != "0"
+"""CUDA pools take the backward's dK, dV through triton_row_add.py; OOMB_ROW_ADD_KERNEL=0 (read at import)
+keeps torch's cast and index_put_ (to compare the two on a GPU)."""
+
+
 @functools.cache
 def _row_add_kernel():
-    """triton_row_add.add_rows_, imported on first use; None without Triton (an optional dependency)."""
+    """triton_row_add.add_rows_, imported on first use; None without Triton (an optional dependency) or
+    with OOMB_ROW_ADD_KERNEL=0."""
+    if not ROW_ADD_KERNEL:
+        return None
     try:
         from .triton_row_add import add_rows_
     except ImportError:
