@@ -266,3 +266,17 @@ def test_profile_with_the_choosers_plan(tmp_path, monkeypatch):
     assert "layer replay off" in chosen["plan"]  # a 1K step of the tiny model fits without replay
     assert chosen["step_spec"]["checkpoint_layers"] is False
     assert chosen["step_spec"]["chunk_size"] == 256  # a flag the user gave stays
+
+
+def test_fused_loss_floor():
+    """oomb's fused loss: 6 bytes of kernel traffic per logit, and a frozen head (LoRA) recomputes nothing
+    whatever recompute_logits says; a trained head keeps autograd's passes."""
+    from oomb.tools.step_floor import FUSED_LOGIT_BYTES, LOGIT_BYTES, loss_work
+
+    shape = load_model_shape("qwen2.5-7b")
+    lora = StepSpec(shape, 131072, "sparse", lora_rank=16)
+    fused_lora = StepSpec(shape, 131072, "sparse", lora_rank=16, fused_loss=True)
+    assert loss_work(fused_lora).matmul_flops == loss_work(lora).matmul_flops * 2 / 3  # forward, dX: no recompute
+    assert loss_work(fused_lora).memory_bytes == loss_work(lora).memory_bytes * FUSED_LOGIT_BYTES / LOGIT_BYTES
+    full, fused_full = StepSpec(shape, 131072, "sparse"), StepSpec(shape, 131072, "sparse", fused_loss=True)
+    assert loss_work(fused_full).matmul_flops == loss_work(full).matmul_flops

@@ -466,7 +466,8 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
 def step_spec(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> StepSpec:
     """The floor model's view (oomb/tools/step_floor.py) of a bench step of ``mode`` (every weight trained)."""
     config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
-    return StepSpec.from_config(shape, tokens, config, dtype=options.dtype)
+    return StepSpec.from_config(shape, tokens, config, dtype=options.dtype,
+                                fused_loss=config is not None and options.fused_loss_for())
 
 
 def executed_flops(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> float:

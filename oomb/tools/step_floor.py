@@ -21,7 +21,8 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
                own causally: a Q K^T at the attention kernels' rate.
     loss       the LM head (forward, the checkpointed slice's recompute unless recompute_logits is off,
                dX, and dW when the head trains) and the logits' memory traffic: reading the bf16 logits
-               in each of those passes and writing their gradient, 8 bytes per logit.
+               in each of those passes and writing their gradient, 8 bytes per logit; oomb's fused loss
+               (fused_loss): its kernel's 6 bytes per logit, and no recompute for a frozen head.
     copies     K, V written to their pages once (stage 1); with offload, pinned-host <-> device traffic
                (stage 1: the chunk's K, V out, the history it reads in; stage 2: K, V in for the forward
                and again for the backward, dK, dV in and out), each direction at the host rate.
@@ -63,6 +64,9 @@ PARTS = ("GEMM", "attention", "scoring", "loss", "copies")
 LOGIT_BYTES = 8
 """Memory traffic per logit (token x vocabulary entry) of the loss at the least: its bf16 value read in
 the forward, the recompute and the backward, and its bf16 gradient written (4 x 2 bytes)."""
+
+FUSED_LOGIT_BYTES = 6
+"""The fused loss's kernel per logit: the bf16 logits read by its two passes, their gradient written."""
 
 ATTENTION_BACKWARD_FORWARDS = 2.5
 """A flash-attention backward's five matmuls (S = Q K^T again, dV, dP, dQ, dK) against the forward's two."""
@@ -145,6 +149,9 @@ class StepSpec:
     sparse_leak_free: bool = False
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
+    fused_loss: bool = False
+    """The loss is oomb's fused one (loss.py): its kernel reads the logits twice and writes their gradient
+    once (FUSED_LOGIT_BYTES), and a frozen head (LoRA) recomputes nothing."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("hf", "dense", "sparse"):
@@ -156,7 +163,7 @@ class StepSpec:
 
     @classmethod
     def from_config(cls, shape: ModelShape, tokens: int, config: OOMBConfig | None, *, batch_size: int = 1,
-                    lora_rank: int = 0, dtype: torch.dtype = torch.bfloat16) -> StepSpec:
+                    lora_rank: int = 0, dtype: torch.dtype = torch.bfloat16, fused_loss: bool = False) -> StepSpec:
         """The step ``config`` runs (None: plain HF with gradient checkpointing)."""
         if config is None:
             return cls(shape, tokens, "hf", batch_size, lora_rank=lora_rank, kv_bytes=dtype.itemsize)
@@ -167,7 +174,8 @@ class StepSpec:
                    sparse_sink_pages=config.sparse_sink_pages, sparse_score=config.resolved_sparse_score,
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
-                   sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits)
+                   sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits,
+                   fused_loss=fused_loss)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """(start, length) of each chunk; hf: the whole sequence at once."""
@@ -269,9 +277,11 @@ def loss_work(spec: StepSpec) -> Work:
     """The LM head's matmuls and the logits' traffic (stage 2 only, every position counted)."""
     tokens = spec.batch_size * spec.tokens
     vocab = spec.shape.head_vocab
-    passes = 2 + spec.recompute_logits + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
+    recompute = spec.recompute_logits and not (spec.fused_loss and spec.lora_rank)  # a frozen fused head: none
+    passes = 2 + recompute + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
+    per_logit = FUSED_LOGIT_BYTES if spec.fused_loss and spec.mode != "hf" else LOGIT_BYTES
     return Work(matmul_flops=2.0 * tokens * spec.shape.hidden_size * vocab * passes,
-                memory_bytes=float(tokens * vocab * LOGIT_BYTES))
+                memory_bytes=float(tokens * vocab * per_logit))
 
 
 def copies_work(spec: StepSpec) -> Work:
