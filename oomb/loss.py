@@ -16,8 +16,9 @@ from .grads import Fp32GradAccumulator
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
-"""Attribute of an LM head: a factor on every gradient of the loss (training/hf_trainer.py
-scaled_loss_gradient sets it on heads the fused loss takes; others get a forward hook there)."""
+"""Attribute of an LM head (get_output_embeddings): a factor on every gradient of the LM loss, which the
+fused loss builds its gradient with and autograd's loss applies to the logits' gradient
+(training/hf_trainer.py scaled_loss_gradient sets it)."""
 
 FUSED_LOSS = os.environ.get("OOMB_FUSED_LOSS", "1") != "0"
 """chunked_cross_entropy's ``fused`` default; OOMB_FUSED_LOSS=0 (read at import) keeps autograd's loss
@@ -197,8 +198,8 @@ def chunked_cross_entropy(
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     fused = FUSED_LOSS if fused is None else fused
-    fused = (fused and torch.is_grad_enabled() and (hidden.requires_grad or lm_head.weight.requires_grad)
-             and hidden.dtype != torch.float16 and fused_head(lm_head))
+    fused = (fused and torch.is_grad_enabled() and hidden.dtype != torch.float16 and fused_head(lm_head)
+             and (hidden.requires_grad or lm_head.weight.requires_grad))
     scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer if fused else None
     for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
                               strict=True):

@@ -346,6 +346,12 @@ def test_loss_gradient_scale_is_exact():
         forward_backward(model, ids, config=STEP)
     for g, ref in zip((p.grad for p in model.parameters()), reference, strict=True):
         torch.testing.assert_close(g, ref * 0.25, rtol=1e-6, atol=1e-9)
+    model.zero_grad()
+    with warnings.catch_warnings(), hft.scaled_loss_gradient(model, 0.5), hft.scaled_loss_gradient(model, 0.5):
+        forward_backward(model, ids, config=STEP)  # nested: the factors multiply
+    for g, ref in zip((p.grad for p in model.parameters()), reference, strict=True):
+        torch.testing.assert_close(g, ref * 0.25, rtol=1e-6, atol=1e-9)
+    assert not hasattr(model.get_output_embeddings(), hft.GRADIENT_SCALE)
 
 
 def test_ddp_two_processes(tmp_path):

@@ -277,22 +277,26 @@ def test_fused_loss_cases_beside_the_engines():
     a gradient already divided by the count would underflow before a loss scaler's factor), and an
     out-of-range target in the kernel (NaN, never a read elsewhere; the torch path raises)."""
     import oomb.loss as loss_module
+    from oomb.loss import SoftcappedHead
 
+    calls = []
+    real = loss_module._HeadCrossEntropy.apply
     head, hidden, targets = _bias_free(9, True)
     want = chunked_cross_entropy(hidden, targets, head, 50, 7, fused=False)
     want.backward()
     want_grad = head.weight.grad.clone()
     head.zero_grad(set_to_none=True)
-    got = chunked_cross_entropy(hidden, targets, head, 50, 7)
-    assert got.requires_grad
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(head.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
-    calls = []
-    real = loss_module._HeadCrossEntropy.apply
-    half, x16, _ = _bias_free(9, True, torch.float16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+        got = chunked_cross_entropy(hidden, targets, head, 50, 7)
+        assert calls and got.requires_grad  # fused, the hidden states needing no gradient
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(head.weight.grad, want_grad, rtol=1e-5, atol=1e-7)
+        calls.clear()
+        capped = SoftcappedHead(head, 30.0)  # no .weight of its own: autograd's path, trained head
+        chunked_cross_entropy(hidden, targets, capped, 50, 7).backward()
+        half, x16, _ = _bias_free(9, True, torch.float16)
         chunked_cross_entropy(x16.requires_grad_(), targets, half, 50, 7).backward()
     assert not calls
     kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")

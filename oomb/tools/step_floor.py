@@ -22,7 +22,8 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
     loss       the LM head (forward, the checkpointed slice's recompute unless recompute_logits is off,
                dX, and dW when the head trains) and the logits' memory traffic: reading the bf16 logits
                in each of those passes and writing their gradient, 8 bytes per logit; oomb's fused loss
-               (fused_loss): its kernel's 6 bytes per logit, and no recompute for a frozen head.
+               (fused_loss): its kernel's 6 bytes per logit (8 for a trained head that recomputes: the
+               forward's loss-only pass), and no recompute for a frozen head.
     copies     K, V written to their pages once (stage 1); with offload, pinned-host <-> device traffic
                (stage 1: the chunk's K, V out, the history it reads in; stage 2: K, V in for the forward
                and again for the backward, dK, dV in and out), each direction at the host rate.
@@ -279,7 +280,9 @@ def loss_work(spec: StepSpec) -> Work:
     vocab = spec.shape.head_vocab
     recompute = spec.recompute_logits and not (spec.fused_loss and spec.lora_rank)  # a frozen fused head: none
     passes = 2 + recompute + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
-    per_logit = FUSED_LOGIT_BYTES if spec.fused_loss and spec.mode != "hf" else LOGIT_BYTES
+    per_logit = LOGIT_BYTES
+    if spec.fused_loss and spec.mode != "hf":  # its kernel; a trained head's recompute reads them once more
+        per_logit = FUSED_LOGIT_BYTES + (2 if recompute and not spec.lora_rank else 0)
     return Work(matmul_flops=2.0 * tokens * spec.shape.hidden_size * vocab * passes,
                 memory_bytes=float(tokens * vocab * per_logit))
 

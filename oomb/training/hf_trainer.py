@@ -69,11 +69,15 @@ def scaled_loss_gradient(model: nn.Module, scale: float) -> Iterator[None]:
         yield
         return
     head = unwrap_causal_lm(model).get_output_embeddings()
-    setattr(head, GRADIENT_SCALE, scale)
+    previous = getattr(head, GRADIENT_SCALE, None)  # nested: the factors multiply
+    setattr(head, GRADIENT_SCALE, (1.0 if previous is None else previous) * scale)
     try:
         yield
     finally:
-        delattr(head, GRADIENT_SCALE)
+        if previous is None:
+            delattr(head, GRADIENT_SCALE)
+        else:
+            setattr(head, GRADIENT_SCALE, previous)
 
 
 def _known_compute_losses() -> set:
