@@ -41,7 +41,7 @@ from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
 from .kv.offload import HostSlabs, OffloadedKVStore
-from .loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
+from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels
 from .machine import host_available_bytes
 from .models import (
     Stage,
@@ -55,7 +55,7 @@ from .models import (
     step_window_bounds,
     unwrap_causal_lm,
 )
-from .moe import RouterBalanceLoss
+from .moe import ROUTER_LOSS_FACTOR, RouterBalanceLoss
 from .parallel import ParallelSetup, check_setup
 from .sparse import SparseOptions
 
@@ -192,7 +192,7 @@ def forward_backward(
                         config.recompute_logits,
                     )
                     if router_loss is not None:
-                        loss = loss + router_loss.chunk_loss(router_logits)
+                        loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)
                     if loss.requires_grad:  # False when the chunk has no counted label
                         loss.backward()
                     else:
@@ -214,6 +214,14 @@ def forward_backward(
         parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
+
+
+def _router_term(term: torch.Tensor, causal_lm, lm_head) -> torch.Tensor:
+    """The chunk's load-balancing term as the step's loss takes it: times the model's ROUTER_LOSS_FACTOR
+    (value and gradient), its gradient also times the head's GRADIENT_SCALE (every gradient of the loss)."""
+    term = term * getattr(causal_lm, ROUTER_LOSS_FACTOR, 1.0)
+    factor = gradient_scale(lm_head)
+    return ScaledGradient.apply(term, factor) if factor != 1.0 else term
 
 
 def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tokens: int,

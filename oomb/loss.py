@@ -43,7 +43,7 @@ def gradient_scale(lm_head: nn.Module) -> float:
     return getattr(inner, GRADIENT_SCALE, 1.0)
 
 
-class _ScaledGradient(torch.autograd.Function):
+class ScaledGradient(torch.autograd.Function):
     """Identity forward; the gradient times ``factor`` in backward."""
 
     @staticmethod
@@ -61,7 +61,7 @@ def _slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Mod
         logits = lm_head(hidden)
         factor = gradient_scale(lm_head)
         if factor != 1.0 and torch.is_grad_enabled():
-            logits = _ScaledGradient.apply(logits, factor)
+            logits = ScaledGradient.apply(logits, factor)
         logits = logits.float()  # (B, S, V): softmax in fp32
         # A tensor-parallel head returns vocabulary-sharded DTensor logits; inside loss_parallel (the engine
         # enters it for forward and backward) cross_entropy reduces over the shards and returns a

@@ -23,6 +23,11 @@ ROUTER_LOSS_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 """Families whose HF loss adds the load-balancing loss above when output_router_logits is on."""
 
 
+ROUTER_LOSS_FACTOR = "_oomb_router_loss_factor"
+"""Attribute of a causal LM: a factor on the load-balancing term of the step's loss, value and gradient
+(training/hf_trainer.py sets it where the Trainer weighs that term unlike the token loss)."""
+
+
 class RouterBalanceLoss:
     """The load-balancing loss of one step: ``observe`` every chunk in stage 1, then ``chunk_loss``
     per chunk in stage 2."""

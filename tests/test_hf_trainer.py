@@ -381,3 +381,24 @@ def test_ddp_two_processes(tmp_path):
     assert result["reductions"] == 2, result  # one all-reduce per optimizer step, none in no_sync micro-steps
     assert result["plain_ddp_buckets"] >= 2 and result["oomb_ddp_buckets"] == 0, result  # DDP's reducer stays idle
     print(result)
+
+
+@pytest.mark.parametrize("items", [True, False], ids=["num_items_in_batch", "accumulation_mean"])
+def test_moe_load_balancing_term_weighs_as_the_trainers(tmp_path, items):
+    """qwen3_moe with its load-balancing loss, GA 2: with num_items_in_batch the model adds the term unscaled
+    to a token sum (the Trainer logs it once per micro-batch); without, the Trainer divides the whole loss by
+    the accumulation steps. oomb's logged losses, gradient norms and weights match the plain Trainer's
+    (SGD: Adam's normalization would magnify rounding in near-zero gradients)."""
+    from test_families import build
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(3, 100, (96,), generator=g).tolist()} for _ in range(8)]
+    runs = []
+    for cls, extra in ((Trainer, {}), (OOMBTrainer, {"oomb_config": STEP})):
+        trainer = cls(model=build("qwen3_moe"), args=training_args(tmp_path / cls.__name__, max_steps=2, optim="sgd"),
+                      train_dataset=data, data_collator=right_padded, **extra)
+        trainer.model_accepts_loss_kwargs = items and trainer.model_accepts_loss_kwargs
+        trainer.train()
+        runs.append(trainer)
+    assert_same_run(*runs)
+    assert not hasattr(runs[1].model, "_oomb_router_loss_factor")

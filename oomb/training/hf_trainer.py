@@ -47,6 +47,7 @@ from ..engine import forward_backward
 from ..kv.offload import HostSlabs
 from ..loss import GRADIENT_SCALE, IGNORE_INDEX, shift_labels
 from ..models import unwrap_causal_lm
+from ..moe import ROUTER_LOSS_FACTOR
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,28 @@ def scaled_loss_gradient(model: nn.Module, scale: float) -> Iterator[None]:
             delattr(head, GRADIENT_SCALE)
         else:
             setattr(head, GRADIENT_SCALE, previous)
+
+
+@contextlib.contextmanager
+def router_loss_factor(model: nn.Module, trainer: Trainer, num_items_in_batch, scale: float) -> Iterator[None]:
+    """Inside, an MoE model's load-balancing term weighs as the Trainer weighs it. Normalized by
+    ``num_items_in_batch``, the model adds the term unscaled to a loss that is a token sum over that count,
+    and the Trainer then multiplies the whole loss by the ranks (average_tokens_across_devices): the term's
+    weight is loss_scale with the counted tokens equal to num_items_in_batch. Otherwise the Trainer divides
+    the whole loss by the accumulation steps, as the token mean's ``scale``. The step's loss is multiplied by
+    ``scale`` after it returns and its gradients by ``scale`` inside (scaled_loss_gradient), so the term is
+    given weight / scale here (moe.ROUTER_LOSS_FACTOR)."""
+    causal_lm = unwrap_causal_lm(model)
+    items = None if num_items_in_batch is None else int(num_items_in_batch)
+    weight = loss_scale(trainer, items or 0, items)
+    if weight == scale:
+        yield
+        return
+    setattr(causal_lm, ROUTER_LOSS_FACTOR, weight / scale)
+    try:
+        yield
+    finally:
+        delattr(causal_lm, ROUTER_LOSS_FACTOR)
 
 
 def _known_compute_losses() -> set:
@@ -302,7 +325,7 @@ def oomb_training_step(trainer: Trainer, model: nn.Module, inputs: dict[str, Any
                              "undefined")
         loss = torch.zeros((), dtype=torch.float32, device=kwargs["input_ids"].device)  # sum / N = 0, no gradient
     else:
-        with scaled_loss_gradient(unwrapped, scale):
+        with scaled_loss_gradient(unwrapped, scale), router_loss_factor(unwrapped, trainer, num_items_in_batch, scale):
             loss = forward_backward(unwrapped, config=trainer.oomb_config, host_slabs=trainer._oomb_host_slabs,
                                     **kwargs) * scale
     ddp = _ddp(model)
