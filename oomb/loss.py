@@ -159,10 +159,9 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
-                          scale: torch.Tensor, recompute: bool) -> torch.Tensor:
-    factor = scale * gradient_scale(lm_head)  # float32, before the gradient rounds
+                          scale: torch.Tensor, gradient: torch.Tensor, recompute: bool) -> torch.Tensor:
     with record_function(LOSS_RANGE):
-        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, factor, recompute,
+        return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, gradient, recompute,
                                        float32_sink(lm_head))
 
 
@@ -200,14 +199,17 @@ def chunked_cross_entropy(
     fused = FUSED_LOSS if fused is None else fused
     fused = (fused and torch.is_grad_enabled() and hidden.dtype != torch.float16 and fused_head(lm_head)
              and (hidden.requires_grad or lm_head.weight.requires_grad))
-    scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer if fused else None
+    if fused:  # float32: 1 / normalizer, and the gradient's factor (GRADIENT_SCALE in) before it rounds
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer
+        gradient = scale * gradient_scale(lm_head)
     for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
                               strict=True):
         part = slice(start, start + slice_tokens)
         if not counted:
             continue  # nothing to learn here: skip the vocabulary projection entirely
         if fused:
-            total = total + _fused_slice_loss_sum(hidden[:, part], targets[:, part], lm_head, scale, recompute)
+            total = total + _fused_slice_loss_sum(hidden[:, part], targets[:, part], lm_head, scale, gradient,
+                                                  recompute)
         elif torch.is_grad_enabled() and recompute:
             total = total + checkpoint(_slice_loss_sum, hidden[:, part], targets[:, part], lm_head,
                                        use_reentrant=False)

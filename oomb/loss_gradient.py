@@ -21,6 +21,8 @@ at a time so that its float32 temporaries stay small.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 IGNORE_INDEX = -100
@@ -64,17 +66,11 @@ def _torch_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
     return torch.cat(losses)
 
 
-_KERNEL = None
-
-
+@functools.cache
 def _triton_kernel():
-    """The Triton path, built on first use (Triton is an optional dependency): None without it."""
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            from .loss_gradient_kernel import logits_to_gradient_triton
-        except ImportError:
-            _KERNEL = False
-        else:
-            _KERNEL = logits_to_gradient_triton
-    return _KERNEL or None
+    """The Triton path, imported on first use (Triton is an optional dependency): None without it."""
+    try:
+        from .loss_gradient_kernel import logits_to_gradient_triton
+    except ImportError:
+        return None
+    return logits_to_gradient_triton

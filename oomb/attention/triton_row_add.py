@@ -6,7 +6,8 @@ Why: the sparse cuDNN backward adds each selection group's dK, dV (bf16, one row
 values per selected (page, KV head)) into the float32 page gradients. With torch that is a cast of the
 whole gradient to float32 (a copy of twice its size) and ``index_put_(accumulate=True)``, which sorts
 the indices and reads the float32 copy again: about 50 ms per layer of the 7B's 128K step, measured in
-the chosen-plan profile (cast ~31 ms, sorted scatter ~20 ms per layer). Here the bf16 rows are read
+the chosen-plan profile (float32 casts ~31 ms, most of them these gradients' by size, an attribution the
+profile does not make; sorted scatter ~20 ms per layer). Here the bf16 rows are read
 once and converted in registers.
 
 Determinism: a row that several groups selected receives its updates one after another in the order
