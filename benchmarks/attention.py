@@ -11,7 +11,7 @@ pairs), backward = 2.5 x forward (the FlashAttention convention: 5 matmuls vs 2)
 events around each call, warm-up (and autotuning) excluded, median over the timed iterations.
 
     python benchmarks/attention.py                 # full run on a GPU, writes the JSON
-    python benchmarks/attention.py --smoke         # tiny shapes on CPU through the interpreter
+    python benchmarks/attention.py --smoke         # tiny shapes (CPU: the Triton interpreter)
 
 ``--softcap C`` also times our kernels with logit softcapping (Gemma 2: c * tanh(s / c)), counting the
 same FLOPs, so that ``softcap_*_cost`` is the capped kernels' time over the plain ones'.
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
     p.add_argument("--softcap", type=float, default=None,
                    help="also time our kernels with this logit softcap (Gemma 2: 50)")
     args = p.parse_args()
@@ -238,14 +238,15 @@ def write_kernel_report(args: argparse.Namespace, device: torch.device, rows: li
 
 
 def kernel_device(smoke: bool) -> torch.device:
-    """The GPU, or with ``smoke`` the CPU through the Triton interpreter (chosen before any kernel
-    module is imported); exits without a GPU otherwise."""
-    if smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
-    if device.type != "cuda" and not smoke:
+    """The GPU; without one, with ``smoke``, the CPU through the Triton interpreter (chosen before any
+    kernel module is imported); exits without a GPU otherwise. A smoke run on a GPU machine runs its tiny
+    shapes on the GPU (the kernel modules there are compiled, not interpreted)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not smoke:
         sys.exit("needs a CUDA device (or --smoke for a CPU check through the Triton interpreter)")
-    return device
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cpu")
 
 
 def main() -> None:

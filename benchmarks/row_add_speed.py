@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pool-dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
     p.add_argument("--out", help="write the JSON report here")
     args = p.parse_args()
     if args.smoke:

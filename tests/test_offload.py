@@ -485,11 +485,13 @@ def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_offload_steps_equal_steps_without_bitwise(offload_stores):
-    """On the GPU (Triton kernels, side streams, pinned slabs): 3 steps of different lengths."""
+    """On the GPU (Triton kernels, side streams, pinned slabs): 3 steps of different lengths. The Triton
+    backend is pinned: "auto" gives bf16 cuDNN, whose dense path reads the GPU-resident history as one
+    window and offloaded pages block by block (other float operations; cudnn is not bitwise promised)."""
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=3).to("cuda", torch.bfloat16)
-    base = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4)
+    base = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, backend="triton")
     lengths = (1500, 900, 2100)
     want = _steps(model, base, lengths)
     slabs = HostSlabs()
