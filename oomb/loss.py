@@ -91,8 +91,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
     gradient is made at once (one (tokens, hidden) product kept, no logits). A trained head keeps the
     logits' gradient for dW, or with ``recompute`` keeps nothing and makes logits and gradient again in
     the backward (the forward then computes the losses alone). The gradient is made for ``scale``
-    (1 / the loss's normalizer); the backward multiplies by grad_output / scale, exactly 1.0 when the
-    step back-propagates the normalized loss."""
+    (1 / the loss's normalizer); the backward applies grad_output / scale, exactly 1.0 when the step
+    back-propagates the normalized loss: in the kernel's scale when it recomputes, else to the kept input
+    gradient and to the hidden rows of dW (``_weight_gradient``)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
@@ -117,24 +118,37 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         if ctx.recompute:
             hidden, weight, targets, scale, gradient_scale = ctx.saved_tensors
+            # The backward's factor joins the kernel's scale: nothing vocabulary-sized is multiplied again.
+            factor = grad_loss.float() / scale
             rows = hidden.reshape(-1, hidden.shape[-1])
             logits_grad = rows @ weight.t()
-            logits_to_gradient_(logits_grad, targets, gradient_scale)
-            grad_hidden = logits_grad @ weight if ctx.needs_input_grad[0] else None
-        else:
-            grad_hidden, logits_grad, hidden, scale = ctx.saved_tensors
-            rows = hidden.reshape(-1, hidden.shape[-1]) if hidden is not None else None
+            logits_to_gradient_(logits_grad, targets, gradient_scale * factor)
+            grad_hidden = (logits_grad @ weight).view(ctx.shape) if ctx.needs_input_grad[0] else None
+            return grad_hidden, _weight_gradient(ctx, logits_grad, rows, None), None, None, None, None, None
+        grad_hidden, logits_grad, hidden, scale = ctx.saved_tensors
+        rows = hidden.reshape(-1, hidden.shape[-1]) if hidden is not None else None
         factor = grad_loss.float() / scale  # 1.0 exactly for the normalized loss's backward (GRADIENT_SCALE is in)
-        d_hidden = d_weight = None
+        d_hidden = None
         if grad_hidden is not None:
             d_hidden = (grad_hidden.float() * factor).to(grad_hidden.dtype).view(ctx.shape)
-        if ctx.trained and ctx.sink is not None:  # float32 sums (fp32_linear.py): a float32 product, as there
-            ctx.sink.add(ctx.param, matmul_float32(logits_grad.t(), rows, "LM head weight gradient").mul_(factor))
-        elif ctx.trained:
-            # In place: a float32 copy of a vocabulary-sized product would cost GBs. Exact for a factor of
-            # 1.0; any other (a caller back-propagating a rescaled loss) rounds the product once more.
-            d_weight = torch.mm(logits_grad.t(), rows).mul_(factor)
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, _weight_gradient(ctx, logits_grad, rows, factor), None, None, None, None, None
+
+
+def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+    """The head weight's gradient, logits_grad.T @ rows, times ``factor`` (None: already in logits_grad);
+    with float32 sums (fp32_linear.py) it goes to the sink as a float32 product and None is returned.
+    The factor scales the (tokens, hidden) rows, not the (vocabulary, hidden) product: a multiply of the
+    product cost 2.3 s of a 1M-token step's 10.3 s of loss on the H200 (profile-sparse-offload-chosen-1m).
+    Exact for a factor of 1.0 (the normalized loss's backward); any other rounds the scaled rows once."""
+    if not ctx.trained:
+        return None
+    if factor is not None:
+        rows = rows.mul(factor).to(rows.dtype)
+    if ctx.sink is not None:  # float32 sums (fp32_linear.py): a float32 product, as there
+        ctx.sink.add(ctx.param, matmul_float32(logits_grad.t(), rows, "LM head weight gradient"))
+        return None
+    return torch.mm(logits_grad.t(), rows)
 
 
 def fused_head(lm_head: nn.Module) -> bool:

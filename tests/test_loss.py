@@ -199,8 +199,13 @@ def test_fused_loss_recompute_and_kept_give_the_same_bits_and_rescaled_backward(
     kept = _loss_and_grads(head, hidden, targets, 40, 5, recompute=False)
     recomputed = _loss_and_grads(head, hidden, targets, 40, 5, recompute=True)
     assert all(torch.equal(a, b) for a, b in zip(kept, recomputed, strict=True))
-    doubled = _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=2.0, recompute=False)
-    assert torch.equal(doubled[1], 2 * kept[1]) and torch.equal(doubled[2], 2 * kept[2])
+    for recompute in (False, True):  # the factor joins the kernel's scale (recompute) or the rows (kept)
+        doubled = _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=2.0, recompute=recompute)
+        assert torch.equal(doubled[1], 2 * kept[1]) and torch.equal(doubled[2], 2 * kept[2])
+        want = _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=0.3, fused=False, recompute=recompute)
+        got = _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=0.3, recompute=recompute)
+        for a, b in zip(got[1:], want[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_trained_one():
