@@ -208,15 +208,19 @@ def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):
 
 
 def test_cli_log_probabilities_kept_unless_given(capsys):
-    """`oomb plan` at 128K (7B, LoRA, H200): the chooser keeps the loss slices' log-probabilities; the flags
-    fix either choice, and the JSON says which."""
+    """`oomb plan` at 128K (7B, H200): a trained head's fused loss keeps the logits' gradient; the flags fix
+    either choice, and the JSON says which. With LoRA the frozen head's fused loss keeps and recomputes
+    nothing, whatever the flag (as `oomb train` finds for these presets: a plain linear head)."""
     common = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
-              "--lora", "--json"]
+              "--optimizer", "none", "--json"]
     for flags, kept in (([], True), (["--recompute-logits"], False), (["--no-recompute-logits"], True)):
         cli.main([*common, *flags])
         choice = json.loads(capsys.readouterr().out)["choice"]
         assert choice["recompute_logits"] is not kept
         assert ("as set" in choice["reason"]) == bool(flags)
+        assert bool(flags) or "the logits' gradient kept" in choice["reason"]
+    cli.main([*common, "--lora", "--recompute-logits"])
+    assert "the frozen head's slices keep nothing" in json.loads(capsys.readouterr().out)["choice"]["reason"]
 
 
 def test_cli_json_and_model_directory(tmp_path, capsys):

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 from .. import machine
+from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
+from ..loss import FUSED_LOSS
 from ..memory import (
     GIB,
     GPU_TERMS,
@@ -41,6 +43,7 @@ from ..memory import (
     predict,
 )
 from ..model_shape import ModelShape
+from ..models import final_logit_softcap
 from ..training import presets
 from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
 from ..training.config import LoraSection
@@ -62,10 +65,11 @@ def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
     return presets.preset_config(name, max_positions)
 
 
-def load_model_shape(model: str) -> ModelShape:
-    """The shape of a preset name or of a local model directory's config.json (nothing downloaded)."""
+def model_config(model: str):
+    """The transformers (text) config of a preset name or of a local model directory's config.json
+    (nothing downloaded)."""
     if model in presets.PRESETS:
-        return ModelShape.from_hf_config(preset_config(model))
+        return preset_config(model)
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(presets.PRESETS)}) "
@@ -73,7 +77,26 @@ def load_model_shape(model: str) -> ModelShape:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    return ModelShape.from_hf_config(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """The shape of a preset name or of a local model directory's config.json (nothing downloaded)."""
+    return ModelShape.from_hf_config(model_config(model))
+
+
+def _step_kernels(model: str, shape: ModelShape, dtype: torch.dtype) -> dict[str, bool]:
+    """Workload.may_compile and may_fuse_loss as `oomb train` would find them for this model on one
+    process of this machine (compiled layers: a machine that compiles, no experts; the fused loss: the
+    plain linear head of a model that does not softcap its logits, not float16), so that the plan is
+    the one training picks. A model whose config cannot be read counts neither (never less memory)."""
+    try:
+        cfg = model_config(model)
+    except (ValueError, OSError):
+        return {"may_compile": False, "may_fuse_loss": False}
+    compile_ok = can_compile() and compile_problem() is None and not shape.num_experts
+    fuse_ok = FUSED_LOSS and dtype != torch.float16 and final_logit_softcap(cfg) is None
+    return {"may_compile": compile_ok, "may_fuse_loss": fuse_ok}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +296,7 @@ def make_plan(
     choice, choice_error = None, None
     if fixed is not None:
         workload = Workload(shape, tokens, setup.batch_size, setup.dtype, setup.lora_rank, setup.optimizer,
-                            setup.master_weights)
+                            setup.master_weights, **_step_kernels(model, shape, setup.dtype))
         gpu_name = budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None
         resources = Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=gpu_name)
         try:

@@ -527,12 +527,15 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     else:
         parts.append("bf16 dK/dV: no float32 configuration fits")
     # Two recomputations the chooser turns off where memory allows: (field, SPEED_FACTS key, why off, why on).
+    # What a trained head's loss keeps is the logits' gradient when the loss is fused (oomb/loss.py).
+    words = ("the logits' gradient", "it", "it fits") if best.fused_loss else ("log-probabilities", "them", "they fit")
+    kept, them, fit = words
     for name, fact, off, on in (
             ("checkpoint_layers", "replay", "no layer replay: a chunk's activations fit (replay takes {:.2f}x)",
              "layer replay on: without it a chunk's activations do not fit"),
             ("recompute_logits", "recompute_logits",
-             "log-probabilities kept: they fit (recomputing them takes {:.3f}x)",
-             "log-probabilities recomputed: keeping them does not fit next to the rest")):
+             f"{kept} kept: {fit} (recomputing {them} takes {{:.3f}}x)",
+             f"{kept} recomputed: keeping {them} does not fit next to the rest")):
         value = getattr(cfg, name)
         if name == "recompute_logits" and best.fused_loss and not best.head_trained:
             parts.append("loss fused: the frozen head's slices keep nothing and recompute nothing")
