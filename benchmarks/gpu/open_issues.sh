@@ -102,14 +102,12 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-03 sixth session, which had no device time): fused_tests FIRST (~5 min: the row add
-# and the fused loss, both new and not yet run on a GPU); engine_tests plus sparse_chosen (~8.5 min: the 128K
-# defaults step with both and the score kernel's tuning key); switches_off (the same step without the two kernels); compiled_1m (~5.5 min: the 1M chosen plan after all
-# three, with the resident layers the memory model now allows: compiled layers and the fused loss counted);
-# profile_1m_chosen
-# alone (D1); offload_staging (23: stage 1 in place against head rows; ~5 min); the dense 512K step again (23 D3;
-# ~9 min on cuDNN); the Triton dense 128K step after the forward's lookahead (deterministic path; 68.76 s
-# before; its kernels too tune once per head dim, page size and group: at the warm-up's lengths). Budget each call's parts from earlier runs: a 1M profile under the
+# Next calls (after the 2026-12-04 session, which ran fused_tests, switches_off, engine_tests, sparse_chosen,
+# compiled_1m and profile_1m_chosen): profile_chosen (the 128K chosen plan by part with the fused loss and the
+# row add: where the 0.526x goes) plus sparse_chosen (~7 min; after e6a67f3 took the dW multiply out of the
+# fused loss); compiled_1m (~5.5 min; 190.65 s before e6a67f3); the dense 512K step again (23 D3; ~9 min on
+# cuDNN); kernel_tests for the Triton dense kernels (23 D4); offload_staging (stage 1 in place vs head rows).
+# Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
 # Carry .gpu_carry/src.tar (plus what a part names). Any .gpu_carry/gguf.part* carried is kept in /tmp/keep.
