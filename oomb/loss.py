@@ -143,8 +143,8 @@ def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor:
     Exact for a factor of 1.0 (the normalized loss's backward); any other rounds the scaled rows once."""
     if not ctx.trained:
         return None
-    if factor is not None:
-        rows = rows.mul(factor).to(rows.dtype)
+    if factor is not None:  # in float32: a bf16 tensor times a 0-dim CUDA tensor would round the factor to bf16
+        rows = (rows.float() * factor).to(rows.dtype)
     if ctx.sink is not None:  # float32 sums (fp32_linear.py): a float32 product, as there
         ctx.sink.add(ctx.param, matmul_float32(logits_grad.t(), rows, "LM head weight gradient"))
         return None

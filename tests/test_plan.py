@@ -221,6 +221,8 @@ def test_cli_log_probabilities_kept_unless_given(capsys):
         assert bool(flags) or "the logits' gradient kept" in choice["reason"]
     cli.main([*common, "--lora", "--recompute-logits"])
     assert "the frozen head's slices keep nothing" in json.loads(capsys.readouterr().out)["choice"]["reason"]
+    cli.main([*common, "--tp", "2"])  # a vocabulary-sharded head keeps autograd's loss, as oomb train's does
+    assert "log-probabilities kept" in json.loads(capsys.readouterr().out)["choice"]["reason"]
 
 
 def test_cli_json_and_model_directory(tmp_path, capsys):
@@ -272,3 +274,26 @@ def test_hint_names_the_faster_setting_only_where_it_fits():
     no_replay = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), no_replay, BENCH,
                           modes=["sparse+offload"])
     assert not any("no-checkpoint-layers" in h for h in no_replay.hints)
+
+
+def test_plan_counts_the_step_kernels_training_would_run(tmp_path, monkeypatch):
+    """`oomb plan`'s chooser counts compiled layers and the fused loss where `oomb train` would run them on
+    this machine (a machine that compiles is stood in for): not under tensor parallelism, not for a model
+    with active dropout (compiled layers), not for a softcapped head or float16 (the fused loss)."""
+    import oomb.tools.plan as plan_module
+    from oomb.memory import TrainingSetup
+
+    monkeypatch.setattr(plan_module, "can_compile", lambda: True)
+    bf16 = TrainingSetup(torch.bfloat16)
+    shape = plan_module.load_model_shape("qwen2.5-7b")
+    assert plan_module._step_kernels("qwen2.5-7b", shape, bf16) == {"may_compile": True, "may_fuse_loss": True}
+    assert plan_module._step_kernels("qwen2.5-7b", shape.per_rank(2), bf16) == {"may_compile": False,
+                                                                              "may_fuse_loss": False}
+    assert not plan_module._step_kernels("qwen2.5-7b", shape, TrainingSetup(torch.float16))["may_fuse_loss"]
+    assert not plan_module._step_kernels("gemma-2-9b", plan_module.load_model_shape("gemma-2-9b"),
+                                         bf16)["may_fuse_loss"]
+    Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000, attention_dropout=0.1).save_pretrained(tmp_path)
+    kernels = plan_module._step_kernels(str(tmp_path), plan_module.load_model_shape(str(tmp_path)), bf16)
+    assert kernels == {"may_compile": False, "may_fuse_loss": True}
+    assert plan_module._step_kernels("no-such-model", shape, bf16) == {"may_compile": False, "may_fuse_loss": False}

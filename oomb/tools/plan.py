@@ -85,17 +85,27 @@ def load_model_shape(model: str) -> ModelShape:
     return ModelShape.from_hf_config(model_config(model))
 
 
-def _step_kernels(model: str, shape: ModelShape, dtype: torch.dtype) -> dict[str, bool]:
-    """Workload.may_compile and may_fuse_loss as `oomb train` would find them for this model on one
-    process of this machine (compiled layers: a machine that compiles, no experts; the fused loss: the
-    plain linear head of a model that does not softcap its logits, not float16), so that the plan is
-    the one training picks. A model whose config cannot be read counts neither (never less memory)."""
+_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+                   "hidden_dropout_prob", "attention_probs_dropout_prob")
+"""Config fields by which families put dropout in their layers (compiled layers refuse an active one)."""
+
+
+def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[str, bool]:
+    """Workload.may_compile and may_fuse_loss as `oomb train` would find them for this model on this
+    machine: one process only (tensor- or context-parallel steps keep both off, their heads being
+    sharded); compiled layers where this machine compiles, for a model without experts or active dropout;
+    the fused loss for a plain linear head that softcaps no logits, not in float16. So the plan is the one
+    training picks. A model whose config cannot be read counts neither (never less memory)."""
     try:
         cfg = model_config(model)
     except (ValueError, OSError):
         return {"may_compile": False, "may_fuse_loss": False}
-    compile_ok = can_compile() and compile_problem() is None and not shape.num_experts
-    fuse_ok = FUSED_LOSS and dtype != torch.float16 and final_logit_softcap(cfg) is None
+    if shape.tp > 1 or setup.context_parallel > 1:
+        return {"may_compile": False, "may_fuse_loss": False}
+    dropout = any((getattr(cfg, name, 0) or 0) > 0 for name in _DROPOUT_FIELDS
+                  if isinstance(getattr(cfg, name, 0) or 0, (int, float)))
+    compile_ok = can_compile() and compile_problem() is None and not shape.num_experts and not dropout
+    fuse_ok = FUSED_LOSS and setup.dtype != torch.float16 and final_logit_softcap(cfg) is None
     return {"may_compile": compile_ok, "may_fuse_loss": fuse_ok}
 
 
@@ -296,7 +306,8 @@ def make_plan(
     choice, choice_error = None, None
     if fixed is not None:
         workload = Workload(shape, tokens, setup.batch_size, setup.dtype, setup.lora_rank, setup.optimizer,
-                            setup.master_weights, **_step_kernels(model, shape, setup.dtype))
+                            setup.master_weights, fp32_targets=setup.master_weights,  # as oomb train's
+                            **_step_kernels(model, shape, setup))
         gpu_name = budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None
         resources = Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=gpu_name)
         try:
