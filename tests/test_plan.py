@@ -250,9 +250,12 @@ def test_cli_takes_train_s_names_for_the_model_and_lora(capsys):
     assert short == json.loads(capsys.readouterr().out) and short["setup"]["lora_rank"] == LoraSection.r
 
 
-def test_cli_errors(capsys):
+def test_cli_errors(capsys, tmp_path):
     assert cli.main(["plan", "--model", "no-such-model", "--gpu-gib", "80", "--host-gib", "64"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert cli.main(["plan", "--model", str(tmp_path), "--gpu-gib", "80", "--host-gib", "64"]) == 2
+    assert "config.json cannot be read" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny-qwen2", "--chunk-size", "1000", "--gpu-gib", "8", "--host-gib", "8"]) == 2
     assert "multiple of page_size" in capsys.readouterr().err
     if not torch.cuda.is_available():

@@ -76,7 +76,10 @@ def model_config(model: str):
                          "nor a local directory with a config.json")
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:  # not JSON, an unknown model_type, ...
+        raise ValueError(f"--model {model!r}: its config.json cannot be read: {err}") from err
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
