@@ -227,6 +227,15 @@ def final_logit_softcap(config) -> float | None:
     return cap if config.model_type in ("gemma2", "gemma3_text") and cap is not None else None
 
 
+def fused_loss_possible_for_config(config, dtype: torch.dtype) -> bool:
+    """fused_loss_possible before a model is loaded, from its config (`oomb plan`, `oomb bench`): one
+    process, a plain linear head, which Hugging Face builds unless the family softcaps its final logits;
+    not float16."""
+    from .loss import FUSED_LOSS
+
+    return FUSED_LOSS and dtype != torch.float16 and final_logit_softcap(config) is None
+
+
 def fused_loss_possible(causal_lm: PreTrainedModel, single_process: bool = True) -> bool:
     """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process, not
     in float16; tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused

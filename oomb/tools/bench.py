@@ -41,10 +41,9 @@ from .. import machine
 from ..attention.backend import resolve_backend_name
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
-from ..loss import FUSED_LOSS
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
-from ..models import final_logit_softcap, plain_attention, unwrap_causal_lm
+from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
 from ..training import presets
 from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
@@ -147,9 +146,8 @@ class BenchOptions:
         return chosen and (self.compile_layers is True or (can_compile() and compile_problem() is None))
 
     def fused_loss_for(self) -> bool:
-        """Whether oomb modes run the fused loss on the preset's model (models.fused_loss_possible: a plain
-        linear head, which the presets' models have unless they softcap their logits; not float16)."""
-        return FUSED_LOSS and self.dtype != torch.float16 and final_logit_softcap(preset_config(self.preset)) is None
+        """Whether oomb modes run the fused loss on the preset's model (models.fused_loss_possible_for_config)."""
+        return fused_loss_possible_for_config(preset_config(self.preset), self.dtype)
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,

@@ -29,7 +29,6 @@ import torch
 from .. import machine
 from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
-from ..loss import FUSED_LOSS
 from ..memory import (
     GIB,
     GPU_TERMS,
@@ -43,7 +42,7 @@ from ..memory import (
     predict,
 )
 from ..model_shape import ModelShape
-from ..models import final_logit_softcap
+from ..models import fused_loss_possible_for_config
 from ..training import presets
 from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
 from ..training.config import LoraSection
@@ -105,11 +104,10 @@ def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[s
         return {"may_compile": False, "may_fuse_loss": False}
     if shape.tp > 1 or setup.context_parallel > 1:
         return {"may_compile": False, "may_fuse_loss": False}
-    dropout = any((getattr(cfg, name, 0) or 0) > 0 for name in _DROPOUT_FIELDS
-                  if isinstance(getattr(cfg, name, 0) or 0, (int, float)))
+    rates = [getattr(cfg, name, None) for name in _DROPOUT_FIELDS]
+    dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
     compile_ok = can_compile() and compile_problem() is None and not shape.num_experts and not dropout
-    fuse_ok = FUSED_LOSS and setup.dtype != torch.float16 and final_logit_softcap(cfg) is None
-    return {"may_compile": compile_ok, "may_fuse_loss": fuse_ok}
+    return {"may_compile": compile_ok, "may_fuse_loss": fused_loss_possible_for_config(cfg, setup.dtype)}
 
 
 # ---------------------------------------------------------------------------------------------

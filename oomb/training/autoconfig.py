@@ -528,8 +528,8 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         parts.append("bf16 dK/dV: no float32 configuration fits")
     # Two recomputations the chooser turns off where memory allows: (field, SPEED_FACTS key, why off, why on).
     # What a trained head's loss keeps is the logits' gradient when the loss is fused (oomb/loss.py).
-    words = ("the logits' gradient", "it", "it fits") if best.fused_loss else ("log-probabilities", "them", "they fit")
-    kept, them, fit = words
+    kept, them, fit = (("the logits' gradient", "it", "it fits") if best.fused_loss
+                       else ("log-probabilities", "them", "they fit"))
     for name, fact, off, on in (
             ("checkpoint_layers", "replay", "no layer replay: a chunk's activations fit (replay takes {:.2f}x)",
              "layer replay on: without it a chunk's activations do not fit"),
