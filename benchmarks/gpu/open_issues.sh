@@ -67,6 +67,10 @@
 #   engine_tests     issues 18/23: the GPU engine tests (bf16 gradient error no worse than HF's, now with the fused
 #                    loss) and the compiled-layers GPU test (~4.5 min)
 #   score_1m         issues 18/23: score_sweep on this commit alone, the score kernel's GPU tests, compiled_1m
+#   score_ablation   issues 18/23: where rerank's score kernel spends its time (benchmarks/score_kernel_ablation.py:
+#                    the kernel with its exponential, its row maximum or both left out, with a flush-to-zero
+#                    exponential, with the next tile's product issued before this tile's softmax) at 128K and 1M,
+#                    the pipelined variants also at two other launch configs
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -253,6 +257,13 @@ for part in "$@"; do
       run 100 scores_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_scores.py
       run 330 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
+    score_ablation)
+      run 200 score_ablation python benchmarks/score_kernel_ablation.py --histories 131072 1048576 \
+          --out "$OUT/score_kernel_ablation.json"
+      for config in "128 128 4 3" "128 64 4 3"; do
+        run 90 "score_ablation_${config// /_}" python benchmarks/score_kernel_ablation.py --histories 131072 \
+            --variants base prefetch prefetch_ftz --config $config --out "$OUT/score_kernel_ablation_${config// /_}.json"
+      done ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
