@@ -20,7 +20,9 @@ A kernel is inside a range when the host call that launched it (its cudaLaunchKe
 ran inside an op inside the range: by time on the call's thread, not by the cpu_parent tree.
 
 Each part is set beside its floor (oomb/tools/step_floor.py: its FLOPs and bytes at the H200's
-sustained rates) and measured / floor. The JSON keeps the table and the top kernels.
+sustained rates) and measured / floor. The JSON keeps the table, the top kernels and the top launching ops
+(``top_by_launching_op``: the op that launched the kernels, its input shapes and its two enclosing ops, by
+part), which say which code a part's time comes from; the largest are printed.
 
     python benchmarks/profile_step.py --contexts 32K --modes dense hf --name profile_32k      # H200
     python benchmarks/profile_step.py --quick --modes sparse --out-dir /tmp --name p             # CPU smoke
@@ -166,60 +168,83 @@ def launch_events(events, work) -> list:
     return launches
 
 
-def launch_labels(events, labels: dict[int, str | None], launches: list) -> list[str | None]:
-    """The range label of each launch (None for None): an op's own label; for a runtime call, that of the
+def launch_ops(events, launches: list) -> list:
+    """The op behind each launch (None for None): the launch itself where it is an op; for a runtime call, the
     innermost op (CPU, not async, not a runtime call) on its thread whose interval holds the call's start, so
-    that a call left out of the cpu_parent tree still takes its op's range. One sweep per thread over its ops,
-    sorted by (start, -end), and the calls' start times (ops first at equal times), with a stack of open ops."""
-    found: list[str | None] = [None] * len(launches)
+    that a call left out of the cpu_parent tree still finds its op. One sweep per thread over its ops, sorted
+    by (start, -end), and the calls' start times (ops first at equal times), with a stack of open ops."""
+    found: list = [None] * len(launches)
     points: dict[int, list[tuple[float, int]]] = {}
     for i, launch in enumerate(launches):
         if launch is None:
             continue
-        if not is_runtime_call(launch) and id(launch) in labels:
-            found[i] = labels[id(launch)]
+        if not is_runtime_call(launch):
+            found[i] = launch
         else:
             points.setdefault(launch.thread, []).append((launch.time_range.start, i))
     if not points:
         return found
     ops: dict[int, list] = {}
     for e in events:
-        if (e.device_type == DeviceType.CPU and not e.is_async and e.thread in points and id(e) in labels
-                and not is_runtime_call(e)):
+        if e.device_type == DeviceType.CPU and not e.is_async and e.thread in points and not is_runtime_call(e):
             ops.setdefault(e.thread, []).append(e)
     for thread, starts in points.items():
         spans = ops.get(thread, [])
         sweep = sorted([(e.time_range.start, 0, -e.time_range.end, k) for k, e in enumerate(spans)]
                        + [(start, 1, 0, i) for start, i in starts])
-        stack: list[tuple[float, str | None]] = []  # (end, label) of the ops open, innermost last
+        stack: list[tuple[float, object]] = []  # (end, op) of the ops open, innermost last
         for at, is_launch, neg_end, k in sweep:
             while stack and stack[-1][0] < at:
                 stack.pop()
             if is_launch:
                 found[k] = stack[-1][1] if stack else None
             else:
-                stack.append((-neg_end, labels[id(spans[k])]))
+                stack.append((-neg_end, spans[k]))
     return found
 
 
-def device_rows(events) -> list[dict]:
-    """(name, part) -> calls and milliseconds: kernels and copies on the GPU; aten ops' self time on the CPU."""
+def op_key(op) -> str:
+    """An op, its input shapes (when the profiler recorded them) and its two enclosing ops, as one string:
+    which code launched a kernel (``aten::copy_ [[4096, 28, 128], ...] < aten::_to_copy < aten::to``)."""
+    if op is None:
+        return "(no op found)"
+    shapes = getattr(op, "input_shapes", None)
+    text = op.name + (f" {[s for s in shapes if s]}" if shapes else "")
+    parent = op.cpu_parent
+    for _ in range(2):
+        if parent is None:
+            break
+        text += f" < {parent.name}"
+        parent = parent.cpu_parent
+    return text
+
+
+def device_rows(events, by_op: dict | None = None) -> list[dict]:
+    """(name, part) -> calls and milliseconds: kernels and copies on the GPU; aten ops' self time on the CPU.
+    ``by_op``: also filled with (part, op_key of the launching op) -> calls and milliseconds (GPU only)."""
     labels = range_labels(events)
     work = [e for e in events if is_device_work(e)]
     rows: dict[tuple[str, str], dict] = {}
     if work:
-        in_range = launch_labels(events, labels, launch_events(events, work))
+        ops = launch_ops(events, launch_events(events, work))
+        in_range = [None if op is None else labels.get(id(op)) for op in ops]
         timed = [(e, e.time_range.elapsed_us(), label) for e, label in zip(work, in_range, strict=True)]
     else:  # the CPU: aten ops
+        ops = []
         timed = [(e, e.self_cpu_time_total, labels.get(id(e))) for e in events
                  if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-    for e, us, label in timed:
+    for i, (e, us, label) in enumerate(timed):
         if us <= 0:
             continue
         part = part_of(e.name, label)
         row = rows.setdefault((e.name, part), {"name": e.name, "part": part, "calls": 0, "ms": 0.0})
         row["calls"] += 1
         row["ms"] += us / 1000
+        if by_op is not None and ops:
+            key = (part, op_key(ops[i]))
+            op_row = by_op.setdefault(key, {"part": part, "op": key[1], "calls": 0, "ms": 0.0})
+            op_row["calls"] += 1
+            op_row["ms"] += us / 1000
     return sorted(rows.values(), key=lambda r: -r["ms"])
 
 
@@ -323,7 +348,7 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
     use_device = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step(model, ids)
         if use_device:
             torch.cuda.synchronize(device)
@@ -333,7 +358,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
     model.zero_grad(set_to_none=True)
     plain = _timed_step(step, model, ids, device)
     events = prof.events()
-    rows = device_rows(events)
+    by_op: dict = {}
+    rows = device_rows(events, by_op)
     busy = busy_seconds(events) if use_device else None
     spec = step_spec(mode, tokens, ModelShape.from_hf_config(model.config), options)
     table = parts_table(rows, spec, rates, seconds, busy)
@@ -341,7 +367,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
              for e in prof.key_averages() if e.key in SYNC_CALLS}
     total = sum(r["ms"] for r in rows) or 1.0
     groups = {r["part"]: round(r["measured_s"] * 1000, 1) for r in table if r["part"] != "host gaps"}
-    for r in rows:
+    launched = sorted(by_op.values(), key=lambda r: -r["ms"])[:60]
+    for r in rows + launched:
         r["ms"] = round(r["ms"], 3)
     return {"mode": mode, "tokens": tokens, "layers": model.config.num_hidden_layers,
             "step_seconds_under_profiler": round(seconds, 3), "step_seconds_without_profiler": round(plain, 3),
@@ -352,7 +379,8 @@ def profile_step(mode: str, options: BenchOptions, tokens: int, rates: Rates | N
             "linear_tflop_by_pass": {k: round(v / 1e12, 3) for k, v in linear_flops(spec).items()},
             "step_spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "shape"}, "plan": plan,
             "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-            "groups_share": {k: round(v / total, 4) for k, v in groups.items()}, "top": rows[:40]}
+            "groups_share": {k: round(v / total, 4) for k, v in groups.items()}, "top": rows[:40],
+            "top_by_launching_op": launched}
 
 
 def main() -> None:
@@ -389,6 +417,8 @@ def main() -> None:
             print(f"{mode} {tokens:,}, {run['layers']} layers: {run['step_seconds_under_profiler']} s under the "
                   f"profiler, {run['step_seconds_without_profiler']} s without{busy} "
                   f"({run['time_kind']})\n{format_table(run['parts'])}")
+            for r in run["top_by_launching_op"][:15]:
+                print(f"  {r['part']:<10} {r['ms']:9.1f} ms {r['calls']:6} calls  {r['op'][:150]}")
             out.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")
 

@@ -199,10 +199,18 @@ def test_kernels_take_the_range_their_launch_ran_in():
               _event(gemm, 503, 1200, 1300, device=DeviceType.CUDA, activity="kernel", linked=4),
               _event(softmax_grad, 504, 1300, 1320, device=DeviceType.CUDA, activity="kernel"),
               _event(script.LOSS_RANGE, 9, 1000, 1150, device=DeviceType.CUDA, activity="gpu_user_annotation")]
-    rows = script.device_rows(cpu + device)
+    by_op: dict = {}
+    rows = script.device_rows(cpu + device, by_op)
     parts = {(r["name"], r["part"]): (r["calls"], r["ms"]) for r in rows}
     assert parts == {(gemm, "loss"): (1, pytest.approx(0.1)), (softmax, "loss"): (1, pytest.approx(0.05)),
                      (gemm, "GEMM"): (1, pytest.approx(0.1)), (softmax_grad, "loss"): (1, pytest.approx(0.02))}
+    # each kernel's launching op, with its enclosing ops: the op found by time for an unlinked launch
+    assert {key: (r["calls"], r["ms"]) for key, r in by_op.items()} == {
+        ("loss", "aten::mm < " + script.LOSS_RANGE): (1, pytest.approx(0.1)),
+        ("loss", "aten::_log_softmax < " + script.LOSS_RANGE): (1, pytest.approx(0.05)),
+        ("GEMM", "aten::mm"): (1, pytest.approx(0.1)),
+        ("loss", "aten::_log_softmax_backward_data < LogSoftmaxBackward0 < " + script.BACKWARD_PREFIX
+         + "LogSoftmaxBackward0"): (1, pytest.approx(0.02))}
 
 
 def _quick_profile(script, tmp_path, monkeypatch, *extra: str) -> dict:
