@@ -80,7 +80,7 @@ ELIGIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Weight dtypes whose gradient a float32 result holds at least as precisely (not float64)."""
 
 
-def _has_grad_hooks(p: torch.Tensor) -> bool:
+def has_grad_hooks(p: torch.Tensor) -> bool:
     """Hooks on a parameter's gradient expect to see it: such a parameter keeps autograd's path."""
     return bool(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))
 
@@ -92,7 +92,7 @@ def eligible_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list
     summed = set(accumulator.params)
 
     def summed_plainly(p: torch.Tensor) -> bool:
-        return p in summed and p.dtype in ELIGIBLE_DTYPES and not _has_grad_hooks(p)
+        return p in summed and p.dtype in ELIGIBLE_DTYPES and not has_grad_hooks(p)
 
     def eligible(m: nn.Module) -> bool:
         if type(m) is not nn.Linear or "forward" in vars(m) or not summed_plainly(m.weight):
