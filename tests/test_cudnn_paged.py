@@ -80,6 +80,34 @@ def test_windowed_matches_reference(B, Hq, Hkv, Lq, history, D, P):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
 
 
+def _grouped_math_forward(q, k, v, causal, scale):
+    """The stand-in's forward taking fewer KV heads than query heads, as cuDNN's does (repeats inside)."""
+    _strict(q, k, v)
+    G = q.shape[1] // k.shape[1]
+    GROUPED_CALLS.append(k.shape[1])
+    return _math_forward(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), causal, scale)
+
+
+GROUPED_CALLS: list[int] = []
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,history,D,P", [CASES[1], CASES[3]])
+def test_chunk_window_passes_kv_heads_as_they_are_to_a_grouped_forward(B, Hq, Hkv, Lq, history, D, P):
+    """A kernel whose forward takes grouped heads (FusedKernel.grouped_forward, cuDNN's) gets the chunk's own
+    K and V without the repeat: the same out and lse; the backward still repeats them."""
+    c = make_case(B, Hq, Hkv, Lq, history, D, P, device="cpu")
+    grouped = cudnn_paged.WindowedAttention(cudnn_paged.FusedKernel(
+        _grouped_math_forward, _math_backward, (torch.float32,), grouped_forward=lambda device: True))
+    GROUPED_CALLS.clear()
+    out, lse = grouped.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale)
+    assert Hkv in GROUPED_CALLS  # the chunk's own window, with its KV heads
+    want_out, want_lse = MATH.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for name, g, w in zip(("dq", "dk", "dv"), _backward(grouped, c, out, lse), _backward(MATH, c, out, lse),
+                          strict=True):
+        assert torch.equal(g, w), name
+
+
 def test_key_windows_sum_to_the_whole():
     """Offload's streaming: history windows and the local window, merged in forward and each run with
     the merged statistics in backward, equal the single call."""
@@ -151,6 +179,20 @@ def test_gpu_cudnn_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq)
         return out, lse, dq, dk, dv
 
     _assert_within_twice_reference(run(cudnn, low), run(reference, low), run(reference, exact))
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_forward_takes_grouped_heads_with_the_repeated_heads_bits():
+    """torch's cuDNN forward takes 4 KV heads for 28 query heads (the 7B's groups): the chunk's causal window
+    gives the repeated heads' out and lse bit for bit, and the grouped path is the one taken."""
+    device = torch.device("cuda")
+    assert cudnn_paged._cudnn_takes_grouped_heads(device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    q = torch.randn((1, 28, 512, 128), generator=gen, device=device).to(torch.bfloat16)
+    k, v = (torch.randn((1, 4, 512, 128), generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
+    grouped = cudnn_paged._cudnn_forward(q, k, v, True, 128 ** -0.5)
+    repeated = cudnn_paged._cudnn_forward(q, k.repeat_interleave(7, 1), v.repeat_interleave(7, 1), True, 128 ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, repeated, strict=True))
 
 
 # Sparse: the selected-pages path (oomb/attention/cudnn_sparse.py) on the same stand-in kernel.

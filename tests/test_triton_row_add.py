@@ -42,6 +42,15 @@ def test_float32_pool_equals_index_put_bit_for_bit():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_sort_made_once_serves_several_gradients_at_the_same_rows():
+    """sorted_rows(rows) handed to add_rows_ (the sparse backward sorts dK's rows once, for dV too): the same
+    sums as add_rows_ sorting them itself."""
+    pool, rows, grad = _case(torch.float32, seed=3)
+    order = triton_row_add.sorted_rows(rows)
+    assert torch.equal(triton_row_add.add_rows_(pool.clone(), rows, grad, order),
+                       triton_row_add.add_rows_(pool.clone(), rows, grad))
+
+
 def test_low_precision_pool_rounds_after_every_add():
     """A bf16 pool gets each update rounded as it lands. The interpreter converts float32 to bf16 by
     truncation where the GPU rounds to nearest even, so only the GPU is held to the bits."""

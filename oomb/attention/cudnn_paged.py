@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +64,12 @@ class FusedKernel:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     """Input dtypes the kernel takes."""
+    grouped_forward: Callable[[torch.device], bool] | None = None
+    """Whether ``forward`` on this device takes K and V with fewer heads than q (each KV head serving its
+    consecutive query heads), or None (never): the chunk's own causal window then skips repeating them
+    (local_forward). The backward keeps repeated heads: their dK/dV come back per query head and are summed
+    in float32, where a grouped backward rounds each KV head's sum to bf16 (about twice the error against
+    float32: benchmarks/cudnn_gqa.py)."""
 
 
 @functools.cache
@@ -104,7 +111,24 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, dk, dv
 
 
-CUDNN_KERNEL = FusedKernel(_cudnn_forward, _cudnn_backward)
+@functools.cache
+def _cudnn_takes_grouped_heads(device: torch.device) -> bool:
+    """Whether torch's cuDNN attention forward here takes fewer KV heads than query heads, with the results
+    of repeated heads (bitwise on the H200 with torch 2.11, and 0.15 ms of 1.14 faster for a 4096-token chunk
+    of the 7B's causal forward and backward: benchmarks/cudnn_gqa.py). Checked once per device on a small
+    causal case; an error or another result keeps the repeats."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn((1, 4, 96, 64), generator=gen, device=device).to(torch.bfloat16)
+    kv = torch.randn((2, 1, 2, 96, 64), generator=gen, device=device).to(torch.bfloat16)
+    try:
+        grouped = _cudnn_forward(q, kv[0], kv[1], True, 0.125)
+        repeated = _cudnn_forward(q, kv[0].repeat_interleave(2, 1), kv[1].repeat_interleave(2, 1), True, 0.125)
+    except RuntimeError:
+        return False
+    return all(torch.equal(a, b) for a, b in zip(grouped, repeated, strict=True))
+
+
+CUDNN_KERNEL = FusedKernel(_cudnn_forward, _cudnn_backward, grouped_forward=_cudnn_takes_grouped_heads)
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
@@ -137,6 +161,35 @@ runs on TORCH_KERNEL, not cuDNN (documents of a few tokens, windows under 65 tok
 remainders make such calls; see WindowedAttention)."""
 
 
+MERGE_KERNEL = os.environ.get("OOMB_MERGE_KERNEL", "1") != "0"
+"""CUDA partial attentions merge through triton_merge.py; OOMB_MERGE_KERNEL=0 (read at import) keeps
+reference.merge_window and a cast (to compare the two on a GPU)."""
+
+
+@functools.cache
+def _merge_kernel():
+    """triton_merge.merge_pair, imported on first use; None without Triton or with OOMB_MERGE_KERNEL=0."""
+    if not MERGE_KERNEL:
+        return None
+    try:
+        from .triton_merge import merge_pair
+    except ImportError:
+        return None
+    return merge_pair
+
+
+def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+               out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.merge_window of two partial attentions, its out in ``out_dtype``: on CUDA one kernel that
+    reads each input once (triton_merge.py), else merge_window's float32 passes and a cast."""
+    kernel = _merge_kernel() if out_a.is_cuda else None
+    if kernel is not None and lse_a.dtype == lse_b.dtype == torch.float32 \
+            and all(t.stride(-1) == 1 for t in (out_a, lse_a, out_b, lse_b)):
+        return kernel(out_a, lse_a, out_b, lse_b, out_dtype)
+    out, lse = merge_window(out_a, lse_a, out_b, lse_b)
+    return out.to(out_dtype), lse
+
+
 def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
     """The backend's backward_delta: none, since the fused kernel computes rowsum(dO * O) from out."""
     return None
@@ -163,8 +216,10 @@ def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_p
 
 
 def local_forward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float):
-    """The chunk's causal attention over its own keys, K and V repeated per query head: (out, lse)."""
-    k, v = _local_keys(q, k_pool, v_pool, page_table, query_start)
+    """The chunk's causal attention over its own keys: (out, lse). K and V as they are where the kernel's
+    forward takes grouped heads (FusedKernel.grouped_forward), else repeated per query head."""
+    grouped = kernel.grouped_forward is not None and q.shape[1] != k_pool.shape[1] and kernel.grouped_forward(q.device)
+    k, v = _local_keys(q, k_pool, v_pool, page_table, query_start, repeat=not grouped)
     return kernel.forward(q.contiguous(), k, v, True, scale)
 
 
@@ -182,10 +237,11 @@ def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_sta
     return dq
 
 
-def _local_keys(q, k_pool, v_pool, page_table, query_start: int):
+def _local_keys(q, k_pool, v_pool, page_table, query_start: int, repeat: bool = True):
+    """The chunk's own K and V, (B, Hkv, Lq, D), or repeated per query head, (B, Hq, Lq, D)."""
     Lq, G = q.shape[2], q.shape[1] // k_pool.shape[1]
     k, v = (_gather(pool, page_table, query_start, query_start + Lq) for pool in (k_pool, v_pool))
-    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    return (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)) if repeat else (k, v)
 
 
 class WindowedAttention:
@@ -228,7 +284,7 @@ class WindowedAttention:
                                            documents)
         out = lse = None
         q_folded = _fold(q, Hkv) if windows[0][0] != query_start else None  # once for all history windows
-        for lo, hi in windows:
+        for i, (lo, hi) in enumerate(windows):
             if lo == query_start:
                 out_w, lse_w = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
             else:
@@ -237,8 +293,9 @@ class WindowedAttention:
                 out_w, lse_w = _unfold(out_w, Hkv, Lq), lse_w.reshape(B, Hq, Lq)
             if out is None:
                 out, lse = out_w, lse_w
-            else:
-                out, lse = merge_window(out, lse, out_w, lse_w)
+            else:  # float32 until the last window
+                last = i == len(windows) - 1
+                out, lse = merge_into(out, lse, out_w, lse_w, (out_dtype or q.dtype) if last else torch.float32)
         return out.to(out_dtype or q.dtype), lse
 
     def paged_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,

@@ -21,8 +21,8 @@ import os
 
 import torch
 
-from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward
-from .reference import _check, merge_window
+from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward, merge_into
+from .reference import _check
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
 
@@ -184,25 +184,28 @@ class SelectedPagesAttention:
         return pages.transpose(1, 2).reshape(B * n_groups, Hkv, K * P, D).contiguous()
 
     @staticmethod
-    def _add_selected(pool, ids, heads, grad) -> None:
+    def _add_selected(pool, ids, heads, grad, order=None):
         """Add (B * n_groups, Hkv, K * P, D) gradients into the selected (page, head) slots; a page
         several groups selected gets each group's share, in the groups' order. The (small) indices are put
         in the gradient's order, so the gradient is read in place: no transposed copy of it. On CUDA one
         Triton kernel (triton_row_add.py) reads it and adds in float32, where torch would cast all of it
-        to the pool's dtype first and sort-scatter the copy."""
+        to the pool's dtype first and sort-scatter the copy. Returns the indices' sort when the kernel ran
+        (``order``: one made for the same ids and heads, e.g. dK's for dV: a sort is several kernels)."""
         P, D = pool.shape[2:]
         grad = grad.reshape(-1, P * D)  # (B, n_groups, Hkv, K) rows of P * D
         if pool.is_contiguous():
             rows, flat = _pool_rows(pool, ids, heads), pool.view(-1, P * D)
             kernel = _row_add_kernel() if pool.is_cuda else None
             if kernel is not None:  # the gradient read once, converted in registers
-                kernel(flat, rows, grad.contiguous())
-            else:
-                flat.index_put_((rows,), grad.to(pool.dtype), accumulate=True)
-            return
+                order = torch.sort(rows.long(), stable=True) if order is None else order
+                kernel(flat, rows, grad.contiguous(), order)
+                return order
+            flat.index_put_((rows,), grad.to(pool.dtype), accumulate=True)
+            return None
         grad = grad.to(pool.dtype)
         ids, heads = (x.transpose(1, 2).reshape(-1) for x in (ids, heads))
         pool.index_put_((ids, heads), grad.view(-1, P, D), accumulate=True)
+        return None
 
     def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, *,
                                  block_group: int | None = None):
@@ -224,8 +227,7 @@ class SelectedPagesAttention:
             else:
                 out_h.index_copy_(2, layout.queries, o)
                 lse_h.index_copy_(2, layout.queries, s)
-        out, lse = merge_window(out_h, lse_h, out, lse)
-        return out.to(q.dtype), lse
+        return merge_into(out_h, lse_h, out, lse, q.dtype)
 
     def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
                                   dk_pool, dv_pool, *, block_group: int | None = None):
@@ -235,20 +237,27 @@ class SelectedPagesAttention:
             return torch.empty_like(q)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
         dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
-                            dv_pool).float()
+                            dv_pool)
         if selection.shape[3] == 0:
             return dq.to(q.dtype)
         Hkv = k_pool.shape[1]
-        for layout, ids, heads in self._batches(q, k_pool, page_table, selection, block_group):
+        batches = list(self._batches(q, k_pool, page_table, selection, block_group))
+        total = None  # the float32 sum of dQ's partials, past the chunk's own
+        for layout, ids, heads in batches:
             dq_h, dk, dv = self.kernel.backward(
                 layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                 self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,
                 scale,
             )
+            order = self._add_selected(dk_pool, ids, heads, dk)
+            self._add_selected(dv_pool, ids, heads, dv, order)
+            if layout.in_order and len(batches) == 1 and dq.dtype == q.dtype:
+                # every query in one batch: the two partials' float32 sum rounded once, which torch's add of
+                # two bf16 tensors is (the same bits as the float32 path below, without its copies)
+                return torch.add(dq, layout.from_groups(dq_h, B, Hq))
+            total = dq.float() if total is None else total
             if layout.in_order:
-                dq.add_(layout.from_groups(dq_h, B, Hq))  # float32 sums of the bf16 partials, as index_add_'s
+                total.add_(layout.from_groups(dq_h, B, Hq))  # float32 sums of the bf16 partials, as index_add_'s
             else:
-                dq.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
-            self._add_selected(dk_pool, ids, heads, dk)
-            self._add_selected(dv_pool, ids, heads, dv)
-        return dq.to(q.dtype)
+                total.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
+        return total.to(q.dtype)
