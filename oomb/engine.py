@@ -36,7 +36,7 @@ from .attention.variants import check_backend_supports
 from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
-from .fp32_linear import float32_weight_gradients
+from .fp32_linear import LINEAR_GRADS_IN_PLACE, float32_weight_gradients, in_place_weight_gradients
 from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
@@ -180,7 +180,9 @@ def forward_backward(
             params = [] if parallel.fsdp else model.parameters()
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
-                    float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1):
+                    float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
+                    in_place_weight_gradients(model, accumulator, enabled=LINEAR_GRADS_IN_PLACE and not compile_layers
+                                              and parallel.tp == 1 and not parallel.fsdp):
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)

@@ -7,11 +7,20 @@ bf16 before grads.py adds it to its float32 sum: one rounding per chunk instead 
 computes its weight (and bias) gradient with a float32 result (on a GPU: tensor cores, exact bf16
 products, float32 sums) and adds it to the accumulator directly; its input gradient is what autograd
 would compute.
+
+Without float32 sums (bf16 ``.grad``, as a full-sequence backward gives), :func:`in_place_weight_gradients`
+routes the same layers' weight gradients into ``.grad`` by the product itself (``addmm_``: the GEMM reads
+the sum so far and adds in float32, one rounding per chunk), where autograd writes each chunk's product and
+then adds it into ``.grad`` as another pass over the weight (about 0.3 s of the 7B's 128K step on the H200,
+profile-sparse-chosen-128k, and an estimated 2.4 s at 1M). The engine does so for eager layers only: a
+routed linear is a graph break inside a compiled layer (stage 2's graphs would split where stage 1's do not,
+and the compiled layers' fusions and activation savings, which the planner counts, were measured unbroken).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 import warnings
 from collections.abc import Iterator
@@ -41,11 +50,42 @@ def matmul_float32(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> to
     return torch.matmul(a.float(), b.float())
 
 
-class _LinearWithFloat32Grads(torch.autograd.Function):
-    """F.linear whose weight and bias gradients go, in float32, to ``sink.add`` instead of ``.grad``."""
+class InPlaceGradients:
+    """A gradient sink that adds into each parameter's own ``.grad`` (see in_place_weight_gradients)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module: nn.Linear, sink: Fp32GradAccumulator):
+    def add_product(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``p.grad += a @ b`` by the product itself (one float32 sum, one rounding to p's dtype)."""
+        if p.grad is None:
+            p.grad = torch.mm(a, b)
+        else:
+            p.grad.addmm_(a, b)
+
+    @staticmethod
+    def add(p: torch.Tensor, grad: torch.Tensor) -> None:
+        """``p.grad += grad`` (a bias's float32 sum: added in float32, rounded once)."""
+        if p.grad is None:
+            p.grad = grad.to(p.dtype)
+        else:
+            p.grad.add_(grad)
+
+
+def add_product(sink: Fp32GradAccumulator | InPlaceGradients, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                what: str) -> None:
+    """``a @ b`` into ``sink`` as ``p``'s gradient: a float32 product for the float32 sums, into ``.grad`` by
+    the product itself for InPlaceGradients."""
+    if isinstance(sink, InPlaceGradients):
+        sink.add_product(p, a, b)
+    else:
+        sink.add(p, matmul_float32(a, b, what))
+
+
+class _LinearWithGradSink(torch.autograd.Function):
+    """F.linear whose weight and bias gradients go to ``sink`` (float32 sums, or ``.grad`` in place) instead
+    of through autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module: nn.Linear, sink):
         ctx.save_for_backward(x, weight)
         ctx.module, ctx.sink = module, sink
         return F.linear(x, weight, bias)
@@ -55,16 +95,16 @@ class _LinearWithFloat32Grads(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        ctx.sink.add(ctx.module.weight, matmul_float32(g.t(), x.reshape(-1, x.shape[-1]), "weight gradient"))
+        add_product(ctx.sink, ctx.module.weight, g.t(), x.reshape(-1, x.shape[-1]), "weight gradient")
         if ctx.module.bias is not None and ctx.module.bias.requires_grad:
             ctx.sink.add(ctx.module.bias, g.sum(0, dtype=torch.float32))
         return grad_x, None, None, None, None
 
 
-def _forward_with_float32_grads(sink: Fp32GradAccumulator, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _forward_with_grad_sink(sink, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return F.linear(x, module.weight, module.bias)
-    return _LinearWithFloat32Grads.apply(x, module.weight, module.bias, module, sink)
+    return _LinearWithGradSink.apply(x, module.weight, module.bias, module, sink)
 
 
 FLOAT32_SINK = "_oomb_float32_sink"
@@ -108,12 +148,64 @@ def float32_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
     """Route the eligible linear layers' parameter gradients to ``accumulator`` in float32 while inside;
     their forward is restored on exit (also after an error). Yields the layers it changed."""
     layers = eligible_linears(model, accumulator) if enabled else []
-    for m in layers:
-        m.forward = types.MethodType(lambda self, input: _forward_with_float32_grads(accumulator, self, input), m)
-        setattr(m, FLOAT32_SINK, accumulator)  # for code that computes the layer's product itself (loss.py)
-    try:
+    with _routed(layers, accumulator):
         yield layers
+
+
+@contextlib.contextmanager
+def _routed(layers: list[nn.Linear], sink) -> Iterator[None]:
+    """The layers' parameter gradients to ``sink`` while inside; their forward restored on exit."""
+    for m in layers:
+        m.forward = types.MethodType(lambda self, input: _forward_with_grad_sink(sink, self, input), m)
+        setattr(m, FLOAT32_SINK, sink)  # for code that computes the layer's product itself (loss.py)
+    try:
+        yield
     finally:
         for m in layers:
             del m.forward  # the instance attribute: nn.Linear.forward again
             delattr(m, FLOAT32_SINK)
+
+
+LINEAR_GRADS_IN_PLACE = os.environ.get("OOMB_LINEAR_GRADS_IN_PLACE", "1") != "0"
+"""The engine's default for in_place_weight_gradients; OOMB_LINEAR_GRADS_IN_PLACE=0 (read at import) keeps
+autograd's per-chunk products and adds (to compare the two on a GPU)."""
+
+
+def accumulates_in_place(param: torch.Tensor) -> bool:
+    """Whether a gradient of ``param`` may be added into ``param.grad`` outside autograd: a plain leaf
+    parameter that no gradient hook watches, with no ``.grad`` yet or a dense one of its own dtype, shape and
+    device. The step's backward is oomb's own (the engine calls ``backward``, never ``torch.autograd.grad``),
+    and data parallelism all-reduces ``.grad`` after it (training/hf_trainer.py): no hook of autograd's is
+    skipped. FSDP and tensor parallelism keep autograd's path (their parameters are DTensors)."""
+    if not param.is_leaf or type(param) is not nn.Parameter or has_grad_hooks(param):
+        return False
+    grad = param.grad
+    return grad is None or (type(grad) is torch.Tensor and grad.layout == torch.strided and grad.dtype == param.dtype
+                            and grad.shape == param.shape and grad.device == param.device and grad.is_contiguous())
+
+
+def in_place_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list[nn.Linear]:
+    """Plain nn.Linear layers with a trained weight that the accumulator does not sum (no float32 sums) and
+    whose parameters may take their gradient in place (accumulates_in_place); left alone as in
+    eligible_linears: subclasses, replaced forwards (also those float32_weight_gradients routed)."""
+    summed = set(accumulator.params)
+
+    def in_place(p: torch.Tensor) -> bool:
+        return p not in summed and p.dtype in ELIGIBLE_DTYPES and accumulates_in_place(p)
+
+    def eligible(m: nn.Module) -> bool:
+        if type(m) is not nn.Linear or "forward" in vars(m) or not m.weight.requires_grad or not in_place(m.weight):
+            return False
+        return m.bias is None or not m.bias.requires_grad or in_place(m.bias)
+
+    return [m for m in model.modules() if eligible(m)]
+
+
+@contextlib.contextmanager
+def in_place_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
+                              enabled: bool = True) -> Iterator[list[nn.Linear]]:
+    """Route the in_place_linears' parameter gradients into their ``.grad`` by the product itself while
+    inside (module docstring); their forward is restored on exit (also after an error). Yields the layers."""
+    layers = in_place_linears(model, accumulator) if enabled else []
+    with _routed(layers, InPlaceGradients()):
+        yield layers

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import float32_sink, has_grad_hooks, matmul_float32
+from .fp32_linear import InPlaceGradients, accumulates_in_place, add_product, float32_sink
 from .grads import Fp32GradAccumulator
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
@@ -137,8 +137,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
 def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor: torch.Tensor | None
                      ) -> torch.Tensor | None:
     """The head weight's gradient, logits_grad.T @ rows, times ``factor`` (None: already in logits_grad);
-    with float32 sums (fp32_linear.py) it goes to the sink as a float32 product and None is returned; else,
-    where accumulates_in_place allows, it is added into ``.grad`` by the product itself and None is returned.
+    with float32 sums or in-place gradients (fp32_linear.py) it goes to the head's sink and None is returned;
+    else, where fp32_linear.accumulates_in_place allows, it is added into ``.grad`` by the product itself
+    (``addmm_``: one float32 sum and one rounding per slice, where autograd adds a chunk's slices and then
+    the chunk into ``.grad`` as separate passes over a vocabulary-sized tensor: 0.09 s of the 7B's 128K
+    step on the H200, profile-sparse-chosen-128k) and None is returned.
     The factor scales the (tokens, hidden) rows, not the (vocabulary, hidden) product: a multiply of the
     product cost 2.3 s of a 1M-token step's 10.3 s of loss on the H200 (profile-sparse-offload-chosen-1m).
     Exact for a factor of 1.0 (the normalized loss's backward); any other rounds the scaled rows once."""
@@ -146,32 +149,13 @@ def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor:
         return None
     if factor is not None:  # in float32: a bf16 tensor times a 0-dim CUDA tensor would round the factor to bf16
         rows = (rows.float() * factor).to(rows.dtype)
-    if ctx.sink is not None:  # float32 sums (fp32_linear.py): a float32 product, as there
-        ctx.sink.add(ctx.param, matmul_float32(logits_grad.t(), rows, "LM head weight gradient"))
+    if ctx.sink is not None:  # float32 sums, or .grad in place, as the linear layers' (fp32_linear.py)
+        add_product(ctx.sink, ctx.param, logits_grad.t(), rows, "LM head weight gradient")
         return None
-    if accumulates_in_place(ctx.param):
-        if ctx.param.grad is None:
-            ctx.param.grad = torch.mm(logits_grad.t(), rows)
-        else:
-            ctx.param.grad.addmm_(logits_grad.t(), rows)
+    if accumulates_in_place(ctx.param):  # the slices' sum made by the products themselves
+        InPlaceGradients.add_product(ctx.param, logits_grad.t(), rows)
         return None
     return torch.mm(logits_grad.t(), rows)
-
-
-def accumulates_in_place(param: torch.Tensor) -> bool:
-    """Whether a slice's head gradient may go into ``param.grad`` by the product itself (``addmm_``: the GEMM
-    reads the sum so far and adds in float32, one rounding) instead of through autograd, which adds a chunk's
-    slices and then the chunk into ``.grad`` as separate passes over a vocabulary-sized tensor (0.09 s of the
-    7B's 128K step on the H200, profile-sparse-chosen-128k; about 0.75 s at 1M, an estimate). Only for a
-    plain leaf parameter that no gradient hook watches, with no ``.grad`` yet or a dense one of its own
-    dtype, shape and device. The step's backward is oomb's own (the engine calls ``backward``, never
-    ``torch.autograd.grad``), and data parallelism all-reduces ``.grad`` after it (hf_trainer.py): no hook
-    of autograd's is skipped."""
-    if not param.is_leaf or type(param) is not nn.Parameter or has_grad_hooks(param):
-        return False
-    grad = param.grad
-    return grad is None or (type(grad) is torch.Tensor and grad.layout == torch.strided and grad.dtype == param.dtype
-                            and grad.shape == param.shape and grad.device == param.device and grad.is_contiguous())
 
 
 def fused_head(lm_head: nn.Module) -> bool:

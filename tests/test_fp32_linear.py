@@ -1,10 +1,18 @@
-"""Linear layers' weight gradients with float32 results (oomb/fp32_linear.py)."""
+"""Linear layers' weight gradients with float32 results, or in place (oomb/fp32_linear.py)."""
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from oomb.fp32_linear import eligible_linears, float32_weight_gradients, matmul_float32
+from oomb.fp32_linear import (
+    eligible_linears,
+    float32_weight_gradients,
+    in_place_linears,
+    in_place_weight_gradients,
+    matmul_float32,
+)
 from oomb.grads import Fp32GradAccumulator
 
 
@@ -156,3 +164,93 @@ def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatc
         oomb.forward_backward(bf16, ids, config=config)
         errors[name] = rel_err(grads(bf16), reference)
     assert errors["float32"] < errors["per_chunk"] and errors["float32"] <= errors["hf"], errors
+
+
+# In place (no float32 sums): in_place_weight_gradients, the engine's default for bf16 .grad
+
+
+def test_in_place_gradients_sum_the_chunks_by_the_products_themselves():
+    """Without float32 sums: each chunk's weight gradient goes into .grad by addmm_ (the sum so far read by
+    the GEMM, one rounding per chunk), the bias's in float32 then rounded; input gradients as autograd's. The
+    result is at least as close to the exact sum as autograd's (each chunk's product rounded, then added)."""
+    layer = _linear()
+    acc = Fp32GradAccumulator(layer.parameters(), enabled=False)  # bf16 .grad, as a full-sequence backward
+    assert acc.params == []
+    chunks = _chunks()
+    with in_place_weight_gradients(layer, acc) as changed:
+        assert changed == [layer]
+        for x, grad_out in chunks:
+            x = x.clone().requires_grad_()
+            layer(x).backward(grad_out)
+            assert torch.equal(x.grad, grad_out @ layer.weight)
+    assert "forward" not in vars(layer)
+    in_place = layer.weight.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    for x, grad_out in chunks:  # autograd's own
+        layer(x).backward(grad_out)
+    xs = torch.cat([x for x, _ in chunks], dim=1).reshape(-1, 48).double()
+    gs = torch.cat([g for _, g in chunks], dim=1).reshape(-1, 24).double()
+    exact = gs.t() @ xs
+    assert (in_place.double() - exact).norm() <= (layer.weight.grad.double() - exact).norm()
+    assert not torch.equal(in_place, layer.weight.grad)  # the path taken
+
+
+def test_in_place_leaves_summed_hooked_and_other_layers_to_their_paths():
+    """Not routed in place: parameters the float32 sums take (float32_weight_gradients routes them), hooked
+    weights, subclasses, frozen weights, layers whose forward something replaced; all restored after."""
+    class Quantised(nn.Linear):
+        pass
+
+    summed, hooked, plain, frozen = _linear(), _linear(seed=1), _linear(seed=2), _linear(seed=3)
+    frozen.weight.requires_grad_(False)
+    hooked.weight.register_hook(lambda g: g)
+    model = nn.Sequential(summed, hooked, plain, frozen, Quantised(48, 24).bfloat16())
+    acc = Fp32GradAccumulator(summed.parameters(), enabled=True)
+    assert in_place_linears(model, acc) == [plain]
+    with float32_weight_gradients(model, acc), in_place_weight_gradients(model, acc) as changed:
+        assert changed == [plain] and "forward" in vars(summed)
+    assert all("forward" not in vars(m) for m in model)
+    with in_place_weight_gradients(model, acc, enabled=False) as changed:
+        assert changed == []
+
+
+def test_bf16_step_in_place_is_no_worse_than_autograds_adds(monkeypatch):
+    """A bf16 step of 6 chunks without float32 sums (oomb bench's standard workload), against a float32
+    full-sequence backward: the linear layers' gradients summed in place are no further from it than with
+    autograd's per-chunk products and adds (OOMB_LINEAR_GRADS_IN_PLACE=0)."""
+    from helpers import grads
+    from helpers import relative_error as rel_err
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import oomb
+    import oomb.engine
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    fp32 = Qwen2ForCausalLM(cfg).float()
+    fp32.set_attn_implementation("sdpa")
+    ids = torch.randint(0, cfg.vocab_size, (1, 1536))
+    fp32(input_ids=ids, labels=ids).loss.backward()
+    reference = grads(fp32)
+    bf16 = Qwen2ForCausalLM(cfg).bfloat16()
+    bf16.load_state_dict(fp32.state_dict())
+    bf16.set_attn_implementation("sdpa")
+    config = oomb.OOMBConfig(chunk_size=256, page_size=64, fp32_grad_accumulation=False)
+    errors, routed = {}, []
+    real = oomb.engine.in_place_weight_gradients
+
+    @contextlib.contextmanager
+    def spy(*args, **kwargs):
+        with real(*args, **kwargs) as layers:
+            routed.append(len(layers))
+            yield layers
+
+    monkeypatch.setattr(oomb.engine, "in_place_weight_gradients", spy)
+    for name, on in (("in_place", True), ("autograd", False)):
+        monkeypatch.setattr(oomb.engine, "LINEAR_GRADS_IN_PLACE", on)
+        bf16.zero_grad(set_to_none=True)
+        oomb.forward_backward(bf16, ids, config=config)
+        errors[name] = rel_err(grads(bf16), reference)
+    assert routed == [7 * 2 + 1, 0]  # every decoder linear and the head, then none
+    assert errors["in_place"] <= errors["autograd"], errors

@@ -186,7 +186,7 @@ def test_fused_loss_equals_autograds(monkeypatch, trained, recompute, slice_toke
 
 def test_fused_loss_in_bf16_equals_autograds_bits():
     """bf16 (CPU): the input gradient is the same float32 arithmetic rounded once to bf16, as autograd's cast
-    back does. The head's gradient goes into ``.grad`` by addmm_ (loss.accumulates_in_place): each slice's
+    back does. The head's gradient goes into ``.grad`` by addmm_ (fp32_linear.accumulates_in_place): each slice's
     float32 product is added to the sum so far before one rounding, where autograd rounds each slice's
     product and then each sum; it is at least as close to the float64 gradient of the same bf16 values."""
     head, hidden, targets = _bias_free(4, True, torch.bfloat16)
@@ -205,7 +205,7 @@ def test_fused_loss_in_bf16_equals_autograds_bits():
 def test_head_gradient_goes_through_autograd_where_it_cannot_go_in_place():
     """A gradient hook on the head's weight, or a .grad that is not a dense contiguous tensor, keeps autograd's
     path: the hook sees each chunk's gradient, and the sum is autograd's bits."""
-    from oomb.loss import accumulates_in_place
+    from oomb.fp32_linear import accumulates_in_place
 
     head, hidden, targets = _bias_free(4, True, torch.bfloat16)
     counted = int((targets != IGNORE_INDEX).sum())
