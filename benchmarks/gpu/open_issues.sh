@@ -71,6 +71,9 @@
 #                    the kernel with its exponential, its row maximum or both left out, with a flush-to-zero
 #                    exponential, with the next tile's product issued before this tile's softmax) at 128K and 1M,
 #                    the pipelined variants also at two other launch configs
+#   wave_kernels     issues 18/23: after the merge kernel, cuDNN's grouped-head forward, the in-place head gradient
+#                    and the shared row sort: sparse_chosen (HF and the 128K defaults step), then the GPU tests of
+#                    the changed parts and the cuDNN engine tests (bf16 gradients no worse than HF's)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -264,6 +267,13 @@ for part in "$@"; do
         run 90 "score_ablation_${config// /_}" python benchmarks/score_kernel_ablation.py --histories 131072 \
             --variants base prefetch prefetch_ftz --config $config --out "$OUT/score_kernel_ablation_${config// /_}.json"
       done ;;
+    wave_kernels)
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k
+      run 150 changed_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_merge.py \
+          tests/test_triton_row_add.py tests/test_fp32_linear.py tests/test_loss.py tests/test_cudnn_paged.py \
+          tests/test_cudnn_sparse.py
+      run 160 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py

@@ -232,8 +232,8 @@ def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_sta
     k, v = _local_keys(q, k_pool, v_pool, page_table, query_start)
     dq, dk, dv = kernel.backward(dout.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), True,
                                  scale)
-    _add_into_pages(dk_pool, page_table, query_start, dk.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
-    _add_into_pages(dv_pool, page_table, query_start, dv.float().view(B, Hkv, Hq // Hkv, Lq, D).sum(2))
+    _add_into_pages(dk_pool, page_table, query_start, dk.view(B, Hkv, Hq // Hkv, Lq, D).sum(2, dtype=torch.float32))
+    _add_into_pages(dv_pool, page_table, query_start, dv.view(B, Hkv, Hq // Hkv, Lq, D).sum(2, dtype=torch.float32))
     return dq
 
 
