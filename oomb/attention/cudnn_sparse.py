@@ -21,7 +21,15 @@ import os
 
 import torch
 
-from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward, merge_into
+from .cudnn_paged import (
+    CUDNN_KERNEL,
+    FusedKernel,
+    check_inputs,
+    contiguous,
+    local_backward,
+    local_forward,
+    merge_into,
+)
 from .reference import _check
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
@@ -124,11 +132,11 @@ class _Layout:
         """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
         B, Hq, Lq = x.shape[:3]
         if self.whole:
-            return x.reshape((B, num_kv_heads, -1) + x.shape[3:]).contiguous()
+            return contiguous(x).view((B, num_kv_heads, -1) + x.shape[3:])
         if self.in_order:  # one copy, where padding and gathering the rows would make three
             grouped = x.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
             grouped = grouped.transpose(2, 3).transpose(1, 2)  # (B, n_groups, Hkv, G, rows[, D])
-            return grouped.reshape((B * self.num_groups, num_kv_heads, -1) + x.shape[3:]).contiguous()
+            return contiguous(grouped).view((B * self.num_groups, num_kv_heads, -1) + x.shape[3:])
         padded = torch.cat([x, x.new_zeros((B, Hq, 1) + x.shape[3:])], dim=2)
         grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
         grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
@@ -141,8 +149,8 @@ class _Layout:
         if self.whole:
             return y.reshape((batch, num_q_heads, self.rows) + y.shape[3:])
         y = y.reshape((batch, self.num_groups, Hkv, num_q_heads // Hkv, self.rows) + y.shape[3:])
-        y = y.transpose(1, 2).transpose(2, 3)  # (B, Hkv, G, n_groups, rows[, D])
-        y = y.reshape((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
+        y = contiguous(y.transpose(1, 2).transpose(2, 3))  # (B, Hkv, G, n_groups, rows[, D])
+        y = y.view((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
         return y[:, :, : self.num_valid]  # rows past the chunk's end come last
 
 
