@@ -74,6 +74,9 @@
 #   wave_kernels     issues 18/23: after the merge kernel, cuDNN's grouped-head forward, the in-place head gradient
 #                    and the shared row sort: sparse_chosen (HF and the 128K defaults step), then the GPU tests of
 #                    the changed parts and the cuDNN engine tests (bf16 gradients no worse than HF's)
+#   wave_copies      issues 18/23: after the Triton row copy: its per-call cost against torch's (copy_speed.py),
+#                    the GPU tests of the changed parts and the cuDNN engine tests, then sparse_chosen (HF and the
+#                    128K defaults step)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -274,6 +277,13 @@ for part in "$@"; do
           tests/test_triton_row_add.py tests/test_fp32_linear.py tests/test_loss.py tests/test_cudnn_paged.py \
           tests/test_cudnn_sparse.py
       run 160 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn ;;
+    wave_copies)
+      run 60 copy_speed python benchmarks/copy_speed.py --out "$OUT/copy_speed.json"
+      run 120 changed_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_copy.py \
+          tests/test_triton_merge.py tests/test_cudnn_paged.py tests/test_cudnn_sparse.py
+      run 130 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
