@@ -309,6 +309,7 @@ class WindowedAttention:
         Hkv = k_pool.shape[1]
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+        q = contiguous(q)  # once, for the history's folded heads and the chunk's own keys
         if documents is not None and documents.window is not None:
             return self.band.forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
                                      documents.window)
@@ -342,7 +343,7 @@ class WindowedAttention:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_accumulator is None else dq_accumulator
         if B * Lq == 0:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
-        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        q, out, dout, lse = contiguous(q), contiguous(out.to(q.dtype)), contiguous(dout.to(q.dtype)), lse.float()
         if documents is not None:
             if documents.window is not None:
                 self.band.backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,

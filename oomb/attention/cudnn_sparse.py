@@ -221,6 +221,7 @@ class SelectedPagesAttention:
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
             return torch.empty_like(q), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+        q = contiguous(q)  # once, for the chunk's own keys and the groups (a view of it for one group per chunk)
         out, lse = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
         if selection.shape[3] == 0:
             return out, lse
@@ -243,7 +244,8 @@ class SelectedPagesAttention:
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
             return torch.empty_like(q)
-        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float()
+        # once each, for the chunk's own keys and the groups (views of them for one group per chunk)
+        q, out, dout, lse = contiguous(q), contiguous(out.to(q.dtype)), contiguous(dout.to(q.dtype)), lse.float()
         dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                             dv_pool)
         if selection.shape[3] == 0:
