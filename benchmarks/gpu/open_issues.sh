@@ -74,9 +74,6 @@
 #   wave_kernels     issues 18/23: after the merge kernel, cuDNN's grouped-head forward, the in-place head gradient
 #                    and the shared row sort: sparse_chosen (HF and the 128K defaults step), then the GPU tests of
 #                    the changed parts and the cuDNN engine tests (bf16 gradients no worse than HF's)
-#   wave_copies      issues 18/23: after the Triton row copy: its per-call cost against torch's (copy_speed.py),
-#                    the GPU tests of the changed parts and the cuDNN engine tests, then sparse_chosen (HF and the
-#                    128K defaults step)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -112,11 +109,10 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the 2026-12-04 session, which ran fused_tests, switches_off, engine_tests, sparse_chosen,
-# compiled_1m and profile_1m_chosen): profile_chosen (the 128K chosen plan by part with the fused loss and the
-# row add: where the 0.526x goes) plus sparse_chosen (~7 min; after e6a67f3 took the dW multiply out of the
-# fused loss); compiled_1m (~5.5 min; 190.65 s before e6a67f3); the dense 512K step again (23 D3; ~9 min on
-# cuDNN); kernel_tests for the Triton dense kernels (23 D4); offload_staging (stage 1 in place vs head rows).
+# Next calls (after the second 2026-12-04 session, which ran score_ablation, profile_chosen, wave_kernels, compiled_1m
+# and, at e653952, a call that timed a Triton row copy against torch's (2x slower: removed) and sparse_chosen with it
+# off): compiled_1m again (182.53 s at a183851, before the queries were made contiguous once per call); the dense
+# 512K step again (23 D3; ~9 min on cuDNN); kernel_tests for the Triton dense kernels (23 D4); offload_staging.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -277,18 +273,6 @@ for part in "$@"; do
           tests/test_triton_row_add.py tests/test_fp32_linear.py tests/test_loss.py tests/test_cudnn_paged.py \
           tests/test_cudnn_sparse.py
       run 160 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn ;;
-    wave_copies)
-      run 60 copy_speed python benchmarks/copy_speed.py --out "$OUT/copy_speed.json"
-      run 120 changed_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_copy.py \
-          tests/test_triton_merge.py tests/test_cudnn_paged.py tests/test_cudnn_sparse.py
-      run 130 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn
-      # criterion fixed before the run: the kernel stays on if it is not slower than torch's copy on any view
-      slower=$(python -c "import json; r = json.load(open('$OUT/copy_speed.json'))['rows']; \
-print(int(any(x['triton_ms'] > x['torch_ms'] for x in r)))" 2>/dev/null || echo 1)
-      echo "copy kernel slower on some view: $slower"
-      [ "$slower" = 1 ] && export OOMB_COPY_KERNEL=0
-      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
-          --out-dir "$OUT" --name sparse_defaults_chosen_128k ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py

@@ -178,32 +178,6 @@ def _merge_kernel():
     return merge_pair
 
 
-COPY_KERNEL = os.environ.get("OOMB_COPY_KERNEL", "1") != "0"
-"""CUDA layout copies (contiguous) go through triton_copy.py; OOMB_COPY_KERNEL=0 (read at import) keeps
-torch's copy (to compare the two on a GPU)."""
-
-
-@functools.cache
-def _copy_kernel():
-    """triton_copy.contiguous_rows, imported on first use; None without Triton or with OOMB_COPY_KERNEL=0."""
-    if not COPY_KERNEL:
-        return None
-    try:
-        from .triton_copy import MAX_DIMS, contiguous_rows
-    except ImportError:
-        return None
-    return lambda x: contiguous_rows(x) if x.dim() <= MAX_DIMS else x.contiguous()
-
-
-def contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x.contiguous()``: the same values in a contiguous tensor. On CUDA a strided view whose last dim is
-    contiguous (a permuted, transposed or expanded one) is copied by one Triton kernel (triton_copy.py)."""
-    if x.is_contiguous():
-        return x
-    kernel = _copy_kernel() if x.is_cuda and (x.shape[-1] == 1 or x.stride(-1) == 1) else None
-    return kernel(x) if kernel is not None else x.contiguous()
-
-
 def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.merge_window of two partial attentions, its out in ``out_dtype``: on CUDA one kernel that
@@ -246,7 +220,7 @@ def local_forward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_star
     forward takes grouped heads (FusedKernel.grouped_forward), else repeated per query head."""
     grouped = kernel.grouped_forward is not None and q.shape[1] != k_pool.shape[1] and kernel.grouped_forward(q.device)
     k, v = _local_keys(q, k_pool, v_pool, page_table, query_start, repeat=not grouped)
-    return kernel.forward(contiguous(q), k, v, True, scale)
+    return kernel.forward(q.contiguous(), k, v, True, scale)
 
 
 def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float, out, dout,
@@ -256,7 +230,7 @@ def local_backward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_sta
     B, Hq, Lq, D = q.shape
     Hkv = k_pool.shape[1]
     k, v = _local_keys(q, k_pool, v_pool, page_table, query_start)
-    dq, dk, dv = kernel.backward(contiguous(dout), contiguous(q), k, v, contiguous(out), lse.contiguous(), True,
+    dq, dk, dv = kernel.backward(dout.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), True,
                                  scale)
     _add_into_pages(dk_pool, page_table, query_start, dk.view(B, Hkv, Hq // Hkv, Lq, D).sum(2, dtype=torch.float32))
     _add_into_pages(dv_pool, page_table, query_start, dv.view(B, Hkv, Hq // Hkv, Lq, D).sum(2, dtype=torch.float32))
@@ -267,14 +241,7 @@ def _local_keys(q, k_pool, v_pool, page_table, query_start: int, repeat: bool = 
     """The chunk's own K and V, (B, Hkv, Lq, D), or repeated per query head, (B, Hq, Lq, D)."""
     Lq, G = q.shape[2], q.shape[1] // k_pool.shape[1]
     k, v = (_gather(pool, page_table, query_start, query_start + Lq) for pool in (k_pool, v_pool))
-    return (_repeat_heads(k, G), _repeat_heads(v, G)) if repeat else (k, v)
-
-
-def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``x.repeat_interleave(group, dim=1)`` for (B, Hkv, L, D): each KV head for its query heads, as one
-    copy of an expanded view (contiguous)."""
-    B, Hkv, L, D = x.shape
-    return contiguous(x[:, :, None].expand(B, Hkv, group, L, D)).view(B, Hkv * group, L, D)
+    return (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)) if repeat else (k, v)
 
 
 class WindowedAttention:
@@ -309,7 +276,7 @@ class WindowedAttention:
         Hkv = k_pool.shape[1]
         if B * Lq == 0:
             return torch.empty_like(q, dtype=out_dtype or q.dtype), q.new_empty((B, Hq, Lq), dtype=torch.float32)
-        q = contiguous(q)  # once, for the history's folded heads and the chunk's own keys
+        q = q.contiguous()  # once, for the history's folded heads and the chunk's own keys
         if documents is not None and documents.window is not None:
             return self.band.forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
                                      documents.window)
@@ -343,7 +310,7 @@ class WindowedAttention:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_accumulator is None else dq_accumulator
         if B * Lq == 0:
             return dq if dq_accumulator is not None else dq.to(q.dtype)
-        q, out, dout, lse = contiguous(q), contiguous(out.to(q.dtype)), contiguous(dout.to(q.dtype)), lse.float()
+        q, out, dout, lse = q.contiguous(), out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous(), lse.float()
         if documents is not None:
             if documents.window is not None:
                 self.band.backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
@@ -473,7 +440,7 @@ def _gather_from(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int)
 def _fold(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(B, Hq, L, D) -> contiguous (B, Hkv, G * L, D): each KV head's query heads as one sequence."""
     B, Hq, L, D = x.shape
-    return contiguous(x).view(B, num_kv_heads, (Hq // num_kv_heads) * L, D)
+    return x.contiguous().view(B, num_kv_heads, (Hq // num_kv_heads) * L, D)
 
 
 def _unfold(x: torch.Tensor, num_kv_heads: int, length: int) -> torch.Tensor:

@@ -21,15 +21,7 @@ import os
 
 import torch
 
-from .cudnn_paged import (
-    CUDNN_KERNEL,
-    FusedKernel,
-    check_inputs,
-    contiguous,
-    local_backward,
-    local_forward,
-    merge_into,
-)
+from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward, merge_into
 from .reference import _check
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
@@ -132,11 +124,11 @@ class _Layout:
         """(B, Hq, Lq[, D]) -> contiguous (B * n_groups, Hkv, G * rows[, D]); rows past the chunk are 0."""
         B, Hq, Lq = x.shape[:3]
         if self.whole:
-            return contiguous(x).view((B, num_kv_heads, -1) + x.shape[3:])
+            return x.contiguous().view((B, num_kv_heads, -1) + x.shape[3:])
         if self.in_order:  # one copy, where padding and gathering the rows would make three
             grouped = x.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
             grouped = grouped.transpose(2, 3).transpose(1, 2)  # (B, n_groups, Hkv, G, rows[, D])
-            return contiguous(grouped).view((B * self.num_groups, num_kv_heads, -1) + x.shape[3:])
+            return grouped.contiguous().view((B * self.num_groups, num_kv_heads, -1) + x.shape[3:])
         padded = torch.cat([x, x.new_zeros((B, Hq, 1) + x.shape[3:])], dim=2)
         grouped = padded.index_select(2, self.rows_of_groups)  # (B, Hq, n_groups * rows[, D])
         grouped = grouped.reshape((B, num_kv_heads, Hq // num_kv_heads, self.num_groups, self.rows) + x.shape[3:])
@@ -149,7 +141,7 @@ class _Layout:
         if self.whole:
             return y.reshape((batch, num_q_heads, self.rows) + y.shape[3:])
         y = y.reshape((batch, self.num_groups, Hkv, num_q_heads // Hkv, self.rows) + y.shape[3:])
-        y = contiguous(y.transpose(1, 2).transpose(2, 3))  # (B, Hkv, G, n_groups, rows[, D])
+        y = y.transpose(1, 2).transpose(2, 3).contiguous()  # (B, Hkv, G, n_groups, rows[, D])
         y = y.view((batch, num_q_heads, self.num_groups * self.rows) + y.shape[5:])
         return y[:, :, : self.num_valid]  # rows past the chunk's end come last
 
@@ -221,7 +213,7 @@ class SelectedPagesAttention:
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
             return torch.empty_like(q), q.new_empty((B, Hq, Lq), dtype=torch.float32)
-        q = contiguous(q)  # once, for the chunk's own keys and the groups (a view of it for one group per chunk)
+        q = q.contiguous()  # once, for the chunk's own keys and the groups (a view of it for one group per chunk)
         out, lse = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
         if selection.shape[3] == 0:
             return out, lse
@@ -245,7 +237,7 @@ class SelectedPagesAttention:
         if B * Lq == 0:
             return torch.empty_like(q)
         # once each, for the chunk's own keys and the groups (views of them for one group per chunk)
-        q, out, dout, lse = contiguous(q), contiguous(out.to(q.dtype)), contiguous(dout.to(q.dtype)), lse.float()
+        q, out, dout, lse = q.contiguous(), out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous(), lse.float()
         dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                             dv_pool)
         if selection.shape[3] == 0:
