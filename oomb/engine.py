@@ -175,14 +175,16 @@ def forward_backward(
                     bar.update()
             rng_after_step = _rng_state(device)
 
-            # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
+            # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients. Without
+            # float32 sums, linear weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the
+            # head's always, the decoder's where layers run eager (a routed linear breaks a compiled graph).
             # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
             params = [] if parallel.fsdp else model.parameters()
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
                     float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
-                    in_place_weight_gradients(model, accumulator, enabled=LINEAR_GRADS_IN_PLACE and not compile_layers
-                                              and parallel.tp == 1 and not parallel.fsdp):
+                    in_place_weight_gradients(lm_head if compile_layers else model, accumulator,
+                                              enabled=LINEAR_GRADS_IN_PLACE and parallel.tp == 1 and not parallel.fsdp):
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)

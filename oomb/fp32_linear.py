@@ -12,7 +12,8 @@ Without float32 sums (bf16 ``.grad``, as a full-sequence backward gives), :func:
 routes the same layers' weight gradients into ``.grad`` by the product itself (``addmm_``: the GEMM reads
 the sum so far and adds in float32, one rounding per chunk), where autograd writes each chunk's product and
 then adds it into ``.grad`` as another pass over the weight (about 0.3 s of the 7B's 128K step on the H200,
-profile-sparse-chosen-128k, and an estimated 2.4 s at 1M). The engine does so for eager layers only: a
+profile-sparse-chosen-128k, and an estimated 2.4 s at 1M; the LM head's slices, through the fused loss,
+0.09 s). The engine does so for the LM head always and for the decoder's layers where they run eager: a
 routed linear is a graph break inside a compiled layer (stage 2's graphs would split where stage 1's do not,
 and the compiled layers' fusions and activation savings, which the planner counts, were measured unbroken).
 """
@@ -185,9 +186,10 @@ def accumulates_in_place(param: torch.Tensor) -> bool:
 
 
 def in_place_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list[nn.Linear]:
-    """Plain nn.Linear layers with a trained weight that the accumulator does not sum (no float32 sums) and
-    whose parameters may take their gradient in place (accumulates_in_place); left alone as in
-    eligible_linears: subclasses, replaced forwards (also those float32_weight_gradients routed)."""
+    """Plain nn.Linear layers with a trained weight that the accumulator does not sum (all of them without
+    float32 sums; with them, float32 parameters) and whose parameters may take their gradient in place
+    (accumulates_in_place); left alone as in eligible_linears: subclasses, replaced forwards (also those
+    float32_weight_gradients routed)."""
     summed = set(accumulator.params)
 
     def in_place(p: torch.Tensor) -> bool:

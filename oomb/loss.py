@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import InPlaceGradients, accumulates_in_place, add_product, float32_sink
+from .fp32_linear import add_product, float32_sink
 from .grads import Fp32GradAccumulator
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
@@ -137,11 +137,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
 def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor: torch.Tensor | None
                      ) -> torch.Tensor | None:
     """The head weight's gradient, logits_grad.T @ rows, times ``factor`` (None: already in logits_grad);
-    with float32 sums or in-place gradients (fp32_linear.py) it goes to the head's sink and None is returned;
-    else, where fp32_linear.accumulates_in_place allows, it is added into ``.grad`` by the product itself
-    (``addmm_``: one float32 sum and one rounding per slice, where autograd adds a chunk's slices and then
-    the chunk into ``.grad`` as separate passes over a vocabulary-sized tensor: 0.09 s of the 7B's 128K
-    step on the H200, profile-sparse-chosen-128k) and None is returned.
+    with float32 sums, or in the engine's in-place gradients (fp32_linear.py), it goes to the head's sink and
+    None is returned: in place, each slice's product is added into ``.grad`` by the GEMM itself (``addmm_``,
+    one float32 sum and one rounding per slice), where autograd adds a chunk's slices and then the chunk into
+    ``.grad`` as separate passes over a vocabulary-sized tensor (0.09 s of the 7B's 128K step on the H200,
+    profile-sparse-chosen-128k).
     The factor scales the (tokens, hidden) rows, not the (vocabulary, hidden) product: a multiply of the
     product cost 2.3 s of a 1M-token step's 10.3 s of loss on the H200 (profile-sparse-offload-chosen-1m).
     Exact for a factor of 1.0 (the normalized loss's backward); any other rounds the scaled rows once."""
@@ -151,9 +151,6 @@ def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor:
         rows = (rows.float() * factor).to(rows.dtype)
     if ctx.sink is not None:  # float32 sums, or .grad in place, as the linear layers' (fp32_linear.py)
         add_product(ctx.sink, ctx.param, logits_grad.t(), rows, "LM head weight gradient")
-        return None
-    if accumulates_in_place(ctx.param):  # the slices' sum made by the products themselves
-        InPlaceGradients.add_product(ctx.param, logits_grad.t(), rows)
         return None
     return torch.mm(logits_grad.t(), rows)
 

@@ -84,11 +84,12 @@ def _grouped_math_forward(q, k, v, causal, scale):
     """The stand-in's forward taking fewer KV heads than query heads, as cuDNN's does (repeats inside)."""
     _strict(q, k, v)
     G = q.shape[1] // k.shape[1]
-    GROUPED_CALLS.append(k.shape[1])
+    GROUPED_CALLS.append((causal, q.shape[1], k.shape[1]))
     return _math_forward(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), causal, scale)
 
 
-GROUPED_CALLS: list[int] = []
+GROUPED_CALLS: list[tuple[bool, int, int]] = []
+"""(causal, query heads, KV heads) of each forward call of the grouped stand-in."""
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,history,D,P", [CASES[1], CASES[3]])
@@ -96,11 +97,16 @@ def test_chunk_window_passes_kv_heads_as_they_are_to_a_grouped_forward(B, Hq, Hk
     """A kernel whose forward takes grouped heads (FusedKernel.grouped_forward, cuDNN's) gets the chunk's own
     K and V without the repeat: the same out and lse; the backward still repeats them."""
     c = make_case(B, Hq, Hkv, Lq, history, D, P, device="cpu")
+    declined = cudnn_paged.WindowedAttention(cudnn_paged.FusedKernel(
+        _grouped_math_forward, _math_backward, (torch.float32,), grouped_forward=lambda device, dtype: False))
+    GROUPED_CALLS.clear()
+    declined.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale)
+    assert [call for call in GROUPED_CALLS if call[0]] == [(True, Hq, Hq)]  # the chunk's own window, repeated
     grouped = cudnn_paged.WindowedAttention(cudnn_paged.FusedKernel(
-        _grouped_math_forward, _math_backward, (torch.float32,), grouped_forward=lambda device: True))
+        _grouped_math_forward, _math_backward, (torch.float32,), grouped_forward=lambda device, dtype: True))
     GROUPED_CALLS.clear()
     out, lse = grouped.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale)
-    assert Hkv in GROUPED_CALLS  # the chunk's own window, with its KV heads
+    assert [call for call in GROUPED_CALLS if call[0]] == [(True, Hq, Hkv)]  # with its KV heads as they are
     want_out, want_lse = MATH.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     for name, g, w in zip(("dq", "dk", "dv"), _backward(grouped, c, out, lse), _backward(MATH, c, out, lse),

@@ -185,40 +185,43 @@ def test_fused_loss_equals_autograds(monkeypatch, trained, recompute, slice_toke
 
 
 def test_fused_loss_in_bf16_equals_autograds_bits():
-    """bf16 (CPU): the input gradient is the same float32 arithmetic rounded once to bf16, as autograd's cast
-    back does. The head's gradient goes into ``.grad`` by addmm_ (fp32_linear.accumulates_in_place): each slice's
-    float32 product is added to the sum so far before one rounding, where autograd rounds each slice's
-    product and then each sum; it is at least as close to the float64 gradient of the same bf16 values."""
+    """bf16 (CPU): the same float32 arithmetic rounded once to bf16, as autograd's cast back does."""
     head, hidden, targets = _bias_free(4, True, torch.bfloat16)
     counted = int((targets != IGNORE_INDEX).sum())
     want = _loss_and_grads(head, hidden, targets, counted, 7, fused=False, recompute=False)
     got = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_head_gradient_in_place_inside_the_engines_routing():
+    """Inside fp32_linear.in_place_weight_gradients (the engine's, without float32 sums) a trained bf16 head's
+    slice gradients go into .grad by the products themselves (addmm_: each slice's float32 product added to
+    the sum so far before one rounding, where autograd rounds each product and then each sum): at least as
+    close to the float64 gradient of the same bf16 values, and another summation. A weight with a gradient
+    hook is not routed: the hook sees the gradient and the bits are autograd's."""
+    from oomb.fp32_linear import in_place_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
+
+    head, hidden, targets = _bias_free(4, True, torch.bfloat16)
+    counted = int((targets != IGNORE_INDEX).sum())
+    want = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
+    accumulator = Fp32GradAccumulator(head.parameters(), enabled=False)
+    with in_place_weight_gradients(head, accumulator) as layers:
+        assert layers == [head]
+        got = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
     assert torch.equal(got[1], want[1])
     exact = _loss_and_grads(head.double(), hidden.double(), targets, counted, 7, fused=False, recompute=False)[2]
     head.bfloat16()
     error_got, error_want = ((g.double() - exact).norm() for g in (got[2], want[2]))
-    assert 0 < error_got <= error_want
-    assert not torch.equal(got[2], want[2])  # the other summation is the path taken
-
-
-def test_head_gradient_goes_through_autograd_where_it_cannot_go_in_place():
-    """A gradient hook on the head's weight, or a .grad that is not a dense contiguous tensor, keeps autograd's
-    path: the hook sees each chunk's gradient, and the sum is autograd's bits."""
-    from oomb.fp32_linear import accumulates_in_place
-
-    head, hidden, targets = _bias_free(4, True, torch.bfloat16)
-    counted = int((targets != IGNORE_INDEX).sum())
-    want = _loss_and_grads(head, hidden, targets, counted, 7, fused=False, recompute=False)
+    assert 0 < error_got <= error_want and not torch.equal(got[2], want[2])
     seen = []
     handle = head.weight.register_hook(lambda g: seen.append(g) or g)
-    assert not accumulates_in_place(head.weight)
-    got = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
+    with in_place_weight_gradients(head, accumulator) as layers:
+        assert layers == []
+        hooked = _loss_and_grads(head, hidden, targets, counted, 7, recompute=False)
     handle.remove()
-    assert seen and torch.equal(got[2], want[2])
-    assert accumulates_in_place(head.weight)
-    head.weight.grad = torch.zeros(head.weight.shape[::-1], dtype=head.weight.dtype).t()  # strided otherwise
-    assert not accumulates_in_place(head.weight)
+    assert seen and torch.equal(hooked[2], want[2])
 
 
 def test_fused_loss_recompute_and_kept_give_the_same_bits_and_rescaled_backward():

@@ -64,7 +64,7 @@ class FusedKernel:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     """Input dtypes the kernel takes."""
-    grouped_forward: Callable[[torch.device], bool] | None = None
+    grouped_forward: Callable[[torch.device, torch.dtype], bool] | None = None
     """Whether ``forward`` on this device takes K and V with fewer heads than q (each KV head serving its
     consecutive query heads), or None (never): the chunk's own causal window then skips repeating them
     (local_forward). The backward keeps repeated heads: their dK/dV come back per query head and are summed
@@ -112,17 +112,20 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 
 @functools.cache
-def _cudnn_takes_grouped_heads(device: torch.device) -> bool:
+def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether torch's cuDNN attention forward here takes fewer KV heads than query heads, with the results
     of repeated heads (bitwise on the H200 with torch 2.11, and 0.15 ms of 1.14 faster for a 4096-token chunk
-    of the 7B's causal forward and backward: benchmarks/cudnn_gqa.py). Checked once per device on a small
-    causal case; an error or another result keeps the repeats."""
+    of the 7B's causal forward and backward: benchmarks/cudnn_gqa.py). Checked once per device and dtype on a
+    small causal case of 7 query heads per KV head, head dim 128; a refusal or another result keeps the
+    repeats (running out of memory is raised, not taken for an answer)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn((1, 4, 96, 64), generator=gen, device=device).to(torch.bfloat16)
-    kv = torch.randn((2, 1, 2, 96, 64), generator=gen, device=device).to(torch.bfloat16)
+    q = torch.randn((1, 14, 96, 128), generator=gen, device=device).to(dtype)
+    kv = torch.randn((2, 1, 2, 96, 128), generator=gen, device=device).to(dtype)
     try:
-        grouped = _cudnn_forward(q, kv[0], kv[1], True, 0.125)
-        repeated = _cudnn_forward(q, kv[0].repeat_interleave(2, 1), kv[1].repeat_interleave(2, 1), True, 0.125)
+        grouped = _cudnn_forward(q, kv[0], kv[1], True, 128 ** -0.5)
+        repeated = _cudnn_forward(q, kv[0].repeat_interleave(7, 1), kv[1].repeat_interleave(7, 1), True, 128 ** -0.5)
+    except torch.OutOfMemoryError:  # no answer (functools.cache keeps none): asked again on the next call
+        raise
     except RuntimeError:
         return False
     return all(torch.equal(a, b) for a, b in zip(grouped, repeated, strict=True))
@@ -218,7 +221,8 @@ def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_p
 def local_forward(kernel: FusedKernel, q, k_pool, v_pool, page_table, query_start: int, scale: float):
     """The chunk's causal attention over its own keys: (out, lse). K and V as they are where the kernel's
     forward takes grouped heads (FusedKernel.grouped_forward), else repeated per query head."""
-    grouped = kernel.grouped_forward is not None and q.shape[1] != k_pool.shape[1] and kernel.grouped_forward(q.device)
+    grouped = kernel.grouped_forward is not None and q.shape[1] != k_pool.shape[1] \
+        and kernel.grouped_forward(q.device, q.dtype)
     k, v = _local_keys(q, k_pool, v_pool, page_table, query_start, repeat=not grouped)
     return kernel.forward(q.contiguous(), k, v, True, scale)
 

@@ -253,7 +253,7 @@ class SelectedPagesAttention:
             )
             order = self._add_selected(dk_pool, ids, heads, dk)
             self._add_selected(dv_pool, ids, heads, dv, order)
-            if layout.in_order and len(batches) == 1 and dq.dtype == q.dtype:
+            if layout.in_order and len(batches) == 1 and dq.dtype == dq_h.dtype == q.dtype:
                 # every query in one batch: the two partials' float32 sum rounded once, which torch's add of
                 # two bf16 tensors is (the same bits as the float32 path below, without its copies)
                 return torch.add(dq, layout.from_groups(dq_h, B, Hq))

@@ -27,12 +27,13 @@ _ROWS = 16 if INTERPRET else 32
 def _merge_pair_kernel(out_ptr, lse_ptr, a_ptr, la_ptr, b_ptr, lb_ptr,
                        s_ab, s_ah, s_al, s_bb, s_bh, s_bl, s_lab, s_lah, s_lbb, s_lbh,
                        num_heads, length, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Grid (cdiv(length, ROWS), B * H). The output is contiguous (B, H, L, D) and (B, H, L); the inputs'
-    last dim is contiguous, the others any strides."""
-    bh = tl.program_id(1)
+    """Grid (B * H * cdiv(length, ROWS),), row tiles fastest. The output is contiguous (B, H, L, D) and
+    (B, H, L); the inputs' last dim is contiguous, the others any strides."""
+    tiles = tl.cdiv(length, ROWS)
+    bh = tl.program_id(0) // tiles
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = (tl.program_id(0) % tiles) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < length
     ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
@@ -79,7 +80,7 @@ def merge_pair(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, ls
     lse = torch.empty((B, H, L), dtype=torch.float32, device=out_a.device)
     if out.numel() == 0:
         return out, lse
-    grid = (triton.cdiv(L, _ROWS), B * H)
+    grid = (B * H * triton.cdiv(L, _ROWS),)  # one axis: CUDA caps the second at 65535
     _merge_pair_kernel[grid](out, lse, out_a, lse_a, out_b, lse_b, *out_a.stride()[:3], *out_b.stride()[:3],
                              *lse_a.stride()[:2], *lse_b.stride()[:2], H, L, HEAD_DIM=D,
                              BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
