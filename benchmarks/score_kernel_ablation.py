@@ -139,25 +139,16 @@ def ptx_counts(kernel) -> dict[str, int]:
 
 
 def parse_args() -> argparse.Namespace:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from score_kernel_configs import add_workload_arguments, smoke_workload
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--histories", type=int, nargs="+", default=[131072])
+    add_workload_arguments(p, [131072], iters=9)
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--config", type=int, nargs=4, default=[128, 128, 4, 2],
                    metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"))
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=28)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page", type=int, default=128)
-    p.add_argument("--listed", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=9)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes; on the CPU only the interpretable variants")
-    p.add_argument("--out", help="write the JSON report here")
-    args = p.parse_args()
-    if args.smoke:
-        args.histories, args.chunk, args.heads, args.kv_heads = [64], 32, 4, 2
-        args.head_dim, args.page, args.listed, args.warmup, args.iters = 16, 16, 2, 0, 1
+    args = smoke_workload(p.parse_args())
+    if args.smoke:  # on the CPU only the interpretable variants
         args.config = [16, 16, 1, 1]
     return args
 

@@ -28,9 +28,9 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M divides triton
 ]
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--histories", type=int, nargs="+", default=[131072, 1048576])
+def add_workload_arguments(p: argparse.ArgumentParser, histories: list[int], iters: int) -> None:
+    """The workload's options (shared with score_kernel_ablation.py), --smoke and --out."""
+    p.add_argument("--histories", type=int, nargs="+", default=histories)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -38,15 +38,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--listed", type=int, default=256, help="listed pages per block (rerank x4 at budget 64)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--autotuned-only", action="store_true", help="time the autotuner's own pick only")
+    p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
     p.add_argument("--out", help="write the JSON report here")
-    args = p.parse_args()
+
+
+def smoke_workload(args: argparse.Namespace) -> argparse.Namespace:
+    """With --smoke, the tiny shapes."""
     if args.smoke:
         args.histories, args.chunk, args.heads, args.kv_heads = [64], 32, 4, 2
         args.head_dim, args.page, args.listed, args.warmup, args.iters = 16, 16, 2, 0, 1
     return args
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(p, [131072, 1048576], iters=7)
+    p.add_argument("--autotuned-only", action="store_true", help="time the autotuner's own pick only")
+    return smoke_workload(p.parse_args())
 
 
 def _inputs(args, history: int, device: torch.device) -> dict:

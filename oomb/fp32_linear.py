@@ -24,7 +24,7 @@ import contextlib
 import os
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -131,14 +131,16 @@ def eligible_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list
     subclasses (e.g. quantised layers), layers whose forward something else already replaced on the
     instance (e.g. accelerate's device-map hooks), float64 weights, and parameters with gradient hooks."""
     summed = set(accumulator.params)
+    return _plain_linears(model, lambda p: p in summed and p.dtype in ELIGIBLE_DTYPES and not has_grad_hooks(p))
 
-    def summed_plainly(p: torch.Tensor) -> bool:
-        return p in summed and p.dtype in ELIGIBLE_DTYPES and not has_grad_hooks(p)
 
+def _plain_linears(model: nn.Module, takes: Callable[[torch.Tensor], bool]) -> list[nn.Linear]:
+    """Plain nn.Linear layers (not a subclass, forward not replaced on the instance) whose weight, and bias if
+    it is trained, ``takes`` accepts."""
     def eligible(m: nn.Module) -> bool:
-        if type(m) is not nn.Linear or "forward" in vars(m) or not summed_plainly(m.weight):
+        if type(m) is not nn.Linear or "forward" in vars(m) or not takes(m.weight):
             return False
-        return m.bias is None or not m.bias.requires_grad or summed_plainly(m.bias)
+        return m.bias is None or not m.bias.requires_grad or takes(m.bias)
 
     return [m for m in model.modules() if eligible(m)]
 
@@ -191,16 +193,8 @@ def in_place_linears(model: nn.Module, accumulator: Fp32GradAccumulator) -> list
     (accumulates_in_place); left alone as in eligible_linears: subclasses, replaced forwards (also those
     float32_weight_gradients routed)."""
     summed = set(accumulator.params)
-
-    def in_place(p: torch.Tensor) -> bool:
-        return p not in summed and p.dtype in ELIGIBLE_DTYPES and accumulates_in_place(p)
-
-    def eligible(m: nn.Module) -> bool:
-        if type(m) is not nn.Linear or "forward" in vars(m) or not m.weight.requires_grad or not in_place(m.weight):
-            return False
-        return m.bias is None or not m.bias.requires_grad or in_place(m.bias)
-
-    return [m for m in model.modules() if eligible(m)]
+    return _plain_linears(model, lambda p: p.requires_grad and p not in summed and p.dtype in ELIGIBLE_DTYPES
+                          and accumulates_in_place(p))
 
 
 @contextlib.contextmanager

@@ -132,16 +132,10 @@ def test_gpu_tensor_cores_give_the_float32_products():
                                check_dtype=False)
 
 
-def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatch):
-    """A bf16 step of 6 chunks against a float32 full-sequence backward: with the linear layers'
-    gradients summed unrounded the error is lower than with each chunk's gradient rounded to bf16
-    first, and no worse than HF's own bf16 backward."""
+def _bf16_model_and_float32_gradients():
+    """A 2-layer Qwen2 in bf16, 1536 token ids, and the float32 copy's full-sequence gradients of them."""
     from helpers import grads
-    from helpers import relative_error as rel_err
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    import oomb
-    import oomb.engine
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
@@ -150,10 +144,23 @@ def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatc
     fp32.set_attn_implementation("sdpa")
     ids = torch.randint(0, cfg.vocab_size, (1, 1536))
     fp32(input_ids=ids, labels=ids).loss.backward()
-    reference = grads(fp32)
     bf16 = Qwen2ForCausalLM(cfg).bfloat16()
     bf16.load_state_dict(fp32.state_dict())
     bf16.set_attn_implementation("sdpa")
+    return bf16, ids, grads(fp32)
+
+
+def test_bf16_step_is_closer_to_float32_with_float32_weight_gradients(monkeypatch):
+    """A bf16 step of 6 chunks against a float32 full-sequence backward: with the linear layers'
+    gradients summed unrounded the error is lower than with each chunk's gradient rounded to bf16
+    first, and no worse than HF's own bf16 backward."""
+    from helpers import grads
+    from helpers import relative_error as rel_err
+
+    import oomb
+    import oomb.engine
+
+    bf16, ids, reference = _bf16_model_and_float32_gradients()
     bf16(input_ids=ids, labels=ids).loss.backward()
     errors = {"hf": rel_err(grads(bf16), reference)}
     config = oomb.OOMBConfig(chunk_size=256, page_size=64)
@@ -220,22 +227,11 @@ def test_bf16_step_in_place_is_no_worse_than_autograds_adds(monkeypatch):
     autograd's per-chunk products and adds (OOMB_LINEAR_GRADS_IN_PLACE=0)."""
     from helpers import grads
     from helpers import relative_error as rel_err
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import oomb
     import oomb.engine
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    fp32 = Qwen2ForCausalLM(cfg).float()
-    fp32.set_attn_implementation("sdpa")
-    ids = torch.randint(0, cfg.vocab_size, (1, 1536))
-    fp32(input_ids=ids, labels=ids).loss.backward()
-    reference = grads(fp32)
-    bf16 = Qwen2ForCausalLM(cfg).bfloat16()
-    bf16.load_state_dict(fp32.state_dict())
-    bf16.set_attn_implementation("sdpa")
+    bf16, ids, reference = _bf16_model_and_float32_gradients()
     config = oomb.OOMBConfig(chunk_size=256, page_size=64, fp32_grad_accumulation=False)
     errors, routed = {}, []
     real = oomb.engine.in_place_weight_gradients
