@@ -136,6 +136,13 @@ class OOMBConfig:
     single-process CUDA step without layer replay or active dropout of a model without experts, with
     Triton installed, unless deterministic=True; off on a CPU, where compiling costs more than it saves.
     True/False fix it."""
+    keep_attention_outputs: bool = False
+    """Stage 1 keeps every layer's attention output and log-sum-exp for stage 2, which then skips recomputing
+    the attention forward (for sparse attention also its page gathers): (head dim x dtype bytes + 4) bytes
+    per token, query head and layer on the GPU, 24.9 GiB for the 7B shape at 128K, counted by oomb plan.
+    Opt-in and not yet measured on a GPU; not with offload or context parallelism. With compiled layers
+    stage 2's queries can differ from stage 1's by float rounding (compiled-layers-stage-consistency), and
+    the backward then pairs stage 2's queries with stage 1's output."""
     deterministic: bool = False
     """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
     is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
@@ -195,7 +202,7 @@ class OOMBConfig:
             raise ValueError("deterministic=True conflicts with backend='cudnn' (cuDNN's attention backward is not "
                              "bitwise deterministic): use backend='triton' or 'auto', or deterministic=False")
         for name in ("checkpoint_layers", "recompute_logits", "fp32_grad_accumulation", "sparse_leak_free", "offload",
-                     "deterministic"):
+                     "deterministic", "keep_attention_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
@@ -204,6 +211,9 @@ class OOMBConfig:
             raise ValueError("compile_layers=True needs checkpoint_layers=False: a replayed layer runs inside "
                              "torch.utils.checkpoint, which does not compile, so stage 2 would recompute keys, "
                              "values and dropout masks differently from the compiled stage 1")
+        if self.keep_attention_outputs and self.offload:
+            raise ValueError("keep_attention_outputs=True needs offload=False: the kept outputs live on the GPU, "
+                             "and the offloaded stage 2 stages its pages in the attention forward it would skip")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     def _check_layer_options(self) -> None:

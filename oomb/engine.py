@@ -137,6 +137,10 @@ def forward_backward(
     lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
+    if config.keep_attention_outputs and context_parallel:
+        raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
+    # OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
+    kept_outputs = {} if config.keep_attention_outputs else None
     router_loss = RouterBalanceLoss.of(causal_lm)  # MoE with output_router_logits: HF adds it to the loss
     router_kwargs = {} if router_loss is None else {"output_router_logits": True}
 
@@ -151,7 +155,7 @@ def forward_backward(
             position_ids=positions,
             use_cache=False,
             oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse, split_documents, windows,
-                                bounds),
+                                bounds, kept_outputs),
             **router_kwargs,
         )
         return out.last_hidden_state, getattr(out, "router_logits", None)
@@ -209,6 +213,8 @@ def forward_backward(
             accumulator.finish()
             accumulator = None
     finally:
+        if kept_outputs is not None:
+            kept_outputs.clear()  # after an error, stage 1's outputs stage 2 did not reach
         if accumulator is not None:
             accumulator.abort()
         _set_rng_state(device, rng_after_step)

@@ -279,8 +279,8 @@ class MemoryPrediction:
         return sum(self.host.values())
 
 
-GPU_TERMS = ("weights", "param grads", "fp32 grad sums", "optimizer", "activations", "KV working set",
-             "page summaries", "page tables")
+GPU_TERMS = ("weights", "param grads", "fp32 grad sums", "optimizer", "activations", "kept attention",
+             "KV working set", "page summaries", "page tables")
 HOST_TERMS = ("process", "KV pages", "KV grad pages", "selections")
 
 
@@ -451,6 +451,8 @@ def predict(
     own_pages = _num_pages(own_tokens, P, B)
     page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
     gpu["page tables"] = pages * INT32_BYTES
+    if config.keep_attention_outputs:  # every layer's (out, lse) of this rank's tokens, from stage 1 on
+        gpu["kept attention"] = B * own_tokens * L * shape.num_heads * (shape.head_dim * b + FP32_BYTES)
     # Window layers shorter than the step (not under context parallelism) read, keep summaries of and,
     # without offload, keep pages of their windows only (kv/store.py, kv/offload.py).
     windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1

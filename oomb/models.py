@@ -75,6 +75,8 @@ class StepState:
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window planned from the config (None: global)
     window_bounds: Mapping[int, Documents] = field(default_factory=dict)
     """window -> key bounds (documents.window_bounds), for the windows shorter than the step."""
+    kept_outputs: dict | None = None
+    """OOMBConfig.keep_attention_outputs: (layer, chunk index) -> stage 1's (out, lse), which stage 2 takes."""
 
     def layer_bounds(self, layer: int, sliding_window: int | None) -> Documents | None:
         """The key bounds of ``layer``'s attention: its window's (a window layer), else the documents."""
@@ -124,14 +126,15 @@ def oomb_attention_forward(
         query = attach_sinks(query, s_aux, sink_grad)
     call = PagedAttentionCall(store, layer, chunk, backend, scale, sparse, documents=bounds)
     if oomb_step.stage is Stage.FILL:
-        out = fill_and_attend(query, key, value, call)  # sparse: selects the pages and keeps the selection
+        # sparse: selects the pages and keeps the selection; keep_attention_outputs: keeps (out, lse) too
+        out = fill_and_attend(query, key, value, call, oomb_step.kept_outputs)
     else:
         if sparse is not None:  # stage 2 reads exactly the pages stage 1 selected
             call = replace(call, selection=store.selection(layer, chunk))
         replay = oomb_step.recompute_cache is not None and layer in oomb_step.recompute_cache
         if not replay:  # window layers: their freed pages get the recomputed k, v back (kv/store.py)
             store.rewrite(layer, chunk, key, value)
-        out = paged_attention(query, key, value, call, oomb_step.recompute_cache)
+        out = paged_attention(query, key, value, call, oomb_step.recompute_cache, oomb_step.kept_outputs)
     return out.transpose(1, 2), None  # transformers expects (B, L, Hq, D)
 
 

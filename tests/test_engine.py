@@ -197,10 +197,10 @@ def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoi
         stored[layer, chunk.index] = (k.clone(), v.clone())
         real_write(self, layer, chunk, k, v)
 
-    def comparing_attention(q, k, v, call, recompute_cache=None):
+    def comparing_attention(q, k, v, call, *args):
         want_k, want_v = stored[call.layer, call.chunk.index]
         compared.append(torch.equal(k, want_k) and torch.equal(v, want_v))
-        return real_attention(q, k, v, call, recompute_cache)
+        return real_attention(q, k, v, call, *args)
 
     monkeypatch.setattr(PagedKVStore, "write", recording_write)
     monkeypatch.setattr(oomb.models, "paged_attention", comparing_attention)
@@ -275,6 +275,57 @@ def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
     (loss_a, grads_a), (loss_b, grads_b) = results[True], results[False]
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+@pytest.mark.parametrize("attention, checkpoint_layers", [("dense", True), ("dense", False), ("sparse", True),
+                                                         ("sparse", False)])
+def test_kept_attention_outputs_give_the_recomputed_gradients_bitwise(monkeypatch, attention, checkpoint_layers):
+    """keep_attention_outputs: stage 2 takes stage 1's (out, lse) instead of computing the attention forward
+    again (no attention forward runs in stage 2, with or without layer replay); stage 2's queries are stage
+    1's bits here (eager layers), so the loss and every gradient are the same bits, and nothing is left kept
+    after the step."""
+    import oomb.attention.function as function
+
+    model = build_tiny_model("qwen2", seed=7)
+    ids = random_ids(2, 200, seed=7)
+    layers = model.config.num_hidden_layers
+    results, forwards = {}, []
+    real = function._attention_forward
+    monkeypatch.setattr(function, "_attention_forward",
+                        lambda q, call: forwards.append(call.chunk.index) or real(q, call))
+    for keep in (False, True):
+        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", attention=attention, sparse_budget=1,
+                            checkpoint_layers=checkpoint_layers, keep_attention_outputs=keep)
+        forwards.clear()
+        model.zero_grad(set_to_none=True)
+        results[keep] = (oomb.forward_backward(model, ids, None, config), grads(model))
+        chunks = -(-200 // 64)
+        assert len(forwards) == chunks * layers * (1 if keep else 2)  # stage 1 only, or both stages
+    (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
+    """Refused with offload; `oomb bench --keep-attention-outputs` sets it; the plan counts the kept outputs."""
+    from oomb import cli
+    from oomb.memory import ModelShape, TrainingSetup, predict
+    from oomb.tools import bench
+    from oomb.training.presets import preset_config
+
+    args = cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs"])
+    assert bench.options_from_args(args).oomb_config().keep_attention_outputs
+
+    with pytest.raises(ValueError, match="keep_attention_outputs=True needs offload=False"):
+        OOMBConfig(keep_attention_outputs=True, offload=True)
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b", 131072))
+    setup = TrainingSetup(optimizer="none")
+    kept = predict("sparse", shape, 131072, OOMBConfig(keep_attention_outputs=True), setup).gpu
+    plain = predict("sparse", shape, 131072, OOMBConfig(), setup).gpu
+    assert plain["kept attention"] == 0
+    assert kept["kept attention"] == 131072 * 28 * 28 * (128 * 2 + 4)  # tokens x layers x query heads x (out, lse)
+    assert {k: v for k, v in kept.items() if k != "kept attention"} == {k: v for k, v in plain.items()
+                                                                         if k != "kept attention"}
 
 
 def _checkpoint_flags(model):
@@ -356,11 +407,11 @@ def test_failure_in_stage_one_leaves_store_empty(models, created_stores, monkeyp
     real_fill = oomb.models.fill_and_attend
     calls = {"n": 0}
 
-    def failing_fill(q, k, v, call):
+    def failing_fill(q, k, v, call, *args):
         calls["n"] += 1
         if call.chunk.index == 1:
             raise RuntimeError("injected stage-1 failure")
-        return real_fill(q, k, v, call)
+        return real_fill(q, k, v, call, *args)
 
     monkeypatch.setattr(oomb.models, "fill_and_attend", failing_fill)
     ids = random_ids(1, 200, seed=8)

@@ -852,9 +852,9 @@ def test_stage_two_reads_stage_one_selection(monkeypatch, recorded):
         select_calls.append((layer, chunk.index))
         return real_select(q, store, layer, chunk, options, scale, documents)
 
-    def recording_attention(q, k, v, call, recompute_cache=None):
+    def recording_attention(q, k, v, call, *args):
         stage_two.append((call.layer, call.chunk.index, call.selection))
-        return real_attention(q, k, v, call, recompute_cache)
+        return real_attention(q, k, v, call, *args)
 
     monkeypatch.setattr(oomb.attention.function, "select_pages", counting_select)
     monkeypatch.setattr(oomb.models, "paged_attention", recording_attention)

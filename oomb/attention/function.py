@@ -132,13 +132,14 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
-                recompute_cache: dict | None):
+                recompute_cache: dict | None, kept_outputs: dict | None):
         if recompute_cache is not None and call.layer in recompute_cache:
             # Layer checkpointing replays this forward in backward with the same q and pages:
             # reuse the result of the first pass instead of recomputing attention.
             out, lse = recompute_cache.pop(call.layer)
         else:
-            out, lse = _attention_forward(q, call)
+            kept = kept_outputs.pop((call.layer, call.chunk.index), None) if kept_outputs is not None else None
+            out, lse = kept if kept is not None else _attention_forward(q, call)  # stage 1's, when it kept them
             if recompute_cache is not None:
                 recompute_cache[call.layer] = (out.detach(), lse)
         ctx.save_for_backward(q, out, lse)
@@ -154,28 +155,33 @@ class _PagedAttention(torch.autograd.Function):
         dk, dv = call.store.chunk_grads(call.layer, call.chunk)
         if call.store.context is not None:  # context parallel: as the chunk's owner holds them
             dk, dv = call.store.context.from_owner(call.chunk.index, dk, dv)
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall, recompute_cache: dict | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall, recompute_cache: dict | None = None,
+    kept_outputs: dict | None = None,
 ) -> torch.Tensor:
     """(B, Hq, L, D) attention output of the chunk; differentiable in q, k, v.
 
     ``recompute_cache`` (layer -> (out, lse)), given when the layer is checkpointed, lets the
-    checkpoint's replay of this forward reuse the first pass's result.
+    checkpoint's replay of this forward reuse the first pass's result. ``kept_outputs`` ((layer, chunk
+    index) -> (out, lse), OOMBConfig.keep_attention_outputs): stage 1's result, taken instead of computing.
     """
-    return _PagedAttention.apply(q, k, v, call, recompute_cache)
+    return _PagedAttention.apply(q, k, v, call, recompute_cache, kept_outputs)
 
 
-def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall) -> torch.Tensor:
+def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
+                    kept_outputs: dict | None = None) -> torch.Tensor:
     """Stage 1 (no grad): write the chunk's k, v into its pages (sparse: select and keep the pages
-    each query block reads), then attend."""
+    each query block reads), then attend; ``kept_outputs``: keep (out, lse) there for stage 2."""
     call.store.write(call.layer, call.chunk, k, v)
     if call.sparse is not None:
         with record_function(SCORING_RANGE):  # benchmarks/profile_step.py counts what runs inside as scoring
             selection = select_pages(q, call.store, call.layer, call.chunk, call.sparse, call.scale, call.documents)
         call.store.save_selection(call.layer, call.chunk, selection)
         call = replace(call, selection=selection)
-    out, _ = _attention_forward(q, call)
+    out, lse = _attention_forward(q, call)
+    if kept_outputs is not None:
+        kept_outputs[(call.layer, call.chunk.index)] = (out, lse)
     return out

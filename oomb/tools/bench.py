@@ -82,6 +82,8 @@ class BenchOptions:
     recompute_logits: bool = True
     compile_layers: bool | None = None
     """OOMBConfig.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
+    keep_attention_outputs: bool = False
+    """OOMBConfig.keep_attention_outputs: stage 2 takes stage 1's attention outputs (opt-in)."""
     offload_resident_layers: int = 0
     """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
     `oomb train` chooses how many fit)."""
@@ -158,7 +160,8 @@ class BenchOptions:
                           sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
                           sparse_rerank_factor=self.sparse_rerank_factor,
-                          sparse_rerank_candidates=self.sparse_rerank_candidates)
+                          sparse_rerank_candidates=self.sparse_rerank_candidates,
+                          keep_attention_outputs=self.keep_attention_outputs)
 
     def sparse_assumptions(self) -> SparseAssumptions:
         """The planner's view of the sparse options (for the predicted column)."""
@@ -630,6 +633,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="oomb modes: compile each decoder layer (fused norms, rotary, SiLU, adds; attention "
                              "outside the graph; implies --no-checkpoint-layers); default: on for a CUDA step "
                              "without layer replay (models without experts, not --deterministic)")
+    parser.add_argument("--keep-attention-outputs", action="store_true", default=None,
+                        help="oomb modes without offload: stage 1 keeps every layer's attention output for stage 2, "
+                             "which skips recomputing attention (GPU memory: (head dim x 2 + 4) bytes per token, "
+                             "query head and layer; opt-in)")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
@@ -662,7 +669,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     values = dict(QUICK) if args.quick else {}
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
-                 "deterministic", "fp32_grad_accumulation", "offload_resident_layers", "sparse_query_block_pages",
+                 "deterministic", "fp32_grad_accumulation", "keep_attention_outputs", "offload_resident_layers",
+                 "sparse_query_block_pages",
                  "sparse_budget",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
                  "warmup_tokens", "progress",
