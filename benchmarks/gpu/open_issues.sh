@@ -74,6 +74,8 @@
 #   wave_kernels     issues 18/23: after the merge kernel, cuDNN's grouped-head forward, the in-place head gradient
 #                    and the shared row sort: sparse_chosen (HF and the 128K defaults step), then the GPU tests of
 #                    the changed parts and the cuDNN engine tests (bf16 gradients no worse than HF's)
+#   kept_outputs     issues 18/23: keep_attention_outputs (stage 2 takes stage 1's attention outputs): HF, the 128K
+#                    sparse defaults step with the chooser's plan with it and without it, in one call (~6 min)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -111,7 +113,8 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (after the second 2026-12-04 session, which ran score_ablation, profile_chosen, wave_kernels, compiled_1m
 # and, at e653952, a call that timed a Triton row copy against torch's (2x slower: removed) and sparse_chosen with it
-# off): compiled_1m again (182.53 s at a183851, before the queries were made contiguous once per call); the dense
+# off): kept_outputs (issue 18's 0.5x: keep_attention_outputs, opt-in, CPU-tested only); compiled_1m again (182.53 s
+# at a183851, before the queries were made contiguous once per call); the dense
 # 512K step again (23 D3; ~9 min on cuDNN); kernel_tests for the Triton dense kernels (23 D4); offload_staging.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
@@ -273,6 +276,11 @@ for part in "$@"; do
           tests/test_triton_row_add.py tests/test_fp32_linear.py tests/test_loss.py tests/test_cudnn_paged.py \
           tests/test_cudnn_sparse.py
       run 160 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn ;;
+    kept_outputs)
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k
+      run 120 sparse_chosen_kept python -m oomb bench --modes sparse --contexts 128K --chosen --keep-attention-outputs \
+          --out-dir "$OUT" --name sparse_defaults_chosen_kept_128k ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
