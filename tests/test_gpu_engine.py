@@ -80,6 +80,10 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
     # fused kernels keep float32 between ops that eager rounds to bf16.
     (1, 3000, 1024, {"checkpoint_layers": False}),
     (2, 1500, 512, {"checkpoint_layers": False, "compile_layers": False}),
+    # Stage 2 taking stage 1's attention outputs, compiled layers (their stage-2 queries can differ from stage
+    # 1's by rounding, and the backward pairs them with stage 1's output).
+    pytest.param(1, 3000, 1024, {"checkpoint_layers": False, "keep_attention_outputs": True},
+                 id="1-3000-1024-keep_attention_outputs"),
 ])
 def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk, options):
     _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", **options))

@@ -74,8 +74,9 @@
 #   wave_kernels     issues 18/23: after the merge kernel, cuDNN's grouped-head forward, the in-place head gradient
 #                    and the shared row sort: sparse_chosen (HF and the 128K defaults step), then the GPU tests of
 #                    the changed parts and the cuDNN engine tests (bf16 gradients no worse than HF's)
-#   kept_outputs     issues 18/23: keep_attention_outputs (stage 2 takes stage 1's attention outputs): HF, the 128K
-#                    sparse defaults step with the chooser's plan with it and without it, in one call (~6 min)
+#   kept_outputs     issues 18/23: keep_attention_outputs (stage 2 takes stage 1's attention outputs): its bf16 GPU
+#                    engine test (compiled layers), then HF and the 128K sparse defaults step with the chooser's plan
+#                    without it and with it, in one call (~7 min)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -277,6 +278,7 @@ for part in "$@"; do
           tests/test_cudnn_sparse.py
       run 160 cudnn_engine_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k cudnn ;;
     kept_outputs)
+      run 150 kept_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -k "cudnn and keep"
       run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name sparse_defaults_chosen_128k
       run 120 sparse_chosen_kept python -m oomb bench --modes sparse --contexts 128K --chosen --keep-attention-outputs \
