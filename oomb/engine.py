@@ -128,6 +128,8 @@ def forward_backward(
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = SparseOptions.from_config(config)  # None in dense mode
     context_parallel = parallel.context_shard(config.chunk_size) is not None  # cp > 1, or a group of one
+    if config.keep_attention_outputs and context_parallel:  # before any page is allocated
+        raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
     backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents,
                                                         context_parallel=context_parallel)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
@@ -137,8 +139,6 @@ def forward_backward(
     lm_head = loss_head(causal_lm)
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
-    if config.keep_attention_outputs and context_parallel:
-        raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
     # OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
     kept_outputs = {} if config.keep_attention_outputs else None
     router_loss = RouterBalanceLoss.of(causal_lm)  # MoE with output_router_logits: HF adds it to the loss

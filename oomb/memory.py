@@ -451,8 +451,10 @@ def predict(
     own_pages = _num_pages(own_tokens, P, B)
     page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
     gpu["page tables"] = pages * INT32_BYTES
-    if config.keep_attention_outputs:  # every layer's (out, lse) of this rank's tokens, from stage 1 on
-        gpu["kept attention"] = B * own_tokens * L * shape.num_heads * (shape.head_dim * b + FP32_BYTES)
+    if config.keep_attention_outputs:  # every layer's (out, lse) of the step's tokens, from stage 1 on
+        if mode.offload or setup.context_parallel > 1:
+            raise ValueError("keep_attention_outputs=True runs without offload and context parallelism")
+        gpu["kept attention"] = B * tokens * L * shape.num_heads * (shape.head_dim * b + FP32_BYTES)
     # Window layers shorter than the step (not under context parallelism) read, keep summaries of and,
     # without offload, keep pages of their windows only (kv/store.py, kv/offload.py).
     windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1

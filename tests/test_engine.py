@@ -313,8 +313,10 @@ def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
     from oomb.tools import bench
     from oomb.training.presets import preset_config
 
-    args = cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs"])
+    args = cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs", "--modes", "hf", "sparse"])
     assert bench.options_from_args(args).oomb_config().keep_attention_outputs
+    with pytest.raises(SystemExit, match="runs without offload"):  # the default modes include offload
+        bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs"]))
 
     with pytest.raises(ValueError, match="keep_attention_outputs=True needs offload=False"):
         OOMBConfig(keep_attention_outputs=True, offload=True)
@@ -326,6 +328,37 @@ def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
     assert kept["kept attention"] == 131072 * 28 * 28 * (128 * 2 + 4)  # tokens x layers x query heads x (out, lse)
     assert {k: v for k, v in kept.items() if k != "kept attention"} == {k: v for k, v in plain.items()
                                                                          if k != "kept attention"}
+    with pytest.raises(ValueError, match="without offload and context parallelism"):
+        predict("sparse+offload", shape, 131072, OOMBConfig(keep_attention_outputs=True), setup)
+
+
+def test_the_chooser_keeps_kept_attention_outputs_on_the_gpu():
+    """oomb train's chooser with keep_attention_outputs set: no offload candidate (which the option refuses),
+    and the kept outputs in the plan's memory."""
+    from oomb.memory import ModelShape
+    from oomb.training.autoconfig import Resources, Workload, choose_config
+
+    workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.float32,
+                        optimizer="none")
+    plan = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True),
+                         {"keep_attention_outputs": True})
+    assert plan.config.keep_attention_outputs and not plan.config.offload
+    assert plan.chosen.prediction.gpu["kept attention"] > 0
+
+
+@pytest.mark.parametrize("family", ["mistral"])
+def test_kept_attention_outputs_with_window_layers(family):
+    """A model with sliding-window layers shorter than the step (their pages are freed and refilled): the
+    kept outputs give the recomputed step's bits."""
+    model = build_tiny_model(family, seed=8, sliding_window=48)
+    ids = random_ids(1, 200, seed=8)
+    results = []
+    for keep in (False, True):
+        model.zero_grad(set_to_none=True)
+        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", keep_attention_outputs=keep)
+        results.append((oomb.forward_backward(model, ids, None, config), grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
 def _checkpoint_flags(model):

@@ -682,6 +682,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             values[name] = getattr(args, name)
     if values.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
         values.setdefault("checkpoint_layers", False)
+    if values.get("keep_attention_outputs") and any(MODES[m].offload for m in values.get("modes", BENCH_MODES)):
+        raise SystemExit("--keep-attention-outputs runs without offload: give --modes without the offload modes "
+                         "(e.g. --modes hf dense sparse)")
     if args.chosen:
         values.update(chosen=True, given=tuple(name for name in CHOSEN_FIELDS if name in values))
     if "kv_grad_dtype" in values:

@@ -369,8 +369,8 @@ def _fits(c: Candidate, resources: Resources) -> bool:
 def _options(name: str, base: OOMBConfig, fixed: dict, workload: Workload, resources: Resources) -> list:
     if name in fixed:
         return [getattr(base, name)]
-    if name == "offload":
-        return [False, True] if resources.device == "cuda" else [False]
+    if name == "offload":  # kept attention outputs live on the GPU (OOMBConfig.keep_attention_outputs)
+        return [False, True] if resources.device == "cuda" and not base.keep_attention_outputs else [False]
     if name == "kv_grad_dtype":
         return ["float32", "bfloat16"]
     if name == "checkpoint_layers":
