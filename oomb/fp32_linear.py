@@ -51,11 +51,25 @@ def matmul_float32(a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> to
     return torch.matmul(a.float(), b.float())
 
 
+class Float32Sums:
+    """A gradient sink that adds float32 products to an Fp32GradAccumulator (float32_weight_gradients)."""
+
+    def __init__(self, accumulator: Fp32GradAccumulator) -> None:
+        self.accumulator = accumulator
+
+    def add_product(self, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
+        """``a @ b`` with a float32 result, added to ``p``'s float32 sum."""
+        self.accumulator.add(p, matmul_float32(a, b, what))
+
+    def add(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        self.accumulator.add(p, grad)
+
+
 class InPlaceGradients:
     """A gradient sink that adds into each parameter's own ``.grad`` (see in_place_weight_gradients)."""
 
     @staticmethod
-    def add_product(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    def add_product(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, what: str = "matmul") -> None:
         """``p.grad += a @ b`` by the product itself (one float32 sum, one rounding to p's dtype)."""
         if p.grad is None:
             p.grad = torch.mm(a, b)
@@ -71,19 +85,9 @@ class InPlaceGradients:
             p.grad.add_(grad)
 
 
-def add_product(sink: Fp32GradAccumulator | InPlaceGradients, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                what: str) -> None:
-    """``a @ b`` into ``sink`` as ``p``'s gradient: a float32 product for the float32 sums, into ``.grad`` by
-    the product itself for InPlaceGradients."""
-    if isinstance(sink, InPlaceGradients):
-        sink.add_product(p, a, b)
-    else:
-        sink.add(p, matmul_float32(a, b, what))
-
-
 class _LinearWithGradSink(torch.autograd.Function):
-    """F.linear whose weight and bias gradients go to ``sink`` (float32 sums, or ``.grad`` in place) instead
-    of through autograd."""
+    """F.linear whose weight and bias gradients go to ``sink`` (Float32Sums or InPlaceGradients) instead of
+    through autograd."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, module: nn.Linear, sink):
@@ -96,7 +100,7 @@ class _LinearWithGradSink(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        add_product(ctx.sink, ctx.module.weight, g.t(), x.reshape(-1, x.shape[-1]), "weight gradient")
+        ctx.sink.add_product(ctx.module.weight, g.t(), x.reshape(-1, x.shape[-1]), "weight gradient")
         if ctx.module.bias is not None and ctx.module.bias.requires_grad:
             ctx.sink.add(ctx.module.bias, g.sum(0, dtype=torch.float32))
         return grad_x, None, None, None, None
@@ -108,13 +112,15 @@ def _forward_with_grad_sink(sink, module: nn.Linear, x: torch.Tensor) -> torch.T
     return _LinearWithGradSink.apply(x, module.weight, module.bias, module, sink)
 
 
-FLOAT32_SINK = "_oomb_float32_sink"
-"""Attribute naming the accumulator a layer's weight gradient goes to while float32_weight_gradients holds it."""
+GRAD_SINK = "_oomb_grad_sink"
+"""Attribute naming the sink a layer's weight gradient goes to while float32_weight_gradients or
+in_place_weight_gradients holds it."""
 
 
-def float32_sink(module: nn.Module) -> Fp32GradAccumulator | None:
-    """The accumulator that takes ``module``'s weight gradient in float32 now, or None (autograd's .grad)."""
-    return getattr(module, FLOAT32_SINK, None)
+def grad_sink(module: nn.Module) -> Float32Sums | InPlaceGradients | None:
+    """The sink that takes ``module``'s weight gradient now (float32 sums or ``.grad`` in place), or None
+    (autograd's path)."""
+    return getattr(module, GRAD_SINK, None)
 
 
 ELIGIBLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -151,7 +157,7 @@ def float32_weight_gradients(model: nn.Module, accumulator: Fp32GradAccumulator,
     """Route the eligible linear layers' parameter gradients to ``accumulator`` in float32 while inside;
     their forward is restored on exit (also after an error). Yields the layers it changed."""
     layers = eligible_linears(model, accumulator) if enabled else []
-    with _routed(layers, accumulator):
+    with _routed(layers, Float32Sums(accumulator)):
         yield layers
 
 
@@ -160,13 +166,13 @@ def _routed(layers: list[nn.Linear], sink) -> Iterator[None]:
     """The layers' parameter gradients to ``sink`` while inside; their forward restored on exit."""
     for m in layers:
         m.forward = types.MethodType(lambda self, input: _forward_with_grad_sink(sink, self, input), m)
-        setattr(m, FLOAT32_SINK, sink)  # for code that computes the layer's product itself (loss.py)
+        setattr(m, GRAD_SINK, sink)  # for code that computes the layer's product itself (loss.py)
     try:
         yield
     finally:
         for m in layers:
             del m.forward  # the instance attribute: nn.Linear.forward again
-            delattr(m, FLOAT32_SINK)
+            delattr(m, GRAD_SINK)
 
 
 LINEAR_GRADS_IN_PLACE = os.environ.get("OOMB_LINEAR_GRADS_IN_PLACE", "1") != "0"

@@ -11,8 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import add_product, float32_sink
-from .grads import Fp32GradAccumulator
+from .fp32_linear import Float32Sums, InPlaceGradients, grad_sink
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
@@ -97,7 +96,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                gradient_scale: torch.Tensor, recompute: bool, sink: Fp32GradAccumulator | None):
+                gradient_scale: torch.Tensor, recompute: bool, sink: Float32Sums | InPlaceGradients | None):
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = targets.reshape(-1)
         logits = rows @ weight.t()  # the head's own product: F.linear
@@ -150,7 +149,7 @@ def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor:
     if factor is not None:  # in float32: a bf16 tensor times a 0-dim CUDA tensor would round the factor to bf16
         rows = (rows.float() * factor).to(rows.dtype)
     if ctx.sink is not None:  # float32 sums, or .grad in place, as the linear layers' (fp32_linear.py)
-        add_product(ctx.sink, ctx.param, logits_grad.t(), rows, "LM head weight gradient")
+        ctx.sink.add_product(ctx.param, logits_grad.t(), rows, "LM head weight gradient")
         return None
     return torch.mm(logits_grad.t(), rows)
 
@@ -162,7 +161,7 @@ def fused_head(lm_head: nn.Module) -> bool:
     or backward hook watches (FSDP's unsharding, a user's): the others keep autograd's path. Not float16
     either (chunked_cross_entropy): its gradient, made already divided by the token count, would
     underflow before a loss scaler's factor reaches it."""
-    replaced = "forward" in vars(lm_head) and float32_sink(lm_head) is None
+    replaced = "forward" in vars(lm_head) and grad_sink(lm_head) is None
     return (type(lm_head) is nn.Linear and lm_head.bias is None and not isinstance(lm_head.weight, DTensor)
             and not replaced and not _hooked(lm_head))
 
@@ -180,7 +179,7 @@ def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: 
                           scale: torch.Tensor, gradient: torch.Tensor, recompute: bool) -> torch.Tensor:
     with record_function(LOSS_RANGE):
         return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, gradient, recompute,
-                                       float32_sink(lm_head))
+                                       grad_sink(lm_head))
 
 
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:

@@ -197,7 +197,10 @@ class SelectedPagesAttention:
             rows, flat = _pool_rows(pool, ids, heads), pool.view(-1, P * D)
             kernel = _row_add_kernel() if pool.is_cuda else None
             if kernel is not None:  # the gradient read once, converted in registers
-                order = torch.sort(rows.long(), stable=True) if order is None else order
+                if order is None:
+                    from .triton_row_add import sorted_rows  # importable: the kernel came from there
+
+                    order = sorted_rows(rows)
                 kernel(flat, rows, grad.contiguous(), order)
                 return order
             flat.index_put_((rows,), grad.to(pool.dtype), accumulate=True)
