@@ -11,11 +11,12 @@ would compute.
 Without float32 sums (bf16 ``.grad``, as a full-sequence backward gives), :func:`in_place_weight_gradients`
 routes the same layers' weight gradients into ``.grad`` by the product itself (``addmm_``: the GEMM reads
 the sum so far and adds in float32, one rounding per chunk), where autograd writes each chunk's product and
-then adds it into ``.grad`` as another pass over the weight (about 0.3 s of the 7B's 128K step on the H200,
-profile-sparse-chosen-128k, and an estimated 2.4 s at 1M; the LM head's slices, through the fused loss,
-0.09 s). The engine does so for the LM head always and for the decoder's layers where they run eager: a
-routed linear is a graph break inside a compiled layer (stage 2's graphs would split where stage 1's do not,
-and the compiled layers' fusions and activation savings, which the planner counts, were measured unbroken).
+then adds it into ``.grad`` as another pass over the weight (an estimated 0.3 s of the 7B's 128K step on the
+H200, scaled from the 4-layer profile-sparse-chosen-128k, and 2.4 s at 1M; the LM head's slices, through the
+fused loss, 0.09 s measured there). The engine does so for the LM head always and for the decoder's layers
+where they run eager: a routed linear is a graph break inside a compiled layer (stage 2's graphs would split
+where stage 1's do not, and the compiled layers' fusions and activation savings, which the planner counts,
+were measured unbroken).
 """
 
 from __future__ import annotations
