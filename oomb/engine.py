@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
+from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
 from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
@@ -140,7 +141,7 @@ def forward_backward(
     bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
 
     # OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
-    kept_outputs = {} if config.keep_attention_outputs else None
+    kept_outputs = KeptOutputs() if config.keep_attention_outputs else None
     router_loss = RouterBalanceLoss.of(causal_lm)  # MoE with output_router_logits: HF adds it to the loss
     router_kwargs = {} if router_loss is None else {"output_router_logits": True}
 

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from .attention.backend import AttentionBackend
-from .attention.function import PagedAttentionCall, fill_and_attend, paged_attention
+from .attention.function import KeptOutputs, PagedAttentionCall, fill_and_attend, paged_attention
 from .attention.variants import SinkGradient, attach_sinks, layer_backend
 from .documents import Documents, window_bounds
 from .kv import ChunkSpan, PagedKVStore
@@ -75,8 +75,8 @@ class StepState:
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window planned from the config (None: global)
     window_bounds: Mapping[int, Documents] = field(default_factory=dict)
     """window -> key bounds (documents.window_bounds), for the windows shorter than the step."""
-    kept_outputs: dict | None = None
-    """OOMBConfig.keep_attention_outputs: (layer, chunk index) -> stage 1's (out, lse), which stage 2 takes."""
+    kept_outputs: KeptOutputs | None = None
+    """OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per layer and chunk, which stage 2 takes."""
 
     def layer_bounds(self, layer: int, sliding_window: int | None) -> Documents | None:
         """The key bounds of ``layer``'s attention: its window's (a window layer), else the documents."""

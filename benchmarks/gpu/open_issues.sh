@@ -77,6 +77,11 @@
 #   kept_outputs     issues 18/23: keep_attention_outputs (stage 2 takes stage 1's attention outputs): its bf16 GPU
 #                    engine test (compiled layers), then HF and the 128K sparse defaults step with the chooser's plan
 #                    without it and with it, in one call (~7 min)
+#   kept_fixed       issues 18/23: kept_outputs' two steps after the kept outputs left the dict compiled layers guarded
+#                    on (torch 2.11 recompiled every layer for each layer and chunk: the kept step's warm-up outlasted
+#                    120 s on 2026-12-04), then the merge kernel's and the cuDNN path's GPU tests. Criterion, fixed
+#                    before the run: the chooser turns keep_attention_outputs on where it fits if the kept step takes
+#                    at most 0.97x the step without it in the same call.
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -283,6 +288,13 @@ for part in "$@"; do
           --out-dir "$OUT" --name sparse_defaults_chosen_128k
       run 120 sparse_chosen_kept python -m oomb bench --modes sparse --contexts 128K --chosen --keep-attention-outputs \
           --out-dir "$OUT" --name sparse_defaults_chosen_kept_128k ;;
+    kept_fixed)
+      run 240 sparse_chosen python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_128k
+      run 150 sparse_chosen_kept python -m oomb bench --modes sparse --contexts 128K --chosen --keep-attention-outputs \
+          --out-dir "$OUT" --name sparse_defaults_chosen_kept_128k
+      run 150 merge_cudnn_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_merge.py \
+          tests/test_cudnn_paged.py ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py

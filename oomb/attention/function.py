@@ -129,16 +129,39 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
     return dq.to(q.dtype)
 
 
+class KeptOutputs:
+    """OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2.
+
+    A plain object rather than a dict on purpose: compiled decoder layers receive it inside the step's
+    state, and torch.compile (2.11) guards on a dict's entries, so every layer and chunk recompiled the
+    layer (46 graphs instead of 8 for a tiny model; the 7B's 128K step outlasted 120 s of warm-up)."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(self, layer: int, chunk: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self._outputs[(layer, chunk)] = (out, lse)
+
+    def take(self, layer: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._outputs.pop((layer, chunk), None)
+
+    def clear(self) -> None:
+        self._outputs.clear()
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
-                recompute_cache: dict | None, kept_outputs: dict | None):
+                recompute_cache: dict | None, kept_outputs: KeptOutputs | None):
         if recompute_cache is not None and call.layer in recompute_cache:
             # Layer checkpointing replays this forward in backward with the same q and pages:
             # reuse the result of the first pass instead of recomputing attention.
             out, lse = recompute_cache.pop(call.layer)
         else:
-            kept = kept_outputs.pop((call.layer, call.chunk.index), None) if kept_outputs is not None else None
+            kept = kept_outputs.take(call.layer, call.chunk.index) if kept_outputs is not None else None
             out, lse = kept if kept is not None else _attention_forward(q, call)  # stage 1's, when it kept them
             if recompute_cache is not None:
                 recompute_cache[call.layer] = (out.detach(), lse)
@@ -160,19 +183,19 @@ class _PagedAttention(torch.autograd.Function):
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall, recompute_cache: dict | None = None,
-    kept_outputs: dict | None = None,
+    kept_outputs: KeptOutputs | None = None,
 ) -> torch.Tensor:
     """(B, Hq, L, D) attention output of the chunk; differentiable in q, k, v.
 
     ``recompute_cache`` (layer -> (out, lse)), given when the layer is checkpointed, lets the
-    checkpoint's replay of this forward reuse the first pass's result. ``kept_outputs`` ((layer, chunk
-    index) -> (out, lse), OOMBConfig.keep_attention_outputs): stage 1's result, taken instead of computing.
+    checkpoint's replay of this forward reuse the first pass's result. ``kept_outputs``
+    (OOMBConfig.keep_attention_outputs): stage 1's result, taken instead of computing.
     """
     return _PagedAttention.apply(q, k, v, call, recompute_cache, kept_outputs)
 
 
 def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PagedAttentionCall,
-                    kept_outputs: dict | None = None) -> torch.Tensor:
+                    kept_outputs: KeptOutputs | None = None) -> torch.Tensor:
     """Stage 1 (no grad): write the chunk's k, v into its pages (sparse: select and keep the pages
     each query block reads), then attend; ``kept_outputs``: keep (out, lse) there for stage 2."""
     call.store.write(call.layer, call.chunk, k, v)
@@ -183,5 +206,5 @@ def fill_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Pag
         call = replace(call, selection=selection)
     out, lse = _attention_forward(q, call)
     if kept_outputs is not None:
-        kept_outputs[(call.layer, call.chunk.index)] = (out, lse)
+        kept_outputs.keep(call.layer, call.chunk.index, out, lse)
     return out
