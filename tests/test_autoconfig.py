@@ -133,6 +133,42 @@ def test_sparse_offload_selects_once_per_chunk_unless_set():
     assert "sparse_query_block_pages" not in given.oomb_auto
 
 
+def test_sparse_steps_keep_their_attention_outputs_where_they_fit():
+    """The chooser keeps stage 1's attention outputs for a sparse step with every page on the GPU where they
+    fit (kept-attention-outputs-128k: 0.941x), after the weightier choices; never with offload, for dense
+    (not measured), on a CPU, or against the user's setting."""
+    from oomb.training.autoconfig import SPEED_FACTS
+
+    workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
+    choice = choose_config(workload, H200, {"attention": "sparse"})
+    plain = choose_config(workload, H200, {"attention": "sparse", "keep_attention_outputs": False})
+    assert choice.config.keep_attention_outputs and "kept_attention_sparse" in choice.chosen.factors
+    assert choice.config == dataclasses.replace(plain.config, keep_attention_outputs=True)  # nothing else moved
+    assert choice.chosen.relative_time == pytest.approx(
+        plain.chosen.relative_time * SPEED_FACTS["kept_attention_sparse"].factor)
+    assert choice.chosen.prediction.gpu["kept attention"] == 128 * 1024 * 28 * 28 * (128 * 2 + 4)
+    assert "sparse attention outputs kept for stage 2: they fit" in choice.reason
+    assert "attention outputs kept" in choice.describe()
+    assert "keep_attention_outputs=False as set" in plain.reason
+    # Not with offload (1M), not dense, not on a CPU.
+    assert not choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200,
+                             {"attention": "sparse"}).config.keep_attention_outputs
+    assert not choose_config(workload, H200).config.keep_attention_outputs
+    cpu = Resources("cpu", None, 1 << 42)
+    assert not choose_config(Workload(SHAPES["tiny-qwen2"], 8192, dtype=torch.float32), cpu,
+                             {"attention": "sparse"}).config.keep_attention_outputs
+    # A GPU where the step fits without them but not with them: recomputed, the rest as on the larger GPU.
+    kept_bytes = choice.chosen.gpu_counted - plain.chosen.gpu_counted
+    tight = Resources("cuda", plain.chosen.gpu_counted + kept_bytes // 2, H200.host_limit)
+    narrow = choose_config(workload, tight, {"attention": "sparse"})
+    assert narrow.config == plain.config
+    assert "sparse attention outputs recomputed in stage 2: keeping them does not fit" in narrow.reason
+    # The trainer leaves it to the chooser unless the config file sets it.
+    assert "keep_attention_outputs" in TrainerConfig().oomb_auto
+    assert "keep_attention_outputs" not in TrainerConfig.from_dict(
+        {"oomb": {"keep_attention_outputs": False}}).oomb_auto
+
+
 def test_refusal_names_numbers_and_what_fits():
     with pytest.raises(NoConfigFitsError) as err:
         choose_config(Workload(SHAPES["qwen2.5-7b"], 2 * M), H200)
@@ -340,3 +376,18 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
     assert steered.config == long.config
     # The runner-up is compared after the same last decision.
     assert kept.runner_up is not None and kept.runner_up.config.recompute_logits is False
+
+
+def test_the_trainer_fixes_what_the_run_decides():
+    """What the trainer hands the chooser as fixed: the user's options, the Triton backend for separate
+    documents on CUDA, and no kept attention outputs under context parallelism (which refuses them)."""
+    from oomb.training.trainer import chooser_fixed
+
+    config = TrainerConfig.load(None, ["oomb.attention=sparse"])
+    assert chooser_fixed(config, cuda=True)["attention"] == "sparse"
+    assert "keep_attention_outputs" not in chooser_fixed(config, cuda=True)
+    cp = TrainerConfig.load(None, ["oomb.attention=sparse", "parallel.cp=2"])
+    assert chooser_fixed(cp, cuda=True)["keep_attention_outputs"] is False
+    documents = TrainerConfig.load(None, ["data.documents=separate"])
+    assert chooser_fixed(documents, cuda=True)["backend"] == "triton"
+    assert "backend" not in chooser_fixed(documents, cuda=False)

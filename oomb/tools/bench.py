@@ -83,7 +83,8 @@ class BenchOptions:
     compile_layers: bool | None = None
     """OOMBConfig.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
     keep_attention_outputs: bool = False
-    """OOMBConfig.keep_attention_outputs: stage 2 takes stage 1's attention outputs (opt-in)."""
+    """OOMBConfig.keep_attention_outputs: stage 2 takes stage 1's attention outputs (with ``chosen`` and not
+    given: the chooser's)."""
     offload_resident_layers: int = 0
     """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
     `oomb train` chooses how many fit)."""
@@ -633,10 +634,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="oomb modes: compile each decoder layer (fused norms, rotary, SiLU, adds; attention "
                              "outside the graph; implies --no-checkpoint-layers); default: on for a CUDA step "
                              "without layer replay (models without experts, not --deterministic)")
-    parser.add_argument("--keep-attention-outputs", action="store_true", default=None,
+    parser.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
                         help="oomb modes without offload: stage 1 keeps every layer's attention output for stage 2, "
                              "which skips recomputing attention (GPU memory: (head dim x 2 + 4) bytes per token, "
-                             "query head and layer; opt-in)")
+                             "query head and layer); default off; with --chosen unset: the chooser's (sparse "
+                             "steps keep them where they fit)")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")

@@ -27,7 +27,7 @@ MEMORY_HEADROOM = 0.95
 """Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
 
 CHOSEN_FIELDS = ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers", "recompute_logits",
-                 "offload_resident_layers", "sparse_query_block_pages")
+                 "keep_attention_outputs", "offload_resident_layers", "sparse_query_block_pages")
 """The chooser's OOMBConfig fields that BenchOptions carries under the same names (offload is the mode's)."""
 
 

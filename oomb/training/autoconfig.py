@@ -1,5 +1,6 @@
 """Choose the fastest OOMBConfig that fits: offload, resident layers, dK/dV dtype, layer replay, kept or
-recomputed log-probabilities, chunk, backend (and, sparse with offload, one selection per chunk).
+recomputed log-probabilities, kept sparse attention outputs, chunk, backend (and, sparse with offload, one
+selection per chunk).
 
     choice = choose_config(workload, resources, fixed={"kv_grad_dtype": "float32"})
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
@@ -44,7 +45,7 @@ from ..model_shape import ModelShape
 from ..units import format_tokens
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
-               "sparse_query_block_pages", "recompute_logits")
+               "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
@@ -107,6 +108,10 @@ SPEED_FACTS: dict[str, SpeedFact] = {
         1 + (21.31 - 20.70) / 45.21, "dense 128K cudnn: the recompute's 0.61 s (sparse runs above) over 45.21 s "
         "(derived: the recompute is one LM-head forward per loss slice, the same work in both modes)",
         "derived from the sparse pair and dense_cudnn_warm_no_replay_128k_h200_2026-12-03.json"),
+    "kept_attention_sparse": SpeedFact(
+        20.457 / 21.747, "sparse 128K, the defaults and the chooser's plan (cudnn, no replay, compiled layers): "
+        "attention outputs kept from stage 1 20.46 s vs recomputed 21.75 s (one run each, one call; HF 42.67 s)",
+        "sparse_defaults_chosen_kept_128k_h200_2026-12-04.json, sparse_defaults_chosen_128k_h200_2026-12-04e.json"),
     "half_chunk": SpeedFact(
         1.05, "each halving of the chunk below 4096 (more, smaller kernel launches): not measured", "assumed"),
 }
@@ -209,8 +214,9 @@ class Candidate:
             where = "pages on the GPU"
         grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
                     if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
+        kept = ", attention outputs kept" if c.keep_attention_outputs else ""
         return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
-                f"{self.loss_words()}, chunk {c.chunk_size}, "
+                f"{self.loss_words()}{kept}, chunk {c.chunk_size}, "
                 f"backend {c.backend}{grouping}")
 
 
@@ -323,7 +329,7 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
 
 def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str, ...]]:
     """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, log-probabilities
-    kept, float32 dK/dV, chunk >= 4096, cudnn)."""
+    kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn)."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
     if config.backend == "triton":
@@ -338,6 +344,9 @@ def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str
         key = "recompute_logits_sparse" if sparse else "recompute_logits_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
+    if config.keep_attention_outputs and sparse:  # dense: not measured, no factor
+        time *= SPEED_FACTS["kept_attention_sparse"].factor
+        factors.append("kept_attention_sparse")
     if config.offload:
         key = "offload_sparse" if sparse else "offload_dense"
         offloaded = (num_layers - min(config.offload_resident_layers, num_layers)) / num_layers
@@ -444,6 +453,24 @@ def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixe
     return kept if _fits(kept, resources) else best
 
 
+def _keep_attention(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
+    """The chosen plan with stage 1's attention outputs kept for stage 2 (OOMBConfig.keep_attention_outputs)
+    when they fit next to it: sparse steps with every page on the GPU (SPEED_FACTS kept_attention_sparse; dense
+    is not measured, so it stays the user's option). Decided after the weightier choices, like
+    ``_keep_logits``, and before it: the larger gain takes the memory first."""
+    c = best.config
+    if ("keep_attention_outputs" in fixed or c.keep_attention_outputs or resources.device != "cuda"
+            or c.attention != "sparse" or c.offload):
+        return best
+    kept = predict_candidate(workload, resources, dataclasses.replace(c, keep_attention_outputs=True))
+    return kept if _fits(kept, resources) else best
+
+
+def _decided_last(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
+    """The two recomputations turned off where they fit, after the search: attention outputs, then logits."""
+    return _keep_logits(_keep_attention(best, workload, resources, fixed), workload, resources, fixed)
+
+
 def _rank(c: Candidate) -> tuple:
     return (c.config.grad_dtype != torch.float32, round(c.relative_time, 6), -c.config.chunk_size)
 
@@ -472,6 +499,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     base = dataclasses.replace(base or OOMBConfig(), **fixed)
     if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
         base = dataclasses.replace(base, recompute_logits=True)
+    if "keep_attention_outputs" not in fixed:  # decided last too (_keep_attention)
+        base = dataclasses.replace(base, keep_attention_outputs=False)
     if "backend" in fixed and fixed["backend"] != "auto":
         backend, backend_why = fixed["backend"], f"backend={fixed['backend']!r} as set"
     else:
@@ -482,13 +511,13 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
     if not fitting:
         raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
-    best = _keep_logits(fitting[0], workload, resources, fixed)
+    best = _decided_last(fitting[0], workload, resources, fixed)
     # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
     # alternative to a step that keeps every page on the GPU.
     runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
                       and (best.config.offload or not c.config.offload)), None)
     if runner_up is not None:  # comparable with the choice: the same last decision
-        runner_up = _keep_logits(runner_up, workload, resources, fixed)
+        runner_up = _decided_last(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
@@ -545,6 +574,13 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
             parts.append(off.format(SPEED_FACTS[f"{fact}_{'sparse' if cfg.attention == 'sparse' else 'dense'}"].factor))
         else:
             parts.append(on)
+    if "keep_attention_outputs" in fixed:
+        parts.append(f"keep_attention_outputs={cfg.keep_attention_outputs} as set")
+    elif cfg.keep_attention_outputs:
+        parts.append(f"sparse attention outputs kept for stage 2: they fit (recomputing them takes "
+                     f"{1 / SPEED_FACTS['kept_attention_sparse'].factor:.3f}x)")
+    elif cfg.attention == "sparse" and not cfg.offload and resources.device == "cuda":
+        parts.append("sparse attention outputs recomputed in stage 2: keeping them does not fit next to the rest")
     if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
         parts.append(f"chunk {cfg.chunk_size}: larger chunks do not fit")
     parts.append(backend_why)

@@ -70,6 +70,18 @@ MEMORY_HEADROOM = 0.95  # refuse when the prediction exceeds this fraction of fr
 ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
 
 
+def chooser_fixed(cfg: TrainerConfig, cuda: bool) -> dict:
+    """The oomb options the chooser must keep: those the user set, plus what the run itself decides (the
+    Triton backend for separate documents on CUDA, as the engine's "auto" takes it; no kept attention
+    outputs under context parallelism, which refuses them)."""
+    fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb) if f.name not in cfg.oomb_auto}
+    if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
+        fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
+    if cfg.parallel.cp > 1:
+        fixed.setdefault("keep_attention_outputs", False)
+    return fixed
+
+
 class NotEnoughMemoryError(MemoryError):
     """The predicted memory of a step exceeds what is free; the message has the numbers and the fixes."""
 
@@ -303,14 +315,11 @@ class Trainer(Checkpointing):
         cfg = self.config
         if not cfg.train.auto_config or not cfg.oomb_auto:
             return
-        fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb)
-                 if f.name not in cfg.oomb_auto}
+        cuda = self.device.type == "cuda"
+        fixed = chooser_fixed(cfg, cuda)
         # Context parallel: the chooser plans every page on one GPU (safe: a rank holds 1/cp of them) and,
         # with offload, on the host, which the cp ranks of a machine share.
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
-        cuda = self.device.type == "cuda"
-        if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
-            fixed["backend"] = "triton"  # as the engine's "auto" with documents (oomb/engine.py, _select_step_backend)
         gpu_free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         host_free = host_available_bytes()
         if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels
