@@ -82,6 +82,13 @@
 #                    120 s on 2026-12-04), then the merge kernel's and the cuDNN path's GPU tests. Criterion, fixed
 #                    before the run: the chooser turns keep_attention_outputs on where it fits if the kept step takes
 #                    at most 0.97x the step without it in the same call.
+#   chosen_confirm   issue 18: HF and the 128K sparse step with `--chosen` alone (the chooser now keeps the attention
+#                    outputs where they fit: the plan should read "attention outputs kept"), then the same without
+#                    them (--no-keep-attention-outputs), in one call (~6 min)
+#   kept_dense       issues 19/23: HF and the dense 128K step with the chooser's plan without the kept attention
+#                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
+#                    Criterion, fixed before the run: the chooser keeps them for dense steps too if the kept step
+#                    takes at most 0.97x the step without them in the same call (~7.5 min)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -117,11 +124,9 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the second 2026-12-04 session, which ran score_ablation, profile_chosen, wave_kernels, compiled_1m
-# and, at e653952, a call that timed a Triton row copy against torch's (2x slower: removed) and sparse_chosen with it
-# off): kept_outputs (issue 18's 0.5x: keep_attention_outputs, opt-in, CPU-tested only); compiled_1m again (182.53 s
-# at a183851, before the queries were made contiguous once per call); the dense
-# 512K step again (23 D3; ~9 min on cuDNN); kernel_tests for the Triton dense kernels (23 D4); offload_staging.
+# Next calls (after the third 2026-12-04 session, which ran kept_outputs, kept_fixed, compiled_1m (184.34 s) and the
+# dense 512K step with the chooser's plan (529.08 s)): chosen_confirm (the chooser's kept attention outputs on the
+# GPU), kept_dense, kernel_tests for the Triton dense kernels (23 D4); offload_staging.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -295,6 +300,16 @@ for part in "$@"; do
           --out-dir "$OUT" --name sparse_defaults_chosen_kept_128k
       run 150 merge_cudnn_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_merge.py \
           tests/test_cudnn_paged.py ;;
+    chosen_confirm)
+      run 240 chosen_confirm python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_chosen_keep_128k
+      run 120 chosen_no_keep python -m oomb bench --modes sparse --contexts 128K --chosen --no-keep-attention-outputs \
+          --out-dir "$OUT" --name sparse_defaults_chosen_no_keep_128k ;;
+    kept_dense)
+      run 260 kept_dense_hf python -m oomb bench --modes hf dense --contexts 128K --chosen --no-keep-attention-outputs \
+          --out-dir "$OUT" --name dense_chosen_128k
+      run 160 kept_dense python -m oomb bench --modes dense --contexts 128K --chosen --keep-attention-outputs \
+          --out-dir "$OUT" --name dense_chosen_kept_128k ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
