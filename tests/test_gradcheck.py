@@ -37,6 +37,32 @@ def test_gradcheck_command_prints_a_table_and_writes_json(tmp_path, capsys):
         assert small["history_read"] < full["history_read"] == 1.0
 
 
+def test_gradcheck_reports_each_step_and_a_stopped_run_keeps_what_finished(tmp_path, capsys, monkeypatch):
+    """A line per finished step on stderr, and the JSON rewritten after each: a run stopped in its second
+    sparse arm leaves the dense step and the first arm on disk (a 32K run on a CPU takes an hour)."""
+    import oomb.tools.gradcheck as gradcheck
+
+    real, calls = gradcheck.forward_backward, []
+
+    def stopping(*args, **kwargs):
+        calls.append(kwargs.get("progress"))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gradcheck, "forward_backward", stopping)
+    out = tmp_path / "gradcheck.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["gradcheck", *SMALL, "--budgets", "2", "4", "--scores", "minmax", "--hf", "off",
+                  "--json", str(out), "--progress"])
+    assert calls == [True, True, True]
+    err = capsys.readouterr().err
+    assert "gradcheck: dense step: loss" in err and "gradcheck: sparse minmax/max k=2 (1 of 2): cosine" in err
+    report = json.loads(out.read_text())
+    assert report["dense"]["loss"] > 0 and [r["budget"] for r in report["sparse"]] == [2]
+    assert "command" in report and not list(tmp_path.glob("*.partial"))
+
+
 def test_gradcheck_reads_a_text_file_with_the_byte_tokenizer(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 12)  # 636 bytes

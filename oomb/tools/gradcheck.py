@@ -26,6 +26,7 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import date
 from pathlib import Path
@@ -184,8 +185,13 @@ def load_sparse_plan(path: str) -> dict:
     return load_plan(path)
 
 
-def run_gradcheck(options: GradcheckOptions) -> dict:
-    """Dense vs sparse (and dense vs HF) gradients of one sequence; returns the JSON-able report."""
+def run_gradcheck(options: GradcheckOptions, progress: bool = False,
+                  on_step: Callable[[dict, str], None] | None = None) -> dict:
+    """Dense vs sparse (and dense vs HF) gradients of one sequence; returns the JSON-able report.
+
+    ``progress``: a progress bar over each step's chunks. ``on_step(report, done)`` is called after the dense
+    step and after each sparse arm with the report so far and what finished, so that a long run (an hour for
+    SmolLM2 at 32K on a CPU) can show and save its results as they come."""
     model, ids, model_text, source = _load(options)
     base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size)
     report = {"date": date.today().isoformat(),
@@ -196,9 +202,12 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
 
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    dense_loss = float(forward_backward(model, ids, config=base))
+    dense_loss = float(forward_backward(model, ids, config=base, progress=progress))
     dense = _gradients(model)
     report["dense"] = {"loss": dense_loss, "seconds": time.perf_counter() - start}
+    report["sparse"] = []
+    if on_step is not None:
+        on_step(report, f"dense step: loss {dense_loss:.6f} ({report['dense']['seconds']:.1f} s)")
 
     run_hf = options.hf == "on" or (options.hf == "auto" and ids.shape[1] <= HF_AUTO_MAX_TOKENS)
     if run_hf:
@@ -209,7 +218,7 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
             report["hf"] = {"loss": float(hf_loss.detach()), **compare(dense, _gradients(model))["total"]}
         except torch.OutOfMemoryError:
             report["hf"] = {"error": "out of memory"}
-    runs = []
+    runs = report["sparse"]
     plan = load_sparse_plan(options.sparse_plan) if options.sparse_plan else {}
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
@@ -229,14 +238,18 @@ def run_gradcheck(options: GradcheckOptions) -> dict:
                                "sparse_dense_layers": dense_layers})
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = float(forward_backward(model, ids, config=config))
-        runs.append({"score": score if factor is None else _rerank_name(factor, proposer), "pooling": pooling,
-                     "budget": budget if budget is not None else "per layer", "loss": loss,
-                     "seconds": time.perf_counter() - start,
-                     "history_read": history_read(ids.shape[1], config, model_layers(model)),
-                     "groups": compare(_gradients(model), dense)})
+        loss = float(forward_backward(model, ids, config=config, progress=progress))
+        run = {"score": score if factor is None else _rerank_name(factor, proposer), "pooling": pooling,
+               "budget": budget if budget is not None else "per layer", "loss": loss,
+               "seconds": time.perf_counter() - start,
+               "history_read": history_read(ids.shape[1], config, model_layers(model)),
+               "groups": compare(_gradients(model), dense)}
+        runs.append(run)
+        if on_step is not None:
+            on_step(report, f"sparse {run['score']}/{pooling} k={run['budget']} ({len(runs)} of {len(arms)}): "
+                            f"cosine {run['groups']['total']['cosine']:.5f}, loss {loss:.6f}, "
+                            f"{100 * run['history_read']:.1f} % read ({run['seconds']:.1f} s)")
     model.zero_grad(set_to_none=True)
-    report["sparse"] = runs
     return report
 
 
@@ -316,16 +329,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
     parser.add_argument("--yarn", type=float, default=None,
                         help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the report as JSON here")
+    parser.add_argument("--json", dest="json_path", default=None,
+                        help="also write the report as JSON here (rewritten after each step: a stopped run keeps "
+                             "what finished)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar over each step's chunks and a line per finished step on stderr "
+                             "(default: when stderr is a terminal; the lines are always printed)")
 
 
 def main(args: argparse.Namespace) -> int:
     names = {f for f in GradcheckOptions.__dataclass_fields__}
     options = GradcheckOptions(**{k: v for k, v in vars(args).items() if k in names})
-    report = run_gradcheck(options)
-    report["command"] = "oomb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["gradcheck"] else None
+    command = "oomb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["gradcheck"] else None
+    progress = args.progress if getattr(args, "progress", None) is not None else sys.stderr.isatty()
+
+    def save(report: dict, done: str | None = None) -> None:
+        if done is not None:
+            print(f"gradcheck: {done}", file=sys.stderr, flush=True)
+        if options.json_path:
+            path = Path(options.json_path)
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(json.dumps({**report, "command": command}, indent=2))
+            partial.replace(path)  # whole files only, also when stopped mid-write
+
+    report = run_gradcheck(options, progress=progress, on_step=save)
+    report["command"] = command
     print(format_report(report))
     if options.json_path:
-        Path(options.json_path).write_text(json.dumps(report, indent=2))
+        save(report)
         print(f"wrote {options.json_path}")
     return 0
