@@ -94,10 +94,12 @@ class StepMemory:
     chunk_activations: int
     kv_pages: int
     logits_slice: int
+    kept_attention: int = 0
+    """OOMBConfig.keep_attention_outputs: every layer's attention output and lse, from stage 1 to stage 2."""
 
     @property
     def total(self) -> int:
-        return self.param_grads + self.chunk_activations + self.kv_pages + self.logits_slice
+        return self.param_grads + self.chunk_activations + self.kv_pages + self.logits_slice + self.kept_attention
 
     def as_gib(self) -> dict:
         return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items()}
@@ -150,7 +152,15 @@ def estimate_step_memory(
     fused = dtype if fused_loss else None
     logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens, fused)
               + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits, fused, head_trained))
-    return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits)
+    kept = kept_attention_bytes(shape, num_tokens, batch_size, dtype) if config.keep_attention_outputs else 0
+    return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits, kept)
+
+
+def kept_attention_bytes(shape: ModelShape, num_tokens: int, batch_size: int, dtype: torch.dtype) -> int:
+    """GPU bytes of OOMBConfig.keep_attention_outputs: every layer's attention output (``dtype``) and float32
+    log-sum-exp for every token and query head, held from stage 1 until stage 2 takes them."""
+    return batch_size * num_tokens * shape.num_layers * shape.num_heads * (shape.head_dim * dtype.itemsize
+                                                                            + FP32_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,7 +464,7 @@ def predict(
     if config.keep_attention_outputs:  # every layer's (out, lse) of the step's tokens, from stage 1 on
         if mode.offload or setup.context_parallel > 1:
             raise ValueError("keep_attention_outputs=True runs without offload and context parallelism")
-        gpu["kept attention"] = B * tokens * L * shape.num_heads * (shape.head_dim * b + FP32_BYTES)
+        gpu["kept attention"] = kept_attention_bytes(shape, tokens, B, setup.dtype)
     # Window layers shorter than the step (not under context parallelism) read, keep summaries of and,
     # without offload, keep pages of their windows only (kv/store.py, kv/offload.py).
     windowed = shape.sliding_window_layers and shape.sliding_window < tokens and setup.context_parallel == 1

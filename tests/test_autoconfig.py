@@ -163,6 +163,10 @@ def test_sparse_steps_keep_their_attention_outputs_where_they_fit():
     narrow = choose_config(workload, tight, {"attention": "sparse"})
     assert narrow.config == plain.config
     assert "sparse attention outputs recomputed in stage 2: keeping them does not fit" in narrow.reason
+    # Not under context parallelism, which refuses them; said so, not as if the user had set it.
+    shared = choose_config(dataclasses.replace(workload, context_parallel=True), H200, {"attention": "sparse"})
+    assert shared.config == plain.config
+    assert "context parallelism refuses keeping them" in shared.reason and "as set" not in shared.reason
     # The trainer leaves it to the chooser unless the config file sets it.
     assert "keep_attention_outputs" in TrainerConfig().oomb_auto
     assert "keep_attention_outputs" not in TrainerConfig.from_dict(
@@ -379,15 +383,13 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
 
 
 def test_the_trainer_fixes_what_the_run_decides():
-    """What the trainer hands the chooser as fixed: the user's options, the Triton backend for separate
-    documents on CUDA, and no kept attention outputs under context parallelism (which refuses them)."""
+    """What the trainer hands the chooser as fixed: the user's options and the Triton backend for separate
+    documents on CUDA."""
     from oomb.training.trainer import chooser_fixed
 
     config = TrainerConfig.load(None, ["oomb.attention=sparse"])
     assert chooser_fixed(config, cuda=True)["attention"] == "sparse"
     assert "keep_attention_outputs" not in chooser_fixed(config, cuda=True)
-    cp = TrainerConfig.load(None, ["oomb.attention=sparse", "parallel.cp=2"])
-    assert chooser_fixed(cp, cuda=True)["keep_attention_outputs"] is False
     documents = TrainerConfig.load(None, ["data.documents=separate"])
     assert chooser_fixed(documents, cuda=True)["backend"] == "triton"
     assert "backend" not in chooser_fixed(documents, cuda=False)

@@ -1,5 +1,6 @@
 """The memory planner: model terms against DESIGN.md section 3 and H200 measurements, search, CLI."""
 
+import dataclasses
 import json
 
 import pytest
@@ -90,10 +91,15 @@ def test_hf_runs_out_of_memory_at_256k_on_the_h200():
 def test_estimate_step_memory_keeps_its_interface():
     est = estimate_step_memory(QWEN7B, 131072, BENCH_CONFIG, trainable_params=QWEN7B.num_params())
     gib = est.as_gib()
-    assert set(gib) == {"param_grads", "chunk_activations", "kv_pages", "logits_slice", "total"}
-    assert gib["kv_pages"] == 21.0
+    assert set(gib) == {"param_grads", "chunk_activations", "kv_pages", "logits_slice", "kept_attention", "total"}
+    assert gib["kv_pages"] == 21.0 and gib["kept_attention"] == 0
     full = predict("dense", QWEN7B, 131072, BENCH_CONFIG, BENCH)
     assert est.total == full.gpu_above_weights - full.gpu["page tables"]
+    # The trainer's check counts the kept attention outputs as the planner does.
+    keep = dataclasses.replace(BENCH_CONFIG, keep_attention_outputs=True)
+    kept = estimate_step_memory(QWEN7B, 131072, keep, trainable_params=QWEN7B.num_params())
+    assert kept.kept_attention == predict("dense", QWEN7B, 131072, keep, BENCH).gpu["kept attention"] > 0
+    assert kept.total == est.total + kept.kept_attention
 
 
 def test_terms_follow_the_options():
@@ -248,6 +254,24 @@ def test_cli_takes_train_s_names_for_the_model_and_lora(capsys):
     short = json.loads(capsys.readouterr().out)
     assert cli.main(["plan", "--model", "qwen2.5-7b", "--lora-rank", str(LoraSection.r), *common]) == rc
     assert short == json.loads(capsys.readouterr().out) and short["setup"]["lora_rank"] == LoraSection.r
+
+
+def test_cli_keep_attention_outputs(capsys):
+    """`oomb plan --attention sparse`: the chooser's plan keeps the attention outputs where they fit and says so in
+    the JSON; --keep-attention-outputs counts them in the table's modes without offload (refused with offload),
+    --no-keep-attention-outputs keeps the chooser from them."""
+    common = ["--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125", "--optimizer",
+              "none", "--attention", "sparse", "--json"]
+    assert cli.main(["plan", *common]) == 0
+    chosen = json.loads(capsys.readouterr().out)
+    assert chosen["choice"]["keep_attention_outputs"] is True
+    assert all(m["gpu_bytes"].get("kept attention", 0) == 0 for m in chosen["modes"])  # the table: off unless given
+    assert cli.main(["plan", *common, "--keep-attention-outputs"]) == 0
+    kept = {m["mode"]: m["gpu_bytes"].get("kept attention", 0) for m in json.loads(capsys.readouterr().out)["modes"]}
+    assert kept["dense"] == kept["sparse"] == 131072 * 28 * 28 * (128 * 2 + 4)
+    assert kept["dense+offload"] == kept["sparse+offload"] == kept.get("hf", 0) == 0
+    assert cli.main(["plan", *common, "--no-keep-attention-outputs"]) == 0
+    assert json.loads(capsys.readouterr().out)["choice"]["keep_attention_outputs"] is False
 
 
 def test_cli_errors(capsys, tmp_path):

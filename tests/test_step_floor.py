@@ -1,6 +1,7 @@
 """The step's floor model (oomb/tools/step_floor.py) on hand-counted cases, and benchmarks/profile_step.py's
 grouping and its --quick run."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -66,6 +67,9 @@ def test_dense_attention_sees_every_causal_pair_whatever_the_chunks():
     # 4 D Hq per pair and forward; two forwards and a backward of 2.5
     assert step_work(spec)["attention"].attention_flops == 4 * 4 * 2 * 500500 * 4.5
     assert step_work(StepSpec(ONE_LAYER, 1000, "hf"))["attention"] == step_work(spec)["attention"]
+    # keep_attention_outputs: stage 2 takes stage 1's outputs, one forward and the backward
+    kept = StepSpec(ONE_LAYER, 1000, chunk_size=256, page_size=64, keep_attention_outputs=True)
+    assert step_work(kept)["attention"].attention_flops == 4 * 4 * 2 * 500500 * 3.5
 
 
 def test_sparse_reads_the_budget_once_the_history_outgrows_it():
@@ -133,6 +137,8 @@ def test_spec_from_config():
     assert (spec.mode, spec.sparse_budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
     assert spec.sparse_score == config.resolved_sparse_score
     assert StepSpec.from_config(shape, 65536, None).mode == "hf"
+    assert StepSpec.from_config(shape, 65536, dataclasses.replace(config, keep_attention_outputs=True)) \
+        .keep_attention_outputs and not spec.keep_attention_outputs
 
 
 def test_parts_of_h200_kernel_names():

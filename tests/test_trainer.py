@@ -283,6 +283,28 @@ def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_f
     assert "not enough host memory" in caplog.text
 
 
+def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_file):
+    """keep_attention_outputs set in the config: the memory check's terms include the kept outputs (every
+    layer's attention output and lse), as the planner counts them."""
+    from oomb.memory import kept_attention_bytes
+
+    config = make_config(tmp_path / "kept", model_dir, data_file, oomb={"keep_attention_outputs": True})
+    trainer = Trainer(config)
+    trainer.setup()
+    terms = trainer.predicted_memory(trainer.model)
+    shape = oomb.memory.ModelShape.from_hf_config(trainer.model.config)
+    assert terms["kept attention outputs (stage 1 to stage 2)"] == kept_attention_bytes(shape, 256, 1, trainer.dtype)
+    plain = Trainer(make_config(tmp_path / "plain", model_dir, data_file))
+    plain.setup()
+    assert not any("kept" in name for name in plain.predicted_memory(plain.model))
+    # Refused with context parallelism before anything is loaded or written.
+    shared = make_config(tmp_path / "cp", model_dir, data_file, oomb={"keep_attention_outputs": True},
+                         parallel={"cp": 2})
+    with pytest.raises(ValueError, match="keep_attention_outputs=true is not supported with context parallelism"):
+        Trainer(shared).setup()
+    assert not (tmp_path / "cp").exists()
+
+
 def test_context_beyond_max_positions_warns_naming_rope_scaling(tmp_path, model_dir, data_file, caplog):
     config = make_config(tmp_path / "ctx", model_dir, data_file, data={"seq_len": 8192})
     with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):

@@ -279,6 +279,8 @@ def make_plan(
         raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
 
     def run(mode: str, t: int, cfg: OOMBConfig = config, st: TrainingSetup = setup) -> MemoryPrediction:
+        if cfg.keep_attention_outputs and (MODES[mode].offload or st.context_parallel > 1):
+            cfg = dataclasses.replace(cfg, keep_attention_outputs=False)  # refused there: those modes run without
         return predict(mode, shape, t, cfg, st, offload=offload, sparse=sparse)
 
     reports = []
@@ -478,7 +480,8 @@ def _choice_to_dict(choice: Choice) -> dict:
         return {"offload": cfg.offload, "offload_resident_layers": cfg.offload_resident_layers,
                 "kv_grad_dtype": _dtype(cfg.grad_dtype), "checkpoint_layers": cfg.checkpoint_layers,
                 "chunk_size": cfg.chunk_size, "backend": cfg.backend, "attention": cfg.attention,
-                "recompute_logits": cfg.recompute_logits, "sparse_query_block_pages": cfg.sparse_query_block_pages,
+                "recompute_logits": cfg.recompute_logits, "keep_attention_outputs": cfg.keep_attention_outputs,
+                "sparse_query_block_pages": cfg.sparse_query_block_pages,
                 "gpu_bytes": c.gpu_bytes, "host_bytes": c.host_bytes, "relative_step_time": round(c.relative_time, 4),
                 "speed_factors": list(c.factors)}
 
@@ -530,6 +533,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction,
                        help="recompute the loss slices' log-probabilities in backward (default on in the table; "
                             "unset, the chooser keeps them where they fit)")
+    group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
+                       help="keep stage 1's attention outputs for stage 2 (default off in the table, where the modes "
+                            "without offload then count them; unset, the chooser keeps them for sparse steps with "
+                            "every page on the GPU where they fit)")
     group.add_argument("--no-fp32-grad-accumulation", action="store_true")
     group = parser.add_argument_group("planned modes (assumptions)")
     group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
@@ -549,7 +556,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
              "offload": args.offload, "offload_resident_layers": args.resident_layers,
              "checkpoint_layers": args.checkpoint_layers, "sparse_query_block_pages": args.query_block_pages,
-             "recompute_logits": args.recompute_logits}
+             "recompute_logits": args.recompute_logits, "keep_attention_outputs": args.keep_attention_outputs}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
                  loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
@@ -560,6 +567,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                         kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
                         checkpoint_layers=args.checkpoint_layers is not False,
                         recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
+                        keep_attention_outputs=bool(args.keep_attention_outputs),
                         fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
                         sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)

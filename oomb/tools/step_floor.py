@@ -10,7 +10,8 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
                the adapters cost their own forward in every pass and 2 forwards in backward.
                Mode "hf": forward, gradient checkpointing's recompute, backward.
     attention  4 D Hq FLOPs per (query, visible key) pair per forward; two forwards (stage 1, stage 2:
-               the replay reuses stage 2's output; hf: forward and recompute) and a backward of 2.5
+               the replay reuses stage 2's output; hf: forward and recompute; one with
+               keep_attention_outputs, stage 2 taking stage 1's) and a backward of 2.5
                forwards (its five matmuls against the forward's two). Dense: T (T + 1) / 2 pairs per
                layer and head; sparse: each query reads sinks + budget history pages while they do not
                cover its history, and its own chunk causally. Window layers see min(t + 1, window) keys.
@@ -150,6 +151,8 @@ class StepSpec:
     sparse_leak_free: bool = False
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
+    keep_attention_outputs: bool = False
+    """oomb: stage 2 takes stage 1's attention outputs: one attention forward per step, not two."""
     fused_loss: bool = False
     """The loss is oomb's fused one (loss.py): its kernel reads the logits twice and writes their gradient
     once (FUSED_LOGIT_BYTES), and a frozen head (LoRA) recomputes nothing."""
@@ -176,7 +179,7 @@ class StepSpec:
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
                    sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits,
-                   fused_loss=fused_loss)
+                   fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """(start, length) of each chunk; hf: the whole sequence at once."""
@@ -240,7 +243,8 @@ def attention_work(spec: StepSpec) -> Work:
     pairs = ((shape.num_layers - window_layers) * visible_pairs(spec)
              + window_layers * (_window_pairs(spec.tokens, shape.sliding_window) if window_layers else 0))
     forward = 4.0 * shape.head_dim * shape.num_heads * spec.batch_size * pairs
-    return Work(attention_flops=forward * (2 + ATTENTION_BACKWARD_FORWARDS))
+    forwards = 1 if spec.keep_attention_outputs and spec.mode != "hf" else 2
+    return Work(attention_flops=forward * (forwards + ATTENTION_BACKWARD_FORWARDS))
 
 
 def _summary_width(spec: StepSpec) -> int:

@@ -148,6 +148,8 @@ class Workload:
     may_fuse_loss: bool = False
     """The step's loss may be the fused one (models.fused_loss_possible): counted so (TrainingSetup.fused_loss).
     False counts autograd's loss."""
+    context_parallel: bool = False
+    """The step shares its pages over context-parallel ranks, which refuse kept attention outputs."""
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.batch_size <= 0:
@@ -460,7 +462,7 @@ def _keep_attention(best: Candidate, workload: Workload, resources: Resources, f
     ``_keep_logits``, and before it: the larger gain takes the memory first."""
     c = best.config
     if ("keep_attention_outputs" in fixed or c.keep_attention_outputs or resources.device != "cuda"
-            or c.attention != "sparse" or c.offload):
+            or c.attention != "sparse" or c.offload or workload.context_parallel):
         return best
     kept = predict_candidate(workload, resources, dataclasses.replace(c, keep_attention_outputs=True))
     return kept if _fits(kept, resources) else best
@@ -580,7 +582,9 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         parts.append(f"sparse attention outputs kept for stage 2: they fit (recomputing them takes "
                      f"{1 / SPEED_FACTS['kept_attention_sparse'].factor:.3f}x)")
     elif cfg.attention == "sparse" and not cfg.offload and resources.device == "cuda":
-        parts.append("sparse attention outputs recomputed in stage 2: keeping them does not fit next to the rest")
+        parts.append("sparse attention outputs recomputed in stage 2: " + (
+            "context parallelism refuses keeping them" if workload.context_parallel
+            else "keeping them does not fit next to the rest"))
     if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
         parts.append(f"chunk {cfg.chunk_size}: larger chunks do not fit")
     parts.append(backend_why)

@@ -71,14 +71,11 @@ ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.jso
 
 
 def chooser_fixed(cfg: TrainerConfig, cuda: bool) -> dict:
-    """The oomb options the chooser must keep: those the user set, plus what the run itself decides (the
-    Triton backend for separate documents on CUDA, as the engine's "auto" takes it; no kept attention
-    outputs under context parallelism, which refuses them)."""
+    """The oomb options the chooser must keep: those the user set, plus the Triton backend for separate
+    documents on CUDA (as the engine's "auto" takes it)."""
     fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb) if f.name not in cfg.oomb_auto}
     if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
         fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
-    if cfg.parallel.cp > 1:
-        fixed.setdefault("keep_attention_outputs", False)
     return fixed
 
 
@@ -166,6 +163,9 @@ class Trainer(Checkpointing):
                              "torch or triton backend; cudnn masks documents in dense mode only: set data.documents "
                              "to loss_only or joined, oomb.backend to auto, triton or torch, or oomb.attention to "
                              "dense")
+        if cfg.oomb.keep_attention_outputs and cfg.parallel.cp > 1:
+            raise ValueError("oomb.keep_attention_outputs=true is not supported with context parallelism "
+                             f"(parallel.cp={cfg.parallel.cp}): set one of them off")
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
         self._owns_process_group = world > 1 and not joined_before
@@ -330,7 +330,8 @@ class Trainer(Checkpointing):
                             trainable_params=self.trainable, optimizer_bytes=self._optimizer_bytes(),
                             fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
                             may_compile=may_compile(causal_lm, self.parallel.mesh is None),
-                            may_fuse_loss=fused_loss_possible(causal_lm, self.parallel.mesh is None))
+                            may_fuse_loss=fused_loss_possible(causal_lm, self.parallel.mesh is None),
+                            context_parallel=cfg.parallel.cp > 1)
         resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
                               int(MEMORY_HEADROOM * host_free), weights_loaded=True,
                               gpu_name=torch.cuda.get_device_name(self.device) if cuda else None)
@@ -370,6 +371,8 @@ class Trainer(Checkpointing):
             "logits slice": step.logits_slice,
             "parameter gradients (+ fp32 sums over chunks)": step.param_grads,
         }
+        if step.kept_attention:
+            terms["kept attention outputs (stage 1 to stage 2)"] = step.kept_attention
         if not cfg.optim.offload:
             # AdamW's exp_avg and exp_avg_sq take the dtype of what it steps: an fp32 master (which
             # also holds 4 bytes of weight and 4 of gradient), else the parameter itself (bf16: 4
