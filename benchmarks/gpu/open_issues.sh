@@ -91,6 +91,10 @@
 #                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
 #                    Criterion, fixed before the run: the chooser keeps them for dense steps too if the kept step
 #                    takes at most 0.97x the step without them in the same call (~7.5 min)
+#   tma_ab           issue 23 D4: the dense Triton forward with tensor-descriptor (TMA) loads of whole-page key tiles
+#                    (OOMB_TRITON_TMA=1, CPU-tested only): its bitwise tests on the GPU, then attention.py without
+#                    and with it. Criterion, fixed before the run: the descriptor loads become the default if the
+#                    forward's TFLOP/s is at least 3 % higher at both histories and the tests pass (~8 min)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -128,7 +132,7 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (after the third 2026-12-04 session, which ran kept_outputs, kept_fixed, compiled_1m (184.34 s) and the
 # dense 512K step with the chooser's plan (529.08 s)): chosen_confirm (the chooser's kept attention outputs on the
-# GPU), kept_dense, kernel_tests for the Triton dense kernels (23 D4); offload_staging.
+# GPU), kept_dense, tma_ab (23 D4: the forward's descriptor loads), kernel_tests; offload_staging.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -314,6 +318,13 @@ for part in "$@"; do
           --out-dir "$OUT" --name dense_chosen_128k
       run 160 kept_dense python -m oomb bench --modes dense --contexts 128K --chosen --keep-attention-outputs \
           --out-dir "$OUT" --name dense_chosen_kept_128k ;;
+    tma_ab)
+      run 240 tma_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_paged.py -k descriptor
+      run 150 attention_pointer python benchmarks/attention.py --histories 32768 131072
+      cp benchmarks/results/attention_h200.json "$OUT/attention_pointer_h200.json"
+      (export OOMB_TRITON_TMA=1
+       run 150 attention_tma python benchmarks/attention.py --histories 32768 131072)
+      cp benchmarks/results/attention_h200.json "$OUT/attention_tma_h200.json" ;;
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py

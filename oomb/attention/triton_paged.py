@@ -84,6 +84,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
 """OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
 the same config, hence bit-identical results, in every process."""
+TMA_LOADS = os.environ.get("OOMB_TRITON_TMA", "0") == "1"
+"""OOMB_TRITON_TMA=1 (experimental, not yet measured on a GPU): the dense forward loads its whole-page key
+tiles with tensor descriptors (Hopper's bulk tensor copies) instead of per-row pointers; packed documents keep
+the pointer loads. The same values in the same order: the outputs are bitwise those of the pointer loads."""
 CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
 """Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
 one's choice (same configs, hence the same bits, and no tuning in their warm-up).
@@ -357,6 +361,49 @@ def _fwd_inner(
 
 
 @triton.jit
+def _fwd_inner_tma(
+    acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, lo, hi, key_hi, qk_scale, offs_n,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
+):
+    """_fwd_inner for tiles inside one page (PAGE_SIZE % BLOCK_N == 0), each tile's K and V loaded by its
+    page's tensor descriptor (OOMB_TRITON_TMA). Masked tiles zero the keys they may not read (a page's unused
+    slots may hold anything, and 0 x NaN is NaN); the arithmetic is _fwd_inner's."""
+    for start_n in range(lo, hi, BLOCK_N):
+        keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, 0, WINDOW, False)
+        page = tl.load(table_row_ptr + start_n // PAGE_SIZE)
+        k = tl.reshape(k_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
+        v = tl.reshape(v_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
+        if MASKED:
+            k = tl.where(key_ok[:, None], k, tl.zeros_like(k))
+            v = tl.where(key_ok[:, None], v, tl.zeros_like(v))
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk, _ = _cap(qk, SOFTCAP)
+        if MASKED:
+            if WINDOW:
+                visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+            else:
+                visible = keys[None, :] <= q_pos[:, None]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+        if MASKED:
+            if WINDOW:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _fwd_documents(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, doc_row_ptr, first_q, last_q, num_keys,
     key_lo, key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
@@ -401,8 +448,9 @@ def _fwd_documents(
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING, prune_configs_by=_FWD_PRUNE)
-@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY + ["TMA"], cache_results=CACHE_TUNING,
+                 prune_configs_by=_FWD_PRUNE)
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -412,16 +460,18 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_ol, stride_od,
     stride_lb, stride_lh, stride_ll,
     stride_db,
-    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale, num_pages,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
 ):
     """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
     (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document; with
-    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c))."""
+    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c)). TMA (OOMB_TRITON_TMA, the launcher checks the
+    pools' strides): whole-page key tiles load through tensor descriptors over the num_pages pages."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    USE_TMA: tl.constexpr = TMA and EVEN_D and PAGE_SIZE % BLOCK_N == 0 and not DOCS
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
@@ -463,35 +513,57 @@ def _fwd_kernel(
             PAGE_SIZE, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP,
         )
     else:
+        # [full_lo, full_end): tiles inside the window (if any) and visible to every row. With WINDOW a tile
+        # straddling key_lo runs masked first: it holds key_lo, which every row sees. Tiles from full_end to
+        # the last key a row may see (the window's end or the diagonal) run masked.
         if WINDOW:
-            # [full_lo, full_end): tiles inside the window and visible to every row. A tile straddling
-            # key_lo runs masked first: it holds key_lo, which every row sees. Tiles from full_end to
-            # the last key a row may see (the window's end or the diagonal) run masked.
+            window_lo = key_lo // BLOCK_N * BLOCK_N
             full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
-                key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
-                offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
-                SOFTCAP=SOFTCAP,
-            )
             full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
             end = tl.minimum(key_hi, last_q + 1)
             key_end = key_hi
         else:
+            window_lo = 0
             full_lo = 0
             full_end = (first_q + 1) // BLOCK_N * BLOCK_N
             end = last_q + 1
             key_end = num_keys
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
-            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
-        )
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
-            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
-        )
+        if USE_TMA:
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                               strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                               strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+            if WINDOW:
+                acc, l_i, m_i = _fwd_inner_tma(
+                    acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, window_lo, full_lo, key_hi, qk_scale,
+                    offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, True, UPCAST, DOT_PRECISION, key_lo, True, SOFTCAP=SOFTCAP,
+                )
+            acc, l_i, m_i = _fwd_inner_tma(
+                acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, full_lo, full_end, key_end, qk_scale,
+                offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
+            )
+            acc, l_i, m_i = _fwd_inner_tma(
+                acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, full_end, end, key_end, qk_scale,
+                offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
+            )
+        else:
+            if WINDOW:
+                acc, l_i, m_i = _fwd_inner(
+                    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, window_lo, full_lo,
+                    key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+                    offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+                    SOFTCAP=SOFTCAP,
+                )
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
+                stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+                PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
+            )
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
+                stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+                PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
+            )
 
         out = acc / l_i[:, None]
     o_rows = b * stride_ob + head * stride_oh + qi.to(tl.int64) * stride_ol
@@ -1004,13 +1076,36 @@ def paged_attention_forward(
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
     doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
+    tma = TMA_LOADS and _descriptors_fit(k_pool) and _descriptors_fit(v_pool)
+    if tma:
+        _set_descriptor_allocator()
     _fwd_kernel[grid](
         q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
-        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale),
-        WINDOW=window is not None, DOCS=documents is not None, **meta,
+        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
+        WINDOW=window is not None, DOCS=documents is not None, TMA=tma, **meta,
     )
     return out, lse
+
+
+def _descriptors_fit(pool: torch.Tensor) -> bool:
+    """A (num_pages, Hkv, P, D) pool a tensor descriptor can address: unit stride along D, 16-byte aligned
+    start and strides (the bulk tensor copy's rules)."""
+    size = pool.element_size()
+    return (pool.stride(3) == 1 and pool.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in pool.stride()[:3]))
+
+
+_ALLOCATOR_SET = False
+
+
+def _set_descriptor_allocator() -> None:
+    """Tensor descriptors made inside a kernel need a global scratch buffer from Triton's allocator: torch's,
+    set once (only when OOMB_TRITON_TMA asks for descriptors)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET and not INTERPRET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
