@@ -37,16 +37,18 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     assert {"triton_paged._fwd_kernel", "triton_paged._dkdv_kernel", "triton_paged._dq_kernel",
             "triton_sparse._fwd_kernel", "triton_sparse._dq_kernel"} <= kernels
     assert all(launch["types"]["q_ptr"] == "*bf16" for launch in launches)
-    # OOMB_TRITON_TMA's forward (tensor-descriptor loads): the same launches with TMA on compile too
-    tma = [{**launch, "constants": {**launch["constants"], "TMA": True}} for launch in launches
-           if launch["module"].endswith("triton_paged") and launch["kernel"] == "_fwd_kernel"]
-    assert tma and all(launch["constants"].get("TMA") is False for launch in launches
-                       if launch["module"].endswith("triton_paged") and launch["kernel"] == "_fwd_kernel")
+    # OOMB_TRITON_TMA's forward and dQ (tensor-descriptor loads): the same launches with TMA on compile too
+    dense = [launch for launch in launches if launch["module"].endswith("triton_paged")
+             and launch["kernel"] in ("_fwd_kernel", "_dq_kernel")]
+    assert {launch["kernel"] for launch in dense} == {"_fwd_kernel", "_dq_kernel"}
+    assert all(launch["constants"].get("TMA") is False for launch in dense)
+    tma = [{**launch, "constants": {**launch["constants"], "TMA": True}} for launch in dense]
     captured.write_text(json.dumps(launches + tma))
     results = [json.loads(line) for line in _run("compile", str(captured), interpret=False).stdout.splitlines()]
     assert {r["kernel"] for r in results} >= {"exact_scores", "block_scores", "row_add", "loss_gradient"} | kernels
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
-    assert any('"TMA": true' in r["variant"] for r in results if r["kernel"] == "triton_paged._fwd_kernel")
+    for kernel in ("triton_paged._fwd_kernel", "triton_paged._dq_kernel"):
+        assert any('"TMA": true' in r["variant"] for r in results if r["kernel"] == kernel)
     assert all(r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
     assert all(r["shared"] > 0 for r in results if r["kernel"] != "row_add")  # (the row add stages nothing)

@@ -167,8 +167,9 @@ def _dense(pool: torch.Tensor, page_table: torch.Tensor, num_keys: int) -> torch
     (8, 21, None, None, torch.float32),  # tiles span pages: the pointer loads run
 ])
 def test_descriptor_loads_give_the_pointer_loads_bits(P, Lq, key_range, softcap, dtype, monkeypatch):
-    """OOMB_TRITON_TMA: whole-page key tiles loaded through tensor descriptors give the pointer loads' output
-    and lse bit for bit, also with NaN in unused slots and pages (masked tiles zero what they may not read)."""
+    """OOMB_TRITON_TMA: whole-page key tiles loaded through tensor descriptors give the pointer loads' output,
+    lse and dQ (dK, dV keep their kernel) bit for bit, also with NaN in unused slots and pages (masked tiles
+    zero what they may not read)."""
     c = make_case(2, 4, 2, Lq, 32, 16, P, dtype=dtype)
     num_keys = c.history + Lq
     used = c.page_table[:, : math.ceil(num_keys / P)]
@@ -182,9 +183,14 @@ def test_descriptor_loads_give_the_pointer_loads_bits(P, Lq, key_range, softcap,
     monkeypatch.setattr(triton_paged, "_set_descriptor_allocator", lambda: launches.append(1) or real())
     for tma in (False, True):
         monkeypatch.setattr(triton_paged, "TMA_LOADS", tma)
-        results[tma] = triton_paged.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history,
-                                                            c.scale, key_range=key_range, softcap=softcap)
-    assert launches == [1]  # the descriptors' allocator, for the TMA launch only
+        out, lse = triton_paged.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history,
+                                                        c.scale, key_range=key_range, softcap=softcap)
+        dk = torch.zeros(c.k_pool.shape, dtype=torch.float32, device=DEVICE)
+        dv = torch.zeros_like(dk)
+        dq = triton_paged.paged_attention_backward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale, out,
+                                                   c.dout, lse, dk, dv, key_range=key_range, softcap=softcap)
+        results[tma] = (out, lse, dq, dk[~unused], dv[~unused])
+    assert launches == [1, 1]  # the descriptors' allocator, for the TMA launches (forward, dQ) only
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.equal(got, want) and not got.isnan().any()
     strided = c.k_pool.transpose(2, 3).contiguous().transpose(2, 3)  # D not the unit stride: pointer loads
@@ -427,16 +433,20 @@ def test_gpu_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq):
 @pytest.mark.gpu
 def test_gpu_descriptor_loads_give_the_pointer_loads_bits(monkeypatch):
     """OOMB_TRITON_TMA at the 7B shape (7 query heads per KV head, head dim 128, pages of 128, bf16): the
-    descriptor loads give the pointer loads' bits, both with the kernel's first config (other tiles would sum
-    in another order)."""
+    descriptor loads give the pointer loads' output, lse and dQ bits, both with the kernels' first configs
+    (other tiles would sum in another order)."""
     c = make_case(1, 28, 4, 4096, 8192, 128, 128, torch.bfloat16, device="cuda")
     kernel = triton_paged._fwd_kernel
     monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
     monkeypatch.setattr(kernel, "cache", {})
     results = {}
+    dq_kernel = triton_paged._dq_kernel
+    monkeypatch.setattr(dq_kernel, "configs", dq_kernel.configs[:1])
+    monkeypatch.setattr(dq_kernel, "cache", {})
     for tma in (False, True):
         monkeypatch.setattr(triton_paged, "TMA_LOADS", tma)
-        results[tma] = run_forward(triton_paged, c)
+        out, lse = run_forward(triton_paged, c)
+        results[tma] = (out, lse, run_backward(triton_paged, c, out, lse)[0])
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.equal(got, want)
 

@@ -91,10 +91,11 @@
 #                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
 #                    Criterion, fixed before the run: the chooser keeps them for dense steps too if the kept step
 #                    takes at most 0.97x the step without them in the same call (~7.5 min)
-#   tma_ab           issue 23 D4: the dense Triton forward with tensor-descriptor (TMA) loads of whole-page key tiles
-#                    (OOMB_TRITON_TMA=1, CPU-tested only): its bitwise tests on the GPU, then attention.py without
-#                    and with it. Criterion, fixed before the run: the descriptor loads become the default if the
-#                    forward's TFLOP/s is at least 3 % higher at both histories and the tests pass (~8 min)
+#   tma_ab           issue 23 D4: the dense Triton forward and dQ with tensor-descriptor (TMA) loads of whole-page key
+#                    tiles (OOMB_TRITON_TMA=1, CPU-tested, compiled for sm_90 without a GPU): its bitwise tests on
+#                    the GPU, then attention.py without and with it. Criterion, fixed before the run: the descriptor
+#                    loads become the default if the forward's and the forward+backward's TFLOP/s are each at least
+#                    as high at both histories, and one of them at least 3 % higher, and the tests pass (~8 min)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar

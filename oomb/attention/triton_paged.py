@@ -85,9 +85,10 @@ AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
 """OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
 the same config, hence bit-identical results, in every process."""
 TMA_LOADS = os.environ.get("OOMB_TRITON_TMA", "0") == "1"
-"""OOMB_TRITON_TMA=1 (experimental, not yet measured on a GPU): the dense forward loads its whole-page key
-tiles with tensor descriptors (Hopper's bulk tensor copies) instead of per-row pointers; packed documents keep
-the pointer loads. The same values in the same order: the outputs are bitwise those of the pointer loads."""
+"""OOMB_TRITON_TMA=1 (experimental, not yet measured on a GPU): the dense forward and dQ kernels load their
+whole-page key tiles with tensor descriptors (Hopper's bulk tensor copies) instead of per-row pointers; packed
+documents keep the pointer loads. The same values in the same order: the results are bitwise those of the
+pointer loads."""
 CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
 """Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
 one's choice (same configs, hence the same bits, and no tuning in their warm-up).
@@ -361,26 +362,36 @@ def _fwd_inner(
 
 
 @triton.jit
+def _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """A key tile inside one page (PAGE_SIZE % BLOCK_N == 0) loaded by the pools' tensor descriptors
+    (OOMB_TRITON_TMA): _load_kv's values. Masked tiles zero the keys they may not read (a page's unused slots
+    may hold anything, and 0 x NaN is NaN)."""
+    page = tl.load(table_row_ptr + start_n // PAGE_SIZE)
+    k = tl.reshape(k_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
+    v = tl.reshape(v_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
+    if MASKED:
+        k = tl.where(key_ok[:, None], k, tl.zeros_like(k))
+        v = tl.where(key_ok[:, None], v, tl.zeros_like(v))
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _fwd_inner_tma(
     acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, lo, hi, key_hi, qk_scale, offs_n,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
 ):
-    """_fwd_inner for tiles inside one page (PAGE_SIZE % BLOCK_N == 0), each tile's K and V loaded by its
-    page's tensor descriptor (OOMB_TRITON_TMA). Masked tiles zero the keys they may not read (a page's unused
-    slots may hold anything, and 0 x NaN is NaN); the arithmetic is _fwd_inner's."""
+    """_fwd_inner for tiles inside one page, each tile's K and V loaded by _load_kv_page (OOMB_TRITON_TMA);
+    the arithmetic is _fwd_inner's."""
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, 0, WINDOW, False)
-        page = tl.load(table_row_ptr + start_n // PAGE_SIZE)
-        k = tl.reshape(k_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
-        v = tl.reshape(v_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
-        if MASKED:
-            k = tl.where(key_ok[:, None], k, tl.zeros_like(k))
-            v = tl.where(key_ok[:, None], v, tl.zeros_like(v))
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D, MASKED,
+                             UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             qk, _ = _cap(qk, SOFTCAP)
@@ -787,17 +798,22 @@ def _dq_inner(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
     doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
+    k_desc=None, v_desc=None, TMA: tl.constexpr = False, BLOCK_D: tl.constexpr = 0,
 ):
     """Accumulate dQ of one row tile over key tiles [lo, hi); masks and SOFTCAP as in _fwd_inner, dS
-    times the cap's derivative as in _dkdv_inner."""
+    times the cap's derivative as in _dkdv_inner. TMA: tiles load by _load_kv_page (OOMB_TRITON_TMA)."""
     # The page rows are looked up in the tile's own iteration: looked up a tile ahead (as _fwd_inner does)
     # dQ took 1.19x as long on the H200 (7.47 vs 6.29 ms at 32K of history, benchmarks/attention.py).
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp, stride_vt,
-                                  PAGE_SIZE, BLOCK_N, MASKED)
-        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED, EVEN_D,
-                        UPCAST)
+        if TMA:
+            k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                                 MASKED, UPCAST)
+        else:
+            k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp,
+                                      stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+            k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
+                            EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             qk, tanh = _cap(qk, SOFTCAP)
@@ -819,9 +835,9 @@ def _dq_inner(
 
 
 # restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"], cache_results=CACHE_TUNING,
-                 prune_configs_by=_DQ_PRUNE)
-@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY + ["TMA"], restore_value=["dq_ptr"],
+                 cache_results=CACHE_TUNING, prune_configs_by=_DQ_PRUNE)
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -832,17 +848,18 @@ def _dq_kernel(
     stride_lb, stride_lh, stride_ll,
     stride_dqb, stride_dqh, stride_dql, stride_dqd,
     stride_db,
-    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale, num_pages,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
 ):
     """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward.
     ACCUMULATE_DQ: add into a float32 dq (one window's share of a streamed backward) instead of
-    storing in q's dtype; each element has one writer per launch, so no atomics."""
+    storing in q's dtype; each element has one writer per launch, so no atomics. TMA: as the forward's."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    USE_TMA: tl.constexpr = TMA and EVEN_D and PAGE_SIZE % BLOCK_N == 0 and not DOCS
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
@@ -910,13 +927,21 @@ def _dq_kernel(
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
         )
     else:
+        if USE_TMA:
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                               strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                               strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+        else:
+            k_desc = k_base  # unused: the pointer loads
+            v_desc = v_base
         if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
             full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             dq = _dq_inner(
                 dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
                 key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
                 offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
-                SOFTCAP=SOFTCAP,
+                SOFTCAP=SOFTCAP, k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
             )
             full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
             end = tl.minimum(key_hi, last_q + 1)
@@ -930,11 +955,13 @@ def _dq_kernel(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
+            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
+            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
@@ -1076,9 +1103,7 @@ def paged_attention_forward(
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
     doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
-    tma = TMA_LOADS and _descriptors_fit(k_pool) and _descriptors_fit(v_pool)
-    if tma:
-        _set_descriptor_allocator()
+    tma = _use_descriptors(k_pool, v_pool)
     _fwd_kernel[grid](
         q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
@@ -1086,6 +1111,15 @@ def paged_attention_forward(
         WINDOW=window is not None, DOCS=documents is not None, TMA=tma, **meta,
     )
     return out, lse
+
+
+def _use_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether the forward and dQ kernels load whole-page key tiles by tensor descriptors (OOMB_TRITON_TMA and
+    pools they can address); sets Triton's allocator for them the first time."""
+    tma = TMA_LOADS and _descriptors_fit(k_pool) and _descriptors_fit(v_pool)
+    if tma:
+        _set_descriptor_allocator()
+    return tma
 
 
 def _descriptors_fit(pool: torch.Tensor) -> bool:
@@ -1210,11 +1244,13 @@ def paged_attention_backward(
     def row_grid(meta):
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
+    tma = _use_descriptors(k_pool, v_pool)
     _dq_kernel[row_grid](
         q, k_pool, v_pool, page_table, dout, lse, delta, dq, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
         *lse.stride(), *dq.stride(), stride_db,
-        Hkv, Lq, query_start, key_lo, key_hi, float(scale),
-        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, DOCS=documents is not None, **meta,
+        Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
+        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, DOCS=documents is not None, TMA=tma,
+        **meta,
     )
     return dq
