@@ -312,25 +312,32 @@ def _fwd_inner(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
     doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
+    k_desc=None, v_desc=None, TMA: tl.constexpr = False, BLOCK_D: tl.constexpr = 0,
 ):
     """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
     key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row). SOFTCAP
-    (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax."""
+    (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax. TMA: tiles
+    load by _load_kv_page (OOMB_TRITON_TMA)."""
     # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
     # their own iteration, and Triton keeps them in flight while the previous tile computes.
-    last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
-    _, next_ok = _tile_keys(lo, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-    next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
-                              PAGE_SIZE, BLOCK_N, MASKED, lo < hi, True)
+    if not TMA:
+        last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
+        _, next_ok = _tile_keys(lo, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+        next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+                                  PAGE_SIZE, BLOCK_N, MASKED, lo < hi, True)
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        k_rows, v_rows = next_k, next_v
-        ahead = tl.minimum(start_n + BLOCK_N, last)
-        _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
-                                  PAGE_SIZE, BLOCK_N, MASKED)
-        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED, EVEN_D,
-                        UPCAST)
+        if TMA:
+            k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                                 MASKED, UPCAST)
+        else:
+            k_rows, v_rows = next_k, next_v
+            ahead = tl.minimum(start_n + BLOCK_N, last)
+            _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+            next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp,
+                                      stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+            k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
+                            EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if SOFTCAP > 0:
             qk, _ = _cap(qk, SOFTCAP)
@@ -362,6 +369,22 @@ def _fwd_inner(
 
 
 @triton.jit
+def _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Tensor descriptors of one KV head's pages, (num_pages, PAGE_SIZE, BLOCK_D) boxes of (1, BLOCK_N,
+    BLOCK_D) (OOMB_TRITON_TMA); without TMA the bases themselves, unused."""
+    if TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                           strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
+                                           strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_base
+        v_desc = v_base
+    return k_desc, v_desc
+
+
+@triton.jit
 def _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """A key tile inside one page (PAGE_SIZE % BLOCK_N == 0) loaded by the pools' tensor descriptors
@@ -377,41 +400,6 @@ def _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE: tl.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
-
-
-@triton.jit
-def _fwd_inner_tma(
-    acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, lo, hi, key_hi, qk_scale, offs_n,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = 0.0,
-):
-    """_fwd_inner for tiles inside one page, each tile's K and V loaded by _load_kv_page (OOMB_TRITON_TMA);
-    the arithmetic is _fwd_inner's."""
-    for start_n in range(lo, hi, BLOCK_N):
-        keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, 0, WINDOW, False)
-        k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D, MASKED,
-                             UPCAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SOFTCAP > 0:
-            qk, _ = _cap(qk, SOFTCAP)
-        if MASKED:
-            if WINDOW:
-                visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-            else:
-                visible = keys[None, :] <= q_pos[:, None]
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = m_new
-        if MASKED:
-            if WINDOW:
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -539,42 +527,27 @@ def _fwd_kernel(
             full_end = (first_q + 1) // BLOCK_N * BLOCK_N
             end = last_q + 1
             key_end = num_keys
-        if USE_TMA:
-            k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                               strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                               strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-            if WINDOW:
-                acc, l_i, m_i = _fwd_inner_tma(
-                    acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, window_lo, full_lo, key_hi, qk_scale,
-                    offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, True, UPCAST, DOT_PRECISION, key_lo, True, SOFTCAP=SOFTCAP,
-                )
-            acc, l_i, m_i = _fwd_inner_tma(
-                acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, full_lo, full_end, key_end, qk_scale,
-                offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
-            )
-            acc, l_i, m_i = _fwd_inner_tma(
-                acc, l_i, m_i, q, q_pos, k_desc, v_desc, table_row_ptr, full_end, end, key_end, qk_scale,
-                offs_n, PAGE_SIZE, BLOCK_N, BLOCK_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
-            )
-        else:
-            if WINDOW:
-                acc, l_i, m_i = _fwd_inner(
-                    acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, window_lo, full_lo,
-                    key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
-                    offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
-                    SOFTCAP=SOFTCAP,
-                )
+        k_desc, v_desc = _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                                           PAGE_SIZE, BLOCK_N, BLOCK_D, USE_TMA)
+        if WINDOW:
             acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
-                stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-                PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
+                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, window_lo, full_lo,
+                key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+                offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
+                SOFTCAP=SOFTCAP, k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
             )
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
-                stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
-                PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
-            )
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
+            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
+            PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
+            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
+        )
 
         out = acc / l_i[:, None]
     o_rows = b * stride_ob + head * stride_oh + qi.to(tl.int64) * stride_ol
@@ -927,14 +900,8 @@ def _dq_kernel(
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
         )
     else:
-        if USE_TMA:
-            k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                               strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                               strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-        else:
-            k_desc = k_base  # unused: the pointer loads
-            v_desc = v_base
+        k_desc, v_desc = _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                                           PAGE_SIZE, BLOCK_N, BLOCK_D, USE_TMA)
         if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
             full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             dq = _dq_inner(
