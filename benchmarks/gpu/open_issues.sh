@@ -95,7 +95,7 @@
 #                    tiles (OOMB_TRITON_TMA=1, CPU-tested, compiled for sm_90 without a GPU): its bitwise tests on
 #                    the GPU, then attention.py without and with it. Criterion, fixed before the run: the descriptor
 #                    loads become the default if the forward's and the forward+backward's TFLOP/s are each at least
-#                    as high at both histories, and one of them at least 3 % higher, and the tests pass (~8 min)
+#                    as high at both histories, and one of them at least 3 % higher, and the tests pass (~8 min; tma_tests and tma_speed are its two halves)
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
@@ -317,8 +317,10 @@ for part in "$@"; do
           --out-dir "$OUT" --name dense_chosen_128k
       run 160 kept_dense python -m oomb bench --modes dense --contexts 128K --chosen --keep-attention-outputs \
           --out-dir "$OUT" --name dense_chosen_kept_128k ;;
-    tma_ab)
-      run 240 tma_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_paged.py -k descriptor
+    tma_ab|tma_tests|tma_speed)
+      [ $part = tma_speed ] || run 240 tma_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_paged.py \
+          -k descriptor
+      [ $part = tma_tests ] && continue
       run 150 attention_pointer python benchmarks/attention.py --histories 32768 131072
       cp benchmarks/results/attention_h200.json "$OUT/attention_pointer_h200.json"
       (export OOMB_TRITON_TMA=1
