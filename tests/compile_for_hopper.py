@@ -152,8 +152,10 @@ def compile_all(captured: str | None) -> None:
     for launch in json.loads(Path(captured).read_text()) if captured else []:
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         name = f"{launch['module'].rsplit('.', 1)[-1]}.{launch['kernel']}"
-        variants.append((name, json.dumps(launch["constants"], sort_keys=True), kernel, launch["types"],
-                         dict(SHAPE, **launch["constants"])))
+        capped = [{}] + ([{"SOFTCAP": 30.0}] if any(p.name == "SOFTCAP" for p in kernel.fn.params) else [])
+        for constants in ({**launch["constants"], **cap} for cap in capped):  # (gemma2's logit softcapping)
+            variants.append((name, json.dumps(constants, sort_keys=True), kernel, launch["types"],
+                             dict(SHAPE, **constants)))
     for name, variant, kernel, types, constants, *config_index in variants:
         try:
             result = {"ok": True, **_compile(kernel, types, constants, *config_index)}

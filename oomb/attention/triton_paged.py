@@ -340,7 +340,7 @@ def _fwd_inner(
                             EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if SOFTCAP > 0:
-            qk, _ = _cap(qk, SOFTCAP)
+            qk, _tanh = _cap(qk, SOFTCAP)  # (not `_`: the loop carries it as a key tile)
         if MASKED:
             if WINDOW:
                 visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
