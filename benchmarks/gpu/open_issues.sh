@@ -87,6 +87,11 @@
 #                    them was measured in kept_fixed's call); also writes the GPU machine's
 #                    python-docs text (python_docs_gpu.txt in the archive): issue 18's 8K miss on that text (page
 #                    32: 0.9902 / +0.55 %) can then be studied on the CPU with `oomb gradcheck --text <file>`
+#   rerank_speed     issue 18: the 128K sparse step with the chooser's plan at rerank factors 4 (the default), 6 and 8
+#                    (candidates per block / budget; at 8K, x6 nearly covers the history) in separate processes of one
+#                    call (~4.5 min). Criterion, fixed before the run: the default becomes the smallest factor that
+#                    meets issue 18's 8K GPU-text target, if its step takes <= 1.03x factor 4's and <= 0.5x HF
+#   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
 #   kept_dense       issues 19/23: HF and the dense 128K step with the chooser's plan without the kept attention
 #                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
 #                    Criterion, fixed before the run: the chooser keeps them for dense steps too if the kept step
@@ -312,6 +317,16 @@ for part in "$@"; do
       python -c "from oomb.real_model import english_text; open('$OUT/python_docs_gpu.txt', 'w').write(english_text())"
       run 240 chosen_confirm python -m oomb bench --modes hf sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name sparse_defaults_chosen_keep_128k ;;
+    rerank_speed)
+      for factor in 4 6 8; do
+        run 130 rerank_x$factor python -m oomb bench --modes sparse --contexts 128K --chosen \
+            --sparse-rerank-factor $factor --out-dir "$OUT" --name sparse_chosen_rerank${factor}_128k
+      done ;;
+    kept_dense_nohf)
+      run 170 dense_chosen python -m oomb bench --modes dense --contexts 128K --chosen --no-keep-attention-outputs \
+          --out-dir "$OUT" --name dense_chosen_128k
+      run 170 dense_chosen_kept python -m oomb bench --modes dense --contexts 128K --chosen --keep-attention-outputs \
+          --out-dir "$OUT" --name dense_chosen_kept_128k ;;
     kept_dense)
       run 260 kept_dense_hf python -m oomb bench --modes hf dense --contexts 128K --chosen --no-keep-attention-outputs \
           --out-dir "$OUT" --name dense_chosen_128k
