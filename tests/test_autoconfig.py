@@ -133,38 +133,38 @@ def test_sparse_offload_selects_once_per_chunk_unless_set():
     assert "sparse_query_block_pages" not in given.oomb_auto
 
 
-def test_sparse_steps_keep_their_attention_outputs_where_they_fit():
-    """The chooser keeps stage 1's attention outputs for a sparse step with every page on the GPU where they
-    fit (kept-attention-outputs-128k: 0.941x), after the weightier choices; never with offload, for dense
-    (not measured), on a CPU, or against the user's setting."""
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_steps_keep_their_attention_outputs_where_they_fit(attention):
+    """The chooser keeps stage 1's attention outputs for a step with every page on the GPU where they fit
+    (kept-attention-outputs-128k: 0.941x sparse; kept-attention-outputs-dense-128k: 0.858x dense), after the
+    weightier choices; never with offload, on a CPU, under context parallelism, or against the user's setting."""
     from oomb.training.autoconfig import SPEED_FACTS
 
     workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
-    choice = choose_config(workload, H200, {"attention": "sparse"})
-    plain = choose_config(workload, H200, {"attention": "sparse", "keep_attention_outputs": False})
-    assert choice.config.keep_attention_outputs and "kept_attention_sparse" in choice.chosen.factors
+    choice = choose_config(workload, H200, {"attention": attention})
+    plain = choose_config(workload, H200, {"attention": attention, "keep_attention_outputs": False})
+    fact = f"kept_attention_{attention}"
+    assert choice.config.keep_attention_outputs and fact in choice.chosen.factors
     assert choice.config == dataclasses.replace(plain.config, keep_attention_outputs=True)  # nothing else moved
-    assert choice.chosen.relative_time == pytest.approx(
-        plain.chosen.relative_time * SPEED_FACTS["kept_attention_sparse"].factor)
+    assert choice.chosen.relative_time == pytest.approx(plain.chosen.relative_time * SPEED_FACTS[fact].factor)
     assert choice.chosen.prediction.gpu["kept attention"] == 128 * 1024 * 28 * 28 * (128 * 2 + 4)
-    assert "sparse attention outputs kept for stage 2: they fit" in choice.reason
+    assert f"{attention} attention outputs kept for stage 2: they fit" in choice.reason
     assert "attention outputs kept" in choice.describe()
     assert "keep_attention_outputs=False as set" in plain.reason
-    # Not with offload (1M), not dense, not on a CPU.
+    # Not with offload (1M), not on a CPU.
     assert not choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200,
-                             {"attention": "sparse"}).config.keep_attention_outputs
-    assert not choose_config(workload, H200).config.keep_attention_outputs
+                             {"attention": attention}).config.keep_attention_outputs
     cpu = Resources("cpu", None, 1 << 42)
     assert not choose_config(Workload(SHAPES["tiny-qwen2"], 8192, dtype=torch.float32), cpu,
-                             {"attention": "sparse"}).config.keep_attention_outputs
+                             {"attention": attention}).config.keep_attention_outputs
     # A GPU where the step fits without them but not with them: recomputed, the rest as on the larger GPU.
     kept_bytes = choice.chosen.gpu_counted - plain.chosen.gpu_counted
     tight = Resources("cuda", plain.chosen.gpu_counted + kept_bytes // 2, H200.host_limit)
-    narrow = choose_config(workload, tight, {"attention": "sparse"})
+    narrow = choose_config(workload, tight, {"attention": attention})
     assert narrow.config == plain.config
-    assert "sparse attention outputs recomputed in stage 2: keeping them does not fit" in narrow.reason
+    assert "attention outputs recomputed in stage 2: keeping them does not fit" in narrow.reason
     # Not under context parallelism, which refuses them; said so, not as if the user had set it.
-    shared = choose_config(dataclasses.replace(workload, context_parallel=True), H200, {"attention": "sparse"})
+    shared = choose_config(dataclasses.replace(workload, context_parallel=True), H200, {"attention": attention})
     assert shared.config == plain.config
     assert "context parallelism refuses keeping them" in shared.reason and "as set" not in shared.reason
     # The trainer leaves it to the chooser unless the config file sets it.

@@ -637,8 +637,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
                         help="oomb modes without offload: stage 1 keeps every layer's attention output for stage 2, "
                              "which skips recomputing attention (GPU memory: (head dim x 2 + 4) bytes per token, "
-                             "query head and layer); default off; with --chosen unset: the chooser's (sparse "
-                             "steps keep them where they fit)")
+                             "query head and layer); default off; with --chosen unset: the chooser's (steps "
+                             "without offload keep them where they fit)")
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")

@@ -535,7 +535,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "unset, the chooser keeps them where they fit)")
     group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
                        help="keep stage 1's attention outputs for stage 2 (default off in the table, where the modes "
-                            "without offload then count them; unset, the chooser keeps them for sparse steps with "
+                            "without offload then count them; unset, the chooser keeps them for steps with "
                             "every page on the GPU where they fit)")
     group.add_argument("--no-fp32-grad-accumulation", action="store_true")
     group = parser.add_argument_group("planned modes (assumptions)")

@@ -112,6 +112,10 @@ SPEED_FACTS: dict[str, SpeedFact] = {
         20.457 / 21.747, "sparse 128K, the defaults and the chooser's plan (cudnn, no replay, compiled layers): "
         "attention outputs kept from stage 1 20.46 s vs recomputed 21.75 s (one run each, one call; HF 42.67 s)",
         "sparse_defaults_chosen_kept_128k_h200_2026-12-04.json, sparse_defaults_chosen_128k_h200_2026-12-04e.json"),
+    "kept_attention_dense": SpeedFact(
+        38.870 / 45.299, "dense 128K, the chooser's plan (cudnn, no replay, compiled layers): attention outputs kept "
+        "from stage 1 38.87 s vs recomputed 45.30 s (one run each, one call; HF 41.89 s in the call before)",
+        "dense_chosen_kept_128k_h200_2026-12-04.json, dense_chosen_128k_h200_2026-12-04.json"),
     "half_chunk": SpeedFact(
         1.05, "each halving of the chunk below 4096 (more, smaller kernel launches): not measured", "assumed"),
 }
@@ -346,9 +350,10 @@ def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str
         key = "recompute_logits_sparse" if sparse else "recompute_logits_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.keep_attention_outputs and sparse:  # dense: not measured, no factor
-        time *= SPEED_FACTS["kept_attention_sparse"].factor
-        factors.append("kept_attention_sparse")
+    if config.keep_attention_outputs:
+        key = "kept_attention_sparse" if sparse else "kept_attention_dense"
+        time *= SPEED_FACTS[key].factor
+        factors.append(key)
     if config.offload:
         key = "offload_sparse" if sparse else "offload_dense"
         offloaded = (num_layers - min(config.offload_resident_layers, num_layers)) / num_layers
@@ -457,12 +462,12 @@ def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixe
 
 def _keep_attention(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
     """The chosen plan with stage 1's attention outputs kept for stage 2 (OOMBConfig.keep_attention_outputs)
-    when they fit next to it: sparse steps with every page on the GPU (SPEED_FACTS kept_attention_sparse; dense
-    is not measured, so it stays the user's option). Decided after the weightier choices, like
-    ``_keep_logits``, and before it: the larger gain takes the memory first."""
+    when they fit next to it: steps with every page on the GPU (SPEED_FACTS kept_attention_sparse and
+    kept_attention_dense). Decided after the weightier choices, like ``_keep_logits``, and before it: the larger
+    gain takes the memory first."""
     c = best.config
     if ("keep_attention_outputs" in fixed or c.keep_attention_outputs or resources.device != "cuda"
-            or c.attention != "sparse" or c.offload or workload.context_parallel):
+            or c.offload or workload.context_parallel):
         return best
     kept = predict_candidate(workload, resources, dataclasses.replace(c, keep_attention_outputs=True))
     return kept if _fits(kept, resources) else best
@@ -513,13 +518,15 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
     if not fitting:
         raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
+    # The search's headline decisions stand; what the last decisions keep never reorders them (their trades
+    # against replay, offload or smaller chunks are not measured together).
     best = _decided_last(fitting[0], workload, resources, fixed)
-    # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
-    # alternative to a step that keeps every page on the GPU.
-    runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
-                      and (best.config.offload or not c.config.offload)), None)
-    if runner_up is not None:  # comparable with the choice: the same last decision
-        runner_up = _decided_last(runner_up, workload, resources, fixed)
+    # The runner-up differs in a headline decision and, with its own last decisions (comparable with the
+    # choice), ranks behind it; offload is never faster, so it is not shown as an alternative to a step that
+    # keeps every page on the GPU.
+    runner_up = next((d for d in (_decided_last(c, workload, resources, fixed) for c in fitting[1:]
+                                  if _headline(c) != _headline(best) and (best.config.offload or not c.config.offload))
+                      if _rank(d) >= _rank(best)), None)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
@@ -579,10 +586,11 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     if "keep_attention_outputs" in fixed:
         parts.append(f"keep_attention_outputs={cfg.keep_attention_outputs} as set")
     elif cfg.keep_attention_outputs:
-        parts.append(f"sparse attention outputs kept for stage 2: they fit (recomputing them takes "
-                     f"{1 / SPEED_FACTS['kept_attention_sparse'].factor:.3f}x)")
-    elif cfg.attention == "sparse" and not cfg.offload and resources.device == "cuda":
-        parts.append("sparse attention outputs recomputed in stage 2: " + (
+        kind = "sparse" if cfg.attention == "sparse" else "dense"
+        parts.append(f"{kind} attention outputs kept for stage 2: they fit (recomputing them takes "
+                     f"{1 / SPEED_FACTS[f'kept_attention_{kind}'].factor:.3f}x)")
+    elif not cfg.offload and resources.device == "cuda":
+        parts.append("attention outputs recomputed in stage 2: " + (
             "context parallelism refuses keeping them" if workload.context_parallel
             else "keeping them does not fit next to the rest"))
     if "chunk_size" not in fixed and cfg.chunk_size < max(c.config.chunk_size for c in options):
