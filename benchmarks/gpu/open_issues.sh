@@ -91,6 +91,8 @@
 #                    (candidates per block / budget; at 8K, x6 nearly covers the history) in separate processes of one
 #                    call (~4.5 min). Criterion, fixed before the run: the default becomes the smallest factor that
 #                    meets issue 18's 8K GPU-text target, if its step takes <= 1.03x factor 4's and <= 0.5x HF
+#   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
+#                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
 #   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
 #   kept_dense       issues 19/23: HF and the dense 128K step with the chooser's plan without the kept attention
 #                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
@@ -322,6 +324,9 @@ for part in "$@"; do
         run 130 rerank_x$factor python -m oomb bench --modes sparse --contexts 128K --chosen \
             --sparse-rerank-factor $factor --out-dir "$OUT" --name sparse_chosen_rerank${factor}_128k
       done ;;
+    dense_confirm)
+      run 300 dense_confirm python -m oomb bench --modes hf dense --contexts 128K --chosen \
+          --out-dir "$OUT" --name dense_chosen_confirm_128k ;;
     kept_dense_nohf)
       run 170 dense_chosen python -m oomb bench --modes dense --contexts 128K --chosen --no-keep-attention-outputs \
           --out-dir "$OUT" --name dense_chosen_128k
