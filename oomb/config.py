@@ -21,6 +21,7 @@ SPARSE_SCORES = ("auto", "rerank", "minmax", "mean", "exact")
 RERANK_CANDIDATES = ("minmax", "mean", "minmax_mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
+CANDIDATE_POOLINGS = ("max", "softmax_max")
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -86,6 +87,12 @@ class OOMBConfig:
     "minmax" (Quest's bound from each page's min and max key) or "mean" (q . the page's mean key). On
     SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its
     gradients are the closest to dense (docs/sparse.md, "Candidates")."""
+    sparse_candidate_pooling: Literal["max", "softmax_max"] = "max"
+    """Sparse, score "rerank": how a query block's rows (its queries x the KV head's query heads) pool the
+    candidates' summary scores. "max" (default): the best raw score; "softmax_max": each row's scores
+    normalised by their log-sum-exp over the history pages first, the best row's. On SmolLM2 at 8K and a
+    quarter of the pages read, "softmax_max" brought the gradients closer to dense (docs/sparse.md,
+    "Candidate pooling"); its cost on the GPU is a second pass over the summaries (not yet measured)."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -189,6 +196,9 @@ class OOMBConfig:
         if self.sparse_score == "exact" and self.sparse_leak_free:
             raise ValueError("sparse_score='exact' scores a block with its own queries: it cannot be combined with "
                              "sparse_leak_free=True (sparse_score='rerank' can)")
+        if self.sparse_candidate_pooling not in CANDIDATE_POOLINGS:
+            raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} is not supported; use one "
+                             f"of: {CANDIDATE_POOLINGS}")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")

@@ -95,6 +95,7 @@ class SparseOptions:
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
     rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
+    candidate_pooling: str = "max"  # score "rerank": how the candidates' summary scores pool a block's rows
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -106,7 +107,7 @@ class SparseOptions:
                    config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
                    frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
-                   config.sparse_rerank_candidates)
+                   config.sparse_rerank_candidates, config.sparse_candidate_pooling)
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -179,8 +180,9 @@ def block_scores(
             each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
             before the block's first query), None: history pages only.
         kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
-            leave the chip); None: with SUMMARY_SCORE_KERNEL (the default), for CUDA tensors with pooling "max",
-            not leak-free, summaries in q's dtype. The torch code below is the reference and the CPU's path.
+            leave the chip); None: with SUMMARY_SCORE_KERNEL (the default), for CUDA tensors with pooling "max"
+            (or "softmax_max" without ``own``), not leak-free, summaries in q's dtype. The torch code below is
+            the reference and the CPU's path.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
         KV head holds the same scores.
@@ -188,17 +190,21 @@ def block_scores(
     B, Hq, Lq, D = q.shape
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
-    kernel_scores = options.pooling == "max" and not options.leak_free and options.score in ("minmax", "mean")
+    normalised = options.pooling == "softmax_max" and own is None
+    kernel_scores = ((options.pooling == "max" or normalised) and not options.leak_free
+                     and options.score in ("minmax", "mean"))
     if kernel is None:
         kernel = (SUMMARY_SCORE_KERNEL and kernel_scores and q.is_cuda and first.dtype == q.dtype
                   and (q.dtype != torch.float32 or D <= 128))  # float32 tiles at D = 256 outgrow shared memory
     if kernel:
         if not kernel_scores:
-            raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max', not "
-                             f"leak-free; got {options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
+            raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' (or "
+                             "'softmax_max' over the history pages only), not leak-free; got "
+                             f"{options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
         from .attention.triton_block_scores import summary_block_scores
 
-        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score), options)
+        normaliser = (scale if scale is not None else D ** -0.5) if normalised else None
+        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score, normaliser), options)
     G, P = Hq // Hkv, page_size
     n_blocks = -(-Lq // P)
     # bf16/fp16 on a GPU: tensor cores with exact products and float32 sums, the float32 scores up
@@ -330,12 +336,16 @@ def propose_candidates(
 ) -> torch.Tensor:
     """The "rerank" score's candidates, as a selection (see selection_from_scores) of rerank_factor x
     budget pages: the top pages of the ``rerank_candidates`` summary score; "minmax_mean": minmax's top
-    half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md). Leak-free,
-    scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page of queries)."""
+    half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md). A block's
+    rows pool by ``candidate_pooling``: "max" (the raw scores' best row) or "softmax_max" (each row's
+    scores normalised over the history pages first, so a row with large scores everywhere does not decide
+    alone). Leak-free, scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page
+    of queries)."""
     wanted = candidate_options(options, layer)
 
     def scores(rule: str) -> torch.Tensor:
-        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling="max"), scale, previous)
+        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling=options.candidate_pooling),
+                            scale, previous)
 
     if options.rerank_candidates != "minmax_mean":
         return selection_from_scores(scores(options.rerank_candidates), wanted, layer, first_pages)

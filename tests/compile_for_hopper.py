@@ -116,9 +116,15 @@ def _score_variants():
             yield ("exact_scores", f"listed=True config={config.kwargs}", triton_scores._exact_scores_kernel,
                    pointers, dict(SHAPE, DOT_PRECISION="tf32", ROW_STRIDE=1, LISTED=True, LEAK_FREE=False,
                                   NO_PREVIOUS=False, ROWS=128 * 7), index)
+    normalised = dict(pointers, lse_ptr="*fp32")
     for minmax in (True, False):
         yield ("block_scores", f"minmax={minmax}", triton_block_scores._block_scores_kernel, pointers,
                dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax))
+        # sparse_candidate_pooling="softmax_max": the rows' log-sum-exps, then the normalised block scores
+        yield ("row_lse", f"minmax={minmax}", triton_block_scores._row_lse_kernel, normalised,
+               dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax))
+        yield ("block_scores", f"minmax={minmax} normalised", triton_block_scores._block_scores_kernel, normalised,
+               dict(SHAPE, DOT_PRECISION="tf32", MINMAX=minmax, NORMALISED=True))
 
 
 def _plain_variants():

@@ -544,6 +544,34 @@ def test_minmax_mean_candidates_are_minmax_half_then_the_mean_keys_best():
     store.free_all()
 
 
+def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
+    """sparse_candidate_pooling="softmax_max": a block's candidates are ranked by its rows' summary scores
+    normalised over the history pages (log-sum-exp per row) before the max over rows, so a row with large
+    scores everywhere no longer decides alone; with one loud row the two poolings propose different pages."""
+    P, Hkv, G, D, B, n_hist, length = 4, 1, 2, 8, 1, 12, 4
+    spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
+    store, gen = _filled_store(B, Hkv, D, P, spans, seed=6, summaries=("key_min", "key_max", "key_mean"))
+    q = torch.randn(B, Hkv * G, length, D, generator=gen)
+    q[:, 0, 0] *= 30  # one loud row
+    summaries = store.history_summaries(0, n_hist)
+    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax")
+    pooled = replace(options, candidate_pooling="softmax_max")
+    scale = D ** -0.5
+    rows = q.reshape(B, Hkv, G, length, D)
+    keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)[:, :, 0]  # (B, n_hist, 2D)
+    s = torch.cat([rows.clamp(min=0), rows.clamp(max=0)], dim=-1) @ keys.transpose(-1, -2)[:, None, None] * scale
+    want = (s - s.logsumexp(dim=-1, keepdim=True)).amax(dim=(2, 3))[:, :, None]  # (B, Hkv, 1 block, n_hist)
+    torch.testing.assert_close(block_scores(q, summaries, P, replace(_options(), pooling="softmax_max"), scale), want)
+    got = oomb.sparse.propose_candidates(q, summaries, P, pooled, 0, scale)
+    assert torch.equal(got, top_pages(want, oomb.sparse.candidate_options(options, 0)))
+    assert not torch.equal(got, oomb.sparse.propose_candidates(q, summaries, P, options, 0, scale))
+    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max")
+    assert SparseOptions.from_config(config).candidate_pooling == "softmax_max"
+    with pytest.raises(ValueError, match="sparse_candidate_pooling='softmax'"):
+        OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax")
+    store.free_all()
+
+
 # --------------------------------------------------------------------------------------------
 # The sparse reference backend against autograd on dense attention masked by the selection
 # --------------------------------------------------------------------------------------------

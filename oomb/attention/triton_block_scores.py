@@ -11,8 +11,11 @@ block's rows tile by tile and keeps only the running maximum: the products never
 
 minmax: ``sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min`` (two products per tile);
 mean: ``q . mean``. Rows past the chunk's end score as copies of its last query (they cannot change a
-maximum), as the reference pads them. Max pooling only, all query rows (not leak-free): the scores
-that rerank's candidates and the default sparse settings use.
+maximum), as the reference pads them. All query rows (not leak-free). Max pooling of the raw scores (the
+default sparse settings and rerank's candidates), or with ``scale`` the "softmax_max" pooling over the
+history pages (OOMBConfig.sparse_candidate_pooling): each row's scaled scores minus their log-sum-exp
+over every history page, the best row's. The log-sum-exps come from a first kernel (one program per tile
+of one head's rows, an online log-sum-exp over the pages), which the block kernel subtracts per row.
 """
 
 from __future__ import annotations
@@ -37,6 +40,72 @@ _DYNAMIC = ["num_kv_heads", "seq_len", "num_history", "stride_ab", "stride_ap", 
             "stride_ob", "stride_oh", "stride_oj"]
 
 
+@triton.jit
+def _summary_scores(q, a, lo, MINMAX: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(rows, pages) float32 summary scores of query rows ``q`` against page summaries ``a`` (key_max or
+    key_mean) and ``lo`` (key_min, minmax only)."""
+    if MINMAX:  # max / min promote bf16 to float32: back to q's dtype (exact) for the dots
+        zero = tl.zeros_like(q)
+        s = tl.dot(tl.maximum(q, zero).to(q.dtype), tl.trans(a), input_precision=DOT_PRECISION)
+        s = tl.dot(tl.minimum(q, zero).to(q.dtype), tl.trans(lo), s, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
+                 prune_configs_by={"early_config_prune": _prune_for_dtype})
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh"])
+def _row_lse_kernel(
+    q_ptr, a_ptr, b_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_ab, stride_ap, stride_ah, stride_ad,
+    stride_bb, stride_bp, stride_bh, stride_bd,
+    stride_lb, stride_lh, stride_ll,
+    num_kv_heads, seq_len, num_history, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MINMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (query tiles, B * Hq): each query row's log-sum-exp of its scaled summary scores over every
+    history page, into ``lse`` (B, Hq, Lq) float32."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // (num_kv_heads * GROUP)).to(tl.int64)
+    head = (pid_bh % (num_kv_heads * GROUP)).to(tl.int64)
+    kvh = head // GROUP
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_len
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + head * stride_qh + offs_m.to(tl.int64)[:, None] * stride_ql
+                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(0, num_history, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < num_history
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        a = tl.load(a_ptr + b * stride_ab + offs_n.to(tl.int64)[:, None] * stride_ap + kvh * stride_ah
+                    + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
+        lo = a
+        if MINMAX:
+            lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
+                         + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            lo = lo.to(tl.float32)
+        s = _summary_scores(q, a, lo, MINMAX, DOT_PRECISION) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a page (num_history >= 1)
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m_i = m_new
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh + offs_m.to(tl.int64) * stride_ll, m_i + tl.log(l_i),
+             mask=m_ok)
+
+
 @triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune_for_dtype})
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -50,9 +119,11 @@ def _block_scores_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MINMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    lse_ptr=0, stride_lb=0, stride_lh=0, stride_ll=0, scale=1.0, NORMALISED: tl.constexpr = False,
 ):
     """Grid (n_blocks, page tiles, B * Hkv). ``a``: key_max (minmax) or key_mean; ``b``: key_min
-    (minmax only), each (B, n_hist, Hkv, D)."""
+    (minmax only), each (B, n_hist, Hkv, D). NORMALISED: a row scores ``scale * s - lse`` (``lse``: (B, Hq,
+    Lq) float32, _row_lse_kernel's)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     ROWS: tl.constexpr = PAGE_SIZE * GROUP  # a block's rows: its queries x the group's query heads
     j = tl.program_id(0)
@@ -68,6 +139,7 @@ def _block_scores_kernel(
                 + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
     if UPCAST:
         a = a.to(tl.float32)
+    lo = a
     if MINMAX:
         lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
                      + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
@@ -83,29 +155,32 @@ def _block_scores_kernel(
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        if MINMAX:  # max / min promote bf16 to float32: back to q's dtype (exact) for the dots
-            zero = tl.zeros_like(q)
-            s = tl.dot(tl.maximum(q, zero).to(q.dtype), tl.trans(a), input_precision=DOT_PRECISION)
-            s = tl.dot(tl.minimum(q, zero).to(q.dtype), tl.trans(lo), s, input_precision=DOT_PRECISION)
-        else:
-            s = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
+        s = _summary_scores(q, a, lo, MINMAX, DOT_PRECISION)
+        if NORMALISED:
+            lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll, mask=row_ok,
+                          other=0.0)
+            s = s * scale - lse[:, None]
         s = tl.where(row_ok[:, None], s, float("-inf"))
         best = tl.maximum(best, tl.max(s, 0))
     tl.store(out_ptr + b * stride_ob + kvh * stride_oh + j.to(tl.int64) * stride_oj + offs_n, best, mask=n_ok)
 
 
 def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
-                         score: str) -> torch.Tensor:
-    """Each query block's best row's summary score on each history page (max pooling).
+                         score: str, scale: float | None = None) -> torch.Tensor:
+    """Each query block's best row's summary score on each history page (max pooling; with ``scale``,
+    softmax_max pooling over the history pages).
 
     Args:
         q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
         summaries: name -> (B, n_hist, Hkv, D) summaries in q's dtype: key_max and key_min for
             "minmax", key_mean for "mean" (PagedKVStore.history_summaries).
         page_size: P, the queries per block. score: "minmax" or "mean".
+        scale: None: the raw scores' maximum. A logit scale: each row's scaled scores minus their
+            log-sum-exp over the history pages, the best row's (block_scores with pooling "softmax_max"
+            and no own pages).
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores with pooling "max" (unscaled: a scale > 0
-        does not change a maximum or a ranking).
+        does not change a maximum or a ranking), or "softmax_max" with ``scale``.
     """
     if score not in ("minmax", "mean"):
         raise ValueError(f"score must be 'minmax' or 'mean'; got {score!r}")
@@ -125,11 +200,21 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
     if B * Lq * n_hist == 0:
         return out
 
+    meta = dict(MINMAX=score == "minmax", **_meta(q, Hq, Hkv, D, page_size))
+    normaliser = {}
+    if scale is not None:
+        lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+        _row_lse_kernel[lambda m: (triton.cdiv(Lq, m["BLOCK_M"]), B * Hq)](
+            q, a, lo, lse, *q.stride(), *a.stride(), *lo.stride(), *lse.stride(), Hkv, Lq, n_hist, float(scale),
+            **meta)
+        normaliser = dict(lse_ptr=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ll=lse.stride(2),
+                          scale=float(scale), NORMALISED=True)
+
     def grid(meta):
         return (n_blocks, triton.cdiv(n_hist, meta["BLOCK_N"]), B * Hkv)
 
     _block_scores_kernel[grid](
         q, a, lo, out, *q.stride(), *a.stride(), *lo.stride(), *out.stride()[:3], Hkv, Lq, n_hist,
-        MINMAX=score == "minmax", **_meta(q, Hq, Hkv, D, page_size),
+        **normaliser, **meta,
     )
     return out

@@ -40,7 +40,15 @@ import torch
 from .. import machine
 from ..attention.backend import resolve_backend_name
 from ..compiled_layers import can_compile, compile_problem, compiles
-from ..config import BACKENDS, RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, OOMBConfig, resolve_dtype
+from ..config import (
+    BACKENDS,
+    CANDIDATE_POOLINGS,
+    RERANK_CANDIDATES,
+    SPARSE_POOLINGS,
+    SPARSE_SCORES,
+    OOMBConfig,
+    resolve_dtype,
+)
 from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
@@ -103,6 +111,8 @@ class BenchOptions:
     """Sparse modes, score "rerank": candidates per block / budget (OOMBConfig.sparse_rerank_factor)."""
     sparse_rerank_candidates: str = OOMBConfig.sparse_rerank_candidates
     """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse_rerank_candidates)."""
+    sparse_candidate_pooling: str = OOMBConfig.sparse_candidate_pooling
+    """Sparse modes, score "rerank": how a block's rows pool them (OOMBConfig.sparse_candidate_pooling)."""
     warmup_tokens: int = 8192
     progress: bool = False
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
@@ -162,6 +172,7 @@ class BenchOptions:
                           sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
                           sparse_rerank_factor=self.sparse_rerank_factor,
                           sparse_rerank_candidates=self.sparse_rerank_candidates,
+                          sparse_candidate_pooling=self.sparse_candidate_pooling,
                           keep_attention_outputs=self.keep_attention_outputs)
 
     def sparse_assumptions(self) -> SparseAssumptions:
@@ -654,6 +665,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-rerank-candidates", choices=RERANK_CANDIDATES,
                         help=f"score rerank: the summary score proposing the candidates "
                              f"(default {d.sparse_rerank_candidates})")
+    parser.add_argument("--sparse-candidate-pooling", choices=CANDIDATE_POOLINGS,
+                        help=f"score rerank: how a block's rows pool the candidates' summary scores "
+                             f"(default {d.sparse_candidate_pooling})")
     parser.add_argument("--chosen", action="store_true",
                         help="oomb modes run what `oomb train`'s chooser picks for the longest context from the "
                              "memory free after the weights load (every weight trained, no optimizer), for the "
@@ -675,7 +689,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                  "sparse_query_block_pages",
                  "sparse_budget",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
-                 "warmup_tokens", "progress",
+                 "sparse_candidate_pooling", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

@@ -34,7 +34,15 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..config import RERANK_CANDIDATES, SPARSE_POOLINGS, SPARSE_SCORES, SPARSE_SELECTIONS, OOMBConfig, resolve_dtype
+from ..config import (
+    CANDIDATE_POOLINGS,
+    RERANK_CANDIDATES,
+    SPARSE_POOLINGS,
+    SPARSE_SCORES,
+    SPARSE_SELECTIONS,
+    OOMBConfig,
+    resolve_dtype,
+)
 from ..engine import forward_backward
 from ..real_model import with_yarn
 from ..sparse import SparseOptions
@@ -67,6 +75,7 @@ class GradcheckOptions:
     query_block_pages: int = 1
     rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
     rerank_candidates: list[str] = field(default_factory=lambda: ["minmax_mean"])  # score "rerank": who proposes them
+    candidate_poolings: list[str] = field(default_factory=lambda: ["max"])  # score "rerank": how their rows pool
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -223,12 +232,14 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
     budgets = [None] if layer_budgets is not None else options.budgets
-    arms = [(score, pooling, budget, factor, proposer) for score, pooling, budget in
+    arms = [(score, pooling, budget, factor, proposer, pooled) for score, pooling, budget in
             itertools.product(options.scores, options.poolings, budgets)
             for factor in (options.rerank_factors if score == "rerank" else [None])
-            for proposer in (options.rerank_candidates if score == "rerank" else [None])]
-    for score, pooling, budget, factor, proposer in arms:
-        extra = {"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer} if factor is not None else {}
+            for proposer in (options.rerank_candidates if score == "rerank" else [None])
+            for pooled in (options.candidate_poolings if score == "rerank" else [None])]
+    for score, pooling, budget, factor, proposer, pooled in arms:
+        extra = ({"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer,
+                  "sparse_candidate_pooling": pooled} if factor is not None else {})
         config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse",
                                "sparse_budget": budget if budget is not None else max(layer_budgets),
                                "sparse_sink_pages": options.sink_pages, "sparse_score": score,
@@ -239,7 +250,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config, progress=progress))
-        run = {"score": score if factor is None else _rerank_name(factor, proposer), "pooling": pooling,
+        run = {"score": score if factor is None else _rerank_name(factor, proposer, pooled), "pooling": pooling,
                "budget": budget if budget is not None else "per layer", "loss": loss,
                "seconds": time.perf_counter() - start,
                "history_read": history_read(ids.shape[1], config, model_layers(model)),
@@ -254,9 +265,11 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
 
 
 
-def _rerank_name(factor: int, proposer: str) -> str:
-    """An arm's name: "rerank x4" (minmax candidates, the names of earlier results) or "rerank x4 mean"."""
-    return f"rerank x{factor}" + ("" if proposer == "minmax" else f" {proposer}")
+def _rerank_name(factor: int, proposer: str, pooled: str = "max") -> str:
+    """An arm's name: "rerank x4" (minmax candidates, the names of earlier results), "rerank x4 mean", and
+    " softmax_max" after it for candidates pooled that way."""
+    return (f"rerank x{factor}" + ("" if proposer == "minmax" else f" {proposer}")
+            + ("" if pooled == "max" else f" {pooled}"))
 
 def format_report(report: dict) -> str:
     opts = report["options"]
@@ -320,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score rerank: candidate pages per block as multiples of the budget")
     parser.add_argument("--rerank-candidates", nargs="+", choices=RERANK_CANDIDATES, default=d.rerank_candidates,
                         help="score rerank: the summary scores proposing the candidates")
+    parser.add_argument("--candidate-poolings", nargs="+", choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
+                        help="score rerank: how a block's rows pool the candidates' summary scores")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")

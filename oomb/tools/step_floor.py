@@ -148,6 +148,7 @@ class StepSpec:
     sparse_rerank_factor: int = 4
     sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
     sparse_pooling: str = "max"
+    sparse_candidate_pooling: str = "max"
     sparse_leak_free: bool = False
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
@@ -178,6 +179,7 @@ class StepSpec:
                    sparse_sink_pages=config.sparse_sink_pages, sparse_score=config.resolved_sparse_score,
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
+                   sparse_candidate_pooling=config.sparse_candidate_pooling,
                    sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
 
@@ -266,7 +268,9 @@ def scoring_work(spec: StepSpec) -> Work:
         n_hist, n_blocks = start // P, -(-length // P)
         rows = shape.num_heads * n_blocks * (P + 1 if spec.sparse_leak_free else P)
         columns = n_hist + (n_blocks if spec.sparse_pooling == "softmax_max" else 0)
-        matmul += 2.0 * rows * _summary_width(spec) * columns
+        # rerank's candidates pooled by softmax_max: a first pass of the same products for each row's normaliser
+        summary_passes = 2 if spec.sparse_score == "rerank" and spec.sparse_candidate_pooling == "softmax_max" else 1
+        matmul += 2.0 * rows * _summary_width(spec) * columns * summary_passes
         if spec.sparse_score in ("rerank", "exact"):
             scored = n_hist if spec.sparse_score == "exact" else min(
                 n_hist, spec.sparse_sink_pages + spec.sparse_rerank_factor * spec.sparse_budget)
