@@ -91,6 +91,12 @@
 #                    (candidates per block / budget; at 8K, x6 nearly covers the history) in separate processes of one
 #                    call (~4.5 min). Criterion, fixed before the run: the default becomes the smallest factor that
 #                    meets issue 18's 8K GPU-text target, if its step takes <= 1.03x factor 4's and <= 0.5x HF
+#   candidate_pooling issue 18: the 128K sparse step with the chooser's plan and rerank's candidates pooled by
+#                    softmax_max (sparse_candidate_pooling; 8K on a CPU: 0.9938 / +0.49 % and 0.9915 / +0.02 % where
+#                    max pooling gave 0.9902 / +0.55 % and 0.9871 / +0.12 %), the summary kernels' GPU tests, then
+#                    the step with max pooling (~4 min). Criterion, fixed before the run: softmax_max becomes the
+#                    default if the tests pass and its step takes at most 1.03x max pooling's at 128K in the same
+#                    call and at 1M (its extra pass grows with the square of the context: 1M not yet run)
 #   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
 #                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
 #   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
@@ -324,6 +330,12 @@ for part in "$@"; do
         run 130 rerank_x$factor python -m oomb bench --modes sparse --contexts 128K --chosen \
             --sparse-rerank-factor $factor --out-dir "$OUT" --name sparse_chosen_rerank${factor}_128k
       done ;;
+    candidate_pooling)
+      run 130 pool_softmax_max python -m oomb bench --modes sparse --contexts 128K --chosen \
+          --sparse-candidate-pooling softmax_max --out-dir "$OUT" --name sparse_chosen_candidates_softmax_max_128k
+      run 100 pool_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_block_scores.py
+      run 120 pool_max python -m oomb bench --modes sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_chosen_candidates_max_128k ;;
     dense_confirm)
       run 300 dense_confirm python -m oomb bench --modes hf dense --contexts 128K --chosen \
           --out-dir "$OUT" --name dense_chosen_confirm_128k ;;
