@@ -53,6 +53,25 @@ def _summary_scores(q, a, lo, MINMAX: tl.constexpr, DOT_PRECISION: tl.constexpr)
     return s
 
 
+@triton.jit
+def _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok,
+                    stride_ab, stride_ap, stride_ah, stride_ad, stride_bb, stride_bp, stride_bh, stride_bd,
+                    MINMAX: tl.constexpr, UPCAST: tl.constexpr):
+    """A tile of pages' summaries of KV head ``kvh``: ``a`` (key_max or key_mean) and ``lo`` (key_min;
+    ``a`` again without MINMAX), masked pages and dimensions 0."""
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    a = tl.load(a_ptr + b * stride_ab + offs_n.to(tl.int64)[:, None] * stride_ap + kvh * stride_ah
+                + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
+    lo = a
+    if MINMAX:
+        lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
+                     + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        lo = lo.to(tl.float32)
+    return a, lo
+
+
 @triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune_for_dtype})
 @triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh"])
@@ -87,16 +106,8 @@ def _row_lse_kernel(
     for n0 in range(0, num_history, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < num_history
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        a = tl.load(a_ptr + b * stride_ab + offs_n.to(tl.int64)[:, None] * stride_ap + kvh * stride_ah
-                    + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
-        lo = a
-        if MINMAX:
-            lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
-                         + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            lo = lo.to(tl.float32)
+        a, lo = _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok, stride_ab, stride_ap, stride_ah,
+                                stride_ad, stride_bb, stride_bp, stride_bh, stride_bd, MINMAX, UPCAST)
         s = _summary_scores(q, a, lo, MINMAX, DOT_PRECISION) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a page (num_history >= 1)
@@ -134,17 +145,8 @@ def _block_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < num_history
     d_ok = offs_d < HEAD_DIM
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    a = tl.load(a_ptr + b * stride_ab + offs_n.to(tl.int64)[:, None] * stride_ap + kvh * stride_ah
-                + offs_d[None, :] * stride_ad, mask=kv_mask, other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-    lo = a
-    if MINMAX:
-        lo = tl.load(b_ptr + b * stride_bb + offs_n.to(tl.int64)[:, None] * stride_bp + kvh * stride_bh
-                     + offs_d[None, :] * stride_bd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            lo = lo.to(tl.float32)
+    a, lo = _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok, stride_ab, stride_ap, stride_ah,
+                            stride_ad, stride_bb, stride_bp, stride_bh, stride_bd, MINMAX, UPCAST)
     best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     for r0 in range(0, ROWS, BLOCK_M):
         local = r0 + tl.arange(0, BLOCK_M)
