@@ -92,7 +92,9 @@ class OOMBConfig:
     candidates' summary scores. "max" (default): the best raw score; "softmax_max": each row's scores
     normalised by their log-sum-exp over the history pages first, the best row's. On SmolLM2 at 8K and a
     quarter of the pages read, "softmax_max" brought the gradients closer to dense (docs/sparse.md,
-    "Candidate pooling"); its cost on the GPU is a second pass over the summaries (not yet measured)."""
+    "Candidate pooling"); its cost on the GPU is a second pass over the summaries (not yet measured). The
+    normaliser counts every history page (also other documents' of a packed sequence) and no logit softcap
+    or sink: an estimate for ranking candidates, not the attention's own normaliser."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -199,6 +201,9 @@ class OOMBConfig:
         if self.sparse_candidate_pooling not in CANDIDATE_POOLINGS:
             raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} is not supported; use one "
                              f"of: {CANDIDATE_POOLINGS}")
+        if self.sparse_candidate_pooling != "max" and self.resolved_sparse_score != "rerank":
+            raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} pools rerank's candidates: "
+                             f"it does not apply to sparse_score={self.resolved_sparse_score!r}")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")

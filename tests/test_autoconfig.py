@@ -97,8 +97,10 @@ def test_choice_table(model, tokens, lora, machine, fixed, expected):
     if choice.runner_up is not None:  # a real alternative: it fits, and ranks behind
         r = choice.runner_up
         assert r.gpu_counted <= limit and (r.config.grad_dtype, r.relative_time) != (c.grad_dtype, 0)
-        assert (r.config.grad_dtype != torch.float32, r.relative_time) >= (
+        searched = (r.config.grad_dtype != torch.float32, r.relative_time) >= (
             c.grad_dtype != torch.float32, choice.chosen.relative_time)
+        # it ranks behind, or only its last decisions (kept outputs or logits) put it ahead, and it says so
+        assert searched or "not measured" in text
 
 
 def test_attention_mode_is_never_changed():

@@ -569,6 +569,8 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     assert SparseOptions.from_config(config).candidate_pooling == "softmax_max"
     with pytest.raises(ValueError, match="sparse_candidate_pooling='softmax'"):
         OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax")
+    with pytest.raises(ValueError, match="does not apply to sparse_score='minmax'"):
+        OOMBConfig(attention="sparse", sparse_score="minmax", sparse_candidate_pooling="softmax_max")
     store.free_all()
 
 

@@ -90,6 +90,12 @@ def test_scoring_by_hand():
     # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read once and the chunk causally
     keys = 128 * 4 * 32 + 128 * 129 // 2
     assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
+    # candidates pooled by softmax_max: the rows' normalisers are a second pass of the same products (not
+    # leak-free, which runs torch's one pass)
+    pooled = dataclasses.replace(rerank, sparse_candidate_pooling="softmax_max")
+    assert scoring_work(pooled) == Work(matmul_flops=2 * 2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
+    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
+        attention="sparse", sparse_candidate_pooling="softmax_max")).sparse_candidate_pooling == "softmax_max"
     exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="exact")
     keys = 128 * 2 * 4 * 32 + 128 * 129 // 2  # every history page, in two passes
     assert scoring_work(exact).attention_flops == 2 * 4 * 2 * keys

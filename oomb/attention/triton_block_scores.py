@@ -1,7 +1,7 @@
 """The summary scores (minmax, mean) of every (query block, history page) pair, pooled by max over the
 block's rows, in one Triton kernel (oomb/sparse.py ``block_scores`` is the reference and the CPU's path).
 
-    summary_block_scores(q, summaries, page_size, score) -> (B, Hkv, n_blocks, n_hist) float32
+    summary_block_scores(q, summaries, page_size, score, scale=None) -> (B, Hkv, n_blocks, n_hist) float32
 
 Why a kernel: the torch path multiplies every row of a chunk (queries x group heads) with every page's
 summary and writes the (rows x pages) float32 products before taking each block's maximum: at 1M tokens
@@ -119,7 +119,7 @@ def _row_lse_kernel(
 
 @triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune_for_dtype})
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh"])
 def _block_scores_kernel(
     q_ptr, a_ptr, b_ptr, out_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,

@@ -267,9 +267,12 @@ def scoring_work(spec: StepSpec) -> Work:
             continue
         n_hist, n_blocks = start // P, -(-length // P)
         rows = shape.num_heads * n_blocks * (P + 1 if spec.sparse_leak_free else P)
-        columns = n_hist + (n_blocks if spec.sparse_pooling == "softmax_max" else 0)
-        # rerank's candidates pooled by softmax_max: a first pass of the same products for each row's normaliser
-        summary_passes = 2 if spec.sparse_score == "rerank" and spec.sparse_candidate_pooling == "softmax_max" else 1
+        rerank = spec.sparse_score == "rerank"  # its candidates never score the chunk's own pages
+        columns = n_hist + (n_blocks if spec.sparse_pooling == "softmax_max" and not rerank else 0)
+        # rerank's candidates pooled by softmax_max (the kernel: not leak-free): a first pass of the same products
+        # for each row's normaliser
+        summary_passes = 2 if rerank and spec.sparse_candidate_pooling == "softmax_max" and not spec.sparse_leak_free \
+            else 1
         matmul += 2.0 * rows * _summary_width(spec) * columns * summary_passes
         if spec.sparse_score in ("rerank", "exact"):
             scored = n_hist if spec.sparse_score == "exact" else min(

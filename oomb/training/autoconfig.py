@@ -254,8 +254,10 @@ class Choice:
                          "dropout; the first step compiles them, tens of seconds)")
         if self.runner_up is not None:
             r = self.runner_up
+            ahead = ("; estimated faster only by keeping outputs the choice has no room for, a trade against "
+                     "its other decisions that is not measured" if _rank(r) < _rank(self.chosen) else "")
             lines.append(f"  runner-up: {r.summary(num_layers)} (GPU {r.gpu_bytes / GIB:.1f} GiB, host "
-                         f"{r.host_bytes / GIB:.1f} GiB, relative step time {r.relative_time:.2f})")
+                         f"{r.host_bytes / GIB:.1f} GiB, relative step time {r.relative_time:.2f}{ahead})")
         return "\n".join(lines)
 
 
@@ -521,12 +523,12 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     # The search's headline decisions stand; what the last decisions keep never reorders them (their trades
     # against replay, offload or smaller chunks are not measured together).
     best = _decided_last(fitting[0], workload, resources, fixed)
-    # The runner-up differs in a headline decision and, with its own last decisions (comparable with the
-    # choice), ranks behind it; offload is never faster, so it is not shown as an alternative to a step that
-    # keeps every page on the GPU.
-    runner_up = next((d for d in (_decided_last(c, workload, resources, fixed) for c in fitting[1:]
-                                  if _headline(c) != _headline(best) and (best.config.offload or not c.config.offload))
-                      if _rank(d) >= _rank(best)), None)
+    # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
+    # alternative to a step that keeps every page on the GPU.
+    runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
+                      and (best.config.offload or not c.config.offload)), None)
+    if runner_up is not None:  # comparable with the choice: the same last decisions (it may then rank ahead)
+        runner_up = _decided_last(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
