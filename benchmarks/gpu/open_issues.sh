@@ -97,6 +97,9 @@
 #                    the step with max pooling (~4 min). Criterion, fixed before the run: softmax_max becomes the
 #                    default if the tests pass and its step takes at most 1.03x max pooling's at 128K in the same
 #                    call and at 1M (its extra pass grows with the square of the context: 1M not yet run)
+#   candidate_pooling_1m issue 18/23: the 1M sparse+offload step with the chooser's plan and softmax_max candidates
+#                    (compiled_1m's command with --sparse-candidate-pooling softmax_max; 184.34 s with max pooling),
+#                    alone in a call (~5 min): the criterion's 1M half
 #   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
 #                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
 #   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
@@ -144,9 +147,9 @@
 #                    two steps outlast one call). train_check: what it has written so far, into this call's archive
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the third 2026-12-04 session, which ran kept_outputs, kept_fixed, compiled_1m (184.34 s) and the
-# dense 512K step with the chooser's plan (529.08 s)): chosen_confirm (the chooser's kept attention outputs on the
-# GPU), kept_dense, tma_ab (23 D4: the forward's descriptor loads), kernel_tests; offload_staging.
+# Next calls (after the fourth 2026-12-04 session, which ran chosen_confirm, tma_tests, tma_speed, rerank_speed and
+# kept_dense_nohf; no machine was lent for its last two): candidate_pooling (~4 min), candidate_pooling_1m (~5 min),
+# dense_confirm (~3.5 min); then kernel work for 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -336,6 +339,10 @@ for part in "$@"; do
       run 100 pool_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_block_scores.py
       run 120 pool_max python -m oomb bench --modes sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name sparse_chosen_candidates_max_128k ;;
+    candidate_pooling_1m)
+      run 330 pool_softmax_max_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --sparse-candidate-pooling softmax_max --out-dir "$OUT" \
+          --name sparse_offload_chosen_candidates_softmax_max_1m ;;
     dense_confirm)
       run 300 dense_confirm python -m oomb bench --modes hf dense --contexts 128K --chosen \
           --out-dir "$OUT" --name dense_chosen_confirm_128k ;;
