@@ -85,10 +85,10 @@ AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
 """OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
 the same config, hence bit-identical results, in every process."""
 TMA_LOADS = os.environ.get("OOMB_TRITON_TMA", "0") == "1"
-"""OOMB_TRITON_TMA=1 (experimental, not yet measured on a GPU): the dense forward and dQ kernels load their
-whole-page key tiles with tensor descriptors (Hopper's bulk tensor copies) instead of per-row pointers; packed
-documents keep the pointer loads. The same values in the same order: the results are bitwise those of the
-pointer loads."""
+"""OOMB_TRITON_TMA=1 (experimental; off: its forward was 17 % slower on the H200, attention-tma-ab): the dense
+forward and dQ kernels load their whole-page key tiles with tensor descriptors (Hopper's bulk tensor copies)
+instead of per-row pointers; packed documents keep the pointer loads. The same values in the same order: the
+results are bitwise those of the pointer loads."""
 CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
 """Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
 one's choice (same configs, hence the same bits, and no tuning in their warm-up).
