@@ -181,7 +181,7 @@ def block_scores(
             before the block's first query), None: history pages only.
         kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
             leave the chip); None: with SUMMARY_SCORE_KERNEL (the default), for CUDA tensors with pooling "max"
-            (or "softmax_max" without ``own``), not leak-free, summaries in q's dtype. The torch code below is
+            or "softmax_max", not leak-free, summaries in q's dtype. The torch code below is
             the reference and the CPU's path.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, n_blocks = ceil(Lq / P); with selection="shared" every
@@ -190,7 +190,7 @@ def block_scores(
     B, Hq, Lq, D = q.shape
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
-    normalised = options.pooling == "softmax_max" and own is None
+    normalised = options.pooling == "softmax_max"
     kernel_scores = ((options.pooling == "max" or normalised) and not options.leak_free
                      and options.score in ("minmax", "mean"))
     if kernel is None:
@@ -198,13 +198,18 @@ def block_scores(
                   and (q.dtype != torch.float32 or D <= 128))  # float32 tiles at D = 256 outgrow shared memory
     if kernel:
         if not kernel_scores:
-            raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' (or "
-                             "'softmax_max' over the history pages only), not leak-free; got "
+            raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' or "
+                             "'softmax_max', not leak-free; got "
                              f"{options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
         from .attention.triton_block_scores import summary_block_scores
 
         normaliser = (scale if scale is not None else D ** -0.5) if normalised else None
-        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score, normaliser), options)
+        n_own = 0
+        if normalised and own is not None:  # the own pages after the history's, for the normaliser only
+            n_own = next(iter(own.values())).shape[1]
+            summaries = {name: torch.cat([summaries[name], own[name]], dim=1) for name in summaries}
+        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score, normaliser, n_own),
+                                 options)
     G, P = Hq // Hkv, page_size
     n_blocks = -(-Lq // P)
     # bf16/fp16 on a GPU: tensor cores with exact products and float32 sums, the float32 scores up
@@ -333,19 +338,20 @@ def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
 def propose_candidates(
     q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions, layer: int,
     scale: float | None = None, first_pages: torch.Tensor | None = None, previous: torch.Tensor | None = None,
+    own: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The "rerank" score's candidates, as a selection (see selection_from_scores) of rerank_factor x
     budget pages: the top pages of the ``rerank_candidates`` summary score; "minmax_mean": minmax's top
     half, then the mean key's best of the rest (the two miss different pages: docs/sparse.md). A block's
     rows pool by ``candidate_pooling``: "max" (the raw scores' best row) or "softmax_max" (each row's
-    scores normalised over the history pages first, so a row with large scores everywhere does not decide
-    alone). Leak-free, scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page
-    of queries)."""
+    scores normalised first over the history pages and ``own``, the chunk's own pages' summaries up to its
+    block, as block_scores does, so a row with large scores everywhere does not decide alone). Leak-free,
+    scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page of queries)."""
     wanted = candidate_options(options, layer)
 
     def scores(rule: str) -> torch.Tensor:
         return block_scores(q, summaries, page_size, replace(options, score=rule, pooling=options.candidate_pooling),
-                            scale, previous)
+                            scale, previous, own if options.candidate_pooling == "softmax_max" else None)
 
     if options.rerank_candidates != "minmax_mean":
         return selection_from_scores(scores(options.rerank_candidates), wanted, layer, first_pages)
@@ -536,8 +542,14 @@ def select_pages(
     elif options.score == "rerank":
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
-        candidates = propose_candidates(q, store.history_summaries(layer, n_hist), P, options, layer, scale,
-                                        first_pages, previous)
+        own = None
+        if options.candidate_pooling == "softmax_max":  # the chunk's own pages count in each row's normaliser
+            pages = store.history_summaries(layer, n_hist + -(-chunk.length // P))  # the history, then own pages
+            history = {name: summary[:, :n_hist] for name, summary in pages.items()}
+            own = {name: summary[:, n_hist:] for name, summary in pages.items()}
+        else:
+            history = store.history_summaries(layer, n_hist)
+        candidates = propose_candidates(q, history, P, options, layer, scale, first_pages, previous, own)
         # Leak-free scoring masks the last history page by its position: the candidates keep their own.
         with store.scoring_keys(layer, chunk, candidates, by_head=not options.leak_free) as (k_pool, table, keys_at):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context,

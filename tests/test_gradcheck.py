@@ -37,15 +37,25 @@ def test_gradcheck_command_prints_a_table_and_writes_json(tmp_path, capsys):
         assert small["history_read"] < full["history_read"] == 1.0
 
 
-def test_gradcheck_arms_of_candidate_pooling(tmp_path):
-    """--candidate-poolings: one rerank arm per pooling of the candidates' summary scores, named after it."""
+def test_gradcheck_arms_of_candidate_pooling(tmp_path, monkeypatch):
+    """--candidate-poolings: one rerank arm per pooling of the candidates' summary scores, named after it, each
+    proposing its candidates with that pooling (and softmax_max with the chunk's own pages)."""
+    import oomb.sparse
+
+    seen, propose = set(), oomb.sparse.propose_candidates
+
+    def spy(*args, **kwargs):
+        seen.add((args[3].candidate_pooling, args[8] is not None))  # (options, own)
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.sparse, "propose_candidates", spy)
     out = tmp_path / "gradcheck.json"
     assert cli.main(["gradcheck", *SMALL, "--budgets", "2", "--scores", "rerank", "--rerank-factors", "2",
                      "--candidate-poolings", "max", "softmax_max", "--hf", "off", "--json", str(out)]) == 0
     runs = {r["score"]: r for r in json.loads(out.read_text())["sparse"]}
     assert set(runs) == {"rerank x2 minmax_mean", "rerank x2 minmax_mean softmax_max"}
     assert all(0.5 < r["groups"]["total"]["cosine"] < 1.0 for r in runs.values())
-    assert runs["rerank x2 minmax_mean"]["loss"] != runs["rerank x2 minmax_mean softmax_max"]["loss"]
+    assert seen == {("max", False), ("softmax_max", True)}
 
 
 def test_gradcheck_reports_each_step_and_a_stopped_run_keeps_what_finished(tmp_path, capsys, monkeypatch):

@@ -58,18 +58,25 @@ def test_kernel_in_bf16_and_shared_selection(score):
 @pytest.mark.parametrize("length,n_hist,dtype", [(32, 5, torch.float32), (29, 21, torch.float32),
                                                  (16, 1, torch.float32), (40, 7, torch.bfloat16)])
 def test_kernel_normalised_over_the_history_matches_the_reference(score, length, n_hist, dtype):
-    """Pooling "softmax_max" without own pages (sparse_candidate_pooling): each row's scaled scores minus
-    their log-sum-exp over the history pages (the row kernel's online log-sum-exp over ragged page tiles),
-    the best row's; a ragged last block, several row tiles per block."""
+    """Pooling "softmax_max" (sparse_candidate_pooling, sparse_pooling): each row's scaled scores minus their
+    log-sum-exp over the history pages, and with own pages also those up to its block (the row kernel's online
+    log-sum-exp over ragged page tiles and the causal own pages), the best row's; a ragged last block, several
+    row tiles per block."""
     B, Hkv, G, D, P = 2, 2, 3, 24, 16
-    q, summaries = _queries_and_summaries(B, Hkv, G, D, P, n_hist, length, dtype, seed=3)
+    n_own = -(-length // P)
+    q, pages = _queries_and_summaries(B, Hkv, G, D, P, n_hist + n_own, length, dtype, seed=3)
+    summaries = {name: s[:, :n_hist] for name, s in pages.items()}
+    own = {name: s[:, n_hist:] for name, s in pages.items()}
     options = replace(OPTIONS, score=score, pooling="softmax_max")
-    want = block_scores(q, summaries, P, options, scale=0.3, kernel=False)
-    got = block_scores(q, summaries, P, options, scale=0.3, kernel=True)
-    assert got.shape == want.shape == (B, Hkv, -(-length // P), n_hist)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-    assert (got <= 1e-6).all()  # log-probabilities
+    for chunk_pages in (None, own):  # the history alone; with the chunk's own pages up to each block
+        want = block_scores(q, summaries, P, options, scale=0.3, own=chunk_pages, kernel=False)
+        got = block_scores(q, summaries, P, options, scale=0.3, own=chunk_pages, kernel=True)
+        assert got.shape == want.shape == (B, Hkv, -(-length // P), n_hist)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        assert (got <= 1e-6).all()  # log-probabilities
+    alone = block_scores(q, summaries, P, options, scale=0.3, kernel=True)
+    assert (got < alone - 1e-4).any()  # the own pages take probability from the history's
 
 
 def test_kernel_refuses_what_it_does_not_score():
@@ -77,8 +84,6 @@ def test_kernel_refuses_what_it_does_not_score():
     for options in (replace(OPTIONS, pooling="softmax"), replace(OPTIONS, leak_free=True)):
         with pytest.raises(ValueError, match="block-score kernel"):
             block_scores(q, summaries, 16, options, kernel=True)
-    with pytest.raises(ValueError, match="block-score kernel"):  # softmax_max with the chunk's own pages
-        block_scores(q, summaries, 16, replace(OPTIONS, pooling="softmax_max"), own=summaries, kernel=True)
     with pytest.raises(ValueError, match="'minmax' or 'mean'"):
         triton_block_scores.summary_block_scores(q, summaries, 16, "exact")
     with pytest.raises(TypeError, match="share a dtype"):

@@ -81,13 +81,14 @@ def _row_lse_kernel(
     stride_ab, stride_ap, stride_ah, stride_ad,
     stride_bb, stride_bp, stride_bh, stride_bd,
     stride_lb, stride_lh, stride_ll,
-    num_kv_heads, seq_len, num_history, scale,
+    num_kv_heads, seq_len, num_history, num_own, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MINMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (query tiles, B * Hq): each query row's log-sum-exp of its scaled summary scores over every
-    history page, into ``lse`` (B, Hq, Lq) float32."""
+    history page and the chunk's own pages up to its block's (the ``num_own`` pages after the history in
+    the summaries), into ``lse`` (B, Hq, Lq) float32."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     pid_bh = tl.program_id(1)
     b = (pid_bh // (num_kv_heads * GROUP)).to(tl.int64)
@@ -103,13 +104,16 @@ def _row_lse_kernel(
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for n0 in range(0, num_history, BLOCK_N):
+    block = offs_m // PAGE_SIZE
+    for n0 in range(0, num_history + num_own, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < num_history
+        n_ok = offs_n < num_history + num_own
         a, lo = _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok, stride_ab, stride_ap, stride_ah,
                                 stride_ad, stride_bb, stride_bp, stride_bh, stride_bd, MINMAX, UPCAST)
         s = _summary_scores(q, a, lo, MINMAX, DOT_PRECISION) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # history pages, and own pages up to the row's block (own page i covers keys before block i + 1)
+        visible = (offs_n < num_history)[None, :] | (n_ok[None, :] & (offs_n[None, :] - num_history <= block[:, None]))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a page (num_history >= 1)
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m_i = m_new
@@ -168,7 +172,7 @@ def _block_scores_kernel(
 
 
 def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
-                         score: str, scale: float | None = None) -> torch.Tensor:
+                         score: str, scale: float | None = None, own_pages: int = 0) -> torch.Tensor:
     """Each query block's best row's summary score on each history page (max pooling; with ``scale``,
     softmax_max pooling over the history pages).
 
@@ -178,8 +182,10 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
             "minmax", key_mean for "mean" (PagedKVStore.history_summaries).
         page_size: P, the queries per block. score: "minmax" or "mean".
         scale: None: the raw scores' maximum. A logit scale: each row's scaled scores minus their
-            log-sum-exp over the history pages, the best row's (block_scores with pooling "softmax_max"
-            and no own pages).
+            log-sum-exp over the history pages (and the own pages), the best row's (block_scores with
+            pooling "softmax_max").
+        own_pages: with ``scale``, the summaries' last pages are the chunk's own this many: block j's rows
+            count own pages 0..j in their normaliser, and no block scores them.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores with pooling "max" (unscaled: a scale > 0
         does not change a maximum or a ranking), or "softmax_max" with ``scale``.
@@ -189,10 +195,12 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
     names = ("key_max", "key_min") if score == "minmax" else ("key_mean", "key_mean")
     a, lo = summaries[names[0]], summaries[names[1]]
     B, Hq, Lq, D = q.shape
-    n_hist, Hkv = a.shape[1], a.shape[2]
+    if own_pages and scale is None:
+        raise ValueError("own pages only count in the normaliser: give a scale")
+    n_hist, Hkv = a.shape[1] - own_pages, a.shape[2]
     if q.dtype not in SUPPORTED_DTYPES or a.dtype != q.dtype or lo.dtype != q.dtype:
         raise TypeError(f"q and the summaries must share a dtype of {SUPPORTED_DTYPES}; got {q.dtype}, {a.dtype}")
-    if not 1 <= D <= MAX_HEAD_DIM or Hq % Hkv or a.shape != (B, n_hist, Hkv, D) or lo.shape != a.shape:
+    if not 1 <= D <= MAX_HEAD_DIM or Hq % Hkv or a.shape != (B, n_hist + own_pages, Hkv, D) or lo.shape != a.shape:
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, summaries {tuple(a.shape)} (B, pages, Hkv, "
                          f"D <= {MAX_HEAD_DIM})")
     if q.device.type != "cuda" and not INTERPRET:
@@ -207,8 +215,8 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
     if scale is not None:
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         _row_lse_kernel[lambda m: (triton.cdiv(Lq, m["BLOCK_M"]), B * Hq)](
-            q, a, lo, lse, *q.stride(), *a.stride(), *lo.stride(), *lse.stride(), Hkv, Lq, n_hist, float(scale),
-            **meta)
+            q, a, lo, lse, *q.stride(), *a.stride(), *lo.stride(), *lse.stride(), Hkv, Lq, n_hist, own_pages,
+            float(scale), **meta)
         normaliser = dict(lse_ptr=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ll=lse.stride(2),
                           scale=float(scale), NORMALISED=True)
 
