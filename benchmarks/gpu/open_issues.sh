@@ -92,10 +92,12 @@
 #                    call (~4.5 min). Criterion, fixed before the run: the default becomes the smallest factor that
 #                    meets issue 18's 8K GPU-text target, if its step takes <= 1.03x factor 4's and <= 0.5x HF
 #   candidate_pooling issue 18: the 128K sparse step with the chooser's plan and rerank's candidates pooled by
-#                    softmax_max (sparse_candidate_pooling), the summary kernels' GPU tests, then the step with max
-#                    pooling (~4 min). Its fidelity on a CPU is mixed (better at 8K on two texts, worse at 8K page 32
-#                    on the CPU text: 0.9864 against 0.9902), so it cannot become the default as it is: this call
-#                    only tests the kernels on the GPU and prices the option
+#                    softmax_max (sparse_candidate_pooling, own pages in the normaliser since 3cc69b8), the summary
+#                    kernels' GPU tests, then the step with max pooling (~4 min). On a CPU at 8K page 32 it met the
+#                    near-dense mark on both texts (max pooling: one). Criterion, fixed before the run: it becomes
+#                    the default if the tests pass, its 128K step takes at most 1.03x max pooling's in the same call,
+#                    the 1M step (candidate_pooling_1m) at most 1.03x compiled_1m's, and the 16K/32K CPU points
+#                    (gradcheck --candidate-poolings softmax_max) stay at or above max pooling's
 #   candidate_pooling_1m issue 18/23: the 1M sparse+offload step with the chooser's plan and softmax_max candidates
 #                    (compiled_1m's command with --sparse-candidate-pooling softmax_max; 184.34 s with max pooling),
 #                    alone in a call (~5 min): the criterion's 1M half
@@ -147,8 +149,8 @@
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (after the fourth 2026-12-04 session, which ran chosen_confirm, tma_tests, tma_speed, rerank_speed and
-# kept_dense_nohf; no machine was lent for its last two): dense_confirm (~3.5 min), candidate_pooling (~4 min: the
-# option's GPU tests and price); then kernel work for 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
+# kept_dense_nohf; no machine was lent for its last two): candidate_pooling (~4 min), candidate_pooling_1m (~5 min),
+# dense_confirm (~3.5 min); then kernel work for 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
