@@ -92,8 +92,8 @@ class OOMBConfig:
     candidates' summary scores. "max" (default): the best raw score; "softmax_max": each row's scores
     normalised first by their log-sum-exp over the pages it sees (the history, and the chunk's own pages up
     to its block), the best row's. On SmolLM2 at 8K with a quarter of the pages read it met the near-dense
-    mark on both texts where "max" misses one (docs/sparse.md, "Candidate pooling"); on the GPU it costs a
-    second pass over the summaries. The normaliser counts every history page (also other documents' of a
+    mark in all three cases measured, where "max" misses two (docs/sparse.md, "Candidate pooling"); on the GPU
+    it costs a second pass over the summaries. The normaliser counts every history page (also other documents' of a
     packed sequence) and no logit softcap or sink: an estimate for ranking candidates, not the attention's."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""

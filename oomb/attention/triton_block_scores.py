@@ -12,10 +12,11 @@ block's rows tile by tile and keeps only the running maximum: the products never
 minmax: ``sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min`` (two products per tile);
 mean: ``q . mean``. Rows past the chunk's end score as copies of its last query (they cannot change a
 maximum), as the reference pads them. All query rows (not leak-free). Max pooling of the raw scores (the
-default sparse settings and rerank's candidates), or with ``scale`` the "softmax_max" pooling over the
-history pages (OOMBConfig.sparse_candidate_pooling): each row's scaled scores minus their log-sum-exp
-over every history page, the best row's. The log-sum-exps come from a first kernel (one program per tile
-of one head's rows, an online log-sum-exp over the pages), which the block kernel subtracts per row.
+default sparse settings and rerank's candidates), or with ``scale`` the "softmax_max" pooling
+(OOMBConfig.sparse_candidate_pooling, sparse_pooling): each row's scaled scores minus their log-sum-exp
+over every history page and the chunk's own pages up to its block, the best row's. The log-sum-exps come
+from a first kernel (one program per tile of one head's rows, an online log-sum-exp over the pages), which
+the block kernel subtracts per row.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def _block_scores_kernel(
 def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
                          score: str, scale: float | None = None, own_pages: int = 0) -> torch.Tensor:
     """Each query block's best row's summary score on each history page (max pooling; with ``scale``,
-    softmax_max pooling over the history pages).
+    softmax_max pooling).
 
     Args:
         q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
