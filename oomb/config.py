@@ -95,6 +95,12 @@ class OOMBConfig:
     mark in all three cases measured, where "max" misses two (docs/sparse.md, "Candidate pooling"); on the GPU
     it costs a second pass over the summaries. The normaliser counts every history page (also other documents' of a
     packed sequence) and no logit softcap or sink: an estimate for ranking candidates, not the attention's."""
+    sparse_normaliser_pages: int | None = None
+    """Sparse, pooling "softmax_max" (sparse_candidate_pooling or sparse_pooling): the history pages each
+    row's normaliser counts besides the sink pages and the chunk's own pages: the last this many. None
+    (default): every history page, a pass over the summaries that grows with the square of the context;
+    a number bounds it (linear in the context) and equals the full normaliser while the history holds
+    at most this many pages besides the sinks (docs/sparse.md, "A bounded normaliser")."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -204,6 +210,14 @@ class OOMBConfig:
         if self.sparse_candidate_pooling != "max" and self.resolved_sparse_score != "rerank":
             raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} pools rerank's candidates: "
                              f"it does not apply to sparse_score={self.resolved_sparse_score!r}")
+        if self.sparse_normaliser_pages is not None:
+            if isinstance(self.sparse_normaliser_pages, bool) or not isinstance(self.sparse_normaliser_pages, int) \
+                    or self.sparse_normaliser_pages < 1:
+                raise ValueError(f"sparse_normaliser_pages must be a positive number of pages or None (every history "
+                                 f"page); got {self.sparse_normaliser_pages!r}")
+            if "softmax_max" not in (self.sparse_pooling, self.sparse_candidate_pooling):
+                raise ValueError("sparse_normaliser_pages bounds the softmax_max pooling's normaliser: set "
+                                 "sparse_candidate_pooling='softmax_max' (or sparse_pooling='softmax_max') with it")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")

@@ -96,6 +96,7 @@ class SparseOptions:
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
     rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
     candidate_pooling: str = "max"  # score "rerank": how the candidates' summary scores pool a block's rows
+    normaliser_pages: int | None = None  # softmax_max: history pages a row's normaliser counts besides the sinks
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -107,7 +108,8 @@ class SparseOptions:
                    config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
                    frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
-                   config.sparse_rerank_candidates, config.sparse_candidate_pooling)
+                   config.sparse_rerank_candidates, config.sparse_candidate_pooling,
+                   config.sparse_normaliser_pages)
 
     @property
     def summaries(self) -> tuple[str, ...]:
@@ -125,6 +127,17 @@ class SparseOptions:
         if layer in self.dense_layers:
             return history_pages
         return min(history_pages, self.sink_pages + self.budget_of(layer))
+
+
+def normaliser_span(n_hist: int, options: SparseOptions) -> tuple[int, int]:
+    """(head, start): a softmax_max row's normaliser counts the history pages before ``head`` (the sinks)
+    and from ``start`` on (the last ``normaliser_pages``), then the chunk's own pages; (0, 0): every
+    history page (no bound set, or the history no longer than the sinks and the bound)."""
+    bound = options.normaliser_pages
+    if bound is None or n_hist <= options.sink_pages + bound:
+        return 0, 0
+    start = n_hist - bound
+    return min(options.sink_pages, start), start
 
 
 def _score_vectors(summaries: dict[str, torch.Tensor], score: str) -> torch.Tensor:
@@ -173,7 +186,8 @@ def block_scores(
         q: (B, Hq, Lq, D) the chunk's post-RoPE queries (any strides).
         summaries: name -> (B, n_hist, Hkv, D) summaries of the history pages, in page order.
         page_size: P, the queries per block.
-        options: score rule, granularity, leak-free, pooling.
+        options: score rule, granularity, leak-free, pooling (softmax_max: its normaliser bounded by
+            ``normaliser_pages``, normaliser_span).
         scale: the attention's logit scale (default D**-0.5); pooling "softmax" needs it.
         previous: leak-free only: the previous chunk's last page of queries (leak_free_rows).
         own: pooling "softmax_max" only: the summaries of the chunk's own pages, (B, n_blocks, Hkv, D)
@@ -208,8 +222,9 @@ def block_scores(
         if normalised and own is not None:  # the own pages after the history's, for the normaliser only
             n_own = next(iter(own.values())).shape[1]
             summaries = {name: torch.cat([summaries[name], own[name]], dim=1) for name in summaries}
-        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score, normaliser, n_own),
-                                 options)
+        span = normaliser_span(n_hist, options) if normalised else (0, 0)
+        return _share_over_heads(summary_block_scores(q, summaries, page_size, options.score, normaliser, n_own,
+                                                      span), options)
     G, P = Hq // Hkv, page_size
     n_blocks = -(-Lq // P)
     # bf16/fp16 on a GPU: tensor cores with exact products and float32 sums, the float32 scores up
@@ -258,7 +273,9 @@ def block_scores(
                 # Own pages after the block; leak-free, its own page too (its summary covers later keys).
                 hidden = torch.arange(n_own, device=q.device)[None, :] >= block + (0 if options.leak_free else 1)
                 logits[..., n_hist:] = logits[..., n_hist:].masked_fill(hidden[:, None, :], float("-inf"))
-            out[:, :, b0:b1] = (logits[..., :n_hist] - logits.logsumexp(dim=-1, keepdim=True)).amax(dim=3)
+            head, start = normaliser_span(n_hist, options)  # a bounded normaliser: the sinks and the last pages
+            counted = torch.cat([logits[..., :head], logits[..., start:]], dim=-1) if start else logits
+            out[:, :, b0:b1] = (logits[..., :n_hist] - counted.logsumexp(dim=-1, keepdim=True)).amax(dim=3)
         else:
             out[:, :, b0:b1] = s.amax(dim=3)
     return _share_over_heads(out, options)

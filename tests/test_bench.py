@@ -218,6 +218,11 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
     assert (assumptions.top_k_pages, assumptions.query_block_pages) == (5, 4)
     with pytest.raises(ValueError, match="sparse_budget=-1"):
         bench.BenchOptions(sparse_budget=-1)
+    pooled = bench.options_from_args(cli.build_parser().parse_args(
+        ["bench", "--quick", "--sparse-candidate-pooling", "softmax_max", "--sparse-normaliser-pages", "256"]))
+    config = pooled.oomb_config()
+    assert (config.sparse_candidate_pooling, config.sparse_normaliser_pages) == ("softmax_max", 256)
+    assert default.oomb_config().sparse_normaliser_pages is None
 
 
 def test_resident_layers_reach_the_step_config_and_the_prediction():

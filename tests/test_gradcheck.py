@@ -58,6 +58,31 @@ def test_gradcheck_arms_of_candidate_pooling(tmp_path, monkeypatch):
     assert seen == {("max", False), ("softmax_max", True)}
 
 
+def test_gradcheck_arms_of_the_normaliser_bound(tmp_path, monkeypatch):
+    """--normaliser-pages: one softmax_max arm per bound ('all': none), named after it, the bound reaching the
+    candidates' options; max pooling's arm has no normaliser and runs once; a bad bound is refused."""
+    import oomb.sparse
+
+    seen, propose = set(), oomb.sparse.propose_candidates
+
+    def spy(*args, **kwargs):
+        seen.add((args[3].candidate_pooling, args[3].normaliser_pages))
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.sparse, "propose_candidates", spy)
+    out = tmp_path / "gradcheck.json"
+    assert cli.main(["gradcheck", *SMALL, "--budgets", "1", "--scores", "rerank", "--rerank-factors", "2",
+                     "--candidate-poolings", "max", "softmax_max", "--normaliser-pages", "all", "1",
+                     "--hf", "off", "--json", str(out)]) == 0
+    runs = {r["score"]: r for r in json.loads(out.read_text())["sparse"]}
+    assert set(runs) == {"rerank x2 minmax_mean", "rerank x2 minmax_mean softmax_max",
+                         "rerank x2 minmax_mean softmax_max/1"}
+    assert runs["rerank x2 minmax_mean softmax_max/1"]["normaliser_pages"] == 1
+    assert seen == {("max", None), ("softmax_max", None), ("softmax_max", 1)}
+    with pytest.raises(SystemExit):
+        cli.main(["gradcheck", *SMALL, "--normaliser-pages", "0"])
+
+
 def test_gradcheck_reports_each_step_and_a_stopped_run_keeps_what_finished(tmp_path, capsys, monkeypatch):
     """A line per finished step on stderr, and the JSON rewritten after each: a run stopped in its second
     sparse arm leaves the dense step and the first arm on disk (a 32K run on a CPU takes an hour)."""

@@ -574,6 +574,49 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     store.free_all()
 
 
+@pytest.mark.parametrize("n_hist,bound,sinks", [(12, 5, 1), (12, 5, 2), (12, 11, 1), (7, 6, 1)])
+def test_bounded_normaliser_counts_the_sinks_the_last_pages_and_the_own_pages(n_hist, bound, sinks):
+    """sparse_normaliser_pages: a softmax_max row's log-sum-exp counts the sink pages, the last ``bound``
+    history pages and the own pages up to its block, nothing between; the same as every page's once the
+    history holds at most the sinks and the bound (the last two cases)."""
+    P, Hkv, G, D, B, length = 4, 1, 2, 8, 1, 10
+    gen = torch.Generator().manual_seed(11)
+    pages = summarize_pages(torch.randn(B, n_hist + 3, Hkv, P, D, generator=gen), P, ("key_mean",))
+    history = {"key_mean": pages["key_mean"][:, :n_hist]}
+    own = {"key_mean": pages["key_mean"][:, n_hist:]}
+    q = torch.randn(B, Hkv * G, length, D, generator=gen) * 3
+    scale = 0.4
+    options = _options(score="mean", pooling="softmax_max", sink_pages=sinks)
+    counted = [p for p in range(n_hist) if p < sinks or p >= n_hist - bound]
+    padded = torch.cat([q, q[:, :, -1:].expand(B, Hkv * G, 3 * P - length, D)], dim=2)
+    want = torch.empty(B, Hkv, 3, n_hist)
+    for j in range(3):  # each block's rows: its queries x the group's heads
+        s = padded[:, :, j * P:(j + 1) * P] @ pages["key_mean"][:, :, 0].transpose(1, 2)[:, None] * scale
+        seen = counted + [n_hist + i for i in range(j + 1)]
+        lse = s[..., seen].logsumexp(dim=-1, keepdim=True)
+        want[:, 0, j] = (s[..., :n_hist] - lse).amax(dim=(1, 2))
+    bounded = replace(options, normaliser_pages=bound)
+    got = block_scores(q, history, P, bounded, scale, own=own)
+    torch.testing.assert_close(got, want)
+    full = block_scores(q, history, P, options, scale, own=own)
+    assert torch.equal(got, full) == (n_hist <= sinks + bound)
+    assert oomb.sparse.normaliser_span(n_hist, bounded) == ((0, 0) if n_hist <= sinks + bound
+                                                             else (sinks, n_hist - bound))
+
+
+def test_bounded_normaliser_config():
+    """OOMBConfig.sparse_normaliser_pages reaches SparseOptions; it needs a softmax_max pooling and a
+    positive page count."""
+    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=256)
+    assert SparseOptions.from_config(config).normaliser_pages == 256
+    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).normaliser_pages is None
+    with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
+        OOMBConfig(attention="sparse", sparse_normaliser_pages=256)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="positive number of pages"):
+            OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=bad)
+
+
 # --------------------------------------------------------------------------------------------
 # The sparse reference backend against autograd on dense attention masked by the selection
 # --------------------------------------------------------------------------------------------

@@ -90,10 +90,18 @@ def test_scoring_by_hand():
     # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read once and the chunk causally
     keys = 128 * 4 * 32 + 128 * 129 // 2
     assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
-    # candidates pooled by softmax_max: the rows' normalisers are a second pass of the same products (not
-    # leak-free, which runs torch's one pass)
+    # candidates pooled by softmax_max: the rows' normalisers are a second pass of the same products over the
+    # history and the chunk's 4 own pages (not leak-free, which runs torch's one pass over both)
     pooled = dataclasses.replace(rerank, sparse_candidate_pooling="softmax_max")
-    assert scoring_work(pooled) == Work(matmul_flops=2 * 2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
+    assert scoring_work(pooled) == Work(matmul_flops=2 * 256 * 12 * (4 + 4 + 4), attention_flops=2 * 4 * 2 * keys)
+    leak_free = dataclasses.replace(pooled, sparse_leak_free=True)  # 4 blocks x 33 rows, one pass
+    assert scoring_work(leak_free).matmul_flops == 2 * 2 * 4 * 33 * 12 * (4 + 4)
+    # a bounded normaliser (sparse_normaliser_pages): the sink and the last page of the 4
+    bounded = dataclasses.replace(pooled, sparse_normaliser_pages=1)
+    assert scoring_work(bounded).matmul_flops == 2 * 256 * 12 * (4 + 2 + 4)
+    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
+        attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=7)
+    ).sparse_normaliser_pages == 7
     assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
         attention="sparse", sparse_candidate_pooling="softmax_max")).sparse_candidate_pooling == "softmax_max"
     exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="exact")

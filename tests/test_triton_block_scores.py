@@ -79,6 +79,26 @@ def test_kernel_normalised_over_the_history_matches_the_reference(score, length,
     assert (got < alone - 1e-4).any()  # the own pages take probability from the history's
 
 
+@pytest.mark.parametrize("score", ["minmax", "mean"])
+@pytest.mark.parametrize("n_hist,bound,sinks", [(40, 5, 1), (40, 20, 2), (23, 22, 1)])
+def test_kernel_bounded_normaliser_matches_the_reference(score, n_hist, bound, sinks):
+    """sparse_normaliser_pages: the row kernel counts the sinks, then the last ``bound`` history pages and
+    the own pages (one numbering without the gap, tiles straddling both spans), as the torch path does."""
+    B, Hkv, G, D, P, length = 1, 2, 3, 24, 16, 29
+    n_own = -(-length // P)
+    q, pages = _queries_and_summaries(B, Hkv, G, D, P, n_hist + n_own, length, torch.float32, seed=5)
+    summaries = {name: s[:, :n_hist] for name, s in pages.items()}
+    own = {name: s[:, n_hist:] for name, s in pages.items()}
+    options = replace(OPTIONS, score=score, pooling="softmax_max", sink_pages=sinks, normaliser_pages=bound)
+    want = block_scores(q, summaries, P, options, scale=0.3, own=own, kernel=False)
+    got = block_scores(q, summaries, P, options, scale=0.3, own=own, kernel=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    full = block_scores(q, summaries, P, replace(options, normaliser_pages=None), scale=0.3, own=own, kernel=True)
+    assert torch.equal(got, full) == (n_hist <= sinks + bound)
+    with pytest.raises(ValueError, match="normaliser_span"):
+        triton_block_scores.summary_block_scores(q, pages, P, score, 0.3, n_own, (3, 3))
+
+
 def test_kernel_refuses_what_it_does_not_score():
     q, summaries = _queries_and_summaries(1, 1, 2, 16, 16, 3, 16, torch.float32)
     for options in (replace(OPTIONS, pooling="softmax"), replace(OPTIONS, leak_free=True)):

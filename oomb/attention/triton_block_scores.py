@@ -14,7 +14,8 @@ mean: ``q . mean``. Rows past the chunk's end score as copies of its last query 
 maximum), as the reference pads them. All query rows (not leak-free). Max pooling of the raw scores (the
 default sparse settings and rerank's candidates), or with ``scale`` the "softmax_max" pooling
 (OOMBConfig.sparse_candidate_pooling, sparse_pooling): each row's scaled scores minus their log-sum-exp
-over every history page and the chunk's own pages up to its block, the best row's. The log-sum-exps come
+over every history page (or the sinks and the last pages: OOMBConfig.sparse_normaliser_pages) and the
+chunk's own pages up to its block, the best row's. The log-sum-exps come
 from a first kernel (one program per tile of one head's rows, an online log-sum-exp over the pages), which
 the block kernel subtracts per row.
 """
@@ -75,21 +76,22 @@ def _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok,
 
 @triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune_for_dtype})
-@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh", "num_head", "first_counted"])
 def _row_lse_kernel(
     q_ptr, a_ptr, b_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_ab, stride_ap, stride_ah, stride_ad,
     stride_bb, stride_bp, stride_bh, stride_bd,
     stride_lb, stride_lh, stride_ll,
-    num_kv_heads, seq_len, num_history, num_own, scale,
+    num_kv_heads, seq_len, num_history, num_own, scale, num_head, first_counted,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MINMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (query tiles, B * Hq): each query row's log-sum-exp of its scaled summary scores over every
-    history page and the chunk's own pages up to its block's (the ``num_own`` pages after the history in
-    the summaries), into ``lse`` (B, Hq, Lq) float32."""
+    """Grid (query tiles, B * Hq): each query row's log-sum-exp of its scaled summary scores over the
+    history pages before ``num_head`` and from ``first_counted`` on (0, 0: every one) and the chunk's own
+    pages up to its block's (the ``num_own`` pages after the history in the summaries), into ``lse``
+    (B, Hq, Lq) float32."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     pid_bh = tl.program_id(1)
     b = (pid_bh // (num_kv_heads * GROUP)).to(tl.int64)
@@ -106,9 +108,11 @@ def _row_lse_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block = offs_m // PAGE_SIZE
-    for n0 in range(0, num_history + num_own, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < num_history + num_own
+    num_counted = num_head + num_history + num_own - first_counted
+    for n0 in range(0, num_counted, BLOCK_N):
+        offs_c = n0 + tl.arange(0, BLOCK_N)  # the counted pages, numbered without the gap between the two spans
+        offs_n = tl.where(offs_c < num_head, offs_c, offs_c - num_head + first_counted)
+        n_ok = offs_c < num_counted
         a, lo = _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok, stride_ab, stride_ap, stride_ah,
                                 stride_ad, stride_bb, stride_bp, stride_bh, stride_bd, MINMAX, UPCAST)
         s = _summary_scores(q, a, lo, MINMAX, DOT_PRECISION) * scale
@@ -173,7 +177,8 @@ def _block_scores_kernel(
 
 
 def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int,
-                         score: str, scale: float | None = None, own_pages: int = 0) -> torch.Tensor:
+                         score: str, scale: float | None = None, own_pages: int = 0,
+                         normaliser_span: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Each query block's best row's summary score on each history page (max pooling; with ``scale``,
     softmax_max pooling).
 
@@ -187,6 +192,8 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
             pooling "softmax_max").
         own_pages: with ``scale``, the summaries' last pages are the chunk's own this many: block j's rows
             count own pages 0..j in their normaliser, and no block scores them.
+        normaliser_span: with ``scale``, (head, start): the normaliser counts the history pages before
+            head and from start on (oomb/sparse.py normaliser_span); (0, 0): every history page.
     Returns:
         (B, Hkv, n_blocks, n_hist) float32, as block_scores with pooling "max" (unscaled: a scale > 0
         does not change a maximum or a ranking), or "softmax_max" with ``scale``.
@@ -206,6 +213,9 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
                          f"D <= {MAX_HEAD_DIM})")
     if q.device.type != "cuda" and not INTERPRET:
         raise RuntimeError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    head, start = normaliser_span
+    if not (0 <= head <= start <= n_hist) or (start and head == start):
+        raise ValueError(f"normaliser_span {normaliser_span} must be (0, 0) or 0 <= head < start <= {n_hist} pages")
     n_blocks = -(-Lq // page_size)
     out = torch.empty((B, Hkv, n_blocks, n_hist), dtype=torch.float32, device=q.device)
     if B * Lq * n_hist == 0:
@@ -217,7 +227,7 @@ def summary_block_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], pa
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         _row_lse_kernel[lambda m: (triton.cdiv(Lq, m["BLOCK_M"]), B * Hq)](
             q, a, lo, lse, *q.stride(), *a.stride(), *lo.stride(), *lse.stride(), Hkv, Lq, n_hist, own_pages,
-            float(scale), **meta)
+            float(scale), head, start, **meta)
         normaliser = dict(lse_ptr=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ll=lse.stride(2),
                           scale=float(scale), NORMALISED=True)
 

@@ -113,6 +113,8 @@ class BenchOptions:
     """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse_rerank_candidates)."""
     sparse_candidate_pooling: str = OOMBConfig.sparse_candidate_pooling
     """Sparse modes, score "rerank": how a block's rows pool them (OOMBConfig.sparse_candidate_pooling)."""
+    sparse_normaliser_pages: int | None = OOMBConfig.sparse_normaliser_pages
+    """Sparse modes, pooling softmax_max: its normaliser's bound (OOMBConfig.sparse_normaliser_pages)."""
     warmup_tokens: int = 8192
     progress: bool = False
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
@@ -173,6 +175,7 @@ class BenchOptions:
                           sparse_rerank_factor=self.sparse_rerank_factor,
                           sparse_rerank_candidates=self.sparse_rerank_candidates,
                           sparse_candidate_pooling=self.sparse_candidate_pooling,
+                          sparse_normaliser_pages=self.sparse_normaliser_pages,
                           keep_attention_outputs=self.keep_attention_outputs)
 
     def sparse_assumptions(self) -> SparseAssumptions:
@@ -668,6 +671,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-candidate-pooling", choices=CANDIDATE_POOLINGS,
                         help=f"score rerank: how a block's rows pool the candidates' summary scores "
                              f"(default {d.sparse_candidate_pooling})")
+    parser.add_argument("--sparse-normaliser-pages", type=int,
+                        help="softmax_max pooling: history pages its normaliser counts besides the sinks "
+                             "(default: every page)")
     parser.add_argument("--chosen", action="store_true",
                         help="oomb modes run what `oomb train`'s chooser picks for the longest context from the "
                              "memory free after the weights load (every weight trained, no optimizer), for the "
@@ -689,7 +695,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                  "sparse_query_block_pages",
                  "sparse_budget",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
-                 "sparse_candidate_pooling", "warmup_tokens", "progress",
+                 "sparse_candidate_pooling", "sparse_normaliser_pages", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

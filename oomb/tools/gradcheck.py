@@ -76,6 +76,7 @@ class GradcheckOptions:
     rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
     rerank_candidates: list[str] = field(default_factory=lambda: ["minmax_mean"])  # score "rerank": who proposes them
     candidate_poolings: list[str] = field(default_factory=lambda: ["max"])  # score "rerank": how their rows pool
+    normaliser_pages: list[int | None] = field(default_factory=lambda: [None])  # softmax_max: its bound (None: all)
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -232,15 +233,16 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
     layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
     dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
     budgets = [None] if layer_budgets is not None else options.budgets
-    arms = [(score, pooling, budget, factor, proposer, pooled) for score, pooling, budget in
+    arms = [(score, pooling, budget, factor, proposer, pooled, bound) for score, pooling, budget in
             itertools.product(options.scores, options.poolings, budgets)
             for factor in (options.rerank_factors if score == "rerank" else [None])
             for proposer in (options.rerank_candidates if score == "rerank" else [None])
-            for pooled in (options.candidate_poolings if score == "rerank" else [None])]
-    for score, pooling, budget, factor, proposer, pooled in arms:
+            for pooled in (options.candidate_poolings if score == "rerank" else [None])
+            for bound in (options.normaliser_pages if "softmax_max" in (pooling, pooled) else [None])]
+    for score, pooling, budget, factor, proposer, pooled, bound in arms:
         extra = ({"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer,
                   "sparse_candidate_pooling": pooled} if factor is not None else {})
-        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse",
+        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse", "sparse_normaliser_pages": bound,
                                "sparse_budget": budget if budget is not None else max(layer_budgets),
                                "sparse_sink_pages": options.sink_pages, "sparse_score": score,
                                "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
@@ -250,8 +252,9 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config, progress=progress))
-        run = {"score": score if factor is None else _rerank_name(factor, proposer, pooled), "pooling": pooling,
-               "budget": budget if budget is not None else "per layer", "loss": loss,
+        run = {"score": score if factor is None else _rerank_name(factor, proposer, pooled, bound),
+               "pooling": pooling, "budget": budget if budget is not None else "per layer", "loss": loss,
+               "normaliser_pages": bound,
                "seconds": time.perf_counter() - start,
                "history_read": history_read(ids.shape[1], config, model_layers(model)),
                "groups": compare(_gradients(model), dense)}
@@ -265,11 +268,21 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
 
 
 
-def _rerank_name(factor: int, proposer: str, pooled: str = "max") -> str:
+def _rerank_name(factor: int, proposer: str, pooled: str = "max", bound: int | None = None) -> str:
     """An arm's name: "rerank x4" (minmax candidates, the names of earlier results), "rerank x4 mean", and
-    " softmax_max" after it for candidates pooled that way."""
+    " softmax_max" after it for candidates pooled that way (" softmax_max/256": its normaliser bounded to the
+    sinks and the last 256 history pages)."""
     return (f"rerank x{factor}" + ("" if proposer == "minmax" else f" {proposer}")
-            + ("" if pooled == "max" else f" {pooled}"))
+            + ("" if pooled == "max" else f" {pooled}") + ("" if bound is None else f"/{bound}"))
+
+def _bound(text: str) -> int | None:
+    """--normaliser-pages: 'all' or a positive number of pages."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of pages or 'all', not {text!r}")
+    return int(text)
+
 
 def format_report(report: dict) -> str:
     opts = report["options"]
@@ -335,6 +348,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score rerank: the summary scores proposing the candidates")
     parser.add_argument("--candidate-poolings", nargs="+", choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
                         help="score rerank: how a block's rows pool the candidates' summary scores")
+    parser.add_argument("--normaliser-pages", nargs="+", type=_bound, default=d.normaliser_pages,
+                        help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
+                             "each ('all': every page)")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")

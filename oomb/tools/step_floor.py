@@ -149,6 +149,7 @@ class StepSpec:
     sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
     sparse_pooling: str = "max"
     sparse_candidate_pooling: str = "max"
+    sparse_normaliser_pages: int | None = None
     sparse_leak_free: bool = False
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
@@ -180,6 +181,7 @@ class StepSpec:
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
                    sparse_candidate_pooling=config.sparse_candidate_pooling,
+                   sparse_normaliser_pages=config.sparse_normaliser_pages,
                    sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
 
@@ -267,13 +269,17 @@ def scoring_work(spec: StepSpec) -> Work:
             continue
         n_hist, n_blocks = start // P, -(-length // P)
         rows = shape.num_heads * n_blocks * (P + 1 if spec.sparse_leak_free else P)
-        rerank = spec.sparse_score == "rerank"  # its candidates never score the chunk's own pages
-        columns = n_hist + (n_blocks if spec.sparse_pooling == "softmax_max" and not rerank else 0)
-        # rerank's candidates pooled by softmax_max (the kernel: not leak-free): a first pass of the same products
-        # for each row's normaliser
-        summary_passes = 2 if rerank and spec.sparse_candidate_pooling == "softmax_max" and not spec.sparse_leak_free \
-            else 1
-        matmul += 2.0 * rows * _summary_width(spec) * columns * summary_passes
+        rerank = spec.sparse_score == "rerank"
+        pooling = spec.sparse_candidate_pooling if rerank else spec.sparse_pooling
+        width = 2.0 * rows * _summary_width(spec)
+        if pooling == "softmax_max" and spec.sparse_leak_free:  # torch: one product over history and own pages
+            matmul += width * (n_hist + n_blocks)
+        else:
+            matmul += width * n_hist
+            if pooling == "softmax_max":  # the kernel's first pass: each row's normaliser, own pages included
+                bound = spec.sparse_normaliser_pages
+                counted = n_hist if bound is None else min(n_hist, spec.sparse_sink_pages + bound)
+                matmul += width * (counted + n_blocks)
         if spec.sparse_score in ("rerank", "exact"):
             scored = n_hist if spec.sparse_score == "exact" else min(
                 n_hist, spec.sparse_sink_pages + spec.sparse_rerank_factor * spec.sparse_budget)
