@@ -93,8 +93,9 @@ class OOMBConfig:
     normalised first by their log-sum-exp over the pages it sees (the history, and the chunk's own pages up
     to its block), the best row's. On SmolLM2 at 8K with a quarter of the pages read it met the near-dense
     mark in all three cases measured, where "max" misses two (docs/sparse.md, "Candidate pooling"); on the GPU
-    it costs a second pass over the summaries. The normaliser counts every history page (also other documents' of a
-    packed sequence) and no logit softcap or sink: an estimate for ranking candidates, not the attention's."""
+    it costs a second pass over the summaries. The normaliser counts every history page (or the sequence's first
+    sparse_sink_pages and the last sparse_normaliser_pages; other documents' too, in a packed sequence) and no
+    logit softcap or attention sink: an estimate for ranking candidates, not the attention's."""
     sparse_normaliser_pages: int | None = None
     """Sparse, pooling "softmax_max" (sparse_candidate_pooling or sparse_pooling): the history pages each
     row's normaliser counts besides the sink pages and the chunk's own pages: the last this many. None
@@ -215,9 +216,14 @@ class OOMBConfig:
                     or self.sparse_normaliser_pages < 1:
                 raise ValueError(f"sparse_normaliser_pages must be a positive number of pages or None (every history "
                                  f"page); got {self.sparse_normaliser_pages!r}")
-            if "softmax_max" not in (self.sparse_pooling, self.sparse_candidate_pooling):
-                raise ValueError("sparse_normaliser_pages bounds the softmax_max pooling's normaliser: set "
-                                 "sparse_candidate_pooling='softmax_max' (or sparse_pooling='softmax_max') with it")
+            score = self.resolved_sparse_score
+            if not ((score == "rerank" and self.sparse_candidate_pooling == "softmax_max")
+                    or (score in ("minmax", "mean") and self.sparse_pooling == "softmax_max")):
+                raise ValueError("sparse_normaliser_pages bounds the softmax_max pooling's normaliser of page summary "
+                                 "scores: set sparse_candidate_pooling='softmax_max' (score rerank) or "
+                                 f"sparse_pooling='softmax_max' (score minmax or mean) with it; got score {score!r}, "
+                                 f"sparse_pooling={self.sparse_pooling!r}, "
+                                 f"sparse_candidate_pooling={self.sparse_candidate_pooling!r}")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
                              f"of: {RERANK_CANDIDATES}")

@@ -266,7 +266,8 @@ def block_scores(
             out[:, :, b0:b1] = torch.softmax(s * scale, dim=-1).sum(dim=3)
         elif options.pooling == "softmax_max":
             # Each row's estimated log-probability of the page (its scores normalised over every page it
-            # sees: the history and its own chunk's pages up to its block), the best row's per page.
+            # sees: the history, or its sinks and last pages (normaliser_pages), and its own chunk's pages up
+            # to its block), the best row's per page.
             logits = s * scale
             if n_own:
                 block = torch.arange(b0, b1, device=q.device)[:, None]  # (blocks, 1)

@@ -78,6 +78,7 @@ def test_gradcheck_arms_of_the_normaliser_bound(tmp_path, monkeypatch):
     assert set(runs) == {"rerank x2 minmax_mean", "rerank x2 minmax_mean softmax_max",
                          "rerank x2 minmax_mean softmax_max/1"}
     assert runs["rerank x2 minmax_mean softmax_max/1"]["normaliser_pages"] == 1
+    assert runs["rerank x2 minmax_mean softmax_max/1"]["loss"] != runs["rerank x2 minmax_mean softmax_max"]["loss"]
     assert seen == {("max", None), ("softmax_max", None), ("softmax_max", 1)}
     with pytest.raises(SystemExit):
         cli.main(["gradcheck", *SMALL, "--normaliser-pages", "0"])

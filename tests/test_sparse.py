@@ -612,6 +612,11 @@ def test_bounded_normaliser_config():
     assert SparseOptions.from_config(OOMBConfig(attention="sparse")).normaliser_pages is None
     with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
         OOMBConfig(attention="sparse", sparse_normaliser_pages=256)
+    with pytest.raises(ValueError, match="got score 'exact'"):  # the exact score reads no summaries
+        OOMBConfig(attention="sparse", sparse_score="exact", sparse_pooling="softmax_max", sparse_normaliser_pages=4)
+    minmax = OOMBConfig(attention="sparse", sparse_score="minmax", sparse_pooling="softmax_max",
+                        sparse_normaliser_pages=4)
+    assert SparseOptions.from_config(minmax).normaliser_pages == 4
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="positive number of pages"):
             OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=bad)

@@ -80,10 +80,11 @@ def test_kernel_normalised_over_the_history_matches_the_reference(score, length,
 
 
 @pytest.mark.parametrize("score", ["minmax", "mean"])
-@pytest.mark.parametrize("n_hist,bound,sinks", [(40, 5, 1), (40, 20, 2), (23, 22, 1)])
+@pytest.mark.parametrize("n_hist,bound,sinks", [(40, 5, 1), (40, 20, 2), (23, 22, 1), (40, 5, 0), (60, 10, 20)])
 def test_kernel_bounded_normaliser_matches_the_reference(score, n_hist, bound, sinks):
     """sparse_normaliser_pages: the row kernel counts the sinks, then the last ``bound`` history pages and
-    the own pages (one numbering without the gap, tiles straddling both spans), as the torch path does."""
+    the own pages (one numbering without the gap, tiles straddling both spans; no sinks; more sinks than a
+    tile holds), as the torch path does."""
     B, Hkv, G, D, P, length = 1, 2, 3, 24, 16, 29
     n_own = -(-length // P)
     q, pages = _queries_and_summaries(B, Hkv, G, D, P, n_hist + n_own, length, torch.float32, seed=5)

@@ -478,6 +478,7 @@ for part in "$@"; do
       sleep 60; tail -n 20 "/tmp/keep/$name/train.log" ;;
     train_check)
       for dir in /tmp/keep/train_*/; do
+        [ -d "$dir" ] || continue
         name=$(basename "$dir"); mkdir -p "$OUT/$name"
         cp "$dir/train.log" "$dir/exit" "$OUT/$name/" 2>/dev/null
         cp "$dir/run/metrics.jsonl" "$OUT/$name/" 2>/dev/null

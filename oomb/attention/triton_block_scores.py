@@ -76,7 +76,7 @@ def _load_summaries(a_ptr, b_ptr, b, kvh, offs_n, offs_d, n_ok, d_ok,
 
 @triton.autotune(configs=_CONFIGS, key=["HEAD_DIM", "PAGE_SIZE", "GROUP", "MINMAX"], cache_results=CACHE_TUNING,
                  prune_configs_by={"early_config_prune": _prune_for_dtype})
-@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh", "num_head", "first_counted"])
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_lb", "stride_lh", "num_own", "num_head", "first_counted"])
 def _row_lse_kernel(
     q_ptr, a_ptr, b_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -119,7 +119,8 @@ def _row_lse_kernel(
         # history pages, and own pages up to the row's block (own page i covers keys before block i + 1)
         visible = (offs_n < num_history)[None, :] | (n_ok[None, :] & (offs_n[None, :] - num_history <= block[:, None]))
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a page (num_history >= 1)
+        # finite from the first tile on: it starts with history page 0 or first_counted (num_history >= 1)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m_i = m_new
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + offs_m.to(tl.int64) * stride_ll, m_i + tl.log(l_i),

@@ -252,7 +252,9 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = float(forward_backward(model, ids, config=config, progress=progress))
-        run = {"score": score if factor is None else _rerank_name(factor, proposer, pooled, bound),
+        name = (score + ("" if bound is None else f"/{bound}")) if factor is None else \
+            _rerank_name(factor, proposer, pooled, bound)
+        run = {"score": name,
                "pooling": pooling, "budget": budget if budget is not None else "per layer", "loss": loss,
                "normaliser_pages": bound,
                "seconds": time.perf_counter() - start,
