@@ -84,6 +84,36 @@ def test_gradcheck_arms_of_the_normaliser_bound(tmp_path, monkeypatch):
         cli.main(["gradcheck", *SMALL, "--normaliser-pages", "0"])
 
 
+def test_gradcheck_keeps_the_dense_step(tmp_path, monkeypatch):
+    """--dense-cache: the first run keeps its dense step, a second run of the same model and tokens takes it
+    (no dense step run: the sparse arms only) and reports the same numbers; other chunks or weights miss."""
+    import oomb.tools.gradcheck as gradcheck
+
+    real, steps = gradcheck.forward_backward, []
+
+    def counted(*args, **kwargs):
+        steps.append(kwargs["config"].attention)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gradcheck, "forward_backward", counted)
+    cache, args = tmp_path / "dense", [*SMALL, "--budgets", "2", "--scores", "minmax", "--hf", "off"]
+    reports = []
+    for run in range(2):
+        out = tmp_path / f"run{run}.json"
+        assert cli.main(["gradcheck", *args, "--dense-cache", str(cache), "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    assert steps == ["dense", "sparse", "sparse"]
+    first, second = reports
+    assert first["dense"]["kept"] == second["dense"]["kept"] and second["dense"]["kept_date"] == first["date"]
+    assert second["dense"]["loss"] == first["dense"]["loss"]
+    timeless = [[{k: v for k, v in arm.items() if k != "seconds"} for arm in r["sparse"]] for r in reports]
+    assert timeless[0] == timeless[1]  # the same cosines, errors and losses against the kept reference
+    assert len(list(cache.iterdir())) == 1
+    assert cli.main(["gradcheck", *args, "--chunk-size", "512", "--dense-cache", str(cache)]) == 0
+    assert cli.main(["gradcheck", *args, "--seed", "1", "--dense-cache", str(cache)]) == 0  # other random weights
+    assert steps[3:] == ["dense", "sparse", "dense", "sparse"] and len(list(cache.iterdir())) == 3
+
+
 def test_gradcheck_reports_each_step_and_a_stopped_run_keeps_what_finished(tmp_path, capsys, monkeypatch):
     """A line per finished step on stderr, and the JSON rewritten after each: a run stopped in its second
     sparse arm leaves the dense step and the first arm on disk (a 32K run on a CPU takes an hour)."""

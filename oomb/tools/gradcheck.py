@@ -48,6 +48,7 @@ from ..real_model import with_yarn
 from ..sparse import SparseOptions
 from ..training import presets
 from ..training.config import ModelSection
+from . import dense_cache
 from .plan import parse_tokens
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class GradcheckOptions:
     hf: str = "auto"
     yarn: float | None = None
     json_path: str | None = None
+    dense_cache: str | None = None  # a folder keeping dense steps (dense_cache.py): a later run skips its own
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -210,14 +212,26 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
               "model": model_text, "sequence": source, "tokens": ids.shape[1], "options": asdict(options),
               "config": {k: v for k, v in asdict(base).items() if not k.startswith("sparse_")}}
 
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    dense_loss = float(forward_backward(model, ids, config=base, progress=progress))
-    dense = _gradients(model)
-    report["dense"] = {"loss": dense_loss, "seconds": time.perf_counter() - start}
+    key = dense_cache.dense_key(model, ids, base.chunk_size, base.page_size) if options.dense_cache else None
+    kept = dense_cache.load_dense(options.dense_cache, key, ids.device) if key else None
+    if kept is not None:
+        dense, dense_loss = kept["gradients"], kept["loss"]
+        report["dense"] = {"loss": dense_loss, "seconds": kept["seconds"], "kept": kept["path"],
+                           "kept_date": kept["date"]}
+        done = f"dense step: loss {dense_loss:.6f} (kept: {kept['path']}, {kept['date']})"
+    else:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        dense_loss = float(forward_backward(model, ids, config=base, progress=progress))
+        dense = _gradients(model)
+        report["dense"] = {"loss": dense_loss, "seconds": time.perf_counter() - start}
+        if key:
+            report["dense"]["kept"] = str(dense_cache.save_dense(options.dense_cache, key, dense_loss,
+                                                                 report["dense"]["seconds"], report["date"], dense))
+        done = f"dense step: loss {dense_loss:.6f} ({report['dense']['seconds']:.1f} s)"
     report["sparse"] = []
     if on_step is not None:
-        on_step(report, f"dense step: loss {dense_loss:.6f} ({report['dense']['seconds']:.1f} s)")
+        on_step(report, done)
 
     run_hf = options.hf == "on" or (options.hf == "auto" and ids.shape[1] <= HF_AUTO_MAX_TOKENS)
     if run_hf:
@@ -362,6 +376,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
     parser.add_argument("--yarn", type=float, default=None,
                         help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
+    parser.add_argument("--dense-cache", default=None, metavar="DIR",
+                        help="keep the dense step's loss and gradients in DIR, and take them from there when a "
+                             "run of the same model, tokens, chunk and page sizes and machine kept them")
     parser.add_argument("--json", dest="json_path", default=None,
                         help="also write the report as JSON here (rewritten after each step: a stopped run keeps "
                              "what finished)")
