@@ -97,10 +97,15 @@
 #                    near-dense mark on both texts (max pooling: one). Criterion, fixed before the run: it becomes
 #                    the default if the tests pass, its 128K step takes at most 1.03x max pooling's in the same call,
 #                    the 1M step (candidate_pooling_1m) at most 1.03x compiled_1m's, and the 16K/32K CPU points
-#                    (gradcheck --candidate-poolings softmax_max) stay at or above max pooling's
+#                    (gradcheck --candidate-poolings softmax_max) stay at or above max pooling's. The same call also
+#                    times the bounded normaliser (--sparse-normaliser-pages 256: sinks + last 256 history pages +
+#                    own pages; docs/sparse.md "A bounded normaliser" has its CPU criterion), which then stands in
+#                    for the full one in this criterion if the CPU criterion picks it (~5.5 min)
 #   candidate_pooling_1m issue 18/23: the 1M sparse+offload step with the chooser's plan and softmax_max candidates
 #                    (compiled_1m's command with --sparse-candidate-pooling softmax_max; 184.34 s with max pooling),
-#                    alone in a call (~5 min): the criterion's 1M half
+#                    alone in a call (~5 min): the criterion's 1M half (the full normaliser's pass grows with the
+#                    square of the context: estimated +6 % at 1M from the 2-layer profile's block-score time)
+#   candidate_pooling_1m_bounded  the same with --sparse-normaliser-pages 256 (estimated +0.2 s of floor)
 #   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
 #                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
 #   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
@@ -345,12 +350,19 @@ for part in "$@"; do
       run 130 pool_softmax_max python -m oomb bench --modes sparse --contexts 128K --chosen \
           --sparse-candidate-pooling softmax_max --out-dir "$OUT" --name sparse_chosen_candidates_softmax_max_128k
       run 100 pool_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_block_scores.py
+      run 120 pool_bounded python -m oomb bench --modes sparse --contexts 128K --chosen \
+          --sparse-candidate-pooling softmax_max --sparse-normaliser-pages 256 --out-dir "$OUT" \
+          --name sparse_chosen_candidates_softmax_max_256_128k
       run 120 pool_max python -m oomb bench --modes sparse --contexts 128K --chosen \
           --out-dir "$OUT" --name sparse_chosen_candidates_max_128k ;;
     candidate_pooling_1m)
       run 330 pool_softmax_max_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --sparse-candidate-pooling softmax_max --out-dir "$OUT" \
           --name sparse_offload_chosen_candidates_softmax_max_1m ;;
+    candidate_pooling_1m_bounded)
+      run 330 pool_bounded_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+          --kv-grad-dtype bf16 --sparse-candidate-pooling softmax_max --sparse-normaliser-pages 256 --out-dir "$OUT" \
+          --name sparse_offload_chosen_candidates_softmax_max_256_1m ;;
     dense_confirm)
       run 300 dense_confirm python -m oomb bench --modes hf dense --contexts 128K --chosen \
           --out-dir "$OUT" --name dense_chosen_confirm_128k ;;
