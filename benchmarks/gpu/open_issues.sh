@@ -160,9 +160,11 @@
 #                    (back to back: the machine stays warm 30 s)
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (after the fourth 2026-12-04 session, which ran chosen_confirm, tma_tests, tma_speed, rerank_speed and
-# kept_dense_nohf; no machine was lent for its last two): candidate_pooling (~4 min), candidate_pooling_1m (~5 min),
-# dense_confirm (~3.5 min); then kernel work for 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
+# Next calls (no machine was lent in the 2026-12-05 session; the fourth 2026-12-04 session ran chosen_confirm,
+# tma_tests, tma_speed, rerank_speed and kept_dense_nohf): candidate_pooling (~5.5 min), candidate_pooling_1m_bounded
+# (~5 min; candidate_pooling_1m too if the full normaliser is still in the running), train_1m_bg then train_check in
+# the calls after it (D2's LoRA case, ~10 min in the background), dense_confirm (~3.5 min); then kernel work for
+# 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
