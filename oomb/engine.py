@@ -43,7 +43,7 @@ from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
 from .kv.offload import HostSlabs, OffloadedKVStore
 from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels
-from .machine import host_available_bytes
+from .machine import gpu_free_bytes, host_available_bytes
 from .models import (
     Stage,
     StepState,
@@ -396,7 +396,7 @@ def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, hos
     the operating system may page out)."""
     if device.type != "cuda":
         return
-    gpu_free = torch.cuda.mem_get_info(device)[0]
+    gpu_free = gpu_free_bytes(device)
     host_free = host_available_bytes() if config.offload else None
     if host_free is not None and host_slabs is not None:
         host_free += host_slabs.nbytes  # slabs kept from earlier steps are reused

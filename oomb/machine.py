@@ -41,6 +41,16 @@ def detect_gpu(device: int | str | torch.device | None = None) -> GpuInfo | None
     return GpuInfo(torch.cuda.get_device_name(device), total, free)
 
 
+def gpu_free_bytes(device: int | str | torch.device | None = None) -> int:
+    """GPU memory an allocation could get now: what the driver reports free plus what PyTorch's caching
+    allocator holds unused (it hands those blocks out again, and releases them to the driver before an
+    allocation fails). The driver's figure alone misses a freed step's pages: a second step would see
+    the first one's 84 GiB of 1M-token pages as taken."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _meminfo_bytes(key: str) -> int | None:
     try:
         for line in PROC_MEMINFO.read_text().splitlines():

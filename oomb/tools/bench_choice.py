@@ -80,6 +80,6 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
 def chosen_for_loaded_model(mode: str, options, model, device: torch.device) -> BenchChoice:
     """``chosen_options`` for ``model`` once its weights are on ``device``: from the GPU memory free now (None
     on a CPU) and the host memory free now."""
-    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    gpu_free = machine.gpu_free_bytes(device) if device.type == "cuda" else None
     return chosen_options(mode, options, ModelShape.from_hf_config(model.config), gpu_free, machine.host_free_bytes(),
                           may_compile(model), fused_loss_possible(model))

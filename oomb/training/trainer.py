@@ -272,7 +272,7 @@ class Trainer(Checkpointing):
         terms = self.predicted_memory(causal_lm)
         need = sum(terms.values())
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free = machine.gpu_free_bytes(self.device)
             where = f"GPU memory on {self.device}"
         else:
             free = host_available_bytes()
@@ -320,7 +320,7 @@ class Trainer(Checkpointing):
         # Context parallel: the chooser plans every page on one GPU (safe: a rank holds 1/cp of them) and,
         # with offload, on the host, which the cp ranks of a machine share.
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
-        gpu_free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        gpu_free = machine.gpu_free_bytes(self.device) if cuda else 0
         host_free = host_available_bytes()
         if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels
             free = torch.tensor([gpu_free, host_free], dtype=torch.float64, device=self.device)
