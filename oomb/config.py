@@ -22,6 +22,7 @@ RERANK_CANDIDATES = ("minmax", "mean", "minmax_mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 CANDIDATE_POOLINGS = ("max", "softmax_max")
+NORMALISER_PAGES = 256  # sparse_normaliser_pages="auto"
 
 
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
@@ -87,21 +88,24 @@ class OOMBConfig:
     "minmax" (Quest's bound from each page's min and max key) or "mean" (q . the page's mean key). On
     SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its
     gradients are the closest to dense (docs/sparse.md, "Candidates")."""
-    sparse_candidate_pooling: Literal["max", "softmax_max"] = "max"
+    sparse_candidate_pooling: Literal["auto", "max", "softmax_max"] = "auto"
     """Sparse, score "rerank": how a query block's rows (its queries x the KV head's query heads) pool the
-    candidates' summary scores. "max" (default): the best raw score; "softmax_max": each row's scores
-    normalised first by their log-sum-exp over the pages it sees (the history, and the chunk's own pages up
-    to its block), the best row's. On SmolLM2 at 8K with a quarter of the pages read it met the near-dense
-    mark in all three cases measured, where "max" misses two (docs/sparse.md, "Candidate pooling"); on the GPU
-    it costs a second pass over the summaries. The normaliser counts every history page (or the sequence's first
-    sparse_sink_pages and the last sparse_normaliser_pages; other documents' too, in a packed sequence) and no
-    logit softcap or attention sink: an estimate for ranking candidates, not the attention's."""
-    sparse_normaliser_pages: int | None = None
+    candidates' summary scores. "softmax_max": each row's scores normalised first by their log-sum-exp over
+    the pages it sees (the history, and the chunk's own pages up to its block), the best row's; "max": the
+    best raw score; "auto" (default): softmax_max with score rerank. On SmolLM2 with a quarter of the pages
+    read softmax_max met the near-dense mark at 8K (three cases: max misses two), 16K and 32K, and at 128K
+    and 1M on the H200 its step takes what max's does (docs/sparse.md, "Candidate pooling"). The normaliser
+    counts the sequence's first sparse_sink_pages and the last sparse_normaliser_pages history pages (other
+    documents' too, in a packed sequence) and no logit softcap or attention sink: an estimate for ranking
+    candidates, not the attention's."""
+    sparse_normaliser_pages: int | Literal["auto"] | None = "auto"
     """Sparse, pooling "softmax_max" (sparse_candidate_pooling or sparse_pooling): the history pages each
-    row's normaliser counts besides the sink pages and the chunk's own pages: the last this many. None
-    (default): every history page, a pass over the summaries that grows with the square of the context;
-    a number bounds it (linear in the context) and equals the full normaliser while the history holds
-    at most this many pages besides the sinks (docs/sparse.md, "A bounded normaliser")."""
+    row's normaliser counts besides the sink pages and the chunk's own pages: the last this many. "auto"
+    (default): NORMALISER_PAGES (256) where a softmax_max normaliser runs. None: every history page, a pass
+    over the summaries that grows with the square of the context; a number bounds it (linear in the
+    context) and equals the full normaliser while the history holds at most this many pages besides the
+    sinks. At 32K (448 history pages) 256 gave the full normaliser's gradients (docs/sparse.md, "A bounded
+    normaliser")."""
     sparse_layer_budgets: list[int] | None = None
     """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
     sparse_dense_layers: list[int] = field(default_factory=list)
@@ -205,24 +209,22 @@ class OOMBConfig:
         if self.sparse_score == "exact" and self.sparse_leak_free:
             raise ValueError("sparse_score='exact' scores a block with its own queries: it cannot be combined with "
                              "sparse_leak_free=True (sparse_score='rerank' can)")
-        if self.sparse_candidate_pooling not in CANDIDATE_POOLINGS:
+        if self.sparse_candidate_pooling not in ("auto", *CANDIDATE_POOLINGS):
             raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} is not supported; use one "
-                             f"of: {CANDIDATE_POOLINGS}")
-        if self.sparse_candidate_pooling != "max" and self.resolved_sparse_score != "rerank":
+                             f"of: {('auto', *CANDIDATE_POOLINGS)}")
+        if self.sparse_candidate_pooling == "softmax_max" and self.resolved_sparse_score != "rerank":
             raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} pools rerank's candidates: "
                              f"it does not apply to sparse_score={self.resolved_sparse_score!r}")
-        if self.sparse_normaliser_pages is not None:
+        if self.sparse_normaliser_pages not in ("auto", None):
             if isinstance(self.sparse_normaliser_pages, bool) or not isinstance(self.sparse_normaliser_pages, int) \
                     or self.sparse_normaliser_pages < 1:
-                raise ValueError(f"sparse_normaliser_pages must be a positive number of pages or None (every history "
-                                 f"page); got {self.sparse_normaliser_pages!r}")
-            score = self.resolved_sparse_score
-            if not ((score == "rerank" and self.sparse_candidate_pooling == "softmax_max")
-                    or (score in ("minmax", "mean") and self.sparse_pooling == "softmax_max")):
+                raise ValueError(f"sparse_normaliser_pages must be a positive number of pages, 'auto' or None (every "
+                                 f"history page); got {self.sparse_normaliser_pages!r}")
+            if not self._summary_normaliser_runs:
                 raise ValueError("sparse_normaliser_pages bounds the softmax_max pooling's normaliser of page summary "
                                  "scores: set sparse_candidate_pooling='softmax_max' (score rerank) or "
-                                 f"sparse_pooling='softmax_max' (score minmax or mean) with it; got score {score!r}, "
-                                 f"sparse_pooling={self.sparse_pooling!r}, "
+                                 f"sparse_pooling='softmax_max' (score minmax or mean) with it; got score "
+                                 f"{self.resolved_sparse_score!r}, sparse_pooling={self.sparse_pooling!r}, "
                                  f"sparse_candidate_pooling={self.sparse_candidate_pooling!r}")
         if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
             raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
@@ -274,6 +276,29 @@ class OOMBConfig:
         if self.sparse_score != "auto":
             return self.sparse_score
         return "minmax" if self.sparse_pooling != "max" else "rerank"
+
+    @property
+    def resolved_sparse_candidate_pooling(self) -> str:
+        """How rerank's candidates are pooled: sparse_candidate_pooling, with "auto" resolved (softmax_max with
+        score rerank; "max", unused, otherwise)."""
+        if self.sparse_candidate_pooling != "auto":
+            return self.sparse_candidate_pooling
+        return "softmax_max" if self.resolved_sparse_score == "rerank" else "max"
+
+    @property
+    def resolved_sparse_normaliser_pages(self) -> int | None:
+        """The softmax_max normaliser's history pages: sparse_normaliser_pages, with "auto" resolved
+        (NORMALISER_PAGES where the normaliser runs, None where none does)."""
+        if self.sparse_normaliser_pages != "auto":
+            return self.sparse_normaliser_pages
+        return NORMALISER_PAGES if self._summary_normaliser_runs else None
+
+    @property
+    def _summary_normaliser_runs(self) -> bool:
+        """Whether a softmax_max pooling normalises page summary scores."""
+        score = self.resolved_sparse_score
+        return ((score == "rerank" and self.resolved_sparse_candidate_pooling == "softmax_max")
+                or (score in ("minmax", "mean") and self.sparse_pooling == "softmax_max"))
 
     @property
     def grad_dtype(self) -> torch.dtype:

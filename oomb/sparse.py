@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import OOMBConfig
+from .config import NORMALISER_PAGES, OOMBConfig
 from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
@@ -95,8 +95,9 @@ class SparseOptions:
     dense_layers: frozenset[int] = frozenset()  # layers that read every history page
     rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
     rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
-    candidate_pooling: str = "max"  # score "rerank": how the candidates' summary scores pool a block's rows
-    normaliser_pages: int | None = None  # softmax_max: history pages a row's normaliser counts besides the sinks
+    candidate_pooling: str = "softmax_max"  # score "rerank": how the candidates' summary scores pool a block's rows
+    normaliser_pages: int | None = NORMALISER_PAGES  # softmax_max: history pages a row's normaliser counts besides
+    # the sinks (None: every one)
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -108,8 +109,8 @@ class SparseOptions:
                    config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
                    frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
-                   config.sparse_rerank_candidates, config.sparse_candidate_pooling,
-                   config.sparse_normaliser_pages)
+                   config.sparse_rerank_candidates, config.resolved_sparse_candidate_pooling,
+                   config.resolved_sparse_normaliser_pages)
 
     @property
     def summaries(self) -> tuple[str, ...]:

@@ -47,3 +47,13 @@ def format_tokens(tokens: int) -> str:
         if tokens >= scale and tokens % scale == 0:
             return f"{tokens // scale}{suffix}"
     return f"{tokens:,}"
+
+
+def parse_normaliser_pages(text: str) -> int | str | None:
+    """--normaliser-pages / --sparse-normaliser-pages: 'all' (None: every history page), 'auto' or a
+    positive number of pages (OOMBConfig.sparse_normaliser_pages)."""
+    if text in ("all", "auto"):
+        return None if text == "all" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of pages, 'auto' or 'all', not {text!r}")
+    return int(text)

@@ -222,7 +222,12 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
         ["bench", "--quick", "--sparse-candidate-pooling", "softmax_max", "--sparse-normaliser-pages", "256"]))
     config = pooled.oomb_config()
     assert (config.sparse_candidate_pooling, config.sparse_normaliser_pages) == ("softmax_max", 256)
-    assert default.oomb_config().sparse_normaliser_pages is None
+    assert default.oomb_config().sparse_normaliser_pages == "auto"
+    every_page = bench.options_from_args(cli.build_parser().parse_args(
+        ["bench", "--quick", "--sparse-normaliser-pages", "all"]))
+    assert every_page.oomb_config().sparse_normaliser_pages is None
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--sparse-normaliser-pages", "0"])
 
 
 def test_resident_layers_reach_the_step_config_and_the_prediction():

@@ -421,7 +421,8 @@ def test_rerank_score_is_the_attention_mass_among_the_candidates(length):
     store, gen = _filled_store(B, Hkv, D, P, spans, seed=5)
     chunk = spans[1]
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
-    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="minmax")  # 1 sink + 2 of 6
+    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="minmax",
+                       candidate_pooling="max")  # 1 sink + 2 of 6, the candidates by the best row's raw bound
     minmax = block_scores(q, store.history_summaries(0, n_hist), P, _options())
     candidates = top_pages(minmax, oomb.sparse.candidate_options(options, 0))
     assert candidates.shape[-1] == 3
@@ -513,7 +514,7 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
     spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
     store, gen = _filled_store(B, Hkv, D, P, spans, seed=9, summaries=("key_mean",))
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
-    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="mean")
+    options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="mean", candidate_pooling="max")
     assert options.summaries == ("key_mean",)
     mean = block_scores(q, store.history_summaries(0, n_hist), P, _options(score="mean"))
     candidates = top_pages(mean, oomb.sparse.candidate_options(options, 0))
@@ -531,7 +532,8 @@ def test_minmax_mean_candidates_are_minmax_half_then_the_mean_keys_best():
     spans = [ChunkSpan(0, 0, n_hist * P), ChunkSpan(1, n_hist * P, n_hist * P + length)]
     store, gen = _filled_store(B, Hkv, D, P, spans, seed=4, summaries=("key_min", "key_max", "key_mean"))
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
-    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax_mean")  # 4 + 1 sink
+    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax_mean",
+                       candidate_pooling="max")  # 4 + 1 sink, by the best row's raw summary scores
     summaries = store.history_summaries(0, n_hist)
     got = oomb.sparse.propose_candidates(q, summaries, P, options, 0)
     minmax = block_scores(q, summaries, P, _options())
@@ -554,7 +556,7 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
     q[:, 0, 0] *= 30  # one loud row
     summaries = store.history_summaries(0, n_hist)
-    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax")
+    options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax", candidate_pooling="max")
     pooled = replace(options, candidate_pooling="softmax_max")
     scale = D ** -0.5
     rows = q.reshape(B, Hkv, G, length, D)
@@ -567,6 +569,10 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     assert not torch.equal(got, oomb.sparse.propose_candidates(q, summaries, P, options, 0, scale))
     config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max")
     assert SparseOptions.from_config(config).candidate_pooling == "softmax_max"
+    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).candidate_pooling == "softmax_max"  # "auto"
+    assert OOMBConfig(attention="sparse", sparse_score="minmax").resolved_sparse_candidate_pooling == "max"
+    assert SparseOptions.from_config(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")).candidate_pooling \
+        == "max"
     with pytest.raises(ValueError, match="sparse_candidate_pooling='softmax'"):
         OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax")
     with pytest.raises(ValueError, match="does not apply to sparse_score='minmax'"):
@@ -605,13 +611,18 @@ def test_bounded_normaliser_counts_the_sinks_the_last_pages_and_the_own_pages(n_
 
 
 def test_bounded_normaliser_config():
-    """OOMBConfig.sparse_normaliser_pages reaches SparseOptions; it needs a softmax_max pooling and a
-    positive page count."""
-    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=256)
-    assert SparseOptions.from_config(config).normaliser_pages == 256
-    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).normaliser_pages is None
+    """OOMBConfig.sparse_normaliser_pages reaches SparseOptions; "auto" (the default) is 256 where a
+    softmax_max normaliser runs and None elsewhere; a number needs a softmax_max pooling and is positive."""
+    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=100)
+    assert SparseOptions.from_config(config).normaliser_pages == 100
+    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).normaliser_pages == 256
+    full = OOMBConfig(attention="sparse", sparse_normaliser_pages=None)  # every history page
+    assert SparseOptions.from_config(full).normaliser_pages is None
+    for no_normaliser in (dict(sparse_candidate_pooling="max"), dict(sparse_score="minmax"),
+                          dict(sparse_score="exact", sparse_pooling="softmax_max")):
+        assert SparseOptions.from_config(OOMBConfig(attention="sparse", **no_normaliser)).normaliser_pages is None
     with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
-        OOMBConfig(attention="sparse", sparse_normaliser_pages=256)
+        OOMBConfig(attention="sparse", sparse_candidate_pooling="max", sparse_normaliser_pages=256)
     with pytest.raises(ValueError, match="got score 'exact'"):  # the exact score reads no summaries
         OOMBConfig(attention="sparse", sparse_score="exact", sparse_pooling="softmax_max", sparse_normaliser_pages=4)
     minmax = OOMBConfig(attention="sparse", sparse_score="minmax", sparse_pooling="softmax_max",

@@ -86,7 +86,8 @@ def test_scoring_by_hand():
     minmax = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="minmax")
     # chunk 1 only (4 history pages > 1 sink + 1): 2 heads x 4 blocks x 32 rows against 4 pages, width 2D = 8
     assert scoring_work(minmax) == Work(matmul_flops=2 * 256 * 8 * 4)
-    rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1)
+    rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1,
+                      sparse_candidate_pooling="max")
     # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read once and the chunk causally
     keys = 128 * 4 * 32 + 128 * 129 // 2
     assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
@@ -104,6 +105,9 @@ def test_scoring_by_hand():
     ).sparse_normaliser_pages == 7
     assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
         attention="sparse", sparse_candidate_pooling="softmax_max")).sparse_candidate_pooling == "softmax_max"
+    default = StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse"))  # "auto": softmax_max, 256
+    assert (default.sparse_candidate_pooling, default.sparse_normaliser_pages) == ("softmax_max", 256)
+    assert scoring_work(default) == scoring_work(dataclasses.replace(default, sparse_normaliser_pages=None))
     exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="exact")
     keys = 128 * 2 * 4 * 32 + 128 * 129 // 2  # every history page, in two passes
     assert scoring_work(exact).attention_flops == 2 * 4 * 2 * keys

@@ -109,6 +109,10 @@
 #   candidate_pooling_1m_bounded  the same with --sparse-normaliser-pages 256 (estimated +0.2 s of floor)
 #   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
 #                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
+#   defaults_confirm issues 18/23: after softmax_max candidates with the normaliser bounded to 256 pages became the
+#                    default and free GPU memory counts the caching allocator's unused blocks: the GPU test of the
+#                    latter, then HF and the 128K sparse step with `--chosen` and no sparse flag (the defaults), in
+#                    one call (~5 min): issue 18's 128K target (<= 0.5x HF with the new defaults)
 #   kept_dense_nohf  kept_dense without HF (HF 41.89 s in chosen_confirm's call), ~4.5 min
 #   kept_dense       issues 19/23: HF and the dense 128K step with the chooser's plan without the kept attention
 #                    outputs, then with them (stage 2 skips the dense attention forward; not measured yet).
@@ -161,10 +165,9 @@
 #                    (back to back: the machine stays warm 30 s)
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
-# Next calls (no machine was lent in the 2026-12-05 session; the fourth 2026-12-04 session ran chosen_confirm,
-# tma_tests, tma_speed, rerank_speed and kept_dense_nohf): candidate_pooling (~5.5 min), candidate_pooling_1m_bounded
-# (~5 min; candidate_pooling_1m too if the full normaliser is still in the running), train_1m_bg then train_check in
-# the calls after it (D2's LoRA case, ~10 min in the background), dense_confirm (~3.5 min); then kernel work for
+# Next calls (the second 2026-12-05 session ran candidate_pooling, candidate_pooling_1m_bounded and train_1m_bg, whose
+# second step stopped on the free-memory bug, then defaults_confirm): train_1m_bg then train_check in the calls after
+# it (D2's LoRA case, ~11 min: the first step alone took 437.59 s), dense_confirm (~3.5 min); then kernel work for
 # 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
@@ -366,6 +369,10 @@ for part in "$@"; do
       run 330 pool_bounded_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --sparse-candidate-pooling softmax_max --sparse-normaliser-pages 256 --out-dir "$OUT" \
           --name sparse_offload_chosen_candidates_softmax_max_256_1m ;;
+    defaults_confirm)
+      run 120 free_memory_gpu_test python -m pytest -q -p no:cacheprovider tests/test_offload.py -k "free"
+      run 300 defaults_confirm python -m oomb bench --modes hf sparse --contexts 128K --chosen \
+          --out-dir "$OUT" --name sparse_defaults_softmax_max_chosen_128k ;;
     dense_confirm)
       run 300 dense_confirm python -m oomb bench --modes hf dense --contexts 128K --chosen \
           --out-dir "$OUT" --name dense_chosen_confirm_128k ;;

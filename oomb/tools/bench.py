@@ -43,6 +43,7 @@ from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
     CANDIDATE_POOLINGS,
+    NORMALISER_PAGES,
     RERANK_CANDIDATES,
     SPARSE_POOLINGS,
     SPARSE_SCORES,
@@ -53,6 +54,7 @@ from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..model_shape import ModelShape
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
 from ..training import presets
+from ..units import parse_normaliser_pages
 from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
@@ -113,7 +115,7 @@ class BenchOptions:
     """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse_rerank_candidates)."""
     sparse_candidate_pooling: str = OOMBConfig.sparse_candidate_pooling
     """Sparse modes, score "rerank": how a block's rows pool them (OOMBConfig.sparse_candidate_pooling)."""
-    sparse_normaliser_pages: int | None = OOMBConfig.sparse_normaliser_pages
+    sparse_normaliser_pages: int | str | None = OOMBConfig.sparse_normaliser_pages
     """Sparse modes, pooling softmax_max: its normaliser's bound (OOMBConfig.sparse_normaliser_pages)."""
     warmup_tokens: int = 8192
     progress: bool = False
@@ -668,12 +670,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-rerank-candidates", choices=RERANK_CANDIDATES,
                         help=f"score rerank: the summary score proposing the candidates "
                              f"(default {d.sparse_rerank_candidates})")
-    parser.add_argument("--sparse-candidate-pooling", choices=CANDIDATE_POOLINGS,
+    parser.add_argument("--sparse-candidate-pooling", choices=("auto", *CANDIDATE_POOLINGS),
                         help=f"score rerank: how a block's rows pool the candidates' summary scores "
                              f"(default {d.sparse_candidate_pooling})")
-    parser.add_argument("--sparse-normaliser-pages", type=int,
-                        help="softmax_max pooling: history pages its normaliser counts besides the sinks "
-                             "(default: every page)")
+    parser.add_argument("--sparse-normaliser-pages", type=parse_normaliser_pages, default=argparse.SUPPRESS,
+                        help="softmax_max pooling: history pages its normaliser counts besides the sinks, or "
+                             f"'all' (default {d.sparse_normaliser_pages}: {NORMALISER_PAGES} where it runs)")
     parser.add_argument("--chosen", action="store_true",
                         help="oomb modes run what `oomb train`'s chooser picks for the longest context from the "
                              "memory free after the weights load (every weight trained, no optimizer), for the "
@@ -695,13 +697,15 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                  "sparse_query_block_pages",
                  "sparse_budget",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
-                 "sparse_candidate_pooling", "sparse_normaliser_pages", "warmup_tokens", "progress",
+                 "sparse_candidate_pooling", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
+        values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
     if values.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
         values.setdefault("checkpoint_layers", False)
     if values.get("keep_attention_outputs") and any(MODES[m].offload for m in values.get("modes", BENCH_MODES)):

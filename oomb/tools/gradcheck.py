@@ -36,6 +36,7 @@ import transformers
 
 from ..config import (
     CANDIDATE_POOLINGS,
+    NORMALISER_PAGES,
     RERANK_CANDIDATES,
     SPARSE_POOLINGS,
     SPARSE_SCORES,
@@ -48,6 +49,7 @@ from ..real_model import with_yarn
 from ..sparse import SparseOptions
 from ..training import presets
 from ..training.config import ModelSection
+from ..units import parse_normaliser_pages
 from . import dense_cache
 from .plan import parse_tokens
 
@@ -76,8 +78,9 @@ class GradcheckOptions:
     query_block_pages: int = 1
     rerank_factors: list[int] = field(default_factory=lambda: [4])  # score "rerank": candidates / budget
     rerank_candidates: list[str] = field(default_factory=lambda: ["minmax_mean"])  # score "rerank": who proposes them
-    candidate_poolings: list[str] = field(default_factory=lambda: ["max"])  # score "rerank": how their rows pool
-    normaliser_pages: list[int | None] = field(default_factory=lambda: [None])  # softmax_max: its bound (None: all)
+    # score "rerank": how their rows pool; softmax_max: its normaliser's bound (None: every history page)
+    candidate_poolings: list[str] = field(default_factory=lambda: ["softmax_max"])
+    normaliser_pages: list[int | None] = field(default_factory=lambda: [NORMALISER_PAGES])
     chunk_size: int = 512
     page_size: int = 64
     dtype: str = "auto"
@@ -291,15 +294,6 @@ def _rerank_name(factor: int, proposer: str, pooled: str = "max", bound: int | N
     return (f"rerank x{factor}" + ("" if proposer == "minmax" else f" {proposer}")
             + ("" if pooled == "max" else f" {pooled}") + ("" if bound is None else f"/{bound}"))
 
-def _bound(text: str) -> int | None:
-    """--normaliser-pages: 'all' or a positive number of pages."""
-    if text == "all":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a positive number of pages or 'all', not {text!r}")
-    return int(text)
-
-
 def format_report(report: dict) -> str:
     opts = report["options"]
     group = opts.get("query_block_pages", 1)
@@ -364,7 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score rerank: the summary scores proposing the candidates")
     parser.add_argument("--candidate-poolings", nargs="+", choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
                         help="score rerank: how a block's rows pool the candidates' summary scores")
-    parser.add_argument("--normaliser-pages", nargs="+", type=_bound, default=d.normaliser_pages,
+    parser.add_argument("--normaliser-pages", nargs="+", type=parse_normaliser_pages, default=d.normaliser_pages,
                         help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
                              "each ('all': every page)")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)

@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from ..config import OOMBConfig
+from ..config import NORMALISER_PAGES, OOMBConfig
 from ..model_shape import ModelShape
 from ..units import format_tokens, parse_tokens
 
@@ -148,8 +148,8 @@ class StepSpec:
     sparse_rerank_factor: int = 4
     sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
     sparse_pooling: str = "max"
-    sparse_candidate_pooling: str = "max"
-    sparse_normaliser_pages: int | None = None
+    sparse_candidate_pooling: str = "softmax_max"
+    sparse_normaliser_pages: int | None = NORMALISER_PAGES
     sparse_leak_free: bool = False
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
@@ -180,8 +180,8 @@ class StepSpec:
                    sparse_sink_pages=config.sparse_sink_pages, sparse_score=config.resolved_sparse_score,
                    sparse_rerank_factor=config.sparse_rerank_factor,
                    sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
-                   sparse_candidate_pooling=config.sparse_candidate_pooling,
-                   sparse_normaliser_pages=config.sparse_normaliser_pages,
+                   sparse_candidate_pooling=config.resolved_sparse_candidate_pooling,
+                   sparse_normaliser_pages=config.resolved_sparse_normaliser_pages,
                    sparse_leak_free=config.sparse_leak_free, recompute_logits=config.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
 
