@@ -166,9 +166,11 @@
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (the second 2026-12-05 session ran candidate_pooling, candidate_pooling_1m_bounded and train_1m_bg, whose
-# second step stopped on the free-memory bug, then defaults_confirm): train_1m_bg then train_check in the calls after
-# it (D2's LoRA case, ~11 min: the first step alone took 437.59 s), dense_confirm (~3.5 min); then kernel work for
-# 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
+# second step stopped on the free-memory bug; then no machine could be started): defaults_confirm (~5 min),
+# train_1m_bg then train_check in the calls after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s;
+# `oomb train` on the embedded corpus keeps documents separate, which runs Triton, not cuDNN), ctx_extension with
+# the new defaults (issue 18's training target; the real model first: real_model_setup.sh), dense_confirm
+# (~3.5 min); then kernel work for 23 D4 (the dK/dV kernel: 51 of the 92 ms at 128K).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
