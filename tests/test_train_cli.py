@@ -167,3 +167,14 @@ def test_cli_embedded_default_round_trip(tmp_path, capsys):
     assert cli_main(["train", "--model", str(out / "final"), "--seq-len", "256", "--steps", "1",
                      "--output-dir", str(again), *FAST]) == 0
     assert (again / "final" / "model.safetensors").is_file()
+
+
+def test_header_names_how_rerank_ranks_its_candidates():
+    """The run header says which candidate pooling and normaliser a sparse run uses (they changed default)."""
+    from oomb.training.cli import _candidates
+
+    assert _candidates(OOMBConfig(attention="sparse")) == " with softmax_max candidates (normaliser: last 256 pages)"
+    assert _candidates(OOMBConfig(attention="sparse", sparse_normaliser_pages=None)) == \
+        " with softmax_max candidates (normaliser: every page)"
+    assert _candidates(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")) == " with max candidates"
+    assert _candidates(OOMBConfig(attention="sparse", sparse_score="minmax")) == ""

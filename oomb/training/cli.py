@@ -138,7 +138,7 @@ def _header(trainer: Trainer) -> str:
              if p.mesh is not None else "")
     o = cfg.oomb
     attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
-                 f"{o.resolved_sparse_score}{', leak-free' if o.sparse_leak_free else ''})"
+                 f"{o.resolved_sparse_score}{_candidates(o)}{', leak-free' if o.sparse_leak_free else ''})"
                  if o.attention == "sparse" else "")
     if o.offload:
         attention += f", KV pages in pinned host memory ({o.offload_resident_layers} layers resident on the GPU)"
@@ -187,3 +187,14 @@ def _quiet_transformers() -> None:
         hf_logging.disable_progress_bar()
     except (ImportError, AttributeError):
         pass
+
+
+def _candidates(config) -> str:
+    """How rerank's candidates are ranked, for the header: ' with softmax_max candidates (normaliser: last 256
+    pages)'."""
+    if config.resolved_sparse_score != "rerank":
+        return ""
+    pooling, bound = config.resolved_sparse_candidate_pooling, config.resolved_sparse_normaliser_pages
+    normaliser = "" if pooling != "softmax_max" else (
+        " (normaliser: every page)" if bound is None else f" (normaliser: last {bound} pages)")
+    return f" with {pooling} candidates{normaliser}"
