@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from ..config import ATTENTION_MODES, BACKENDS
+from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig
 from ..units import parse_tokens
 from .config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult
@@ -189,7 +189,7 @@ def _quiet_transformers() -> None:
         pass
 
 
-def _candidates(config) -> str:
+def _candidates(config: OOMBConfig) -> str:
     """How rerank's candidates are ranked, for the header: ' with softmax_max candidates (normaliser: last 256
     pages)'."""
     if config.resolved_sparse_score != "rerank":
