@@ -1,5 +1,7 @@
 """One chunk's LM-head loss, forward and backward: autograd's float32 cross-entropy (each slice checkpointed, or
-its log-probabilities kept) against oomb's fused loss (oomb/loss.py _HeadCrossEntropy), frozen and trained head.
+its log-probabilities kept) against oomb's fused loss (oomb/loss.py _HeadCrossEntropy), frozen and trained head;
+for the trained head also as the engine runs it: dW added into .grad by its products, kept or made in the forward
+(weight_gradient_now).
 
 Workload: the 7B shape's head (vocabulary 152,064, hidden 3,584, bf16), one chunk of 4096 tokens in slices of
 1024 (OOMBConfig's defaults), every token counted. CUDA events, median of ``--iters`` after warm-up; the
@@ -40,13 +42,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _run(head, hidden, targets, slice_tokens, fused, recompute):
+def _run(head, hidden, targets, slice_tokens, fused, recompute, sink=None):
+    """One forward and backward; ``sink`` "in place" or "now": the head's dW added into .grad by its products
+    as in the engine (fp32_linear.in_place_weight_gradients), "now" also made in the loss's forward."""
+    import contextlib
+
+    from oomb.fp32_linear import in_place_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
     from oomb.loss import chunked_cross_entropy
 
     x = hidden.detach().requires_grad_()
     head.zero_grad(set_to_none=True)
-    loss = chunked_cross_entropy(x, targets, head, targets.numel(), slice_tokens, recompute, fused=fused)
-    loss.backward()
+    routed = (in_place_weight_gradients(head, Fp32GradAccumulator(head.parameters(), enabled=False)) if sink
+              else contextlib.nullcontext())
+    with routed:
+        loss = chunked_cross_entropy(x, targets, head, targets.numel(), slice_tokens, recompute, fused=fused,
+                                     weight_gradient_now=sink == "now")
+        loss.backward()
     return x.grad, head.weight.grad
 
 
@@ -81,13 +93,17 @@ def main() -> None:
     for trained in (False, True):
         head.weight.requires_grad_(trained)
         reference = _run(head, hidden, targets, args.slice, False, True)
-        for name, fused, recompute in (("autograd, recompute", False, True), ("autograd, kept", False, False),
-                                       ("fused, recompute", True, True), ("fused, kept", True, False)):
+        variants = [("autograd, recompute", False, True, None), ("autograd, kept", False, False, None),
+                    ("fused, recompute", True, True, None), ("fused, kept", True, False, None)]
+        if trained:  # the engine's: dW into .grad by its products, kept or made in the forward
+            variants += [("fused, kept, dW in place", True, False, "in place"),
+                         ("fused, dW in the forward", True, True, "now")]
+        for name, fused, recompute, sink in variants:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            grads = _run(head, hidden, targets, args.slice, fused, recompute)
+            grads = _run(head, hidden, targets, args.slice, fused, recompute, sink)
             row = {"head": "trained" if trained else "frozen", "loss": name}
             if cuda:
                 row["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
@@ -95,8 +111,8 @@ def main() -> None:
             if trained:
                 row["max_abs_diff_dweight"] = (grads[1].float() - reference[1].float()).abs().max().item()
             del grads
-            row["ms"] = _time(lambda f=fused, r=recompute: _run(head, hidden, targets, args.slice, f, r), cuda,
-                              args.warmup, args.iters)
+            row["ms"] = _time(lambda f=fused, r=recompute, k=sink: _run(head, hidden, targets, args.slice, f, r, k),
+                              cuda, args.warmup, args.iters)
             rows.append(row)
             print(json.dumps(row), flush=True)
     report = {"date": datetime.date.today().isoformat(), "commit": git_commit(),

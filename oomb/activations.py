@@ -123,16 +123,18 @@ def logits_slice_bytes(shape: ModelShape, tokens: int, batch_size: int, loss_chu
 
 
 def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, recompute_logits: bool,
-                       fused_dtype: torch.dtype | None = None, head_trained: bool = True) -> int:
+                       fused_dtype: torch.dtype | None = None, head_trained: bool = True,
+                       weight_gradient_now: bool = False) -> int:
     """What the loss keeps from its forward to its backward for a chunk. Autograd without recompute_logits:
     the fp32 log-probabilities (log-softmax's output); with it, nothing (each slice recomputes its logits).
     The fused loss (``fused_dtype``: the model dtype) keeps a (tokens, hidden) tensor per slice (dL/dhidden,
-    or with recompute the head's input), and a trained head without recompute also the logits' gradient;
-    a frozen head (LoRA) nothing of the vocabulary's size."""
+    or with recompute the head's input), and a trained head without recompute also the logits' gradient,
+    unless its weight gradient is made in the forward (``weight_gradient_now``: the engine's,
+    loss.head_gradient_in_forward); a frozen head (LoRA) nothing of the vocabulary's size."""
     tokens = chunk_tokens * batch_size
     if fused_dtype is None:
         return 0 if recompute_logits else tokens * shape.head_vocab * FP32_BYTES
-    vocab = shape.head_vocab if head_trained and not recompute_logits else 0
+    vocab = shape.head_vocab if head_trained and not recompute_logits and not weight_gradient_now else 0
     return tokens * (vocab + shape.hidden_size) * fused_dtype.itemsize
 
 

@@ -140,7 +140,9 @@ class OOMBConfig:
     """Recompute each loss slice's logits in backward (at most loss_chunk_tokens tokens' logits alive).
     False: autograd keeps the chunk's log-probabilities (chunk_size x vocabulary x 4 bytes per sequence,
     2.3 GiB for Qwen2.5-7B at chunk 4096) until the chunk's backward, and the LM head's forward GEMM and
-    log-softmax run once per slice instead of twice; gradients are bitwise the same."""
+    log-softmax run once per slice instead of twice; gradients are bitwise the same. The fused loss (a plain
+    linear head: docs/design.md) recomputes nothing and keeps nothing of the vocabulary's size either way: the
+    engine makes a trained head's weight gradient in the loss's forward."""
     fp32_grad_accumulation: bool = True
     """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
     parameter, held during stage 2) and round once at the end, as a full-sequence backward does;

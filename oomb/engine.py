@@ -196,9 +196,11 @@ def forward_backward(
                     _set_rng_state(device, rng_states[chunk.index])
                     store.refill(chunk)  # window layers: pages for the recomputed k, v (kv/store.py)
                     hidden, router_logits = run_chunk(chunk, Stage.GRAD)
+                    # The loss's own backward follows at once, unscaled: a trained head's weight gradient can be
+                    # made in its forward (nothing of the vocabulary's size kept or recomputed).
                     loss = chunked_cross_entropy(
                         hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens,
-                        config.recompute_logits,
+                        config.recompute_logits, weight_gradient_now=True,
                     )
                     if router_loss is not None:
                         loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import Float32Sums, InPlaceGradients, grad_sink
+from .fp32_linear import LINEAR_GRADS_IN_PLACE, Float32Sums, InPlaceGradients, grad_sink
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
@@ -89,20 +89,32 @@ class _HeadCrossEntropy(torch.autograd.Function):
     The logits are turned into their own gradient in place (loss_gradient.py). A frozen head's input
     gradient is made at once (one (tokens, hidden) product kept, no logits). A trained head keeps the
     logits' gradient for dW, or with ``recompute`` keeps nothing and makes logits and gradient again in
-    the backward (the forward then computes the losses alone). The gradient is made for ``scale``
-    (1 / the loss's normalizer); the backward applies grad_output / scale, exactly 1.0 when the step
-    back-propagates the normalized loss: in the kernel's scale when it recomputes, else to the kept input
-    gradient and to the hidden rows of dW (``_weight_gradient``)."""
+    the backward (the forward then computes the losses alone). With ``weight_gradient_now`` (the engine's,
+    whose backward is always that of the normalized loss) and a gradient sink, a trained head's dW goes to
+    the sink in the forward, from the gradient already made: nothing of the vocabulary's size is kept and
+    nothing recomputed, as for a frozen head. The gradient is made for ``scale`` (1 / the loss's
+    normalizer); the backward applies grad_output / scale, exactly 1.0 when the step back-propagates the
+    normalized loss: in the kernel's scale when it recomputes, else to the kept input gradient and to the
+    hidden rows of dW (``_weight_gradient``); a weight gradient made in the forward asserts it is 1.0
+    (on the device: no synchronisation)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                gradient_scale: torch.Tensor, recompute: bool, sink: Float32Sums | InPlaceGradients | None):
+                gradient_scale: torch.Tensor, recompute: bool, sink: Float32Sums | InPlaceGradients | None,
+                weight_gradient_now: bool = False):
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = targets.reshape(-1)
         logits = rows @ weight.t()  # the head's own product: F.linear
         ctx.shape, ctx.trained, ctx.sink = hidden.shape, ctx.needs_input_grad[1], sink
         ctx.param = weight  # the parameter the float32 sums are keyed by, or whose .grad takes dW in place
-        ctx.recompute = recompute and ctx.trained
+        ctx.now = weight_gradient_now and ctx.trained and sink is not None
+        ctx.recompute = recompute and ctx.trained and not ctx.now
+        if ctx.now:
+            loss = logits_to_gradient_(logits, targets, gradient_scale).sum()
+            grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
+            sink.add_product(weight, logits.t(), rows, "LM head weight gradient")
+            ctx.save_for_backward(grad_hidden, scale)
+            return loss
         if ctx.recompute:
             loss = logits_to_gradient_(logits, targets, gradient_scale, write_gradient=False).sum()
             ctx.save_for_backward(hidden, weight, targets, scale, gradient_scale)
@@ -115,6 +127,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if ctx.now:
+            grad_hidden, scale = ctx.saved_tensors
+            # dW went to the sink with a factor of 1.0: any other backward would make it wrong.
+            torch._assert_async(grad_loss.float() == scale,
+                                "the LM head's weight gradient was made in the forward for the normalized loss's "
+                                "backward; this backward scales the loss")
+            d_hidden = grad_hidden.view(ctx.shape) if grad_hidden is not None else None
+            return d_hidden, None, None, None, None, None, None, None
         if ctx.recompute:
             hidden, weight, targets, scale, gradient_scale = ctx.saved_tensors
             # The backward's factor joins the kernel's scale: nothing vocabulary-sized is multiplied again.
@@ -123,14 +143,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
             logits_grad = rows @ weight.t()
             logits_to_gradient_(logits_grad, targets, gradient_scale * factor)
             grad_hidden = (logits_grad @ weight).view(ctx.shape) if ctx.needs_input_grad[0] else None
-            return grad_hidden, _weight_gradient(ctx, logits_grad, rows, None), None, None, None, None, None
+            return grad_hidden, _weight_gradient(ctx, logits_grad, rows, None), None, None, None, None, None, None
         grad_hidden, logits_grad, hidden, scale = ctx.saved_tensors
         rows = hidden.reshape(-1, hidden.shape[-1]) if hidden is not None else None
         factor = grad_loss.float() / scale  # 1.0 exactly for the normalized loss's backward (GRADIENT_SCALE is in)
         d_hidden = None
         if grad_hidden is not None:
             d_hidden = (grad_hidden.float() * factor).to(grad_hidden.dtype).view(ctx.shape)
-        return d_hidden, _weight_gradient(ctx, logits_grad, rows, factor), None, None, None, None, None
+        return d_hidden, _weight_gradient(ctx, logits_grad, rows, factor), None, None, None, None, None, None
 
 
 def _weight_gradient(ctx, logits_grad: torch.Tensor, rows: torch.Tensor, factor: torch.Tensor | None
@@ -176,10 +196,19 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
-                          scale: torch.Tensor, gradient: torch.Tensor, recompute: bool) -> torch.Tensor:
+                          scale: torch.Tensor, gradient: torch.Tensor, recompute: bool,
+                          weight_gradient_now: bool) -> torch.Tensor:
     with record_function(LOSS_RANGE):
         return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, gradient, recompute,
-                                       grad_sink(lm_head))
+                                       grad_sink(lm_head), weight_gradient_now)
+
+
+def head_gradient_in_forward(fused_loss: bool) -> bool:
+    """Whether the engine's fused loss makes a trained head's weight gradient in the forward (nothing of the
+    vocabulary's size kept or recomputed, whatever recompute_logits says): its head has a gradient sink there,
+    counted here by the in-place gradients' switch alone (with it off, float32 sums can still give one: the
+    memory model then counts the kept gradient, an overestimate)."""
+    return fused_loss and LINEAR_GRADS_IN_PLACE
 
 
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
@@ -199,6 +228,7 @@ def chunked_cross_entropy(
     slice_tokens: int,
     recompute: bool = True,
     fused: bool | None = None,
+    weight_gradient_now: bool = False,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
 
@@ -210,7 +240,9 @@ def chunked_cross_entropy(
     ``fused`` (a plain linear head, under autograd; see fused_head): no float32 logits, no
     log-probabilities (_HeadCrossEntropy). A frozen head's slices need no recompute and keep nothing of
     the vocabulary's size; a trained head's keep their logits' gradient (in the model dtype) without
-    ``recompute``, nothing with it.
+    ``recompute``, nothing with it. ``weight_gradient_now`` (the engine's: only for a backward of the
+    returned loss itself, unscaled) makes a trained head's weight gradient in the forward where the head has
+    a gradient sink (fp32_linear.py), which then keeps no more than a frozen head's and recomputes nothing.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     fused = FUSED_LOSS if fused is None else fused
@@ -226,7 +258,7 @@ def chunked_cross_entropy(
             continue  # nothing to learn here: skip the vocabulary projection entirely
         if fused:
             total = total + _fused_slice_loss_sum(hidden[:, part], targets[:, part], lm_head, scale, gradient,
-                                                  recompute)
+                                                  recompute, weight_gradient_now)
         elif torch.is_grad_enabled() and recompute:
             total = total + checkpoint(_slice_loss_sum, hidden[:, part], targets[:, part], lm_head,
                                        use_reentrant=False)

@@ -334,8 +334,8 @@ def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_di
 
     assert main(args(tmp_path / "out")) == 0
     printed = capsys.readouterr().out
-    assert ("configuration: pages on the GPU, dK/dV float32, layer replay off, loss fused (logits' gradient kept), "
-            "chunk 128, backend torch") in printed
+    assert ("configuration: pages on the GPU, dK/dV float32, layer replay off, loss fused (head's gradient made "
+            "in the forward: nothing kept), chunk 128, backend torch") in printed
     assert "why: no offload on a CPU" in printed
     assert "step time: first" in printed and "first step's overhead" in printed
     ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["oomb"]

@@ -277,6 +277,24 @@ def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
+def test_the_engine_makes_a_trained_heads_gradient_in_the_loss_forward(monkeypatch):
+    """The engine's fused loss gets a gradient sink for the trained head and makes its weight gradient in the
+    forward (loss.head_gradient_in_forward): every slice is called so, and the step still matches the full-
+    sequence backward (HF) within the usual tolerances."""
+    import oomb.loss as loss_module
+
+    model = build_tiny_model("qwen2", seed=7)
+    assert not model.config.tie_word_embeddings
+    ids = random_ids(2, 200, seed=7)
+    calls = []
+    real = loss_module._HeadCrossEntropy.apply
+    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply",
+                        lambda *a: calls.append((a[6] is not None, a[7])) or real(*a))
+    _assert_matches_hf(model, ids, ids.clone(), OOMBConfig(chunk_size=64, page_size=16, backend="torch",
+                                                           loss_chunk_tokens=24))
+    assert calls and set(calls) == {(True, True)}
+
+
 @pytest.mark.parametrize("attention, checkpoint_layers", [("dense", True), ("dense", False), ("sparse", True),
                                                          ("sparse", False)])
 def test_kept_attention_outputs_give_the_recomputed_gradients_bitwise(monkeypatch, attention, checkpoint_layers):

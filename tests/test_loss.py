@@ -260,6 +260,73 @@ def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_tra
         assert (want >= B * L * V * 4) == (trained and not recompute)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_head_weight_gradient_made_in_the_forward(dtype, recompute):
+    """weight_gradient_now (the engine's) with a gradient sink: a trained head's dW is in .grad when the forward
+    returns, nothing of the vocabulary's size is saved for the backward (whatever ``recompute`` says), the input
+    gradient has the kept path's bits and dW its value (summed in the slices' order, not autograd's reverse
+    one: float32 agrees to rounding, bf16 is no further from the float64 gradient of the same values)."""
+    from oomb.fp32_linear import in_place_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
+
+    head, hidden, targets = _bias_free(9, True, dtype)
+    counted = int((targets != IGNORE_INDEX).sum())
+    accumulator = Fp32GradAccumulator(head.parameters(), enabled=False)
+    with in_place_weight_gradients(head, accumulator):
+        want = _loss_and_grads(head, hidden, targets, counted, 7, recompute=recompute)
+        head.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        saved = _saved_bytes(lambda: chunked_cross_entropy(x, targets, head, counted, 7, recompute=recompute,
+                                                           weight_gradient_now=True))
+        assert head.weight.grad is not None  # made in the forward
+        assert saved <= 2 * x.numel() * x.element_size() + targets.numel() * 8 + 64  # inputs' gradient, targets
+        got = _loss_and_grads(head, hidden, targets, counted, 7, recompute=recompute, weight_gradient_now=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-7)
+    else:
+        exact = _loss_and_grads(head.double(), hidden.double(), targets, counted, 7, fused=False)[2]
+        error_got, error_want = ((g.double() - exact).norm() for g in (got[2], want[2]))
+        assert error_got <= error_want
+
+
+def test_head_weight_gradient_in_the_forward_needs_the_normalized_backward_and_a_sink():
+    """A backward that scales the loss would leave the forward's dW unscaled: it is refused (on the device,
+    at once on the CPU). Without a gradient sink (autograd's path) weight_gradient_now changes nothing."""
+    from oomb.fp32_linear import in_place_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
+
+    head, hidden, targets = _bias_free(10, True)
+    plain = _loss_and_grads(head, hidden, targets, 40, 5, recompute=False)
+    now = _loss_and_grads(head, hidden, targets, 40, 5, recompute=False, weight_gradient_now=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, now, strict=True))
+    with in_place_weight_gradients(head, Fp32GradAccumulator(head.parameters(), enabled=False)):
+        with pytest.raises(RuntimeError, match="normalized loss"):
+            _loss_and_grads(head, hidden, targets, 40, 5, grad_scale=2.0, weight_gradient_now=True)
+
+
+def test_float32_gradient_sums_take_the_forwards_head_gradient():
+    """The float32 sums take the forward's dW as they take the backward's: the same float32 products, added in
+    the slices' order instead of the reverse one, rounded once to bf16 (at most one bf16 step apart)."""
+    from oomb.fp32_linear import float32_weight_gradients
+    from oomb.grads import Fp32GradAccumulator
+
+    head, hidden, targets = _bias_free(11, True, torch.bfloat16)
+    results = []
+    for now in (False, True):
+        head.zero_grad(set_to_none=True)
+        accumulator = Fp32GradAccumulator([head.weight])
+        with float32_weight_gradients(head, accumulator):
+            got = _loss_and_grads(head, hidden, targets, 40, 7, recompute=False, weight_gradient_now=now)
+        accumulator.collect()
+        accumulator.finish()
+        results.append((got[1], head.weight.grad.float()))
+    (dx_kept, dw_kept), (dx_now, dw_now) = results
+    assert torch.equal(dx_kept, dx_now)
+    assert ((dw_now - dw_kept).abs() <= dw_kept.abs() * 2.0**-7).all()
+
+
 @pytest.mark.parametrize("recompute", [True, False])
 def test_fused_loss_feeds_the_float32_gradient_sums(recompute):
     """Inside fp32_linear.float32_weight_gradients a trained bf16 head's weight gradient goes to the
@@ -393,12 +460,14 @@ def test_predict_and_planner_follow_the_fused_loss():
     from helpers import build_tiny_model
 
     import oomb
+    from oomb.loss import head_gradient_in_forward
     from oomb.memory import TrainingSetup, predict
     from oomb.model_shape import ModelShape
     from oomb.models import fused_loss_possible
     from oomb.tools.plan import preset_config
     from oomb.training.autoconfig import Resources, Workload, predict_candidate
 
+    assert head_gradient_in_forward(True) and not head_gradient_in_forward(False)
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     vocab, slice_rows = shape.head_vocab, 1024
     for lora, recompute in ((16, True), (16, False), (0, True), (0, False)):
@@ -408,7 +477,9 @@ def test_predict_and_planner_follow_the_fused_loss():
         autograd = predict("sparse", shape, 131072, config, setup).gpu["activations"]
         fused = predict("sparse", shape, 131072, config, dataclasses.replace(setup, fused_loss=True)).gpu["activations"]
         kept = 0 if recompute else 4096 * vocab * 4  # autograd's float32 log-probabilities
-        kept_fused = 4096 * ((vocab if not lora and not recompute else 0) + shape.hidden_size) * 2
+        # the engine's fused loss keeps a (tokens, hidden) tensor and nothing of the vocabulary's size: a frozen
+        # head needs none, a trained head's weight gradient is made in the forward (head_gradient_in_forward)
+        kept_fused = 4096 * shape.hidden_size * 2
         assert autograd - fused == (3 * slice_rows * vocab * 4 + kept) - (slice_rows * (vocab + shape.hidden_size) * 2
                                                                            + kept_fused), (lora, recompute)
     gpu = Resources("cuda", gpu_limit=200 * 1024**3, host_limit=200 * 1024**3, weights_loaded=True)
@@ -435,7 +506,8 @@ def test_loss_speed_benchmark_smoke(tmp_path, monkeypatch):
     out = tmp_path / "l.json"
     run_benchmark("loss_speed", ["--smoke", "--out", str(out)], monkeypatch)
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 8 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)
+    assert len(rows) == 10 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)
+    assert all(r["max_abs_diff_dweight"] < 1e-5 for r in rows if r["head"] == "trained")
 
 
 def test_oomb_fused_loss_0_keeps_autograds_loss(monkeypatch):

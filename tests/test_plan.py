@@ -214,17 +214,19 @@ def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):
 
 
 def test_cli_log_probabilities_kept_unless_given(capsys):
-    """`oomb plan` at 128K (7B, H200): a trained head's fused loss keeps the logits' gradient; the flags fix
-    either choice, and the JSON says which. With LoRA the frozen head's fused loss keeps and recomputes
-    nothing, whatever the flag (as `oomb train` finds for these presets: a plain linear head)."""
+    """`oomb plan` at 128K (7B, H200): a trained head's fused loss makes the head's weight gradient in the
+    forward, so it keeps and recomputes nothing of the vocabulary's size whatever the flags (they are kept
+    as given, and cost nothing); with LoRA the frozen head's fused loss keeps and recomputes nothing too (as
+    `oomb train` finds for these presets: a plain linear head). A vocabulary-sharded head keeps autograd's
+    loss and its log-probabilities where they fit."""
     common = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
               "--optimizer", "none", "--json"]
-    for flags, kept in (([], True), (["--recompute-logits"], False), (["--no-recompute-logits"], True)):
+    for flags, recompute in (([], True), (["--recompute-logits"], True), (["--no-recompute-logits"], False)):
         cli.main([*common, *flags])
         choice = json.loads(capsys.readouterr().out)["choice"]
-        assert choice["recompute_logits"] is not kept
-        assert ("as set" in choice["reason"]) == bool(flags)
-        assert bool(flags) or "the logits' gradient kept" in choice["reason"]
+        assert choice["recompute_logits"] is recompute
+        assert "the head's weight gradient is made in the forward" in choice["reason"]
+        assert "recompute_logits" not in choice.get("factors", [])
     cli.main([*common, "--lora", "--recompute-logits"])
     assert "the frozen head's slices keep nothing" in json.loads(capsys.readouterr().out)["choice"]["reason"]
     cli.main([*common, "--tp", "2"])  # a vocabulary-sharded head keeps autograd's loss, as oomb train's does

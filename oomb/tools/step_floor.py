@@ -23,8 +23,9 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
     loss       the LM head (forward, the checkpointed slice's recompute unless recompute_logits is off,
                dX, and dW when the head trains) and the logits' memory traffic: reading the bf16 logits
                in each of those passes and writing their gradient, 8 bytes per logit; oomb's fused loss
-               (fused_loss): its kernel's 6 bytes per logit (8 for a trained head that recomputes: the
-               forward's loss-only pass), and no recompute for a frozen head.
+               (fused_loss): its kernel's 6 bytes per logit, and no recompute (a frozen head needs none; a
+               trained head's weight gradient is made in the forward: loss.head_gradient_in_forward; 8 bytes
+               with a recompute, the forward's loss-only pass, where that is switched off).
     copies     K, V written to their pages once (stage 1); with offload, pinned-host <-> device traffic
                (stage 1: the chunk's K, V out, the history it reads in; stage 2: K, V in for the forward
                and again for the backward, dK, dV in and out), each direction at the host rate.
@@ -53,6 +54,7 @@ from typing import Literal
 import torch
 
 from ..config import NORMALISER_PAGES, OOMBConfig
+from ..loss import head_gradient_in_forward
 from ..model_shape import ModelShape
 from ..units import format_tokens, parse_tokens
 
@@ -295,7 +297,10 @@ def loss_work(spec: StepSpec) -> Work:
     """The LM head's matmuls and the logits' traffic (stage 2 only, every position counted)."""
     tokens = spec.batch_size * spec.tokens
     vocab = spec.shape.head_vocab
-    recompute = spec.recompute_logits and not (spec.fused_loss and spec.lora_rank)  # a frozen fused head: none
+    # The engine's fused loss recomputes nothing: a frozen head needs none, a trained head's weight gradient is
+    # made in the forward (loss.head_gradient_in_forward)
+    fused = spec.fused_loss and spec.mode != "hf"
+    recompute = spec.recompute_logits and not (fused and (spec.lora_rank or head_gradient_in_forward(True)))
     passes = 2 + recompute + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
     per_logit = LOGIT_BYTES
     if spec.fused_loss and spec.mode != "hf":  # its kernel; a trained head's recompute reads them once more

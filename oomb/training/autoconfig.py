@@ -31,6 +31,7 @@ import torch
 
 from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
+from ..loss import head_gradient_in_forward
 from ..memory import (
     FP32_BYTES,
     GIB,
@@ -203,14 +204,23 @@ class Candidate:
     """The step's loss is counted fused (TrainingSetup.fused_loss)."""
     head_trained: bool = True
 
+    @property
+    def loss_keeps_nothing(self) -> bool:
+        """The fused loss keeps nothing of the vocabulary's size and recomputes nothing: a frozen head, or a
+        trained one whose weight gradient the engine makes in the forward (loss.head_gradient_in_forward),
+        whatever recompute_logits says."""
+        return self.fused_loss and (not self.head_trained or head_gradient_in_forward(True))
+
     def loss_words(self) -> str:
         """What the loss keeps for its backward, in words."""
         kept = "recomputed" if self.config.recompute_logits else "kept"
         if not self.fused_loss:
             return f"log-probabilities {kept}"
-        if self.head_trained:
-            return f"loss fused (logits' gradient {kept})"
-        return "loss fused (frozen head: nothing kept)"
+        if not self.head_trained:
+            return "loss fused (frozen head: nothing kept)"
+        if self.loss_keeps_nothing:
+            return "loss fused (head's gradient made in the forward: nothing kept)"
+        return f"loss fused (logits' gradient {kept})"
 
     def summary(self, num_layers: int) -> str:
         c = self.config
@@ -317,10 +327,11 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     gpu_bytes = sum(gpu.values())
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
-    time, factors = relative_time(config, workload.shape.num_layers)
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
-    return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
-                     head_trained=not workload.lora_rank)
+    candidate = Candidate(config, gpu_bytes, counted, host_bytes, 1.0, (), prediction, setup.fused_loss,
+                          head_trained=not workload.lora_rank)
+    time, factors = relative_time(config, workload.shape.num_layers, not candidate.loss_keeps_nothing)
+    return dataclasses.replace(candidate, relative_time=time, factors=factors)
 
 
 def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
@@ -335,9 +346,11 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
     return trainable * b, 0
 
 
-def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str, ...]]:
+def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool = True
+                  ) -> tuple[float, tuple[str, ...]]:
     """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, log-probabilities
-    kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn)."""
+    kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn). ``loss_may_recompute`` False: the
+    loss recomputes nothing whatever recompute_logits says (Candidate.loss_keeps_nothing)."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
     if config.backend == "triton":
@@ -348,7 +361,7 @@ def relative_time(config: OOMBConfig, num_layers: int) -> tuple[float, tuple[str
         key = "replay_sparse" if sparse else "replay_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.recompute_logits:
+    if config.recompute_logits and loss_may_recompute:
         key = "recompute_logits_sparse" if sparse else "recompute_logits_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
@@ -456,7 +469,7 @@ def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixe
     """The chosen plan with the loss slices' log-probabilities kept (no LM-head recompute) when they fit
     next to it. Decided last, so that it never changes a weightier choice (offload, resident layers,
     dK/dV dtype, replay, chunk) for its small gain (SPEED_FACTS recompute_logits_*)."""
-    if "recompute_logits" in fixed or not best.config.recompute_logits:
+    if "recompute_logits" in fixed or not best.config.recompute_logits or best.loss_keeps_nothing:
         return best
     kept = predict_candidate(workload, resources, dataclasses.replace(best.config, recompute_logits=False))
     return kept if _fits(kept, resources) else best
@@ -577,8 +590,11 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
              f"{kept} kept: {fit} (recomputing {them} takes {{:.3f}}x)",
              f"{kept} recomputed: keeping {them} does not fit next to the rest")):
         value = getattr(cfg, name)
-        if name == "recompute_logits" and best.fused_loss and not best.head_trained:
-            parts.append("loss fused: the frozen head's slices keep nothing and recompute nothing")
+        if name == "recompute_logits" and best.loss_keeps_nothing:
+            parts.append("loss fused: the frozen head's slices keep nothing and recompute nothing"
+                         if not best.head_trained else
+                         "loss fused: the head's weight gradient is made in the forward, so its slices keep "
+                         "nothing of the vocabulary's size and recompute nothing")
         elif name in fixed:
             parts.append(f"{name}={value} as set")
         elif not value:
