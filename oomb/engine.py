@@ -34,6 +34,7 @@ from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
+from .carried_gradients import CARRY_GRADIENTS, carried_weight_gradients
 from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
@@ -48,6 +49,7 @@ from .models import (
     Stage,
     StepState,
     attention_variants,
+    decoder_layers,
     history_start,
     layer_checkpointing,
     layer_windows,
@@ -182,14 +184,17 @@ def forward_backward(
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients. Without
             # float32 sums, linear weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the
-            # head's always, the decoder's where layers run eager (a routed linear breaks a compiled graph).
+            # head's always, the decoder's where layers run eager (a routed linear breaks a compiled graph);
+            # compiled layers' linears carry .grad through the chunk's graph into their products
+            # (carried_gradients.py).
             # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
             params = [] if parallel.fsdp else model.parameters()
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
+            in_place = LINEAR_GRADS_IN_PLACE and parallel.tp == 1 and not parallel.fsdp
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
                     float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
-                    in_place_weight_gradients(lm_head if compile_layers else model, accumulator,
-                                              enabled=LINEAR_GRADS_IN_PLACE and parallel.tp == 1 and not parallel.fsdp):
+                    in_place_weight_gradients(lm_head if compile_layers else model, accumulator, enabled=in_place), \
+                    carried_weight_gradients(decoder_layers(decoder), compile_layers and CARRY_GRADIENTS) as carried:
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
@@ -204,11 +209,13 @@ def forward_backward(
                     )
                     if router_loss is not None:
                         loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)
+                    carried.release()  # the graph holds each carried .grad: autograd stores the sums
                     if loss.requires_grad:  # False when the chunk has no counted label
                         loss.backward()
                     else:
                         # Still push the page gradients of later chunks through this chunk.
                         _backward_without_loss(hidden)
+                    carried.restore()
                     accumulator.collect()
                     store.free(chunk)
                     total_loss += loss.detach()

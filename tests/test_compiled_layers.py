@@ -216,3 +216,98 @@ def test_kept_attention_outputs_compile_no_more_graphs():
     assert graphs[False] > 0 and graphs[True] == graphs[False]
     assert not issubclass(KeptOutputs, dict)
     _assert_close(results[True][1], results[False][1])
+
+
+def _accumulating_adds(model, ids, monkeypatch, carry: bool) -> tuple[int, dict]:
+    """aten::add_ calls of a compiled step (autograd adding a chunk's gradient into an existing .grad) and the
+    gradients, with the compiled layers' weight gradients carried through their graphs or not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(oomb.engine, "CARRY_GRADIENTS", carry)
+    torch._dynamo.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, got = _step(model, ids, compile_layers=True)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::add_"), got
+
+
+def test_compiled_layers_carry_weight_gradients_into_their_products(monkeypatch):
+    """carried_gradients.py: each chunk's weight gradient of a compiled layer's linear joins the gradient so far
+    inside the compiled backward (one addmm), so autograd adds no chunk's gradient into those weights' .grad:
+    at least one add_ fewer per linear weight and chunk after the first; the gradients stay the eager step's."""
+    from oomb.carried_gradients import carriable_linears
+
+    model = build_tiny_model("qwen2")
+    ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(2))
+    _, eager = _step(model, ids, compile_layers=False)
+    adds_off, off = _accumulating_adds(model, ids, monkeypatch, carry=False)
+    adds_on, on = _accumulating_adds(model, ids, monkeypatch, carry=True)
+    linears = carriable_linears(decoder_layers(model.model))
+    chunks = 640 // 128
+    assert len(linears) == 7 * model.config.num_hidden_layers
+    assert adds_off - adds_on >= len(linears) * (chunks - 1), (adds_off, adds_on)
+    _assert_close(on, eager)
+    _assert_close(off, eager)
+    assert all("forward" not in vars(m) for m in linears)  # restored
+
+
+def test_carried_gradients_choose_release_and_restore():
+    """Only plain trained linears that nothing routes carry; release clears their .grad for the backward,
+    restore gives back the gradient of a weight the backward did not reach; the forwards are restored."""
+    from torch import nn
+
+    from oomb.carried_gradients import carriable_linears, carried_weight_gradients
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    layer[1].weight.requires_grad_(False)
+    layer[2].forward = lambda x: x  # routed elsewhere (fp32_linear.py replaces forwards)
+    layer[3].weight.register_hook(lambda g: g)  # a gradient hook must see the gradient
+    assert carriable_linears([layer]) == [layer[0]]
+    del layer[2].forward
+    x = torch.randn(3, 4)
+    with carried_weight_gradients([layer], enabled=True) as carried:
+        layer(x).sum().backward()
+        first = layer[0].weight.grad.clone()
+        out = layer(x).sum()
+        carried.release()
+        assert layer[0].weight.grad is None
+        out.backward()
+        carried.restore()
+        torch.testing.assert_close(layer[0].weight.grad, 2 * first)
+        layer(x)  # a chunk whose backward never reaches the weight
+        carried.release()
+        carried.restore()
+        torch.testing.assert_close(layer[0].weight.grad, 2 * first)
+    assert "forward" not in vars(layer[0])
+    with carried_weight_gradients([layer], enabled=False) as carried:
+        assert carried.weights == [] and "forward" not in vars(layer[0])
+
+
+@pytest.mark.gpu
+def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
+    """On CUDA, bf16 (as the 7B steps run): with the weight gradients carried, the compiled backward's GEMMs
+    take the sums (inductor's addmm) and the step launches at least one bf16 add kernel fewer per linear weight
+    and chunk after the first; the gradients agree with the uncarried step's to bf16 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from oomb.carried_gradients import carriable_linears
+
+    model = build_tiny_model("qwen2").cuda().to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(3)).cuda()
+    adds, fused_adds, results = {}, {}, {}
+    for carry in (False, True):
+        monkeypatch.setattr(oomb.engine, "CARRY_GRADIENTS", carry)
+        torch._dynamo.reset()
+        _step(model, ids, compile_layers=True, fp32_grad_accumulation=False)  # compiles
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _, results[carry] = _step(model, ids, compile_layers=True, fp32_grad_accumulation=False)
+        events = prof.key_averages()
+        adds[carry] = sum(e.count for e in events if "CUDAFunctor_add<c10::BFloat16>" in e.key)
+        fused_adds[carry] = sum(e.count for e in events if e.key.startswith("triton") and "add" in e.key)
+    linears = carriable_linears(decoder_layers(model.model))
+    assert adds[False] - adds[True] >= len(linears) * (640 // 128 - 1), adds
+    assert fused_adds[True] <= fused_adds[False], fused_adds  # the sums are in the GEMMs, not in new kernels
+    # bf16 rounding of the chunks' sums differs (a few 1e-3 relative); a chunk's gradient lost or counted twice
+    # would be about 0.2 (one of five chunks)
+    for name, g in results[True].items():
+        want = results[False][name].float()
+        assert float((g.float() - want).norm() / want.norm().clamp_min(1e-30)) <= 2e-2, name

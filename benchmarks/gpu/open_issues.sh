@@ -128,10 +128,13 @@
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
 #   head_now         issue 23 D2: after a trained head's weight gradient moved into the fused loss's forward (bf9cbee:
 #                    nothing recomputed; the 1M chosen plan recomputed the logits, ~1.5 s of head GEMM and ~0.5 s of
-#                    the gradient kernel by the 2-layer profile, an estimate): the loss's GPU tests, loss_speed.py
-#                    (its "fused, dW in the forward" row against "fused, kept, dW in place" and "fused, recompute"),
-#                    then compiled_1m's step (~7.5 min; H200 only: the H100 holds too few layers). Criterion, fixed
-#                    before the run: D2's no-optimizer case is met if that step takes at most 180 s
+#                    the gradient kernel by the 2-layer profile, an estimate) and compiled layers' weight gradients
+#                    joined their GEMMs (carried_gradients.py: ~8 s of bf16 adds by the same profile, an estimate):
+#                    the loss's and the compiled layers' GPU tests, loss_speed.py ("fused, dW in the forward" against
+#                    "fused, kept, dW in place" and "fused, recompute"), then compiled_1m's step (~8 min; H200 only:
+#                    the H100 holds too few layers). Criterion, fixed before the run: D2's no-optimizer case is met
+#                    if that step takes at most 180 s. carry_off: the same step with OOMB_CARRY_GRADIENTS=0 (the
+#                    carried gradients' share, in the call after)
 #   compiled_1m      issue 23: compiled_checks' 1M part alone (D2 with compiled layers; eager 215.75 s, 270 s wall)
 #   compiled_dropout issues 18/23: benchmarks/compiled_dropout.py on CUDA (bf16, LoRA dropout 0.3; float32 adapters,
 #                    then bf16 adapters): do compiled layers recompute stage 1's keys, values and masks in stage 2?
@@ -172,10 +175,10 @@
 #   train_128k, train_512k, train_1m   issue 19: `oomb train` with only the preset, LoRA and the length given (2 steps:
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (the third 2026-12-05 session had an H100 and ran defaults_confirm, where HF ran out of memory, and
-# ctx_extension, then loans paused): on an H200, head_now (~7.5 min), then train_1m_bg and train_check in the calls
-# after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s; `oomb train` on the embedded corpus keeps
-# documents separate, which runs Triton, not cuDNN), dense_confirm (~3.5 min); then kernel work for 23 D4 (the
-# dK/dV kernel: 51 of the 92 ms at 128K).
+# ctx_extension, then loans paused): on an H200, head_now (~8 min), carry_off (~6 min), then train_1m_bg and
+# train_check in the calls after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s; `oomb train` on the
+# embedded corpus keeps documents separate, which runs Triton, not cuDNN), dense_confirm (~3.5 min); then kernel
+# work for 23 D4's forward (docs/kernels.md: its forward+backward half is out of reach atomic-free).
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -423,9 +426,14 @@ for part in "$@"; do
       done ;;
     head_now)
       run 60 loss_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_loss.py
+      run 100 compiled_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_compiled_layers.py -k "carr or gpu"
       run 40 loss_speed python benchmarks/loss_speed.py --out "$OUT/loss_speed.json"
       run 340 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_head_now_1m ;;
+    carry_off)
+      (export OOMB_CARRY_GRADIENTS=0
+       run 340 carry_off python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
+           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_carry_off_1m) ;;
     compiled_1m)
       run 340 compiled_1m python -m oomb bench --modes sparse+offload --contexts 1M --chosen --progress \
           --kv-grad-dtype bf16 --out-dir "$OUT" --name sparse_offload_chosen_compiled_1m ;;
