@@ -53,28 +53,41 @@ def _carried_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class CarriedGradients:
     """The weights whose gradient a chunk's graph carries. ``release`` before the chunk's backward (autograd
     then stores the carried sum instead of adding to it), ``restore`` after it (a weight the backward did not
-    reach gets its gradient of before back)."""
+    reach gets its gradient of before back). A released gradient is let go as soon as its weight's new one is
+    stored (a post-accumulate hook), so that old and new gradients coexist for one layer at a time, not for
+    the whole model."""
 
     def __init__(self, weights: list[nn.Parameter]) -> None:
         self.weights = weights
-        self._released: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._released: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._hooks = [w.register_post_accumulate_grad_hook(self._stored) for w in weights]
+
+    def _stored(self, weight: nn.Parameter) -> None:
+        self._released.pop(id(weight), None)
 
     def release(self) -> None:
-        self._released = [(w, w.grad) for w in self.weights if w.grad is not None]
-        for w, _ in self._released:
+        self._released = {id(w): (w, w.grad) for w in self.weights if w.grad is not None}
+        for w, _ in self._released.values():
             w.grad = None
 
     def restore(self) -> None:
-        for w, prev in self._released:
+        for w, prev in self._released.values():
             if w.grad is None:
                 w.grad = prev
-        self._released = []
+        self._released = {}
+
+    def close(self) -> None:
+        self.restore()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def carriable_linears(layers: list[nn.Module]) -> list[nn.Linear]:
     """Plain nn.Linear layers of ``layers`` with a trained weight that nothing else routes (no replaced forward,
     no gradient sink: fp32_linear.py's float32 sums or in-place products) and that may take its gradient in
-    ``.grad`` (fp32_linear.accumulates_in_place)."""
+    ``.grad`` (fp32_linear.accumulates_in_place). Each is assumed to be called at most once per chunk's forward
+    (as decoder layers call their projections): a second call would carry the gradient so far twice."""
     return [m for layer in layers for m in layer.modules()
             if type(m) is nn.Linear and m.weight.requires_grad and "forward" not in vars(m) and grad_sink(m) is None
             and accumulates_in_place(m.weight)]
@@ -91,6 +104,6 @@ def carried_weight_gradients(layers: list[nn.Module], enabled: bool) -> Iterator
     try:
         yield carried
     finally:
-        carried.restore()
+        carried.close()
         for m in linears:
             del m.forward  # the instance attribute: nn.Linear.forward again

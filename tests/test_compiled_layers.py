@@ -251,8 +251,9 @@ def test_compiled_layers_carry_weight_gradients_into_their_products(monkeypatch)
 
 
 def test_carried_gradients_choose_release_and_restore():
-    """Only plain trained linears that nothing routes carry; release clears their .grad for the backward,
-    restore gives back the gradient of a weight the backward did not reach; the forwards are restored."""
+    """Only plain trained linears that nothing routes carry; release clears their .grad for the backward and
+    lets the old gradient go once the new one is stored; restore gives back the gradient of a weight the
+    backward did not reach; the forwards and hooks are removed afterwards."""
     from torch import nn
 
     from oomb.carried_gradients import carriable_linears, carried_weight_gradients
@@ -271,13 +272,14 @@ def test_carried_gradients_choose_release_and_restore():
         carried.release()
         assert layer[0].weight.grad is None
         out.backward()
+        assert not carried._released  # the old gradient let go once the new one was stored
         carried.restore()
         torch.testing.assert_close(layer[0].weight.grad, 2 * first)
         layer(x)  # a chunk whose backward never reaches the weight
         carried.release()
         carried.restore()
         torch.testing.assert_close(layer[0].weight.grad, 2 * first)
-    assert "forward" not in vars(layer[0])
+    assert "forward" not in vars(layer[0]) and not layer[0].weight._post_accumulate_grad_hooks
     with carried_weight_gradients([layer], enabled=False) as carried:
         assert carried.weights == [] and "forward" not in vars(layer[0])
 
