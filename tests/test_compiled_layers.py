@@ -295,7 +295,7 @@ def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
 
     model = build_tiny_model("qwen2").cuda().to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(3)).cuda()
-    adds, fused_adds, results = {}, {}, {}
+    adds, fused_adds, copies, results = {}, {}, {}, {}
     for carry in (False, True):
         monkeypatch.setattr(oomb.engine, "CARRY_GRADIENTS", carry)
         torch._dynamo.reset()
@@ -305,9 +305,11 @@ def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
         events = prof.key_averages()
         adds[carry] = sum(e.count for e in events if "CUDAFunctor_add<c10::BFloat16>" in e.key)
         fused_adds[carry] = sum(e.count for e in events if e.key.startswith("triton") and "add" in e.key)
+        copies[carry] = sum(e.count for e in events if "copy_kernel" in e.key)
     linears = carriable_linears(decoder_layers(model.model))
     assert adds[False] - adds[True] >= len(linears) * (640 // 128 - 1), adds
     assert fused_adds[True] <= fused_adds[False], fused_adds  # the sums are in the GEMMs, not in new kernels
+    assert copies[True] <= copies[False], copies  # autograd stores the GEMMs' results as they are (no clone)
     # bf16 rounding of the chunks' sums differs (a few 1e-3 relative); a chunk's gradient lost or counted twice
     # would be about 0.2 (one of five chunks)
     for name, g in results[True].items():
