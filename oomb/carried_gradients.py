@@ -9,6 +9,9 @@ an identity whose backward adds the weight's ``.grad`` of before the chunk to th
 the compiled backward that is ``prev + x^T dy``, which torch's inductor turns into one GEMM with the sum
 in its epilogue (``addmm``, beta 1), and the weight's ``.grad`` is cleared before the backward so that
 autograd takes the result as it is. One float32 sum and one rounding per chunk, as the routed products.
+What it saves is less than the adds: ``addmm`` into a new tensor first copies ``prev`` there (seen on the
+CPU: one ``copy_`` per weight and chunk where the ``add_`` was), so a pass of three tensors becomes one of
+two plus the GEMM's read of ``prev``. Not yet timed on a GPU (``OOMB_CARRY_GRADIENTS=0`` switches it off).
 """
 
 from __future__ import annotations

@@ -129,12 +129,14 @@
 #   head_now         issue 23 D2: after a trained head's weight gradient moved into the fused loss's forward (bf9cbee:
 #                    nothing recomputed; the 1M chosen plan recomputed the logits, ~1.5 s of head GEMM and ~0.5 s of
 #                    the gradient kernel by the 2-layer profile, an estimate) and compiled layers' weight gradients
-#                    joined their GEMMs (carried_gradients.py: ~8 s of bf16 adds by the same profile, an estimate):
+#                    joined their GEMMs (carried_gradients.py: ~8 s of bf16 adds by the same profile become copies
+#                    of two tensors instead of adds of three: perhaps a third of it saved, an estimate):
 #                    the loss's and the compiled layers' GPU tests, loss_speed.py ("fused, dW in the forward" against
 #                    "fused, kept, dW in place" and "fused, recompute"), then compiled_1m's step (~8 min; H200 only:
 #                    the H100 holds too few layers). Criterion, fixed before the run: D2's no-optimizer case is met
-#                    if that step takes at most 180 s. carry_off: the same step with OOMB_CARRY_GRADIENTS=0 (the
-#                    carried gradients' share, in the call after)
+#                    if that step takes at most 180 s. carry_off: the same step with OOMB_CARRY_GRADIENTS=0, in the
+#                    call right after on the same machine. Criterion, fixed before the run: carrying stays on only
+#                    if head_now's step is at most carry_off's; otherwise OOMB_CARRY_GRADIENTS's default becomes 0
 #   compiled_1m      issue 23: compiled_checks' 1M part alone (D2 with compiled layers; eager 215.75 s, 270 s wall)
 #   compiled_dropout issues 18/23: benchmarks/compiled_dropout.py on CUDA (bf16, LoRA dropout 0.3; float32 adapters,
 #                    then bf16 adapters): do compiled layers recompute stage 1's keys, values and masks in stage 2?
