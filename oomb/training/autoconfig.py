@@ -469,8 +469,8 @@ def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixe
     """The chosen plan with the loss slices' log-probabilities kept (no LM-head recompute) when they fit
     next to it. Decided last, so that it never changes a weightier choice (offload, resident layers,
     dK/dV dtype, replay, chunk) for its small gain (SPEED_FACTS recompute_logits_*)."""
-    if "recompute_logits" in fixed or not best.config.recompute_logits or best.loss_keeps_nothing:
-        return best
+    if "recompute_logits" in fixed or not best.config.recompute_logits:
+        return best  # (a fused loss that keeps nothing fits either way: turned off too, as the layouts without it)
     kept = predict_candidate(workload, resources, dataclasses.replace(best.config, recompute_logits=False))
     return kept if _fits(kept, resources) else best
 
