@@ -217,9 +217,9 @@ def test_cli_log_probabilities_kept_unless_given(capsys):
     """`oomb plan` at 128K (7B, H200): a trained head's fused loss makes the head's weight gradient in the
     forward, so it keeps and recomputes nothing of the vocabulary's size whatever the flags (they are kept
     as given, and cost nothing; unset, recompute_logits is turned off as where the loss is autograd's, so that
-    a checkpoint resumed with tensor parallelism sees the same setting); with LoRA the frozen head's fused loss keeps and recomputes nothing too (as
-    `oomb train` finds for these presets: a plain linear head). A vocabulary-sharded head keeps autograd's
-    loss and its log-probabilities where they fit."""
+    a checkpoint resumed with tensor parallelism sees the same setting); with LoRA the frozen head's fused
+    loss keeps and recomputes nothing too (as `oomb train` finds for these presets: a plain linear head). A
+    vocabulary-sharded head keeps autograd's loss and its log-probabilities where they fit."""
     common = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
               "--optimizer", "none", "--json"]
     for flags, recompute in (([], False), (["--recompute-logits"], True), (["--no-recompute-logits"], False)):
