@@ -113,18 +113,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
         ctx.param = weight  # the parameter the float32 sums are keyed by, or whose .grad takes dW in place
         ctx.now = weight_gradient_now and ctx.trained and sink is not None
         ctx.recompute = recompute and ctx.trained and not ctx.now
-        if ctx.now:
-            loss = logits_to_gradient_(logits, targets, gradient_scale).sum()
-            grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
-            sink.add_product(weight, logits.t(), rows, "LM head weight gradient")
-            ctx.save_for_backward(grad_hidden, scale)
-            return loss
         if ctx.recompute:
             loss = logits_to_gradient_(logits, targets, gradient_scale, write_gradient=False).sum()
             ctx.save_for_backward(hidden, weight, targets, scale, gradient_scale)
             return loss
         loss = logits_to_gradient_(logits, targets, gradient_scale).sum()
         grad_hidden = logits @ weight if ctx.needs_input_grad[0] else None
+        if ctx.now:  # dW from the gradient at hand: nothing of the vocabulary's size is kept
+            sink.add_product(weight, logits.t(), rows, "LM head weight gradient")
+            ctx.save_for_backward(grad_hidden, scale)
+            return loss
         # The input itself, not ``rows`` (a copy when the slice is not contiguous, batch > 1).
         ctx.save_for_backward(grad_hidden, logits if ctx.trained else None, hidden if ctx.trained else None, scale)
         return loss

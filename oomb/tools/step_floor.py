@@ -300,10 +300,10 @@ def loss_work(spec: StepSpec) -> Work:
     # The engine's fused loss recomputes nothing: a frozen head needs none, a trained head's weight gradient is
     # made in the forward (loss.head_gradient_in_forward)
     fused = spec.fused_loss and spec.mode != "hf"
-    recompute = spec.recompute_logits and not (fused and (spec.lora_rank or head_gradient_in_forward(True)))
+    recompute = spec.recompute_logits and not (fused and (spec.lora_rank or head_gradient_in_forward(fused)))
     passes = 2 + recompute + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
     per_logit = LOGIT_BYTES
-    if spec.fused_loss and spec.mode != "hf":  # its kernel; a trained head's recompute reads them once more
+    if fused:  # its kernel; a trained head's recompute reads them once more
         per_logit = FUSED_LOGIT_BYTES + (2 if recompute and not spec.lora_rank else 0)
     return Work(matmul_flops=2.0 * tokens * spec.shape.hidden_size * vocab * passes,
                 memory_bytes=float(tokens * vocab * per_logit))

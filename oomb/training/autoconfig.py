@@ -206,10 +206,8 @@ class Candidate:
 
     @property
     def loss_keeps_nothing(self) -> bool:
-        """The fused loss keeps nothing of the vocabulary's size and recomputes nothing: a frozen head, or a
-        trained one whose weight gradient the engine makes in the forward (loss.head_gradient_in_forward),
-        whatever recompute_logits says."""
-        return self.fused_loss and (not self.head_trained or head_gradient_in_forward(True))
+        """The fused loss keeps nothing of the vocabulary's size and recomputes nothing (loss_keeps_nothing)."""
+        return loss_keeps_nothing(self.fused_loss, self.head_trained)
 
     def loss_words(self) -> str:
         """What the loss keeps for its backward, in words."""
@@ -327,11 +325,18 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     gpu_bytes = sum(gpu.values())
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
+    time, factors = relative_time(config, workload.shape.num_layers,
+                                  not loss_keeps_nothing(setup.fused_loss, not workload.lora_rank))
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
-    candidate = Candidate(config, gpu_bytes, counted, host_bytes, 1.0, (), prediction, setup.fused_loss,
-                          head_trained=not workload.lora_rank)
-    time, factors = relative_time(config, workload.shape.num_layers, not candidate.loss_keeps_nothing)
-    return dataclasses.replace(candidate, relative_time=time, factors=factors)
+    return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
+                     head_trained=not workload.lora_rank)
+
+
+def loss_keeps_nothing(fused_loss: bool, head_trained: bool) -> bool:
+    """The step's fused loss keeps nothing of the vocabulary's size and recomputes nothing, whatever
+    recompute_logits says: a frozen head, or a trained one whose weight gradient the engine makes in the
+    forward (loss.head_gradient_in_forward)."""
+    return fused_loss and (not head_trained or head_gradient_in_forward(fused_loss))
 
 
 def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
