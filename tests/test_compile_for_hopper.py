@@ -1,7 +1,9 @@
 """oomb's Triton kernels compile for an H100/H200 (sm_90) in bf16, with no GPU (tests/compile_for_hopper.py):
 the launches of a tiny bf16 model's dense and sparse steps are captured under the interpreter, then
-compiled at the 7B shape without it, with the score kernels' variants. The CPU tests' interpreter
-upcasts every tile to float32, which hid a bf16 dtype error once."""
+compiled at the 7B shape without it, with the launcher's specialization of the arguments, and the score
+kernels' variants. The CPU tests' interpreter upcasts every tile to float32, which hid a bf16 dtype error
+once; a compile without the specialization builds another kernel (no pipelined loads, a third of the shared
+memory), which hid how close the forward's tiles are to the H200's limit."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     assert {"triton_paged._fwd_kernel", "triton_paged._dkdv_kernel", "triton_paged._dq_kernel",
             "triton_sparse._fwd_kernel", "triton_sparse._dq_kernel"} <= kernels
     assert all(launch["types"]["q_ptr"] == "*bf16" for launch in launches)
+    # the launcher's marks: aligned pointers, the head dim's unit stride a constant
+    assert all(launch["specialization"]["q_ptr"] == "D" and launch["specialization"]["stride_qd"] == 1
+               for launch in launches)
     # OOMB_TRITON_TMA's forward and dQ (tensor-descriptor loads): the same launches with TMA on compile too
     dense = [launch for launch in launches if launch["module"].endswith("triton_paged")
              and launch["kernel"] in ("_fwd_kernel", "_dq_kernel")]
@@ -55,3 +60,11 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     assert {r["kernel"] for r in results if '"SOFTCAP": 30.0' in r["variant"]} >= kernels
     assert all(r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
     assert all(r["shared"] > 0 for r in results if r["kernel"] != "row_add")  # (the row add stages nothing)
+    # with the marks the K/V loads are pipelined: the dense forward keeps its query tile and num_stages K and V
+    # tiles in shared memory (unmarked, the loads went through registers and the kernel had a third of that)
+    forward = [r for r in results if r["kernel"] == "triton_paged._fwd_kernel" and '"TMA": false' in r["variant"]]
+    for r in forward:
+        block_m, block_n, _, stages = r["config"]
+        assert r["shared"] >= 2 * 128 * (block_m + stages * 2 * block_n), r
+    if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        assert all(r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in results)
