@@ -70,6 +70,7 @@ Caveats:
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -149,11 +150,36 @@ def _prune_for_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -
     return fitting[:1] or [min(configs, key=staged_bytes)]
 
 
+def tuning_lists_from_env(text: str | None) -> dict[str, list[tuple[int, int, int, int]]]:
+    """OOMB_TRITON_CONFIGS (tuning experiments, e.g. ``{"dkdv": [[32, 128, 8, 3]]}``): the dense kernels' lists
+    ("fwd", "dkdv", "dq") of (BLOCK_M, BLOCK_N, num_warps, num_stages) that replace the built-in ones, so that a
+    GPU call can time other tiles without a code change (benchmarks/attention.py records the pick)."""
+    if not text:
+        return {}
+    try:
+        lists = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"OOMB_TRITON_CONFIGS is not JSON: {err}") from None
+    if not isinstance(lists, dict) or not set(lists) <= {"fwd", "dkdv", "dq"}:
+        raise ValueError(f"OOMB_TRITON_CONFIGS must map some of fwd, dkdv, dq to lists; got {text!r}")
+    parsed = {}
+    for kernel, configs in lists.items():
+        ok = isinstance(configs, list) and configs and all(
+            isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and x > 0 and x & (x - 1) == 0 for x in c[:3])
+            and isinstance(c[3], int) and c[3] >= 1 for c in configs)
+        if not ok:
+            raise ValueError(f"OOMB_TRITON_CONFIGS[{kernel!r}] must be a non-empty list of [BLOCK_M, BLOCK_N, num_warps, "
+                             f"num_stages] (powers of two, stages >= 1); got {configs!r}")
+        parsed[kernel] = [tuple(c) for c in configs]
+    return parsed
+
+
+_TUNING_LISTS = tuning_lists_from_env(os.environ.get("OOMB_TRITON_CONFIGS"))
 # Chosen for H100/H200 (wgmma wants >= 64 rows per warpgroup); the autotuner picks per shape key.
-_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
+_FWD_CONFIGS = _configs(_TUNING_LISTS.get("fwd", [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)]))
+_DQ_CONFIGS = _configs(_TUNING_LISTS.get("dq", [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]))
 # dK/dV: BLOCK_N keys stay resident (two BLOCK_N x BLOCK_D float32 accumulators), BLOCK_M rows stream.
-_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
+_DKDV_CONFIGS = _configs(_TUNING_LISTS.get("dkdv", [(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)]))
 
 WIDE_HEAD_DIM = 128
 """Above this (Gemma's head dim 256) the tiles above outgrow the registers: ptxas for sm_90a spills, per

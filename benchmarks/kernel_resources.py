@@ -1,0 +1,74 @@
+"""Registers, spill bytes and shared memory of every tile config of oomb's Triton kernels, compiled for an
+H100/H200 (sm_90) at the 7B shape on any machine with Triton's CUDA backend (no GPU needed).
+
+What a GPU run's autotuner chooses from: a config whose shared memory is over the H200's 232,448 bytes per
+program never runs, and one that spills registers to the stack pays local-memory traffic in its inner loop.
+These are compile-time facts, not timings: they say which tiles are worth timing (benchmarks/attention.py
+with ``OOMB_TRITON_CONFIGS``), not which is fastest.
+
+    python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_sm90.json
+    OOMB_TRITON_CONFIGS='{"dkdv": [[32, 128, 8, 3]]}' python benchmarks/kernel_resources.py   # candidates
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+HARNESS = ROOT / "tests" / "compile_for_hopper.py"
+SHARED_MEMORY_BYTES = 232448  # per program on the H100/H200
+
+
+def _harness(*args: str, interpret: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, str(HARNESS), *args], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"{HARNESS.name} {args[0]} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON path (default: print only)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        captured = str(Path(tmp) / "launches.json")
+        _harness("capture", captured, interpret=True)
+        lines = _harness("compile", captured, "--all-configs", interpret=False).splitlines()
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        row["fits"] = row.get("ok", False) and row["shared"] <= SHARED_MEMORY_BYTES
+        config = "x".join(map(str, row.get("config", [])))
+        print(f"{row['kernel']:<36} {config:<14} shared {row.get('shared', '-'):>7} registers "
+              f"{row.get('registers', '-'):>4} spill {row.get('spill_bytes', '-'):>5} B  {row['variant']}"
+              + ("" if row["fits"] else "  DOES NOT FIT" if row.get("ok") else f"  {row.get('error')}"))
+    import triton
+
+    from oomb import machine
+
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),
+              "machine": {"cpu": machine.cpu_name(), "compiled_for": "sm_90 (H100/H200), no GPU",
+                          "triton": triton.__version__},
+              "tuning_lists": os.environ.get("OOMB_TRITON_CONFIGS") or "built-in",
+              "config": "[BLOCK_M, BLOCK_N, num_warps, num_stages] (the plain kernels: [num_warps, num_stages])",
+              "shape": "7B: head dim 128, 7 query heads per KV head, pages of 128, bf16",
+              "shared_memory_limit": SHARED_MEMORY_BYTES, "kernels": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
