@@ -126,6 +126,14 @@
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
+#   tiles            issue 23 D4: the dense kernels' tile lists extended by the configs that spill least when
+#                    compiled for sm_90 (benchmarks/kernel_resources.py, kernel_resources_candidates_sm90_cpu_2026-12-05:
+#                    the picked dK/dV tiles 64x128 spill 256 B per thread, 32x128 and 64x64 at 8 warps 24 and 40 B):
+#                    attention.py with the built-in lists, then with TILES (below) in the same call (~5 min); the
+#                    JSONs record each kernel's pick. tiles_tests: the paged and sparse kernels' GPU tests under TILES
+#                    (~4 min). Criterion, fixed before the run: TILES become the built-in lists if forward+backward
+#                    TFLOP/s is at least 2 % higher at both histories, the forward no more than 1 % lower, a new config
+#                    is picked for some kernel, and tiles_tests pass
 #   head_now         issue 23 D2: after a trained head's weight gradient moved into the fused loss's forward (bf9cbee:
 #                    nothing recomputed; the 1M chosen plan recomputed the logits, ~1.5 s of head GEMM and ~0.5 s of
 #                    the gradient kernel by the 2-layer profile, an estimate) and compiled layers' weight gradients
@@ -180,7 +188,8 @@
 # ctx_extension, then loans paused): on an H200, head_now (~8 min), carry_off (~6 min), then train_1m_bg and
 # train_check in the calls after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s; `oomb train` on the
 # embedded corpus keeps documents separate, which runs Triton, not cuDNN), dense_confirm (~3.5 min); then kernel
-# work for 23 D4's forward (docs/kernels.md: its forward+backward half is out of reach atomic-free).
+# work for 23 D4's forward (docs/kernels.md: its forward+backward half is out of reach atomic-free): tiles (~5 min),
+# then tiles_tests if its speed criterion is met.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -195,6 +204,10 @@ rm -rf /tmp/src && tar -xf .gpu_carry/src.tar -C /tmp && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/src PYTHONUNBUFFERED=1 OOMB_GIT_COMMIT=${OOMB_GIT_COMMIT:-unknown}
 TAIL=${TAIL:-10}
 source benchmarks/gpu/run_step.sh  # run SECONDS NAME COMMAND...
+# the built-in lists (oomb/attention/triton_paged.py) with the least-spilling sm_90 configs appended (part tiles)
+TILES='{"fwd": [[128,64,4,3],[128,128,8,3],[128,64,8,3],[128,64,8,4],[128,128,8,2]],
+ "dkdv": [[64,128,8,3],[32,128,4,4],[64,64,4,3],[32,128,8,3],[64,64,8,3]],
+ "dq": [[128,64,8,3],[128,32,4,4],[64,64,4,3],[64,64,4,4],[128,64,8,4]]}'
 real_model() { [ -n "${OOMB_CACHE:-}" ] || source benchmarks/gpu/real_model_setup.sh; }
 for part in "$@"; do
   case $part in
@@ -426,6 +439,16 @@ for part in "$@"; do
          run 130 attention_$tree python benchmarks/attention.py --histories 32768 131072
          cp benchmarks/results/attention_h200.json "$OUT/attention_$tree.json")
       done ;;
+    tiles)
+      run 130 attention_lists python benchmarks/attention.py --histories 32768 131072
+      cp benchmarks/results/attention_h200.json "$OUT/attention_lists_h200.json"
+      (export OOMB_TRITON_CONFIGS="$TILES"
+       run 150 attention_tiles python benchmarks/attention.py --histories 32768 131072)
+      cp benchmarks/results/attention_h200.json "$OUT/attention_tiles_h200.json" ;;
+    tiles_tests)
+      (export OOMB_TRITON_CONFIGS="$TILES"
+       run 320 tiles_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_paged.py \
+           tests/test_triton_sparse.py) ;;
     head_now)
       run 60 loss_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_loss.py
       run 100 compiled_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_compiled_layers.py -k "carr or gpu"
