@@ -105,8 +105,8 @@ def main() -> None:
     from oomb import machine
 
     probe = warp_specialization_probe()
-    print(f"tl.range(warp_specialize=True) on sm_90: {'the same code as without' if probe['same_code'] else 'other code'}"
-          f" ({probe['warp_specialize=True']})")
+    verdict = "the same code as without" if probe["same_code"] else "other code"
+    print(f"tl.range(warp_specialize=True) on sm_90: {verdict} ({probe['warp_specialize=True']})")
 
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),

@@ -29,6 +29,8 @@ def test_lists_parse():
     ('[[64, 64, 4, 3]]', "fwd, dkdv, dq"),
     ('{"dq": []}', "non-empty list"),
     ('{"dq": [[64, 64, 4]]}', "non-empty list"),
+    ('{"dq": [64, 64, 4, 3]}', "non-empty list"),
+    ('{"dq": [[64, 64, 4, 3.5]]}', "non-empty list"),
     ('{"dq": [[64, 48, 4, 3]]}', "powers of two"),
     ('{"dq": [[64, 64, 4, 0]]}', "stages >= 1"),
 ])

@@ -164,12 +164,14 @@ def tuning_lists_from_env(text: str | None) -> dict[str, list[tuple[int, int, in
         raise ValueError(f"OOMB_TRITON_CONFIGS must map some of fwd, dkdv, dq to lists; got {text!r}")
     parsed = {}
     for kernel, configs in lists.items():
-        ok = isinstance(configs, list) and configs and all(
-            isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and x > 0 and x & (x - 1) == 0 for x in c[:3])
-            and isinstance(c[3], int) and c[3] >= 1 for c in configs)
-        if not ok:
-            raise ValueError(f"OOMB_TRITON_CONFIGS[{kernel!r}] must be a non-empty list of [BLOCK_M, BLOCK_N, num_warps, "
-                             f"num_stages] (powers of two, stages >= 1); got {configs!r}")
+        def valid(c) -> bool:
+            if not (isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) for x in c)):
+                return False
+            return all(x > 0 and x & (x - 1) == 0 for x in c[:3]) and c[3] >= 1
+
+        if not (isinstance(configs, list) and configs and all(map(valid, configs))):
+            raise ValueError(f"OOMB_TRITON_CONFIGS[{kernel!r}] must be a non-empty list of [BLOCK_M, BLOCK_N, "
+                             f"num_warps, num_stages] (powers of two, stages >= 1); got {configs!r}")
         parsed[kernel] = [tuple(c) for c in configs]
     return parsed
 
