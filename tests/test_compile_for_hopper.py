@@ -68,3 +68,13 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
         assert r["shared"] >= 2 * 128 * (block_m + stages * 2 * block_n), r
     if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         assert all(r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in results)
+    # every config of the dense forward's list fits (the H200's pick, 128 x 128 over 3 stages, is 3 KB under the
+    # limit: a kernel change that pushes it over would drop it from autotuning silently)
+    forward_launches = [launch for launch in launches
+                        if launch["module"].endswith("triton_paged") and launch["kernel"] == "_fwd_kernel"]
+    captured.write_text(json.dumps(forward_launches))
+    printed = _run("compile", str(captured), "--all-configs", interpret=False).stdout
+    every = [json.loads(line) for line in printed.splitlines()]
+    forward = [r for r in every if r["kernel"] == "triton_paged._fwd_kernel"]
+    assert len({tuple(r["config"]) for r in forward}) == 3 and all(r["ok"] for r in forward), forward
+    assert all(r["shared"] <= 232448 for r in forward), forward
