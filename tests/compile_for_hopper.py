@@ -135,8 +135,15 @@ def _compile(kernel, types: dict, constants: dict, config_index: int = 0, specia
             "shared": compiled.metadata.shared, **_resources(compiled.asm["cubin"])}
 
 
+SASS_COUNTED = ("HGMMA", "MUFU.EX2", "FFMA", "FMUL", "FADD", "LDGSTS", "STL", "LDL")
+"""Instructions counted in a kernel's machine code (every occurrence in the binary, not per iteration): tensor-core
+products, exponentials, the float32 multiply-adds, multiplies and adds of the softmax, asynchronous copies,
+spill stores and loads."""
+
+
 def _resources(cubin: bytes) -> dict:
-    """Registers per thread and spill stack bytes of a compiled kernel (cuobjdump -res-usage; {} without it)."""
+    """Registers per thread, spill stack bytes and SASS_COUNTED's instruction counts of a compiled kernel
+    (cuobjdump; {} without it)."""
     import re
     import subprocess
     import tempfile
@@ -150,8 +157,12 @@ def _resources(cubin: bytes) -> dict:
         file.write(cubin)
         file.flush()
         report = subprocess.run([str(tool), "-res-usage", file.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", file.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
-    return {"registers": int(found[1]), "spill_bytes": int(found[2])} if found else {}
+    if not found:
+        return {}
+    counts = {name: len(re.findall(rf"\b{re.escape(name)}\b", sass)) for name in SASS_COUNTED}
+    return {"registers": int(found[1]), "spill_bytes": int(found[2]), "instructions": counts}
 
 
 INNERMOST_STRIDES = {"stride_qd", "stride_kd", "stride_ad", "stride_bd", "stride_ll"}
