@@ -126,6 +126,12 @@
 #   kernel_tests     issues 18/23: the Triton kernels' GPU tests (~4 min), then attention.py's TFLOP/s at 32K and 128K
 #   kernel_ab        issues 18/23: the Triton kernels' GPU tests, then the per-call scoring cost (sparse_score_speed)
 #                    and the attention kernels' TFLOP/s (attention.py) on this commit and on .gpu_carry/old.tar
+#   exponent_ab      issue 23 D4: the forwards' scale moved inside the exponent (4976573: one FFMA per score where
+#                    a multiply and a subtract ran; compiled for sm_90 the forward's pick has 64 FMUL and 64 FADD
+#                    fewer per thread and tile): attention.py on .gpu_carry/old.tar (`git archive --prefix=old/
+#                    afeff75`, the commit before) and on this commit, then the paged and sparse kernels' GPU tests
+#                    (~8.5 min). Criterion, fixed before the run: the change stays if the forward's TFLOP/s is at
+#                    least 0.99x the commit before's at both histories and the tests pass; otherwise it is reverted
 #   tiles            issue 23 D4: the dense kernels' tile lists extended by the configs that spill least when
 #                    compiled for sm_90 (benchmarks/kernel_resources.py, kernel_resources_candidates_sm90_cpu_2026-12-05:
 #                    the picked dK/dV tiles 64x128 spill 256 B per thread, 32x128 and 64x64 at 8 warps 24 and 40 B):
@@ -188,8 +194,8 @@
 # ctx_extension, then loans paused): on an H200, head_now (~8 min), carry_off (~6 min), then train_1m_bg and
 # train_check in the calls after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s; `oomb train` on the
 # embedded corpus keeps documents separate, which runs Triton, not cuDNN), dense_confirm (~3.5 min); then kernel
-# work for 23 D4's forward (docs/kernels.md: its forward+backward half is out of reach atomic-free): tiles (~5 min),
-# then tiles_tests if its speed criterion is met.
+# work for 23 D4's forward (docs/kernels.md: its forward+backward half is out of reach atomic-free): exponent_ab
+# (~8.5 min, carrying .gpu_carry/old.tar of afeff75), tiles (~5 min), then tiles_tests if its criterion is met.
 # Budget each call's parts from earlier runs: a 1M profile under the
 # profiler takes over 200 s per staging (limits of 200 s lost a call); the Triton kernels' GPU tests take ~4 min
 # in a fresh process (autotuning). Refused starts cost device time too; a machine stays warm 30 s after a call.
@@ -439,6 +445,16 @@ for part in "$@"; do
          run 130 attention_$tree python benchmarks/attention.py --histories 32768 131072
          cp benchmarks/results/attention_h200.json "$OUT/attention_$tree.json")
       done ;;
+    exponent_ab)
+      rm -rf /tmp/old && tar -xf "$ROOT/.gpu_carry/old.tar" -C /tmp
+      for tree in old new; do
+        dir=/tmp/src; [ $tree = old ] && dir=/tmp/old
+        (cd $dir && export PYTHONPATH=$dir OOMB_GIT_COMMIT=$([ $tree = old ] && echo "${OLD_COMMIT:-afeff75}" || echo "$OOMB_GIT_COMMIT")
+         run 130 attention_$tree python benchmarks/attention.py --histories 32768 131072
+         cp benchmarks/results/attention_h200.json "$OUT/attention_exponent_$tree.json")
+      done
+      run 240 exponent_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_paged.py \
+          tests/test_triton_sparse.py ;;
     tiles)
       run 130 attention_lists python benchmarks/attention.py --histories 32768 131072
       cp benchmarks/results/attention_h200.json "$OUT/attention_lists_h200.json"
