@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
+    p.add_argument("--out", help="also write the JSON report here (the default file is named after the GPU)")
     p.add_argument("--softcap", type=float, default=None,
                    help="also time our kernels with this logit softcap (Gemma 2: 50)")
     args = p.parse_args()
@@ -297,6 +298,9 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "attention.json").write_text(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
     if not args.smoke:
         slug = "h200" if "H200" in gpu else gpu.lower().replace(" ", "_")
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -307,21 +307,6 @@ def _cap(x, SOFTCAP: tl.constexpr):
 # Forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _forward_logits(q, k, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    """A forward tile's logits and their factor: the base-2 logits are ``logits * factor``. Without a cap these
-    are the raw products and qk_scale, which the online softmax applies inside its exponent, exp2(s * qk_scale -
-    m): one fused multiply-add per score where scaling first costs a multiply and a subtract (the scaled tile
-    also fed the row maximum, so the two could not fuse). The row maximum of the raw products times qk_scale is
-    the maximum of the scaled products bit for bit (rounding is monotonic and qk_scale > 0). With a cap: the
-    capped base-2 logits and 1."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if SOFTCAP > 0:
-        capped, _tanh = _cap(s * qk_scale, SOFTCAP)  # (not `_`: a loop would carry it as a key tile)
-        return capped, 1.0
-    return s, qk_scale
-
-
-@triton.jit
 def _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW: tl.constexpr, DOCS: tl.constexpr):
     """A key tile's key indices and which of them may be read: keys < key_hi, with WINDOW also >= key_lo,
     with DOCS also >= the tile's earliest row document start (keys before it are not even loaded)."""
@@ -381,7 +366,9 @@ def _fwd_inner(
                                       stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
             k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
                             EVEN_D, UPCAST)
-        qk, factor = _forward_logits(q, k, qk_scale, DOT_PRECISION, SOFTCAP)  # (M, N) base-2 logits / factor
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
+        if SOFTCAP > 0:
+            qk, _tanh = _cap(qk, SOFTCAP)  # (not `_`: the loop carries it as a key tile)
         if MASKED:
             if WINDOW:
                 visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -392,7 +379,7 @@ def _fwd_inner(
             qk = tl.where(visible, qk, float("-inf"))
         # The first tile visited holds a key every row sees (key 0, or a window's first key), so
         # m_new is finite from then on (not with DOCS: see below).
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * factor)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = m_new
         if MASKED:
             if WINDOW:
@@ -401,7 +388,7 @@ def _fwd_inner(
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             elif DOCS:  # a row whose document starts after every key so far: the same guard
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk * factor - m_ref[:, None])
+        p = tl.exp2(qk - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)

@@ -76,7 +76,6 @@ from .triton_paged import (
     _dkdv_kernel,
     _document_args,
     _dq_inner,
-    _forward_logits,
     _fwd_inner,
     _load_kv,
     _load_tile,
@@ -155,17 +154,19 @@ def _fwd_pages_inner(
         slot_ok = slots < PAGE_SIZE
         k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, slot_ok, d_ok, not EVEN_PAGE,
                         EVEN_D, UPCAST)
-        qk, factor = _forward_logits(q, k, qk_scale, DOT_PRECISION, SOFTCAP)  # base-2 logits / factor
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk, _ = _cap(qk, SOFTCAP)
         if not EVEN_PAGE:
             qk = tl.where(slot_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * factor)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = m_new
         if DOCS:  # a row may see none of the tile (its document starts later): no exp2(-inf + inf)
             keys = position * PAGE_SIZE + slots
             qk = tl.where(keys[None, :] >= doc_start[:, None], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * factor)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk * factor - m_ref[:, None])
+        p = tl.exp2(qk - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
