@@ -24,7 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 HARNESS = ROOT / "tests" / "compile_for_hopper.py"
-SHARED_MEMORY_BYTES = 232448  # per program on the H100/H200
 
 
 def _harness(*args: str, interpret: bool) -> str:
@@ -89,6 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON path (default: print only)")
     args = parser.parse_args()
+    from oomb.attention.triton_paged import _SHARED_MEMORY_BYTES as SHARED_MEMORY_BYTES  # per program, H100/H200
+
     with tempfile.TemporaryDirectory() as tmp:
         captured = str(Path(tmp) / "launches.json")
         _harness("capture", captured, interpret=True)

@@ -12,7 +12,7 @@ registers reported are those of the kernel the GPU runs.
     python tests/compile_for_hopper.py compile OUT.json --all-configs   # every config of each list
 
 ``compile`` prints one JSON line per variant: {"kernel", "variant", "config", "ok", "error" or "shared",
-"registers", "spill_bytes"} (the last two where the wheel ships cuobjdump).
+"registers", "spill_bytes", "instructions"} (the last three where the wheel ships cuobjdump).
 
 The specialization matters: Triton's launcher marks 16-byte aligned pointers and integers divisible by 16,
 and turns integers equal to 1 into constants (unless the kernel lists them in ``do_not_specialize``). Without

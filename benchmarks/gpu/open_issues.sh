@@ -196,7 +196,7 @@
 #                    first-step overhead and a steady step; the chosen plan is printed first)
 # Next calls (the fourth 2026-12-05 session had an H100: exponent_ab, tiles, head_now's GPU tests and loss_speed; its
 # 1M step outlasted the 340 s limit there, with fewer layers resident than on an H200): on an H200, head_now
-# (~8 min), carry_off (~6 min), then train_1m_bg and
+# (~6 min), carry_off (~6 min), then train_1m_bg and
 # train_check in the calls after it (D2's LoRA case, ~11 min: the first step alone took 437.59 s; `oomb train` on the
 # embedded corpus keeps documents separate, which runs Triton, not cuDNN), dense_confirm (~3.5 min); then kernel
 # work for 23 D4's forward with d4_forward (docs/kernels.md: its forward+backward half is out of reach
@@ -435,8 +435,7 @@ for part in "$@"; do
     kernel_tests)
       run 320 kernel_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_scores.py \
           tests/test_triton_paged.py tests/test_triton_sparse.py
-      run 130 attention python benchmarks/attention.py --histories 32768 131072 \
-          --out "$OUT/attention.json" ;;
+      run 130 attention python benchmarks/attention.py --histories 32768 131072 ;;  # ($OUT/attention.json)
     kernel_ab)
       # the same measurements on the commit before the kernel change (.gpu_carry/old.tar, `git archive
       # --prefix=old/ <commit>`) and on this one, in one call

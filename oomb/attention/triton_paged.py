@@ -150,6 +150,13 @@ def _prune_for_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -
     return fitting[:1] or [min(configs, key=staged_bytes)]
 
 
+def _valid_tuning_entry(entry) -> bool:
+    """[BLOCK_M, BLOCK_N, num_warps, num_stages]: integers, the first three powers of two, stages >= 1."""
+    if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, int) for x in entry)):
+        return False
+    return all(x > 0 and x & (x - 1) == 0 for x in entry[:3]) and entry[3] >= 1
+
+
 def tuning_lists_from_env(text: str | None) -> dict[str, list[tuple[int, int, int, int]]]:
     """OOMB_TRITON_CONFIGS (tuning experiments, e.g. ``{"dkdv": [[32, 128, 8, 3]]}``): the dense kernels' lists
     ("fwd", "dkdv", "dq") of (BLOCK_M, BLOCK_N, num_warps, num_stages) that replace the built-in ones, so that a
@@ -164,12 +171,7 @@ def tuning_lists_from_env(text: str | None) -> dict[str, list[tuple[int, int, in
         raise ValueError(f"OOMB_TRITON_CONFIGS must map some of fwd, dkdv, dq to lists; got {text!r}")
     parsed = {}
     for kernel, configs in lists.items():
-        def valid(c) -> bool:
-            if not (isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) for x in c)):
-                return False
-            return all(x > 0 and x & (x - 1) == 0 for x in c[:3]) and c[3] >= 1
-
-        if not (isinstance(configs, list) and configs and all(map(valid, configs))):
+        if not (isinstance(configs, list) and configs and all(map(_valid_tuning_entry, configs))):
             raise ValueError(f"OOMB_TRITON_CONFIGS[{kernel!r}] must be a non-empty list of [BLOCK_M, BLOCK_N, "
                              f"num_warps, num_stages] (powers of two, stages >= 1); got {configs!r}")
         parsed[kernel] = [tuple(c) for c in configs]
