@@ -90,6 +90,21 @@ class Timer:
             torch.cuda.synchronize()
 
 
+def paged_inputs(args: argparse.Namespace, history: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The workload's chunk: q (1, Hq, Lq, D) in HF's transposed layout, K/V pools (pages, Hkv, P, D) of
+    history + Lq keys under a shuffled page table (1, pages), and dout; bf16 on a GPU, float32 on CPU."""
+    B, Hq, Hkv, D, P, Lq = 1, args.heads, args.kv_heads, args.head_dim, args.page, args.chunk
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n_pages = -(-(history + Lq) // P)
+    gen = torch.Generator(device=device).manual_seed(history)
+    k_pool = torch.randn(n_pages, Hkv, P, D, device=device, dtype=dtype, generator=gen)
+    v_pool = torch.randn(n_pages, Hkv, P, D, device=device, dtype=dtype, generator=gen)
+    page_table = torch.randperm(n_pages, device=device, generator=gen).to(torch.int32)[None]
+    q = torch.randn(B, Lq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+    dout = torch.randn(B, Hq, Lq, D, device=device, dtype=dtype, generator=gen)
+    return q, k_pool, v_pool, page_table, dout
+
+
 def bench_history(args, history: int, device: torch.device, timer: Timer) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -97,15 +112,9 @@ def bench_history(args, history: int, device: torch.device, timer: Timer) -> dic
     from oomb.attention import triton_paged
 
     B, Hq, Hkv, D, P, Lq = 1, args.heads, args.kv_heads, args.head_dim, args.page, args.chunk
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     num_keys = history + Lq
     n_pages = -(-num_keys // P)
-    gen = torch.Generator(device=device).manual_seed(history)
-    k_pool = torch.randn(n_pages, Hkv, P, D, device=device, dtype=dtype, generator=gen)  # (pages, Hkv, P, D)
-    v_pool = torch.randn(n_pages, Hkv, P, D, device=device, dtype=dtype, generator=gen)
-    page_table = torch.randperm(n_pages, device=device, generator=gen).to(torch.int32)[None]  # (1, n_pages)
-    q = torch.randn(B, Lq, Hq, D, device=device, dtype=dtype, generator=gen).transpose(1, 2)  # HF layout
-    dout = torch.randn(B, Hq, Lq, D, device=device, dtype=dtype, generator=gen)
+    q, k_pool, v_pool, page_table, dout = paged_inputs(args, history, device)
     dk_pool = torch.zeros(k_pool.shape, device=device, dtype=torch.float32)  # fp32 gradient pages
     dv_pool = torch.zeros_like(dk_pool)
     scale = D**-0.5
