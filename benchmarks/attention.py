@@ -34,24 +34,35 @@ BWD_FLOP_RATIO = 2.5  # backward = 5 matmuls of the forward's 2
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--histories", type=int, nargs="+", default=[32768, 131072, 524288])
+def add_workload_args(p: argparse.ArgumentParser, histories: list[int]) -> None:
+    """The chunk's shape (paged_inputs reads it) and --smoke, shared with forward_switch_ab.py."""
+    p.add_argument("--histories", type=int, nargs="+", default=histories)
     p.add_argument("--chunk", type=int, default=4096, help="queries per chunk")
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page", type=int, default=128)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
+
+
+def shrink_for_smoke(args: argparse.Namespace) -> None:
+    """--smoke: tiny shapes that the Triton interpreter runs in seconds."""
+    args.histories, args.chunk, args.heads, args.kv_heads = [32], 16, 4, 2
+    args.head_dim, args.page = 16, 16
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p, [32768, 131072, 524288])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (GPU if any, else CPU: Triton interpreter)")
     p.add_argument("--out", help="also write the JSON report here (the default file is named after the GPU)")
     p.add_argument("--softcap", type=float, default=None,
                    help="also time our kernels with this logit softcap (Gemma 2: 50)")
     args = p.parse_args()
     if args.smoke:
-        args.histories, args.chunk, args.heads, args.kv_heads = [32], 16, 4, 2
-        args.head_dim, args.page, args.warmup, args.iters = 16, 16, 1, 1
+        shrink_for_smoke(args)
+        args.warmup, args.iters = 1, 1
     return args
 
 

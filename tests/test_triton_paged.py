@@ -197,51 +197,19 @@ def test_descriptor_loads_give_the_pointer_loads_bits(P, Lq, key_range, softcap,
     assert not triton_paged._descriptors_fit(strided) and triton_paged._descriptors_fit(c.k_pool)
 
 
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
-@pytest.mark.parametrize("key_range, softcap, with_documents, dtype", [
-    (None, None, False, torch.float32),
-    (None, None, False, torch.bfloat16),
-    ((16, 32), 30.0, False, torch.float32),  # a history window, capped scores
-    (None, None, True, torch.float32),  # packed documents
-])
-def test_persistent_forward_gives_the_plain_grids_bits(key_range, softcap, with_documents, dtype, monkeypatch):
-    """OOMB_TRITON_PERSISTENT: fewer programs than tiles (3 programs under the interpreter for 12 tiles:
-    2 sequences x 2 KV heads x 3 row tiles), each looping over its tiles, give the plain grid's output and lse
-    bit for bit, with the same masks (windows, documents, softcap)."""
-    from oomb.documents import resolve_documents
-
-    B, Lq, history = 2, 40, 32
-    c = make_case(B, 4, 2, Lq, history, 16, 16, dtype=dtype)
-    T = history + Lq
-    docs = (resolve_documents(None, [[0, 10, 50, T], [0, 37, T]], (B, T), torch.device(DEVICE))
-            if with_documents else None)
-    row_tiles = math.ceil(Lq * 2 / triton_paged._INTERPRET_BLOCK_M)
-    if DEVICE == "cpu":
-        assert B * 2 * row_tiles == 4 * triton_paged._INTERPRET_PROGRAMS  # each program loops over 4 tiles
-    results = {}
-    for persistent in (False, True):
-        monkeypatch.setattr(triton_paged, "PERSISTENT_FORWARD", persistent)
-        results[persistent] = triton_paged.paged_attention_forward(
-            c.q, c.k_pool, c.v_pool, c.page_table, history, c.scale, key_range=key_range, documents=docs,
-            softcap=softcap)
-    for got, want in zip(results[True], results[False], strict=True):
-        assert torch.equal(got, want)
-    assert results[True][0].isfinite().all()
-
-
 def test_forward_switch_benchmark_smoke(tmp_path, monkeypatch):
-    """benchmarks/forward_switch_ab.py on tiny shapes: both arms of the persistent switch run, alternate
-    round by round and give the same bits; the switch is left off."""
+    """benchmarks/forward_switch_ab.py on tiny shapes: both arms of the TMA switch run, alternate round by
+    round and give the same bits; the switch is left off."""
     import json
 
     from helpers import run_benchmark
 
     out = tmp_path / "ab.json"
-    run_benchmark("forward_switch_ab", ["--switch", "persistent", "--smoke", "--out", str(out)], monkeypatch)
+    run_benchmark("forward_switch_ab", ["--switch", "tma", "--smoke", "--out", str(out)], monkeypatch)
     row, configs = json.loads(out.read_text())["rows"]
     assert row["same_bits"] and len(row["paired_time_ratios"]) == len(row["on_ms"]) == len(row["off_ms"]) == 2
     assert row["median_paired_time_ratio"] > 0 and "autotuned_configs" in configs
-    assert triton_paged.PERSISTENT_FORWARD is False
+    assert triton_paged.TMA_LOADS is False
 
 
 def test_unaligned_query_start_matches_dense_autograd():
@@ -494,23 +462,6 @@ def test_gpu_descriptor_loads_give_the_pointer_loads_bits(monkeypatch):
         monkeypatch.setattr(triton_paged, "TMA_LOADS", tma)
         out, lse = run_forward(triton_paged, c)
         results[tma] = (out, lse, run_backward(triton_paged, c, out, lse)[0])
-    for got, want in zip(results[True], results[False], strict=True):
-        assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-def test_gpu_persistent_forward_gives_the_plain_grids_bits(monkeypatch):
-    """OOMB_TRITON_PERSISTENT at the 7B shape (bf16, 4096 queries over 8192 keys: 224 row tiles x 4 KV heads,
-    more tiles than SMs): one program per SM looping over the tiles gives the plain grid's output and lse bits,
-    with the forward's first config (the autotuner may pick other tiles per grid)."""
-    c = make_case(1, 28, 4, 4096, 8192, 128, 128, torch.bfloat16, device="cuda")
-    kernel = triton_paged._fwd_kernel
-    monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
-    monkeypatch.setattr(kernel, "cache", {})
-    results = {}
-    for persistent in (False, True):
-        monkeypatch.setattr(triton_paged, "PERSISTENT_FORWARD", persistent)
-        results[persistent] = run_forward(triton_paged, c)
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.equal(got, want)
 

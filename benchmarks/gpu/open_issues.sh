@@ -107,11 +107,8 @@
 #                    alone in a call (~5 min): the criterion's 1M half (the full normaliser's pass grows with the
 #                    square of the context: estimated +6 % at 1M from the 2-layer profile's block-score time)
 #   candidate_pooling_1m_bounded  the same with --sparse-normaliser-pages 256 (estimated +0.2 s of floor)
-#   persistent       issue 23 D4: the dense forward on a persistent grid (OOMB_TRITON_PERSISTENT: one program per SM
-#                    looping over the row tiles): its GPU bit test, then benchmarks/forward_switch_ab.py (21 rounds
-#                    alternating off/on in one process, 32K and 128K; ~3 min). Criterion, fixed before the run: it
-#                    becomes the forward's default if both arms give the same bits and the median paired time ratio
-#                    (on/off) is <= 0.98 at both histories
+#   (persistent, 2026-12-05, removed after its run with the code it timed: the dense forward on a persistent grid,
+#                    1.10x / 1.08x the plain grid's time on an H100, forward-persistent-ab-h100; docs/kernels.md)
 #   dense_confirm    issues 19/23: HF and the dense 128K step with `--chosen` alone, after the chooser learned to keep
 #                    dense attention outputs (the plan should read "dense attention outputs kept") (~3.5 min)
 #   defaults_confirm issues 18/23: after softmax_max candidates with the normaliser bounded to 256 pages became the
@@ -471,10 +468,6 @@ for part in "$@"; do
       (export OOMB_TRITON_CONFIGS="$TILES"
        run 320 tiles_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_paged.py \
            tests/test_triton_sparse.py) ;;
-    persistent)
-      run 200 persistent_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_triton_paged.py -k "persistent"
-      run 200 persistent_ab python benchmarks/forward_switch_ab.py --switch persistent --rounds 21 \
-          --out "$OUT/forward_persistent_ab.json" ;;
     head_now_tests)
       run 60 loss_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_loss.py
       run 200 compiled_gpu_tests python -m pytest -q -p no:cacheprovider tests/test_compiled_layers.py -k "carr or gpu" ;;

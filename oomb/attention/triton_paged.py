@@ -90,10 +90,6 @@ TMA_LOADS = os.environ.get("OOMB_TRITON_TMA", "0") == "1"
 forward and dQ kernels load their whole-page key tiles with tensor descriptors (Hopper's bulk tensor copies)
 instead of per-row pointers; packed documents keep the pointer loads. The same values in the same order: the
 results are bitwise those of the pointer loads."""
-PERSISTENT_FORWARD = os.environ.get("OOMB_TRITON_PERSISTENT", "0") == "1"
-"""OOMB_TRITON_PERSISTENT=1 (experimental): the dense forward runs a persistent grid, one program per SM looping
-over the row tiles, instead of one program per tile (Hopper's persistent scheduling, measured on its own in
-docs/kernels.md). Each tile's arithmetic is unchanged: the results are bitwise those of the plain grid."""
 CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
 """Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
 one's choice (same configs, hence the same bits, and no tuning in their warm-up).
@@ -481,9 +477,10 @@ def _fwd_documents(
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
 
 
-@triton.jit
-def _fwd_tile(
-    pid_m, pid_bh,
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY + ["TMA"], cache_results=CACHE_TUNING,
+                 prune_configs_by=_FWD_PRUNE)
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
+def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kp, stride_kh, stride_kt, stride_kd,
@@ -495,13 +492,17 @@ def _fwd_tile(
     num_kv_heads, seq_len, query_start, key_lo, key_hi, scale, num_pages,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
 ):
-    """One tile of packed (query, group head) rows (row tile pid_m of batch x KV head pid_bh) against all
-    its keys: _fwd_kernel's work for one program of its plain grid."""
+    """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
+    (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document; with
+    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c)). TMA (OOMB_TRITON_TMA, the launcher checks the
+    pools' strides): whole-page key tiles load through tensor descriptors over the num_pages pages."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     USE_TMA: tl.constexpr = TMA and EVEN_D and PAGE_SIZE % BLOCK_N == 0 and not DOCS
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
     kvh = pid_bh % num_kv_heads
     num_rows = seq_len * GROUP
@@ -584,55 +585,6 @@ def _fwd_tile(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse = (m_i + tl.log2(l_i)) * _LN2
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + qi.to(tl.int64) * stride_ll, lse, mask=row_ok)
-
-
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY + ["TMA", "PERSISTENT"], cache_results=CACHE_TUNING,
-                 prune_configs_by=_FWD_PRUNE)
-@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
-def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
-    stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kp, stride_kh, stride_kt, stride_kd,
-    stride_vp, stride_vh, stride_vt, stride_vd,
-    stride_tb,
-    stride_ob, stride_oh, stride_ol, stride_od,
-    stride_lb, stride_lh, stride_ll,
-    stride_db,
-    num_kv_heads, num_bh, seq_len, query_start, key_lo, key_hi, scale, num_pages,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
-):
-    """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
-    (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document; with
-    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c)). TMA (OOMB_TRITON_TMA, the launcher checks the
-    pools' strides): whole-page key tiles load through tensor descriptors over the num_pages pages.
-    PERSISTENT (OOMB_TRITON_PERSISTENT): a grid of at most one program per SM, each taking the tiles pid,
-    pid + programs, ... in the plain grid's order (row tiles of one KV head, then the next): the same tiles,
-    hence the same bits."""
-    if PERSISTENT:
-        row_tiles = tl.cdiv(seq_len * GROUP, BLOCK_M)
-        for tile in range(tl.program_id(0), row_tiles * num_bh, tl.num_programs(0)):
-            _fwd_tile(
-                tile % row_tiles, tile // row_tiles,
-                q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr, stride_qb, stride_qh,
-                stride_ql, stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh,
-                stride_vt, stride_vd, stride_tb, stride_ob, stride_oh, stride_ol, stride_od, stride_lb,
-                stride_lh, stride_ll, stride_db, num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
-                num_pages, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, WINDOW, UPCAST, DOT_PRECISION, DOCS, BLOCK_M,
-                BLOCK_N, SOFTCAP, TMA,
-            )
-    else:
-        _fwd_tile(
-            tl.program_id(0), tl.program_id(1),
-            q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr, stride_qb, stride_qh,
-            stride_ql, stride_qd, stride_kp, stride_kh, stride_kt, stride_kd, stride_vp, stride_vh,
-            stride_vt, stride_vd, stride_tb, stride_ob, stride_oh, stride_ol, stride_od, stride_lb,
-            stride_lh, stride_ll, stride_db, num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
-            num_pages, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, WINDOW, UPCAST, DOT_PRECISION, DOCS, BLOCK_M,
-            BLOCK_N, SOFTCAP, TMA,
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1144,36 +1096,18 @@ def paged_attention_forward(
     G = Hq // Hkv
     key_lo, key_hi = (0, query_start + Lq) if window is None else window
 
-    persistent = PERSISTENT_FORWARD
-
     def grid(meta):
-        row_tiles = triton.cdiv(Lq * G, meta["BLOCK_M"])
-        if persistent:
-            return (min(row_tiles * B * Hkv, _persistent_programs(q.device)), 1)
-        return (row_tiles, B * Hkv)
+        return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
     doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
     tma = _use_descriptors(k_pool, v_pool)
     _fwd_kernel[grid](
         q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
-        stride_db, Hkv, B * Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
-        WINDOW=window is not None, DOCS=documents is not None, TMA=tma, PERSISTENT=persistent, **meta,
+        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
+        WINDOW=window is not None, DOCS=documents is not None, TMA=tma, **meta,
     )
     return out, lse
-
-
-_INTERPRET_PROGRAMS = 3
-"""Persistent programs under the interpreter (CPU tests): fewer than the tiny shapes' tiles, so that each
-program loops over several."""
-
-
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of the persistent forward: one per SM (the picked configs hold one program per SM: the
-    forward's pick stages 229,376 bytes of shared memory)."""
-    if INTERPRET or device.type != "cuda":
-        return _INTERPRET_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _use_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
