@@ -123,6 +123,28 @@ def english_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+def stdlib_source(min_chars: int) -> str:
+    """Long real text: the Python standard library's own modules (shipped with every CPython), each file's
+    source in sorted path order, tests left out, joined by blank lines until at least ``min_chars``
+    characters (about 3.4 characters per SmolLM2 token). What a repository-scale training sequence looks
+    like; the text depends on the Python version, which results record."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).parts
+        if any(part.startswith(("test", "idle_test", "site-packages")) for part in relative):
+            continue
+        text = path.read_text(errors="replace")
+        parts.append(text)
+        size += len(text) + 2
+        if size >= min_chars:
+            return "\n\n".join(parts)
+    raise RealModelUnavailableError(f"the standard library at {root} holds only {size:,} characters of source, "
+                                    f"fewer than the {min_chars:,} asked")
+
+
 def with_yarn(config, factor: float | None):
     """``config`` (a transformers model config) with its RoPE extended by YaRN by ``factor`` (e.g. 4:
     8K -> 32K positions), in place; unchanged for None. How the real model is run past its training

@@ -9,7 +9,7 @@ import torch
 
 from oomb import cli
 from oomb.config import OOMBConfig
-from oomb.tools.gradcheck import GradcheckOptions, compare, history_read, run_gradcheck
+from oomb.tools.gradcheck import GradcheckOptions, compare, history_read, is_default_sparse, run_gradcheck
 
 SMALL = ["--seq-len", "1024", "--chunk-size", "256", "--page-size", "32"]
 
@@ -178,3 +178,28 @@ def test_history_read():
     # Chunks of 4 blocks with 0, 4, 8 history pages: read 0, 2, 2 of them per block.
     assert history_read(192, config) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
     assert history_read(64, config) == 1.0
+
+
+def test_gradcheck_reads_curve_marks_the_defaults_and_repeats_after_a_warm_up():
+    options = GradcheckOptions(seq_len=512, chunk_size=128, page_size=32, budgets=[8], reads=[0.25],
+                               scores=["auto", "exact"], hf="off", warmup_steps=1, warmup_lr=1e-3)
+    report = run_gradcheck(options)
+    rows = report["sparse"]
+    states = [d["model_state"] for d in report["dense_steps"]]
+    assert states == ["as shipped", "after 1 dense warm-up steps"] and len(report["warmup"]["losses"]) == 1
+    assert len(rows) == 8  # (defaults, oracle) x (budget 8, the 25 % budget) x two model states
+    for row in rows:
+        assert row["seq_len"] == 512 and -1 <= row["cosine"] <= 1 + 1e-9
+        assert row["loss_gap"] == pytest.approx((row["loss"] - row["dense_loss"]) / row["dense_loss"])
+    curve = [r for r in rows if r["target_read"] == 0.25]
+    assert curve and all(r["history_read"] >= 0.25 for r in curve)
+    # the budget one page smaller reads less than asked: the smallest budget that reaches the share
+    probe = OOMBConfig(attention="sparse", chunk_size=128, page_size=32, sparse_budget=curve[0]["budget"] - 1)
+    assert history_read(512, probe, 2) < 0.25
+    # page 32 is not the default page size, so no row runs the defaults; at page 128 the default arm does
+    assert not any(r["defaults"] for r in rows)
+    assert is_default_sparse(OOMBConfig(attention="sparse", chunk_size=1024))
+    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse_budget=32))
+    shipped = [r["cosine"] for r in rows if r["model_state"] == "as shipped"]
+    warmed = [r["cosine"] for r in rows if r["model_state"] != "as shipped"]
+    assert shipped != warmed  # the warm-up changed the model the second comparison sees

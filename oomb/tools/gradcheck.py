@@ -45,7 +45,7 @@ from ..config import (
     resolve_dtype,
 )
 from ..engine import forward_backward
-from ..real_model import with_yarn
+from ..real_model import stdlib_source, with_yarn
 from ..sparse import SparseOptions
 from ..training import presets
 from ..training.config import ModelSection
@@ -90,6 +90,9 @@ class GradcheckOptions:
     yarn: float | None = None
     json_path: str | None = None
     dense_cache: str | None = None  # a folder keeping dense steps (dense_cache.py): a later run skips its own
+    reads: list[float] = field(default_factory=list)  # shares of the history: budgets that read about as much
+    warmup_steps: int = 0  # dense LoRA context-extension steps on the following text, then everything again
+    warmup_lr: float = 2e-4
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -122,11 +125,18 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 REAL_MODEL = "smollm2"
 """--model smollm2: the real SmolLM2-135M-Instruct of oomb/real_model.py (converted once, cached)."""
 REAL_TEXT = "python-docs"
-"""--text python-docs: Python's English help topics (oomb/real_model.py's english_text)."""
+"""--text python-docs: Python's English help topics (oomb/real_model.py's english_text), ~110K SmolLM2 tokens."""
+REAL_CODE = "python-stdlib"
+"""--text python-stdlib: the Python standard library's source (oomb/real_model.py's stdlib_source), millions of
+tokens: real text for 128K-1M sequences."""
+CHARS_PER_TOKEN = 5
+"""python-stdlib: characters read per token asked (SmolLM2 averages ~3.4 on code; the rest is margin)."""
 
 
 def _load(options: GradcheckOptions):
-    """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
+    """(model, input_ids, description, source) from a preset name or a local directory, and a text file or
+    random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
+    first, then the warm-up's."""
     if options.model == REAL_MODEL:
         from ..real_model import smollm2_dir
 
@@ -142,34 +152,40 @@ def _load(options: GradcheckOptions):
     model = presets.build_model(section, config, dtype, device).eval()
     if options.text is not None and options.ids is not None:
         raise ValueError("give --text or --ids, not both")
+    rows = 1 + options.warmup_steps
+    need = rows * options.seq_len
+    asked = f"--seq-len {options.seq_len}" + (f" x (1 + --warmup-steps {options.warmup_steps})" if rows > 1 else "")
     if options.ids is not None:
         path = Path(options.ids)
         if not path.is_file():
             raise FileNotFoundError(f"--ids {options.ids!r} is not a file")
         tokens = [int(t) for t in path.read_text().split()]
-        if len(tokens) < options.seq_len:
-            raise ValueError(f"--ids {options.ids!r} has {len(tokens)} tokens, fewer than --seq-len {options.seq_len}")
-        ids = torch.tensor(tokens[: options.seq_len])[None]
+        if len(tokens) < need:
+            raise ValueError(f"--ids {options.ids!r} has {len(tokens)} tokens, fewer than {asked}")
+        ids = torch.tensor(tokens[:need]).view(rows, options.seq_len)
         source = path.name
     elif options.text is None:
         generator = torch.Generator().manual_seed(options.seed)
-        ids = torch.randint(0, config.vocab_size, (1, options.seq_len), generator=generator)
+        ids = torch.randint(0, config.vocab_size, (rows, options.seq_len), generator=generator)
         source = "random token ids"
     else:
         if options.text == REAL_TEXT:
             from ..real_model import english_text
 
             text, source = english_text(), "Python's help topics"
+        elif options.text == REAL_CODE:
+            text = stdlib_source(CHARS_PER_TOKEN * need)
+            source = f"the Python {platform.python_version()} standard library's source"
         else:
             path = Path(options.text)
             if not path.is_file():
                 raise FileNotFoundError(f"--text {options.text!r} is not a file")
             text, source = path.read_text(errors="replace"), path.name
         tokens = presets.load_tokenizer(section)(text)["input_ids"]
-        if len(tokens) < options.seq_len:
-            raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than --seq-len "
-                             f"{options.seq_len}; give a longer file or a shorter --seq-len")
-        ids = torch.tensor(tokens[: options.seq_len])[None]
+        if len(tokens) < need:
+            raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than {asked}; give a longer "
+                             f"file or a shorter --seq-len")
+        ids = torch.tensor(tokens[:need]).view(rows, options.seq_len)
     weights = "random weights" if is_preset else "local weights"
     return model, ids.to(device), f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})", source
 
@@ -200,91 +216,171 @@ def load_sparse_plan(path: str) -> dict:
     return load_plan(path)
 
 
+def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int = 1) -> int:
+    """The smallest budget whose step reads at least ``read`` of the history (history_read), at most dense."""
+    low, high = 0, max(1, -(-num_tokens // config.page_size))
+    while low < high:
+        middle = (low + high) // 2
+        if history_read(num_tokens, replace(config, sparse_budget=middle), num_layers) >= read:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def is_default_sparse(config: OOMBConfig) -> bool:
+    """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs."""
+    default = OOMBConfig(attention="sparse", chunk_size=config.chunk_size)
+    names = [f for f in asdict(default) if f.startswith("sparse_")] + ["page_size"]
+    return (all(getattr(config, name) == getattr(default, name) for name in names)
+            and SparseOptions.from_config(config) == SparseOptions.from_config(default))
+
+
+def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progress: bool) -> tuple[dict, dict]:
+    """(gradients, report entry) of the dense oomb step, from the dense cache when it holds this one."""
+    key = dense_cache.dense_key(model, ids, base.chunk_size, base.page_size) if options.dense_cache else None
+    kept = dense_cache.load_dense(options.dense_cache, key, ids.device) if key else None
+    if kept is not None:
+        return kept["gradients"], {"loss": kept["loss"], "seconds": kept["seconds"], "kept": kept["path"],
+                                   "kept_date": kept["date"]}
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    loss = float(forward_backward(model, ids, config=base, progress=progress))
+    gradients = _gradients(model)
+    entry = {"loss": loss, "seconds": time.perf_counter() - start}
+    if key:
+        entry["kept"] = str(dense_cache.save_dense(options.dense_cache, key, loss, entry["seconds"],
+                                                   date.today().isoformat(), gradients))
+    return gradients, entry
+
+
+def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_layers: int) -> list[dict]:
+    """One OOMBConfig override dict per sparse arm (score x pooling x budget x rerank options), named."""
+    plan = load_sparse_plan(options.sparse_plan) if options.sparse_plan else {}
+    layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
+    dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
+    common = {"attention": "sparse", "sparse_sink_pages": options.sink_pages, "sparse_selection": options.selection,
+              "sparse_leak_free": options.leak_free, "sparse_query_block_pages": options.query_block_pages,
+              "sparse_layer_budgets": layer_budgets, "sparse_dense_layers": dense_layers}
+    probe = OOMBConfig(**{**asdict(base), **common})
+    reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
+    budgets = [None] if layer_budgets is not None else list(dict.fromkeys([*options.budgets, *reads]))
+    arms = []
+    for score, pooling, budget in itertools.product(options.scores, options.poolings, budgets):
+        rerank = score == "rerank"
+        for factor, proposer, pooled in itertools.product(
+                options.rerank_factors if rerank else [None], options.rerank_candidates if rerank else [None],
+                options.candidate_poolings if rerank else [None]):
+            if score == "auto":  # the defaults: every rerank option as OOMBConfig resolves it
+                bounds: list = ["auto"]
+            elif "softmax_max" in (pooling, pooled):
+                bounds = options.normaliser_pages
+            else:
+                bounds = [None]
+            for bound in bounds:
+                extra = ({"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer,
+                          "sparse_candidate_pooling": pooled} if factor is not None else {})
+                if score == "auto":
+                    name = "defaults"
+                elif factor is None:
+                    name = score + ("" if bound is None else f"/{bound}")
+                else:
+                    name = _rerank_name(factor, proposer, pooled, bound)
+                arms.append({"name": name, "pooling": pooling, "budget": budget, "target_read": reads.get(budget),
+                             "config": {**common, **extra, "sparse_score": score, "sparse_pooling": pooling,
+                                        "sparse_normaliser_pages": bound,
+                                        "sparse_budget": budget if budget is not None else max(layer_budgets)}})
+    return arms
+
+
+def _warm_up(model, rows: torch.Tensor, base: OOMBConfig, lr: float, progress: bool,
+             log: Callable[[str], None]) -> tuple[torch.nn.Module, list[float]]:
+    """A short dense context extension: LoRA adapters (rank 16 on the attention projections, float32) trained
+    with AdamW, one oomb dense step per row of ``rows``; then every parameter requires grad again, so the
+    comparison after it covers the base weights and the adapters. Returns the wrapped model and the losses."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    losses = []
+    for step, row in enumerate(rows):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(forward_backward(model, row[None], config=base, progress=progress)))
+        optimizer.step()
+        log(f"warm-up step {step + 1} of {len(rows)}: loss {losses[-1]:.6f}")
+    optimizer.zero_grad(set_to_none=True)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    return model, losses
+
+
 def run_gradcheck(options: GradcheckOptions, progress: bool = False,
                   on_step: Callable[[dict, str], None] | None = None) -> dict:
     """Dense vs sparse (and dense vs HF) gradients of one sequence; returns the JSON-able report.
 
-    ``progress``: a progress bar over each step's chunks. ``on_step(report, done)`` is called after the dense
-    step and after each sparse arm with the report so far and what finished, so that a long run (an hour for
-    SmolLM2 at 32K on a CPU) can show and save its results as they come."""
-    model, ids, model_text, source = _load(options)
+    Each sparse row carries ``seq_len``, ``cosine`` (total parameter gradient against dense), ``loss_gap``
+    ((sparse loss - dense loss) / dense loss), ``history_read`` and ``defaults`` (true where the arm runs
+    OOMBConfig's sparse defaults), with per-group cosines under ``groups``. With ``warmup_steps``, every
+    comparison runs twice: ``model_state`` "as shipped", then after that many dense LoRA steps at the length.
+
+    ``progress``: a progress bar over each step's chunks. ``on_step(report, done)`` is called after each
+    step with the report so far and what finished, so that a long run can show and save results as they come."""
+    model, rows, model_text, source = _load(options)
+    ids = rows[:1]
     base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size)
+    num_layers = model_layers(model)
     report = {"date": date.today().isoformat(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-                         f"transformers {transformers.__version__}",
+                         f"transformers {transformers.__version__}, Python {platform.python_version()}"
+                         + (f", {torch.cuda.get_device_name()}" if ids.device.type == "cuda" else ""),
               "model": model_text, "sequence": source, "tokens": ids.shape[1], "options": asdict(options),
-              "config": {k: v for k, v in asdict(base).items() if not k.startswith("sparse_")}}
-
-    key = dense_cache.dense_key(model, ids, base.chunk_size, base.page_size) if options.dense_cache else None
-    kept = dense_cache.load_dense(options.dense_cache, key, ids.device) if key else None
-    if kept is not None:
-        dense, dense_loss = kept["gradients"], kept["loss"]
-        report["dense"] = {"loss": dense_loss, "seconds": kept["seconds"], "kept": kept["path"],
-                           "kept_date": kept["date"]}
-        done = f"dense step: loss {dense_loss:.6f} (kept: {kept['path']}, {kept['date']})"
-    else:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        dense_loss = float(forward_backward(model, ids, config=base, progress=progress))
-        dense = _gradients(model)
-        report["dense"] = {"loss": dense_loss, "seconds": time.perf_counter() - start}
-        if key:
-            report["dense"]["kept"] = str(dense_cache.save_dense(options.dense_cache, key, dense_loss,
-                                                                 report["dense"]["seconds"], report["date"], dense))
-        done = f"dense step: loss {dense_loss:.6f} ({report['dense']['seconds']:.1f} s)"
-    report["sparse"] = []
-    if on_step is not None:
-        on_step(report, done)
-
-    run_hf = options.hf == "on" or (options.hf == "auto" and ids.shape[1] <= HF_AUTO_MAX_TOKENS)
-    if run_hf:
-        model.zero_grad(set_to_none=True)
-        try:
-            hf_loss = model(input_ids=ids, labels=ids).loss
-            hf_loss.backward()
-            report["hf"] = {"loss": float(hf_loss.detach()), **compare(dense, _gradients(model))["total"]}
-        except torch.OutOfMemoryError:
-            report["hf"] = {"error": "out of memory"}
-    runs = report["sparse"]
-    plan = load_sparse_plan(options.sparse_plan) if options.sparse_plan else {}
-    layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
-    dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
-    budgets = [None] if layer_budgets is not None else options.budgets
-    arms = [(score, pooling, budget, factor, proposer, pooled, bound) for score, pooling, budget in
-            itertools.product(options.scores, options.poolings, budgets)
-            for factor in (options.rerank_factors if score == "rerank" else [None])
-            for proposer in (options.rerank_candidates if score == "rerank" else [None])
-            for pooled in (options.candidate_poolings if score == "rerank" else [None])
-            for bound in (options.normaliser_pages if "softmax_max" in (pooling, pooled) else [None])]
-    for score, pooling, budget, factor, proposer, pooled, bound in arms:
-        extra = ({"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer,
-                  "sparse_candidate_pooling": pooled} if factor is not None else {})
-        config = OOMBConfig(**{**asdict(base), **extra, "attention": "sparse", "sparse_normaliser_pages": bound,
-                               "sparse_budget": budget if budget is not None else max(layer_budgets),
-                               "sparse_sink_pages": options.sink_pages, "sparse_score": score,
-                               "sparse_selection": options.selection, "sparse_leak_free": options.leak_free,
-                               "sparse_query_block_pages": options.query_block_pages, "sparse_pooling": pooling,
-                               "sparse_layer_budgets": layer_budgets,
-                               "sparse_dense_layers": dense_layers})
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss = float(forward_backward(model, ids, config=config, progress=progress))
-        name = (score + ("" if bound is None else f"/{bound}")) if factor is None else \
-            _rerank_name(factor, proposer, pooled, bound)
-        run = {"score": name,
-               "pooling": pooling, "budget": budget if budget is not None else "per layer", "loss": loss,
-               "normaliser_pages": bound,
-               "seconds": time.perf_counter() - start,
-               "history_read": history_read(ids.shape[1], config, model_layers(model)),
-               "groups": compare(_gradients(model), dense)}
-        runs.append(run)
-        if on_step is not None:
-            on_step(report, f"sparse {run['score']}/{pooling} k={run['budget']} ({len(runs)} of {len(arms)}): "
-                            f"cosine {run['groups']['total']['cosine']:.5f}, loss {loss:.6f}, "
-                            f"{100 * run['history_read']:.1f} % read ({run['seconds']:.1f} s)")
+              "config": {k: v for k, v in asdict(base).items() if not k.startswith("sparse_")},
+              "sparse": []}
+    notify = (lambda done: on_step(report, done)) if on_step is not None else (lambda done: None)
+    arms = _arms(options, base, ids.shape[1], num_layers)
+    states = ["as shipped"] + ([f"after {options.warmup_steps} dense warm-up steps"] if options.warmup_steps else [])
+    for phase, state in enumerate(states):
+        if phase:
+            model, losses = _warm_up(model, rows[1:], base, options.warmup_lr, progress, notify)
+            report["warmup"] = {"steps": options.warmup_steps, "lr": options.warmup_lr, "losses": losses,
+                                "adapters": "LoRA r=16, alpha 32, q/k/v/o projections, float32"}
+        dense, entry = _dense_step(model, ids, base, replace(options, dense_cache=None) if phase else options,
+                                   progress)
+        report.setdefault("dense_steps", []).append({"model_state": state, **entry})
+        report["dense"] = entry
+        dense_loss = entry["loss"]
+        tag = f", model {state}" if options.warmup_steps else ""
+        notify(f"dense step: loss {dense_loss:.6f} ({entry['seconds']:.1f} s{tag})")
+        run_hf = options.hf == "on" or (options.hf == "auto" and ids.shape[1] <= HF_AUTO_MAX_TOKENS)
+        if run_hf and not phase:
+            model.zero_grad(set_to_none=True)
+            try:
+                hf_loss = model(input_ids=ids, labels=ids).loss
+                hf_loss.backward()
+                report["hf"] = {"loss": float(hf_loss.detach()), **compare(dense, _gradients(model))["total"]}
+            except torch.OutOfMemoryError:
+                report["hf"] = {"error": "out of memory"}
+        for number, arm in enumerate(arms, 1):
+            config = OOMBConfig(**{**asdict(base), **arm["config"]})
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            loss = float(forward_backward(model, ids, config=config, progress=progress))
+            groups = compare(_gradients(model), dense)
+            run = {"model_state": state, "seq_len": ids.shape[1], "score": arm["name"], "pooling": arm["pooling"],
+                   "budget": arm["budget"] if arm["budget"] is not None else "per layer",
+                   "target_read": arm["target_read"], "history_read": history_read(ids.shape[1], config, num_layers),
+                   "defaults": is_default_sparse(config), "cosine": groups["total"]["cosine"],
+                   "loss": loss, "dense_loss": dense_loss, "loss_gap": (loss - dense_loss) / dense_loss,
+                   "normaliser_pages": config.resolved_sparse_normaliser_pages,
+                   "seconds": time.perf_counter() - start, "groups": groups}
+            report["sparse"].append(run)
+            notify(f"sparse {run['score']}/{run['pooling']} k={run['budget']} ({number} of {len(arms)}{tag}): "
+                   f"cosine {run['cosine']:.5f}, loss gap {100 * run['loss_gap']:+.3f} %, "
+                   f"{100 * run['history_read']:.1f} % read ({run['seconds']:.1f} s)")
     model.zero_grad(set_to_none=True)
     return report
-
 
 
 def _rerank_name(factor: int, proposer: str, pooled: str = "max", bound: int | None = None) -> str:
@@ -312,19 +408,22 @@ def format_report(report: dict) -> str:
     else:
         lines.append(f"dense vs full-sequence HF: loss {hf['loss']:.6f}, gradient cosine {hf['cosine']:.8f}, "
                      f"relative error {hf['rel_err']:.2e}")
-    runs = report["sparse"]
-    if not runs:
-        return "\n".join(lines)
-    lines.append("sparse vs dense parameter gradients (cosine / relative error):")
-    headers = [f"{r['score']}/{r.get('pooling', 'max')} k={r['budget']}" for r in runs]
-    width = max(18, *(len(h) for h in headers))
-    lines.append(f"{'':<12}" + "".join(f" | {h:>{width}}" for h in headers))
-    lines.append("-" * 12 + ("-+-" + "-" * width) * len(runs))
-    for group in runs[0]["groups"]:
-        cells = [f"{r['groups'][group]['cosine']:.5f} / {r['groups'][group]['rel_err']:.2e}" for r in runs]
-        lines.append(f"{group:<12}" + "".join(f" | {c:>{width}}" for c in cells))
-    lines.append(f"{'loss':<12}" + "".join(f" | {r['loss']:>{width}.6f}" for r in runs))
-    lines.append(f"{'pages read':<12}" + "".join(f" | {100 * r['history_read']:>{width - 1}.1f}%" for r in runs))
+    for state in dict.fromkeys(r.get("model_state", "as shipped") for r in report["sparse"]):
+        runs = [r for r in report["sparse"] if r.get("model_state", "as shipped") == state]
+        dense = next((d for d in report.get("dense_steps", []) if d["model_state"] == state), report["dense"])
+        lines.append(f"sparse vs dense parameter gradients, model {state} (dense loss {dense['loss']:.6f}; "
+                     f"cosine / relative error):")
+        headers = [f"{r['score']}/{r.get('pooling', 'max')} k={r['budget']}" for r in runs]
+        width = max(18, *(len(h) for h in headers))
+        lines.append(f"{'':<12}" + "".join(f" | {h:>{width}}" for h in headers))
+        lines.append("-" * 12 + ("-+-" + "-" * width) * len(runs))
+        for group in runs[0]["groups"]:
+            cells = [f"{r['groups'][group]['cosine']:.5f} / {r['groups'][group]['rel_err']:.2e}" for r in runs]
+            lines.append(f"{group:<12}" + "".join(f" | {c:>{width}}" for c in cells))
+        lines.append(f"{'loss':<12}" + "".join(f" | {r['loss']:>{width}.6f}" for r in runs))
+        lines.append(f"{'loss gap':<12}" + "".join(
+            f" | {100 * (r['loss'] - dense['loss']) / dense['loss']:>{width - 1}.3f}%" for r in runs))
+        lines.append(f"{'pages read':<12}" + "".join(f" | {100 * r['history_read']:>{width - 1}.1f}%" for r in runs))
     return "\n".join(lines)
 
 
@@ -370,6 +469,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
     parser.add_argument("--yarn", type=float, default=None,
                         help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
+    parser.add_argument("--reads", type=float, nargs="+", default=d.reads, metavar="SHARE",
+                        help="also run, per score, the budget that reads about this share of the history "
+                             "(e.g. 0.01 0.03 0.1 0.25); with --scores auto exact: the defaults and the oracle "
+                             "at equal reads")
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                        help="after the comparisons, train this many dense LoRA steps on the text that follows "
+                             "the measured sequence (a short context extension at --seq-len), then compare again")
+    parser.add_argument("--warmup-lr", type=float, default=d.warmup_lr, help="the warm-up's AdamW learning rate")
     parser.add_argument("--dense-cache", default=None, metavar="DIR",
                         help="keep the dense step's loss and gradients in DIR, and take them from there when a "
                              "run of the same model, tokens, chunk and page sizes and machine kept them")
