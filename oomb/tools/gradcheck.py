@@ -47,6 +47,7 @@ from ..config import (
 from ..engine import forward_backward
 from ..real_model import stdlib_source, with_yarn
 from ..sparse import SparseOptions
+from ..sparse_fidelity import budget_for_read, history_read
 from ..training import presets
 from ..training.config import ModelSection
 from ..units import parse_normaliser_pages
@@ -190,20 +191,6 @@ def _load(options: GradcheckOptions):
     return model, ids.to(device), f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})", source
 
 
-def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> float:
-    """Fraction of (layer, query block, earlier page) triples a sparse step reads, dense layers
-    included: 1.0 is dense."""
-    sparse = SparseOptions.from_config(config)
-    P, C = config.page_size, config.chunk_size
-    read = total = 0
-    for layer in range(num_layers):
-        for start in range(0, num_tokens, C):
-            n_hist, blocks = start // P, -(-min(C, num_tokens - start) // P)
-            read += blocks * sparse.num_selected(n_hist, layer)
-            total += blocks * n_hist
-    return read / total if total else 1.0
-
-
 def model_layers(model: torch.nn.Module) -> int:
     config = model.config
     return getattr(config, "num_hidden_layers", 1)
@@ -214,18 +201,6 @@ def load_sparse_plan(path: str) -> dict:
     from .calibrate import load_plan
 
     return load_plan(path)
-
-
-def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int = 1) -> int:
-    """The smallest budget whose step reads at least ``read`` of the history (history_read), at most dense."""
-    low, high = 0, max(1, -(-num_tokens // config.page_size))
-    while low < high:
-        middle = (low + high) // 2
-        if history_read(num_tokens, replace(config, sparse_budget=middle), num_layers) >= read:
-            high = middle
-        else:
-            low = middle + 1
-    return low
 
 
 def is_default_sparse(config: OOMBConfig) -> bool:

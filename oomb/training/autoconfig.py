@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from .. import sparse_fidelity
 from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
 from ..loss import head_gradient_in_forward
@@ -249,6 +250,8 @@ class Choice:
     compiled_layers: bool = False
     """Whether the step compiles its decoder layers (OOMBConfig.compile_layers as a CUDA step without
     replay resolves it; whether Triton is installed is checked by the step, not here)."""
+    seq_len: int = 0
+    """Tokens per sequence the choice was made for (a sparse plan's share of the history read depends on it)."""
 
     def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
@@ -257,6 +260,8 @@ class Choice:
                  f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
                  f"relative step time {self.chosen.relative_time:.2f}",
                  f"  why: {self.reason}"]
+        if self.config.attention == "sparse" and self.seq_len:
+            lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers)}")
         if self.compiled_layers:
             lines.append("  layers: compiled for the step (no layer replay; on one process, without an active "
                          "dropout; the first step compiles them, tens of seconds)")
@@ -550,7 +555,7 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
-                  workload.shape.num_layers, compiled)
+                  workload.shape.num_layers, compiled, workload.seq_len)
 
 
 def _headline(c: Candidate) -> tuple:

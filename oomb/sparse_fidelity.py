@@ -1,0 +1,93 @@
+"""How much of the history a sparse step reads, and how close to dense the nearest measurement was.
+
+A fixed budget of pages reads a shrinking share of a growing history (64 pages of 128 tokens: about 12 %
+at 128K, 0.8 % at 1M), so the share read, not the budget, is what a user must see next to a sparse plan,
+with the fidelity measured nearest to it (`oomb plan`, the trainer's header). The measurements are
+`oomb gradcheck` runs on a real model (docs/sparse.md gives each command and its results file).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .config import OOMBConfig
+from .sparse import SparseOptions
+from .units import format_tokens
+
+
+def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> float:
+    """Fraction of (layer, query block, earlier page) triples a sparse step reads, dense layers
+    included: 1.0 is dense. A chunk's own pages are not history and not counted."""
+    sparse = SparseOptions.from_config(config)
+    P, C = config.page_size, config.chunk_size
+    read = total = 0
+    for layer in range(num_layers):
+        for start in range(0, num_tokens, C):
+            n_hist, blocks = start // P, -(-min(C, num_tokens - start) // P)
+            read += blocks * sparse.num_selected(n_hist, layer)
+            total += blocks * n_hist
+    return read / total if total else 1.0
+
+
+def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int = 1) -> int:
+    """The smallest budget whose step reads at least ``read`` of the history (history_read), at most dense."""
+    low, high = 0, max(1, -(-num_tokens // config.page_size))
+    while low < high:
+        middle = (low + high) // 2
+        if history_read(num_tokens, replace(config, sparse_budget=middle), num_layers) >= read:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+@dataclass(frozen=True)
+class FidelityPoint:
+    """One measured sparse-vs-dense comparison of a whole step's parameter gradients."""
+
+    seq_len: int
+    read: float
+    """Share of the history read (history_read)."""
+    cosine: float
+    """Total parameter-gradient cosine to the dense step."""
+    loss_gap: float
+    """(sparse loss - dense loss) / dense loss."""
+    setting: str
+    """The sparse setting and model state, e.g. "defaults, as shipped"."""
+    source: str
+    """The results file (benchmarks/results/) it came from."""
+
+
+MEASURED: tuple[FidelityPoint, ...] = (
+    FidelityPoint(32768, 0.2567, 0.98867, 0.0010, "budget 32 (per block, rerank), SmolLM2-135M YaRN x4",
+                  "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
+    FidelityPoint(32768, 0.1328, 0.96457, 0.0111, "budget 16 (per block, rerank), SmolLM2-135M YaRN x4",
+                  "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
+)
+"""Measured points, nearest first by length then by share read (see nearest())."""
+
+NEAR_DENSE_COSINE = 0.99
+NEAR_DENSE_LOSS_GAP = 0.005
+"""The near-dense mark: gradient cosine >= 0.99 and loss within 0.5 % of dense."""
+
+
+def nearest(seq_len: int, read: float, points: tuple[FidelityPoint, ...] = MEASURED) -> FidelityPoint | None:
+    """The measurement closest to (seq_len, read), distance in log2 of each (a doubling of either counts one)."""
+    if not points:
+        return None
+    return min(points, key=lambda p: math.hypot(math.log2(p.seq_len / seq_len),
+                                                math.log2(max(p.read, 1e-6) / max(read, 1e-6))))
+
+
+def describe(seq_len: int, config: OOMBConfig, num_layers: int) -> str:
+    """One line for a sparse plan: the share of the history it reads and the nearest measured fidelity."""
+    read = history_read(seq_len, config, num_layers)
+    line = f"sparse reads {100 * read:.2g} % of the history at {format_tokens(seq_len)} tokens"
+    point = nearest(seq_len, read)
+    if point is None:
+        return line + "; no fidelity measured near it"
+    mark = "meets" if point.cosine >= NEAR_DENSE_COSINE and abs(point.loss_gap) <= NEAR_DENSE_LOSS_GAP else "misses"
+    return (f"{line}; nearest measurement: {format_tokens(point.seq_len)} tokens reading {100 * point.read:.2g} % "
+            f"({point.setting}): gradient cosine {point.cosine:.4f}, loss {100 * point.loss_gap:+.2f} %, {mark} "
+            f"the near-dense mark (docs/sparse.md)")

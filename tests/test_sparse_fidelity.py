@@ -1,0 +1,38 @@
+"""The share of the history a sparse plan reads, and the nearest measured fidelity shown with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomb.config import OOMBConfig
+from oomb.sparse_fidelity import FidelityPoint, budget_for_read, describe, history_read, nearest
+
+
+def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
+    config = OOMBConfig(attention="sparse")  # 64 pages of 128 tokens, one sink page
+    shares = [history_read(tokens, config) for tokens in (32768, 131072, 1 << 20)]
+    assert shares[0] > shares[1] > shares[2]
+    # at 1M the average query block has ~4,096 history pages and reads 65 of them
+    assert shares[2] == pytest.approx(65 / 4096, rel=0.02)
+
+
+def test_budget_for_read_is_the_smallest_budget_reaching_the_share():
+    config = OOMBConfig(attention="sparse")
+    budget = budget_for_read(131072, config, 0.25)
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse_budget=budget), 1) >= 0.25
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse_budget=budget - 1), 1) < 0.25
+    assert budget_for_read(8192, config, 1.0) <= 8192 // 128
+
+
+def test_nearest_weighs_length_and_share_by_doublings():
+    points = (FidelityPoint(32768, 0.25, 0.99, 0.001, "a", "a.json"),
+              FidelityPoint(131072, 0.03, 0.95, 0.02, "b", "b.json"))
+    assert nearest(1 << 20, 0.016, points).setting == "b"
+    assert nearest(16384, 0.3, points).setting == "a"
+    assert nearest(1 << 20, 0.016, ()) is None
+
+
+def test_describe_states_the_share_and_the_measurement():
+    line = describe(1 << 20, OOMBConfig(attention="sparse"), 28)
+    assert line.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
+    assert "gradient cosine" in line and "near-dense mark" in line
