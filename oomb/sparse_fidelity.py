@@ -59,13 +59,27 @@ class FidelityPoint:
     """The results file (benchmarks/results/) it came from."""
 
 
+_128K = "real_model/gradcheck_smollm2_128k_h100.json"
+_512K = "real_model/gradcheck_smollm2_512k_h100.json"
 MEASURED: tuple[FidelityPoint, ...] = (
-    FidelityPoint(32768, 0.2567, 0.98867, 0.0010, "budget 32 (per block, rerank), SmolLM2-135M YaRN x4",
+    FidelityPoint(32768, 0.2567, 0.98867, 0.0010, "budget 32, SmolLM2-135M YaRN x4, as shipped",
                   "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
-    FidelityPoint(32768, 0.1328, 0.96457, 0.0111, "budget 16 (per block, rerank), SmolLM2-135M YaRN x4",
+    FidelityPoint(32768, 0.1328, 0.96457, 0.0111, "budget 16, SmolLM2-135M YaRN x4, as shipped",
                   "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
+    FidelityPoint(131072, 0.012, 0.52628, -0.04963, "budget 5, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.031, 0.58048, -0.00668, "budget 15, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.100, 0.93984, -0.00770, "budget 51, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.125, 0.97002, -0.00686, "defaults, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.252, 0.99649, -0.00634, "budget 135, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.125, 0.87355, 0.00763, "defaults, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
+                  _128K),
+    FidelityPoint(131072, 0.252, 0.98850, -0.00008, "budget 135, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
+                  _128K),
+    FidelityPoint(524288, 0.032, 0.33537, 0.04864, "defaults, SmolLM2-135M YaRN x64, as shipped", _512K),
+    FidelityPoint(524288, 0.100, 0.88879, -0.00410, "budget 209, SmolLM2-135M YaRN x64, as shipped", _512K),
 )
-"""Measured points, nearest first by length then by share read (see nearest())."""
+"""Sparse-vs-dense gradients of real models (`oomb gradcheck`, rerank with its default options; docs/sparse.md).
+Where two points tie for nearest, the earlier one wins: the model as shipped before the warmed one."""
 
 NEAR_DENSE_COSINE = 0.99
 NEAR_DENSE_LOSS_GAP = 0.005
