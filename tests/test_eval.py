@@ -206,18 +206,18 @@ def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, da
     def config(out, **evaluation):
         return TrainerConfig.from_dict({
             "model": {"path": str(model_dir)},
-            "data": {"paths": [str(data_file)], "seq_len": 256},
+            "data": {"paths": [str(data_file)], "seq_len": 128},
             "optim": {"lr": 3e-3},
             "train": {"max_steps": 3, "output_dir": str(out), "device": "cpu", "seed": 1},
             "checkpoint": {"every": 0, "export": False},
             "logging": {"progress": False},
-            "oomb": {"chunk_size": 128, "page_size": 32, "backend": "torch"},
+            "oomb": {"chunk_size": 64, "page_size": 32, "backend": "torch"},
             "eval": evaluation,
         })
 
     plain = Trainer(config(tmp_path / "plain")).train()
-    evaluated = config(tmp_path / "eval", every_steps=2, data=str(data_file), seq_len="512",
-                       passkey_lengths=["300"], passkey_depths=[0, 1], passkeys_per_point=1)
+    evaluated = config(tmp_path / "eval", every_steps=2, data=str(data_file), seq_len="256",
+                       passkey_lengths=["200"], passkey_depths=[0, 1], passkeys_per_point=1)
     trainer = Trainer(evaluated)
     result = trainer.train()
     assert result.losses == plain.losses  # evaluation draws no random number and leaves the modes as they were
@@ -225,6 +225,6 @@ def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, da
     lines = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "eval" in m] == [2, 3]  # every 2 steps, and after the last
     report = lines[1]["eval"]
-    assert report["perplexity"][0]["tokens"] == 511 and len(report["passkey"]) == 2
+    assert report["perplexity"][0]["tokens"] == 255 and len(report["passkey"]) == 2
     with pytest.raises(ValueError, match="nothing to evaluate"):
         config(tmp_path / "none", every_steps=2)
