@@ -228,3 +228,26 @@ def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, da
     assert report["perplexity"][0]["tokens"] == 255 and len(report["passkey"]) == 2
     with pytest.raises(ValueError, match="nothing to evaluate"):
         config(tmp_path / "none", every_steps=2)
+
+
+def test_hf_trainer_callback_evaluates_every_n_steps(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from oomb.training.config import EvalSection
+    from oomb.training.hf_trainer import OOMBEvalCallback
+
+    model = build_tiny_model("llama", vocab_size=VOCAB)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (8, 64), generator=generator)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+    callback = OOMBEvalCallback(byte_tokenizer(), EvalSection(every_steps=2, passkey_lengths=[200],
+                                                              passkey_depths=[0.5], passkeys_per_point=1),
+                                OOMBConfig(**CONFIG))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    evaluations = [h for h in trainer.state.log_history if "oomb_eval" in h]
+    assert [h["step"] for h in evaluations] == [2, 3]
+    assert evaluations[0]["oomb_eval"]["passkey"][0]["count"] == 1 and trainer.model.training
+    with pytest.raises(ValueError, match="every_steps > 0"):
+        OOMBEvalCallback(byte_tokenizer(), EvalSection())
