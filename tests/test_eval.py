@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import build_tiny_model
+from helpers import build_tiny_model, save_tiny_model
 
 from oomb import cli
 from oomb.config import OOMBConfig
@@ -148,8 +148,7 @@ def test_passkey_judgement_is_the_greedy_answer(model_dir):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Qwen2 with the byte tokenizer, saved like any local Hugging Face model."""
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    build_tiny_model("qwen2", seed=3, vocab_size=VOCAB).save_pretrained(path)
+    path = save_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), seed=3, vocab_size=VOCAB)
     byte_tokenizer().save_pretrained(path)
     return path
 
