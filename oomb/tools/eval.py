@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import shlex
 import sys
@@ -25,12 +26,15 @@ import torch
 import transformers
 
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
+from ..kv.offload import HostSlabs
 from ..real_model import with_yarn
 from ..training import presets
 from ..training.config import EvalSection, ModelSection
 from ..training.evaluation import format_evaluation, run_evaluation
 from ..units import parse_tokens
 from .gradcheck import REAL_MODEL
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SEQ_LEN = 8192
 
@@ -87,6 +91,11 @@ def load(options: EvalOptions):
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     length = max([options.seq_len, *options.passkey_lengths])
     config = with_yarn(presets.load_model_config(section, length), options.yarn)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        logger.warning("evaluating %d tokens, past the model's max_position_embeddings=%d: positions beyond it are "
+                       "outside what it was trained on; stretch RoPE with --yarn %d", length, limit,
+                       -(-length // limit))
     torch.manual_seed(options.seed)  # a preset's random weights
     model = presets.build_model(section, config, dtype, device).eval()
     weights = "random weights" if is_preset else "local weights"
@@ -101,7 +110,8 @@ def run_eval(options: EvalOptions, progress: bool = False) -> dict:
     section = options.section()
     if section.data is None and not section.passkey_lengths:
         raise ValueError("nothing to evaluate: give --data (held-out text or jsonl) and/or --passkey-lengths")
-    results = run_evaluation(model, tokenizer, section, config, progress=progress)
+    slabs = HostSlabs() if config.offload else None  # pinned once for every sequence and prompt
+    results = run_evaluation(model, tokenizer, section, config, progress=progress, host_slabs=slabs)
     return {"model": description,
             "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
                        f"transformers {transformers.__version__}"
@@ -151,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     options = EvalOptions(**{k: v for k, v in vars(args).items() if k in names})
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     report = run_eval(options, progress=progress)
-    report["command"] = "oomb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
+    report["command"] = "oomb " + shlex.join(sys.argv[1:]) if "eval" in sys.argv[1:3] else None
     print(f"oomb eval: {report['model']}, {options.attention} attention{', offload' if options.offload else ''}, "
           f"chunk {options.chunk_size}, page {options.page_size} ({report['seconds']:.1f} s)")
     print(format_evaluation(report))
