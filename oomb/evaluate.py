@@ -174,7 +174,7 @@ def token_logprobs(
             part = targets[:, start:end]
             counted = part != IGNORE_INDEX
             picked = logits.gather(-1, part.clamp_min(0)[..., None])[..., 0]
-            # log-softmax at the target only: no second vocabulary-sized tensor
+            # log-softmax at the target only (logit - logsumexp): no (B, S, V) log-probabilities kept
             by_position[:, start:end] = torch.where(counted, picked - logits.logsumexp(-1), math.nan)
             if sources is not None:
                 rows, ks = ((sources >= start) & (sources < end)).nonzero(as_tuple=True)
