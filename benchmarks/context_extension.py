@@ -8,10 +8,11 @@
 Arms: "hf" (transformers + SDPA + gradient checkpointing, one full-sequence backward), "dense" (oomb,
 exact), and "sparse" (oomb sparse mode with the settings given by --sparse, default: OOMBConfig's sparse
 defaults), plus any further sparse arms named by --sparse-arm. Every trained adapter, and the untrained
-model, is evaluated with an ordinary HF forward (dense attention): held-out perplexity by position
-bucket (0-8K, 8-16K, 16-32K) on English documentation and on code, and passkey retrieval at 8K/16K/32K
-with a fixed set of prompts. Writes one JSON (losses per step, evaluations, timings) and a PNG of the
-learning curves.
+model, is evaluated with dense (exact) attention through oomb's stage-1 forward (oomb/evaluate.py, the
+library's evaluation: oomb/perplexity.py, oomb/passkey.py): held-out perplexity by position bucket
+(0-8K, 8K-16K, 16K-32K) on English documentation and on code, and passkey retrieval at 8K/16K/32K with a
+fixed set of prompts, judged teacher-forced (retrieved iff the greedy prediction at every answer token is
+right). Writes one JSON (losses per step, evaluations, timings) and a PNG of the learning curves.
 
 Training data: Python's standard library source (each module a document, concatenated with EOS),
 cut into sequences of --seq-len tokens; held out: the last sequences of that stream and Python's
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import random
 import sys
 import sysconfig
 import time
@@ -35,17 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BUCKETS = ((0, 8192), (8192, 16384), (16384, 32768))
 PASSKEY_LENGTHS = (8192, 16384, 32768)
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 PASSKEY_SEEDS = 2  # prompts per (length, depth): 10 per length
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
 
 def prepare(out: Path, seq_len: int, train_sequences: int) -> None:
     """Tokenize the training stream, the held-out sets and the passkey prompts into ``out``."""
     from transformers import AutoTokenizer
 
+    from oomb.passkey import passkey_prompts
     from oomb.real_model import english_text, smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
@@ -68,21 +66,8 @@ def prepare(out: Path, seq_len: int, train_sequences: int) -> None:
     np.save(out / "train.npy", code[:train_sequences])
     np.save(out / "heldout_code.npy", code[train_sequences:])
     np.save(out / "heldout_english.npy", np.array(english[: n_eng * seq_len], dtype=np.uint16).reshape(n_eng, seq_len))
-    prompts = []
-    rng = random.Random(0)
-    filler_ids = tokenizer(FILLER)["input_ids"]
-    for length in PASSKEY_LENGTHS:
-        for depth in PASSKEY_DEPTHS:
-            for _ in range(PASSKEY_SEEDS):
-                key = str(rng.randint(10000, 99999))
-                needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ")["input_ids"]
-                question = tokenizer(" What is the pass key? The pass key is")["input_ids"]
-                room = length - len(needle) - len(question) - 8
-                filler = (filler_ids * (room // len(filler_ids) + 1))[:room]
-                at = int(depth * room)
-                ids = filler[:at] + needle + filler[at:] + question
-                prompts.append({"length": length, "depth": depth, "key": key, "ids": ids})
-    (out / "passkey.json").write_text(json.dumps(prompts))
+    prompts = passkey_prompts(tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, PASSKEY_SEEDS, seed=0)
+    (out / "passkey.json").write_text(json.dumps([asdict(p) for p in prompts]))
     (out / "meta.json").write_text(json.dumps({"seq_len": seq_len, "train_sequences": train_sequences,
                                                "stdlib": str(stdlib), "python": platform.python_version()}))
     print(f"wrote {out}: train {code[:train_sequences].shape}, heldout code {code[train_sequences:].shape}, "
@@ -108,39 +93,31 @@ def load_model(path: Path, seq_len: int, device: torch.device, lora: bool):
     return model
 
 
-@torch.no_grad()
-def evaluate(model, data: Path, device: torch.device) -> dict:
-    """Plain HF forward (dense SDPA): per-bucket perplexity and passkey accuracy."""
-    model.eval()
+def evaluate(model, data: Path, config) -> dict:
+    """Dense stage-1 forward (oomb.evaluate): per-bucket perplexity and passkey accuracy per length."""
+    from oomb.evaluate import token_logprobs
+    from oomb.passkey import PasskeyPrompt, passkey_accuracy
+    from oomb.perplexity import PerplexityByPosition
+    from oomb.units import format_tokens
+
+    device = model.get_input_embeddings().weight.device
     result = {}
     for name in ("heldout_english", "heldout_code"):
         seqs = torch.from_numpy(np.load(data / f"{name}.npy").astype(np.int64))
-        nll = torch.zeros(seqs.shape[1] - 1, dtype=torch.float64)
+        totals = PerplexityByPosition(seqs.shape[1])
         for row in seqs:
-            ids = row[None].to(device)
-            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, :-1]
-            head = model.get_output_embeddings()
-            for s in range(0, hidden.shape[0], 4096):
-                logits = head(hidden[s: s + 4096]).float()
-                nll[s: s + 4096] += torch.nn.functional.cross_entropy(logits, ids[0, 1 + s: 1 + s + 4096],
-                                                                      reduction="none").double().cpu()
-        nll /= seqs.shape[0]
-        # Position p of nll predicts token p + 1.
-        result[name] = {f"{a // 1024}-{b // 1024}K": math.exp(float(nll[max(a - 1, 0): b - 1].mean()))
-                        for a, b in BUCKETS if b <= seqs.shape[1]}
-    prompts = json.loads((data / "passkey.json").read_text())
-    hits: dict[int, list[bool]] = {}
-    for p in prompts:
-        ids = torch.tensor(p["ids"], device=device)[None]
-        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
-        text = TOKENIZER.decode(out[0, ids.shape[1]:])
-        hits.setdefault(p["length"], []).append(p["key"] in text)
-    result["passkey"] = {f"{n // 1024}K": sum(h) / len(h) for n, h in hits.items()}
-    model.train()
+            totals.add(token_logprobs(model, row.to(device), config=config).logprobs)
+        result[name] = {b["bucket"]: b["perplexity"] for b in totals.results()}
+    prompts = [PasskeyPrompt(**p) for p in json.loads((data / "passkey.json").read_text())]
+    points = passkey_accuracy(model, prompts, config)
+    hits: dict[int, list[int]] = {}
+    for point in points:
+        hits.setdefault(point["length"], [0, 0])
+        hits[point["length"]][0] += point["retrieved"]
+        hits[point["length"]][1] += point["count"]
+    result["passkey"] = {format_tokens(n): retrieved / count for n, (retrieved, count) in hits.items()}
+    result["passkey_points"] = points
     return result
-
-
-TOKENIZER = None
 
 
 def train_arm(arm: str, args, device: torch.device) -> dict:
@@ -183,10 +160,17 @@ def train_arm(arm: str, args, device: torch.device) -> dict:
         print(f"{arm} step {step} loss {losses[-1]:.4f} {times[-1]:.2f} s", flush=True)
     if arm == "hf":
         model.gradient_checkpointing_disable()
-    evaluation = evaluate(model, args.data, device)
+    evaluation = evaluate(model, args.data, eval_config(args))
     print(f"{arm} eval {evaluation}", flush=True)
     return {"losses": losses, "step_seconds": times, "eval": evaluation,
             "oomb_config": asdict(config) if config is not None else None}
+
+
+def eval_config(args):
+    """Every arm is evaluated alike: dense (exact) attention, the run's chunk, page and backend."""
+    from oomb import OOMBConfig
+
+    return OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, backend=args.backend)
 
 
 def sparse_options(arm: str, args) -> dict:
@@ -200,17 +184,13 @@ def sparse_options(arm: str, args) -> dict:
 
 
 def run(args) -> None:
-    global TOKENIZER
-    from transformers import AutoTokenizer
-
     device = torch.device("cuda")
-    TOKENIZER = AutoTokenizer.from_pretrained(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"date": date.today().isoformat(), "command": "python " + " ".join(sys.argv),
               "machine": torch.cuda.get_device_name(), "commit": args.commit, "steps": args.steps,
               "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "arms": {}}
     base = load_model(args.model, args.seq_len, device, lora=False)
-    report["base_eval"] = evaluate(base, args.data, device)
+    report["base_eval"] = evaluate(base, args.data, eval_config(args))
     print(f"base eval {report['base_eval']}", flush=True)
     del base
     for arm in args.arms:

@@ -10,8 +10,9 @@ Every arm starts from the same random weights (the tiny-qwen2 preset: 2 layers, 
 the same batches: a length curriculum up to 8K tokens (a tiny model does not learn the task at 8K
 from scratch in a CPU budget; it does through 256 -> 8K), trained with oomb.forward_backward in
 the arm's attention mode. After each curriculum stage the retrieval accuracy is measured on a fixed
-set of 8K-token sequences with the arm's own attention (oomb.evaluate.forward_hidden), split by
-where the needle is (in Q's own chunk / in the sink pages / elsewhere in the history).
+set of 8K-token sequences with the arm's own attention (the greedy prediction at the answer, from
+oomb.evaluate.token_logprobs), split by where the needle is (in Q's own chunk / in the sink pages /
+elsewhere in the history).
 
     python benchmarks/sparse_accuracy.py                                     # full study, ~1.5 h on 2 cores
     python benchmarks/sparse_accuracy.py --quick --out /tmp/sparse_quick     # smoke run, seconds
@@ -33,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import oomb
-from oomb.evaluate import forward_hidden
+from oomb.evaluate import token_logprobs
 from oomb.training.presets import TINY_PRESET, preset_config
 
 FILLER = 64  # filler ids 0..63
@@ -98,20 +99,17 @@ def oomb_config(arm: Arm, args) -> oomb.OOMBConfig:
 
 def evaluate(model, config: oomb.OOMBConfig, eval_set, args) -> dict:
     """Retrieval accuracy on the fixed eval set, overall and by where the needle lies."""
-    model.eval()
-    lm_head = model.get_output_embeddings()
     hits = {"all": [], "own chunk": [], "sink pages": [], "history": []}
-    for ids, _, query_pos, needle_pos in eval_set:
-        hidden = forward_hidden(model, ids, config)
+    for ids, labels, query_pos, needle_pos in eval_set:
+        # The answer follows Q; only it is labelled, so the LM head runs on its slice alone.
+        predicted = token_logprobs(model, ids, labels, config, predict_at=(query_pos + 1)[:, None]).predictions[:, 0]
         rows = torch.arange(ids.shape[0])
-        predicted = lm_head(hidden[rows, query_pos]).argmax(-1)
         correct = (predicted == ids[rows, needle_pos]).tolist()
         for c, q, n in zip(correct, query_pos.tolist(), needle_pos.tolist(), strict=True):
             where = ("own chunk" if n // args.chunk_size == q // args.chunk_size
                      else "sink pages" if n < args.sink_pages * args.page_size else "history")
             hits["all"].append(c)
             hits[where].append(c)
-    model.train()
     return {k: {"accuracy": sum(v) / len(v), "count": len(v)} for k, v in hits.items() if v}
 
 

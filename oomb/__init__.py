@@ -4,10 +4,11 @@ The package has two layers and the tools:
 
     the step (here)  engine.py (forward_backward), config.py (OOMBConfig), models.py, loss.py, grads.py,
                      fp32_linear.py, sparse.py, memory.py (with model_shape.py, activations.py), documents.py,
-                     parallel.py, evaluate.py, attention/ (the kernels), kv/ (the paged store and its offload)
+                     parallel.py, evaluate.py (stage 1 alone: per-token log-probabilities) with perplexity.py and
+                     passkey.py, attention/ (the kernels), kv/ (the paged store and its offload)
     training/        the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
                      checkpoints, data, presets, the Hugging Face Trainer/TRL integration
-    tools/           `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb demo`, `oomb calibrate`
+    tools/           `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb eval`, `oomb demo`, `oomb calibrate`
     cli.py           the `oomb` command: dispatches to each command's module
 
 plus machine.py (this machine's memory and versions), units.py (token counts) and real_model.py

@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("oomb.tools.bench", "benchmark HF and oomb modes over contexts: JSON, markdown table and plot"),
     "gradcheck": ("oomb.tools.gradcheck",
                   "sparse vs dense (and dense vs HF) parameter gradients: per-layer cosine, error"),
+    "eval": ("oomb.tools.eval", "held-out perplexity by position and passkey retrieval, at any length (stage 1)"),
     "calibrate": ("oomb.tools.calibrate",
                   "a sparse plan for your model and data: per-layer recall, budgets, dense layers"),
 }

@@ -56,8 +56,8 @@ def perturb_(model: nn.Module, seed: int, std: float = PARAM_NOISE) -> None:
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * std)
 
 
-def save_tiny_model(family: str, directory: Path, seed: int = 0) -> Path:
-    build_tiny_model(family, seed).save_pretrained(directory)
+def save_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    build_tiny_model(family, seed, **overrides).save_pretrained(directory)
     return directory
 
 

@@ -8,6 +8,7 @@
     checkpointing.py  the Trainer's save/resume, with one or several processes
     checkpoint.py     the checkpoint directory format: atomic step directories, lazy loading
     report.py         progress bar, metrics.jsonl, TensorBoard
+    evaluation.py     held-out perplexity by position and passkeys (`oomb eval`, the eval section)
     data.py           files -> documents -> packed sequences, streamed and resumable
     presets.py        where the model and tokenizer come from: a local directory or a preset shape
     hf_trainer.py     the step inside a Hugging Face Trainer or TRL SFTTrainer (OOMBTrainer, patch_trainer)

@@ -9,6 +9,7 @@
       checkpoint  how often, how many kept, resume, final export
       logging     progress bar, metrics.jsonl, TensorBoard
       parallel    tensor-, data- and context-parallel degrees (several GPUs under torchrun)
+      eval        held-out perplexity by position and passkey retrieval every N steps (oomb/training/evaluation.py)
       oomb        the chunk-recurrent step (oomb.config.OOMBConfig)
 
 Precedence: dataclass defaults < YAML file < command-line overrides (``--set section.key=value``,
@@ -31,8 +32,9 @@ from ..units import coerce_tokens
 from .autoconfig import AUTO_FIELDS
 
 PRESET_NAMES = ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b")
-TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "loss_chunk_tokens")}
-"""Keys holding a number of tokens: YAML and --set accept '1M', '128K' there (oomb.units)."""
+TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "loss_chunk_tokens"),
+              "eval": ("seq_len", "passkey_lengths")}
+"""Keys holding a number of tokens (or a list of them): YAML and --set accept '1M', '128K' there (oomb.units)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -193,6 +195,28 @@ class ParallelSection:
     offload, host memory per rank) / cp."""
 
 
+@dataclass
+class EvalSection:
+    every_steps: int = 0
+    """Evaluate after every this many optimizer steps, and after the last (0: never). Results go into that
+    step's line of metrics.jsonl (key "eval") and are printed. The step's own oomb options are used."""
+    data: str | None = None
+    """Held-out text or jsonl file (a "text" field per line), documents joined with EOS as in training.
+    Empty: no perplexity; passkeys then use a fixed filler sentence."""
+    seq_len: int | None = None
+    """Tokens per evaluated sequence. Empty: data.seq_len."""
+    sequences: int = 1
+    """Sequences of seq_len tokens cut from the start of `data`, which must hold them all."""
+    passkey_lengths: list[int] = field(default_factory=list)
+    """Lengths (tokens) of passkey prompts; empty: no passkeys."""
+    passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    """Where the key is hidden, as a fraction of the context before it."""
+    passkeys_per_point: int = 2
+    """Prompts (each its own key) per (length, depth)."""
+    seed: int = 0
+    """The passkeys' random seed."""
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "lora": LoraSection,
@@ -202,6 +226,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
     "parallel": ParallelSection,
+    "eval": EvalSection,
     "oomb": OOMBConfig,
 }
 
@@ -219,6 +244,7 @@ class TrainerConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     oomb: OOMBConfig = field(default_factory=OOMBConfig)
     oomb_auto: tuple[str, ...] | None = None
     """The oomb options left to the chooser (train.auto_config). from_dict/load: the AUTO_FIELDS
@@ -255,7 +281,7 @@ class TrainerConfig:
             values = options.get(name) or {}
             if not isinstance(values, dict):
                 raise ValueError(f"config section '{name}' must be a mapping of keys, got {values!r}")
-            values = {k: coerce_tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
+            values = {k: _tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
                       for k, v in values.items()}
             if section_cls is OOMBConfig:
                 if values.get("compile_layers") is True and values.get("checkpoint_layers", "auto") == "auto":
@@ -326,10 +352,19 @@ def _section_from_dict(cls: type, values: dict, section: str) -> Any:
     return cls(**{k: _coerce(v, hints[k]) for k, v in values.items()})
 
 
+def _tokens(value: Any, name: str) -> Any:
+    """A token count ('1M') or a list of them -> ints (oomb.units); other values pass unchanged."""
+    if isinstance(value, list):
+        return [coerce_tokens(v, name) for v in value]
+    return coerce_tokens(value, name)
+
+
 def _coerce(value: Any, annotation: Any) -> Any:
-    """Forgiving conversions for YAML input: "1e-4" (PyYAML reads it as a string) or 3 -> float,
-    a single string -> a one-item list where a list is expected."""
+    """Forgiving conversions for YAML input: "1e-4" (PyYAML reads it as a string) or 3 -> float (also
+    inside a list of floats), a single string -> a one-item list where a list is expected."""
     args = _union_args(annotation)
+    if list[float] in args and isinstance(value, list):
+        return [_coerce(v, float) for v in value]
     if float in args and not isinstance(value, bool):
         if isinstance(value, int):
             return float(value)
@@ -440,6 +475,18 @@ def _train_rules(s: TrainSection):
     return None
 
 
+def _eval_rules(s: EvalSection):
+    bad = [d for d in s.passkey_depths if not 0 <= d <= 1]
+    if bad:
+        return f"eval.passkey_depths={s.passkey_depths}: depths must lie in [0, 1] (fractions of the context)"
+    if any(n < 2 for n in s.passkey_lengths):
+        return f"eval.passkey_lengths={s.passkey_lengths}: lengths are token counts (e.g. [8K, 32K])"
+    if s.every_steps and s.data is None and not s.passkey_lengths:
+        return (f"eval.every_steps={s.every_steps} but there is nothing to evaluate: set eval.data (held-out text) "
+                "or eval.passkey_lengths")
+    return None
+
+
 def _checkpoint_rules(s: CheckpointSection):
     if s.resume == "":
         return "checkpoint.resume='' is empty; use 'latest', a checkpoint directory, or leave it unset"
@@ -457,4 +504,6 @@ _RULES = {
     "checkpoint": (_positive("checkpoint.every", True), _positive("checkpoint.keep_last", True), _checkpoint_rules),
     "logging": (),
     "parallel": (_positive("parallel.tp"), _positive("parallel.dp"), _positive("parallel.cp")),
+    "eval": (_positive("eval.every_steps", True), _positive("eval.seq_len"), _positive("eval.sequences"),
+             _positive("eval.passkeys_per_point"), _positive("eval.seed", True), _eval_rules),
 }

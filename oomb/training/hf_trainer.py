@@ -7,7 +7,8 @@ Only ``Trainer.training_step`` is replaced (not ``compute_loss``: the Trainer ba
 ``compute_loss`` returns, and oomb's step back-propagates chunk by chunk itself). It runs
 :func:`oomb.forward_backward` on the micro-batch and returns the detached loss, scaled exactly as the
 Trainer scales its own, so gradient accumulation, clipping, the optimizer, the scheduler, callbacks,
-logging, checkpointing and resuming run unchanged. Evaluation keeps the Trainer's ordinary forward.
+logging, checkpointing and resuming run unchanged. Evaluation keeps the Trainer's ordinary forward;
+``OOMBEvalCallback`` adds oomb's evaluation at length (perplexity by position, passkeys) every N steps.
 
 Semantics kept (each one checked against the plain Trainer in tests/test_hf_trainer.py):
 - Loss scaling: with ``num_items_in_batch`` (the Trainer counts the shifted labels of all micro-batches
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..config import OOMBConfig
 from ..engine import forward_backward
@@ -48,6 +49,8 @@ from ..kv.offload import HostSlabs
 from ..loss import GRADIENT_SCALE, IGNORE_INDEX, shift_labels
 from ..models import unwrap_causal_lm
 from ..moe import ROUTER_LOSS_FACTOR
+from .config import EvalSection
+from .evaluation import format_evaluation, run_evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +395,40 @@ def patch_trainer(trainer: Trainer, oomb_config: OOMBConfig | None = None) -> Tr
     _setup(trainer, oomb_config)
     trainer.training_step = types.MethodType(oomb_training_step, trainer)
     return trainer
+
+
+class OOMBEvalCallback(TrainerCallback):
+    """oomb's evaluation at length inside a Hugging Face Trainer: every ``options.every_steps`` optimizer
+    steps and after the last, held-out perplexity by position and passkey accuracy through stage 1
+    (oomb/training/evaluation.py), at lengths the Trainer's own evaluation (one full forward) cannot reach.
+    The results join ``trainer.state.log_history`` as {"step", "oomb_eval"} and the log.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        options: what to evaluate and how often (``every_steps`` > 0; ``seq_len`` with ``data``).
+        config: the stage-1 options; None: OOMBConfig() (dense).
+    """
+
+    def __init__(self, tokenizer, options: EvalSection, config: OOMBConfig | None = None) -> None:
+        if not options.every_steps:
+            raise ValueError("OOMBEvalCallback needs options.every_steps > 0 (how often to evaluate)")
+        if options.data is not None and options.seq_len is None:
+            raise ValueError("OOMBEvalCallback: options.seq_len is empty; set the evaluated sequences' length")
+        self.tokenizer, self.options, self.config = tokenizer, options, config or OOMBConfig()
+        self.host_slabs = HostSlabs() if self.config.offload else None
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if args.world_size > 1:
+            raise NotImplementedError("OOMBEvalCallback runs in one process: evaluate the saved model with "
+                                      "`oomb eval` instead")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs) -> None:
+        step = state.global_step
+        if step % self.options.every_steps and step != state.max_steps:
+            return
+        report = run_evaluation(model, self.tokenizer, self.options, self.config, host_slabs=self.host_slabs)
+        state.log_history.append({"step": step, "oomb_eval": report})
+        logger.info("oomb eval after step %d:\n%s", step, format_evaluation(report))
 
 
 _TRL_MISSING = ("OOMBSFTTrainer needs TRL: pip install 'oomb[trl]' (or pip install trl); "

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .config import TrainerConfig
+from .evaluation import format_evaluation
 
 logger = logging.getLogger("oomb.training.trainer")  # the trainer's log, wherever a line comes from
 
@@ -54,6 +55,20 @@ class Reporter:
                     self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
         logger.info("step %d loss %.4f lr %.3g grad_norm %.3g %.0f tokens/s", metrics["step"], metrics["loss"],
                     metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
+        if "eval" in metrics:
+            self._log_evaluation(metrics["step"], metrics["eval"])
+
+    def _log_evaluation(self, step: int, report: dict) -> None:
+        """The evaluation's tables, above the progress bar (the run's terminal output) and in the log."""
+        text = f"eval after step {step} ({report['seconds']:.1f} s):\n{format_evaluation(report)}"
+        if not self.bar.disable:
+            self.bar.write(text)
+        logger.info("%s", text)
+        if self.writer is not None:
+            for bucket in report.get("perplexity", ()):
+                self.writer.add_scalar(f"eval/perplexity_{bucket['bucket']}", bucket["perplexity"], step)
+            for point in report.get("passkey", ()):
+                self.writer.add_scalar(f"eval/passkey_{point['length']}_{point['depth']:g}", point["accuracy"], step)
 
     def close(self) -> None:
         self.bar.close()

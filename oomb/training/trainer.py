@@ -5,6 +5,7 @@
             -> memory check -> AdamW (fp32 masters) + schedule -> restore a checkpoint
     step    grad_accum x [next packed sequence -> oomb.forward_backward -> grads into fp32 masters]
             -> mean over sequences -> clip -> AdamW -> schedule -> masters copied into the model
+    eval    every eval.every_steps steps: held-out perplexity and passkeys (evaluation.py) into the step's metrics
     after   metrics.jsonl line, progress bar; a checkpoint every checkpoint.every steps
     end     final checkpoint, export (save_pretrained) to output_dir/final, summary.json
 
@@ -51,6 +52,7 @@ from .checkpoint import (
 from .checkpointing import Checkpointing
 from .config import TrainerConfig
 from .data import PackedSequences, resolve_files
+from .evaluation import run_evaluation
 from .optim import MasterWeights, build_optimizer, build_scheduler
 from .presets import (
     TINY_PRESET,
@@ -182,6 +184,11 @@ class Trainer(Checkpointing):
             raise ValueError(f"{degrees} = {tp * dp * cp} processes, but {world} were "
                              "started: tp x cp must divide the number of processes (leave parallel.dp empty: "
                              "processes / (tp x cp))")
+        if world > 1 and cfg.eval.every_steps:
+            raise NotImplementedError("eval.every_steps is not supported with several processes: set "
+                                      "eval.every_steps=0 and evaluate the exported model with `oomb eval`")
+        if cfg.eval.every_steps and cfg.eval.data is not None and not Path(cfg.eval.data).is_file():
+            raise FileNotFoundError(f"eval.data={cfg.eval.data!r} is not a file: give a held-out text or jsonl file")
         if world > 1 and cfg.optim.offload:
             raise NotImplementedError("optim.offload is not supported with several processes: the optimizer state "
                                       "stays on the GPUs, sharded over them (set optim.offload=false; more "
@@ -415,6 +422,8 @@ class Trainer(Checkpointing):
         try:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
+                if self._evaluation_due():
+                    metrics["eval"] = self.evaluate()
                 reporter.log(metrics)
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
@@ -494,6 +503,19 @@ class Trainer(Checkpointing):
                 self._peak_gpu = max(self._peak_gpu, metrics["gpu_peak_gib"])
             self._last_metrics = metrics
         return metrics
+
+    def _evaluation_due(self) -> bool:
+        every = self.config.eval.every_steps
+        return bool(every) and (self.step % every == 0 or self.step == self.config.train.max_steps)
+
+    def evaluate(self) -> dict:
+        """The eval section's evaluation of the model as it is now, with the step's oomb options (and pinned
+        pages): held-out perplexity by position and passkey accuracy (oomb/training/evaluation.py)."""
+        self.setup()
+        cfg = self.config
+        return run_evaluation(self.model, self.tokenizer, cfg.eval, cfg.oomb, seq_len=cfg.data.seq_len,
+                              progress=cfg.logging.progress and cfg.logging.chunk_progress and self.parallel.is_main,
+                              host_slabs=self.host_slabs)
 
     def export(self) -> tuple[Path, Path | None]:
         """save_pretrained the model (LoRA: the adapter) and tokenizer to output_dir/final; with
