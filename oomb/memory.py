@@ -23,6 +23,7 @@ constants those terms assume, are in oomb/activations.py. Both are re-exported h
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
@@ -47,7 +48,7 @@ from .activations import (
     sdpa_backward_workspace_per_token,
 )
 from .carried_gradients import CARRY_GRADIENTS
-from .config import OOMBConfig
+from .config import READ_SHARE_STEP, OOMBConfig
 from .kv import PagedKVStore, capacity
 from .kv.store import window_pages_per_sequence
 from .loss import head_gradient_in_forward
@@ -259,6 +260,17 @@ class SparseAssumptions:
     store_selection: bool = True
     """Keep stage 1's selection (int32 page ids per query block, layer and KV head) for stage 2;
     False: recompute it deterministically in stage 2 (no memory)."""
+    read_share: float | None = None
+    """OOMBConfig.sparse_read_share: the budget grows with the history to this share of it."""
+
+    def pages_read(self, tokens: int, page_size: int) -> int:
+        """Pages a query block reads besides its chunk (sinks + budget) at the longest history of ``tokens``:
+        with a read share the budget grows with the history, and memory is sized for its largest."""
+        budget = self.top_k_pages
+        if self.read_share is not None:
+            grown = math.ceil(self.read_share * -(-tokens // page_size))
+            budget = max(budget, -(-grown // READ_SHARE_STEP) * READ_SHARE_STEP)
+        return budget + self.sink_pages
 
     @classmethod
     def from_config(cls, config) -> SparseAssumptions:
@@ -266,7 +278,7 @@ class SparseAssumptions:
         from .kv.summaries import summaries_of
 
         return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
-                   query_block_pages=config.sparse_query_block_pages,
+                   query_block_pages=config.sparse_query_block_pages, read_share=config.sparse_read_share,
                    summary_vectors=len(summaries_of(config.resolved_sparse_score, config.sparse_rerank_candidates)))
 
 
@@ -487,7 +499,7 @@ def predict(
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
             # for this call and, in stage 2, the next one (prefetched); plus the chunk's own gradients
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
-            union = selections * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages)
+            union = selections * shape.num_kv_heads * sparse.pages_read(tokens, P)
             staged = B * min(own_pages // B, union) + chunk_pages
             slots = _staging_slot_pages(chunk_pages, B, offload, history) if resident < L else 0
             gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages + slots) * page_bytes
@@ -512,7 +524,7 @@ def predict(
         summaries = (L - window_layers) * pages * sparse.summary_vectors * shape.kv_dim * b
         selection = 0
         if sparse.store_selection:  # one selection per query block (page) per layer and KV head
-            selection = L * pages * shape.num_kv_heads * (sparse.top_k_pages + sparse.sink_pages) * INT32_BYTES
+            selection = L * pages * shape.num_kv_heads * sparse.pages_read(tokens, P) * INT32_BYTES
         if mode.offload:  # offloaded layers keep their selections in host memory until stage 2
             host["selections"] = selection * (L - resident) // L
             selection -= host["selections"]

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import NORMALISER_PAGES, OOMBConfig
+from .config import NORMALISER_PAGES, READ_SHARE_STEP, OOMBConfig
 from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
@@ -98,6 +98,7 @@ class SparseOptions:
     candidate_pooling: str = "softmax_max"  # score "rerank": how the candidates' summary scores pool a block's rows
     normaliser_pages: int | None = NORMALISER_PAGES  # softmax_max: history pages a row's normaliser counts besides
     # the sinks (None: every one)
+    read_share: float | None = None  # the budget grows to this share of the history (OOMBConfig.sparse_read_share)
 
     @classmethod
     def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
@@ -110,24 +111,30 @@ class SparseOptions:
                    config.sparse_pooling, tuple(budgets) if budgets is not None else None,
                    frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
                    config.sparse_rerank_candidates, config.resolved_sparse_candidate_pooling,
-                   config.resolved_sparse_normaliser_pages)
+                   config.resolved_sparse_normaliser_pages, config.sparse_read_share)
 
     @property
     def summaries(self) -> tuple[str, ...]:
         """The page summaries the score reads (oomb/kv/summaries.py)."""
         return summaries_of(self.score, self.rerank_candidates)
 
-    def budget_of(self, layer: int) -> int:
-        """Top-scored pages a block of ``layer`` reads besides the sinks."""
+    def budget_of(self, layer: int, history_pages: int = 0) -> int:
+        """Top-scored pages a block of ``layer`` reads besides the sinks, with ``history_pages`` before its chunk:
+        the layer's budget, grown to read_share of the history (a multiple of READ_SHARE_STEP) where set."""
         if self.layer_budgets is not None and layer < len(self.layer_budgets):
-            return self.layer_budgets[layer]
-        return self.budget
+            budget = self.layer_budgets[layer]
+        else:
+            budget = self.budget
+        if self.read_share is not None:
+            grown = -(-round(self.read_share * history_pages * 1e6) // 1_000_000)  # ceil, robust to float noise
+            budget = max(budget, -(-grown // READ_SHARE_STEP) * READ_SHARE_STEP)
+        return budget
 
     def num_selected(self, history_pages: int, layer: int = 0) -> int:
         """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""
         if layer in self.dense_layers:
             return history_pages
-        return min(history_pages, self.sink_pages + self.budget_of(layer))
+        return min(history_pages, self.sink_pages + self.budget_of(layer, history_pages))
 
 
 def normaliser_span(n_hist: int, options: SparseOptions) -> tuple[int, int]:
@@ -347,11 +354,11 @@ def exact_block_scores(
     return _share_over_heads(out, options)
 
 
-def candidate_options(options: SparseOptions, layer: int) -> SparseOptions:
+def candidate_options(options: SparseOptions, layer: int, history_pages: int = 0) -> SparseOptions:
     """The options whose top_pages are the "rerank" score's candidates: ``rerank_factor`` x the layer's
-    budget (the sinks besides), chosen by the minmax bound."""
-    return replace(options, budget=options.rerank_factor * options.budget_of(layer), layer_budgets=None,
-                   dense_layers=frozenset())
+    budget at this history (the sinks besides), chosen by the minmax bound."""
+    return replace(options, budget=options.rerank_factor * options.budget_of(layer, history_pages),
+                   layer_budgets=None, dense_layers=frozenset(), read_share=None)
 
 
 def propose_candidates(
@@ -366,7 +373,7 @@ def propose_candidates(
     scores normalised first over the history pages and ``own``, the chunk's own pages' summaries up to its
     block, as block_scores does, so a row with large scores everywhere does not decide alone). Leak-free,
     scored by the rows leak_free_rows gives (``previous``: the previous chunk's last page of queries)."""
-    wanted = candidate_options(options, layer)
+    wanted = candidate_options(options, layer, next(iter(summaries.values())).shape[1])
 
     def scores(rule: str) -> torch.Tensor:
         return block_scores(q, summaries, page_size, replace(options, score=rule, pooling=options.candidate_pooling),

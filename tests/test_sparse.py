@@ -989,3 +989,36 @@ def test_forward_hidden_matches_the_model_and_frees_its_pages(recorded):
     sparse = forward_hidden(model, ids, _config(sparse_budget=1))
     assert sparse.shape == dense.shape and not torch.equal(sparse, dense)
     assert torch.equal(sparse[:, :CHUNK], dense[:, :CHUNK])  # chunk 0 has no history
+
+
+def test_read_share_grows_the_budget_with_the_history_in_steps():
+    from oomb.config import READ_SHARE_STEP
+
+    options = _options(budget=4, read_share=0.25)
+    assert options.num_selected(8) == 8  # the step covers a short history: dense
+    assert options.budget_of(0, 100) == READ_SHARE_STEP * 2  # ceil(25 pages) -> 32
+    assert options.num_selected(1000) == 1 + 256  # sinks + 250 rounded up to a multiple of the step
+    assert _options(budget=300, read_share=0.25).budget_of(0, 1000) == 300  # the budget is a floor
+    assert _options(budget=4).budget_of(0, 1000) == 4
+    wanted = oomb.sparse.candidate_options(_options(budget=4, read_share=0.25, rerank_factor=4), 0, 1000)
+    assert wanted.budget == 4 * 256 and wanted.read_share is None
+    with pytest.raises(ValueError, match="sparse_read_share=1.5 must be a share"):
+        OOMBConfig(attention="sparse", sparse_read_share=1.5)
+
+
+def test_a_full_read_share_is_dense_and_a_partial_one_reads_more_than_its_floor():
+    model = build_tiny_model("qwen2", seed=36)
+    ids = random_ids(1, TOKENS, seed=36)
+    dense_loss = oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    dense = grads(model)
+    model.zero_grad(set_to_none=True)
+    full_loss = oomb.forward_backward(model, ids, None, _config(sparse_budget=1, sparse_read_share=1.0))
+    full = grads(model)
+    assert torch.equal(full_loss, dense_loss) and all(torch.equal(full[name], dense[name]) for name in dense)
+    errors = {}
+    arms = {"floor": {"sparse_budget": 1}, "share": {"sparse_budget": 1, "sparse_read_share": 0.05}}
+    for name, options in arms.items():
+        model.zero_grad(set_to_none=True)
+        oomb.forward_backward(model, ids, None, _config(**options))
+        errors[name] = relative_error(grads(model), dense)
+    assert 0 < errors["share"] < errors["floor"]

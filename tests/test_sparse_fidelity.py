@@ -36,3 +36,15 @@ def test_describe_states_the_share_and_the_measurement():
     line = describe(1 << 20, OOMBConfig(attention="sparse"), 28)
     assert line.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
     assert "gradient cosine" in line and "near-dense mark" in line
+
+
+def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
+    from oomb.memory import SparseAssumptions
+
+    fixed = SparseAssumptions.from_config(OOMBConfig(attention="sparse"))
+    grown = SparseAssumptions.from_config(OOMBConfig(attention="sparse", sparse_read_share=0.25))
+    assert fixed.pages_read(1 << 20, 128) == 65
+    assert grown.pages_read(1 << 20, 128) == 1 + 2048  # a quarter of 8,192 pages
+    assert grown.pages_read(8192, 128) == 65  # the budget is the floor while the history is short
+    read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse_read_share=0.25))
+    assert 0.25 <= read < 0.27
