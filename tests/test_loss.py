@@ -508,19 +508,3 @@ def test_loss_speed_benchmark_smoke(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 10 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)
     assert all(r["max_abs_diff_dweight"] < 1e-5 for r in rows if r["head"] == "trained")
-
-
-def test_oomb_fused_loss_0_keeps_autograds_loss(monkeypatch):
-    """OOMB_FUSED_LOSS=0 (loss.FUSED_LOSS): the default path is autograd's, and the planner is told so."""
-    from helpers import build_tiny_model
-
-    import oomb.loss as loss_module
-    from oomb.models import fused_loss_possible
-
-    model = build_tiny_model("llama")
-    assert fused_loss_possible(model)
-    monkeypatch.setattr(loss_module, "FUSED_LOSS", False)
-    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: pytest.fail("fused"))
-    head, hidden, targets = _bias_free(11, True)
-    _loss_and_grads(head, hidden, targets, 40, 7)
-    assert not fused_loss_possible(model)
