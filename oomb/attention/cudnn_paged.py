@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,18 +163,11 @@ runs on TORCH_KERNEL, not cuDNN (documents of a few tokens, windows under 65 tok
 remainders make such calls; see WindowedAttention)."""
 
 
-MERGE_KERNEL = os.environ.get("OOMB_MERGE_KERNEL", "1") != "0"
-"""CUDA partial attentions merge through triton_merge.py; OOMB_MERGE_KERNEL=0 (read at import) keeps
-reference.merge_window and a cast (to compare the two on a GPU)."""
-
-
 @functools.cache
 def _merge_kernel():
-    """triton_merge.merge_pair, imported on first use; None without Triton or with OOMB_MERGE_KERNEL=0."""
-    if not MERGE_KERNEL:
-        return None
+    """triton_merge.merge_pair, imported on first use; None without Triton (an optional dependency)."""
     try:
-        from .triton_merge import merge_pair
+        from .triton_merge import merge_pair  # local: Triton is optional
     except ImportError:
         return None
     return merge_pair
