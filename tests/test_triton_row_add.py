@@ -117,4 +117,3 @@ def test_speed_benchmark_smoke(tmp_path, monkeypatch):
     run_benchmark("row_add_speed", ["--smoke", "--pool-dtypes", "float32", "--out", str(out)], monkeypatch)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["bitwise_equal"] and row["rows"] == 4 * 2 * 4  # 4 groups x 2 heads x (sink + budget 3)
-
