@@ -130,7 +130,7 @@ def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, re
     The fused loss (``fused_dtype``: the model dtype) keeps a (tokens, hidden) tensor per slice (dL/dhidden,
     or with recompute the head's input), and a trained head without recompute also the logits' gradient,
     unless its weight gradient is made in the forward (``weight_gradient_now``: the engine's,
-    loss.head_gradient_in_forward); a frozen head (LoRA) nothing of the vocabulary's size."""
+    oomb/engine.py); a frozen head (LoRA) nothing of the vocabulary's size."""
     tokens = chunk_tokens * batch_size
     if fused_dtype is None:
         return 0 if recompute_logits else tokens * shape.head_vocab * FP32_BYTES

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import LINEAR_GRADS_IN_PLACE, Float32Sums, InPlaceGradients, grad_sink
+from .fp32_linear import Float32Sums, InPlaceGradients, grad_sink
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
@@ -199,14 +199,6 @@ def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: 
     with record_function(LOSS_RANGE):
         return _HeadCrossEntropy.apply(hidden, lm_head.weight, targets, scale, gradient, recompute,
                                        grad_sink(lm_head), weight_gradient_now)
-
-
-def head_gradient_in_forward(fused_loss: bool) -> bool:
-    """Whether the engine's fused loss makes a trained head's weight gradient in the forward (nothing of the
-    vocabulary's size kept or recomputed, whatever recompute_logits says): its head has a gradient sink there,
-    counted here by the in-place gradients' switch alone (with it off, float32 sums can still give one: the
-    memory model then counts the kept gradient, an overestimate)."""
-    return fused_loss and LINEAR_GRADS_IN_PLACE
 
 
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:

@@ -50,7 +50,6 @@ from .carried_gradients import CARRY_GRADIENTS
 from .config import OOMBConfig
 from .kv import PagedKVStore, capacity
 from .kv.store import window_pages_per_sequence
-from .loss import head_gradient_in_forward
 from .model_shape import GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE, MOE_ROUTED_ROW_SAVED_INTERMEDIATE, ModelShape
 
 __all__ = [
@@ -154,7 +153,7 @@ def estimate_step_memory(
     fused = dtype if fused_loss else None
     logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens, fused)
               + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits, fused, head_trained,
-                                   head_gradient_in_forward(fused_loss)))
+                                   weight_gradient_now=fused_loss))
     kept = kept_attention_bytes(shape, num_tokens, batch_size, dtype) if config.keep_attention_outputs else 0
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits, kept)
 
@@ -460,7 +459,7 @@ def predict(
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens, fused)
                           + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits, fused,
                                                head_trained=not setup.lora_rank,
-                                               weight_gradient_now=head_gradient_in_forward(setup.fused_loss)))
+                                               weight_gradient_now=setup.fused_loss))
     pages = _num_pages(tokens, P, B)  # pages of one layer
     # Context parallel: the pages of the busiest rank's chunks (all of them without it).
     own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)

@@ -279,7 +279,7 @@ def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
 
 def test_the_engine_makes_a_trained_heads_gradient_in_the_loss_forward(monkeypatch):
     """The engine's fused loss gets a gradient sink for the trained head and makes its weight gradient in the
-    forward (loss.head_gradient_in_forward): every slice is called so, and the step still matches the full-
+    forward (weight_gradient_now): every slice is called so, and the step still matches the full-
     sequence backward (HF) within the usual tolerances."""
     import oomb.loss as loss_module
 

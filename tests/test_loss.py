@@ -460,14 +460,12 @@ def test_predict_and_planner_follow_the_fused_loss():
     from helpers import build_tiny_model
 
     import oomb
-    from oomb.loss import head_gradient_in_forward
     from oomb.memory import TrainingSetup, predict
     from oomb.model_shape import ModelShape
     from oomb.models import fused_loss_possible
     from oomb.tools.plan import preset_config
     from oomb.training.autoconfig import Resources, Workload, predict_candidate
 
-    assert head_gradient_in_forward(True) and not head_gradient_in_forward(False)
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     vocab, slice_rows = shape.head_vocab, 1024
     for lora, recompute in ((16, True), (16, False), (0, True), (0, False)):
@@ -478,7 +476,7 @@ def test_predict_and_planner_follow_the_fused_loss():
         fused = predict("sparse", shape, 131072, config, dataclasses.replace(setup, fused_loss=True)).gpu["activations"]
         kept = 0 if recompute else 4096 * vocab * 4  # autograd's float32 log-probabilities
         # the engine's fused loss keeps a (tokens, hidden) tensor and nothing of the vocabulary's size: a frozen
-        # head needs none, a trained head's weight gradient is made in the forward (head_gradient_in_forward)
+        # head needs none, a trained head's weight gradient is made in the forward (weight_gradient_now)
         kept_fused = 4096 * shape.hidden_size * 2
         assert autograd - fused == (3 * slice_rows * vocab * 4 + kept) - (slice_rows * (vocab + shape.hidden_size) * 2
                                                                            + kept_fused), (lora, recompute)

@@ -31,7 +31,6 @@ import torch
 
 from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
-from ..loss import head_gradient_in_forward
 from ..memory import (
     FP32_BYTES,
     GIB,
@@ -207,7 +206,7 @@ class Candidate:
     @property
     def loss_keeps_nothing(self) -> bool:
         """The fused loss keeps nothing of the vocabulary's size and recomputes nothing (loss_keeps_nothing)."""
-        return loss_keeps_nothing(self.fused_loss, self.head_trained)
+        return loss_keeps_nothing(self.fused_loss)
 
     def loss_words(self) -> str:
         """What the loss keeps for its backward, in words."""
@@ -216,9 +215,7 @@ class Candidate:
             return f"log-probabilities {kept}"
         if not self.head_trained:
             return "loss fused (frozen head: nothing kept)"
-        if self.loss_keeps_nothing:
-            return "loss fused (head's gradient made in the forward: nothing kept)"
-        return f"loss fused (logits' gradient {kept})"
+        return "loss fused (head's gradient made in the forward: nothing kept)"
 
     def summary(self, num_layers: int) -> str:
         c = self.config
@@ -326,17 +323,17 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers,
-                                  not loss_keeps_nothing(setup.fused_loss, not workload.lora_rank))
+                                  not loss_keeps_nothing(setup.fused_loss))
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
     return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
                      head_trained=not workload.lora_rank)
 
 
-def loss_keeps_nothing(fused_loss: bool, head_trained: bool) -> bool:
+def loss_keeps_nothing(fused_loss: bool) -> bool:
     """The step's fused loss keeps nothing of the vocabulary's size and recomputes nothing, whatever
-    recompute_logits says: a frozen head, or a trained one whose weight gradient the engine makes in the
-    forward (loss.head_gradient_in_forward)."""
-    return fused_loss and (not head_trained or head_gradient_in_forward(fused_loss))
+    recompute_logits says: a frozen head needs nothing, and a trained one's weight gradient the engine makes in
+    the forward (chunked_cross_entropy's weight_gradient_now)."""
+    return fused_loss
 
 
 def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
