@@ -34,7 +34,7 @@ from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
-from .carried_gradients import CARRY_GRADIENTS, carried_weight_gradients
+from .carried_gradients import carried_weight_gradients
 from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
@@ -194,7 +194,7 @@ def forward_backward(
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
                     float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
                     in_place_weight_gradients(lm_head if compile_layers else model, accumulator, enabled=in_place), \
-                    carried_weight_gradients(decoder_layers(decoder), compile_layers and CARRY_GRADIENTS) as carried:
+                    carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)

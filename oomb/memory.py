@@ -46,7 +46,6 @@ from .activations import (
     saved_logits_bytes,
     sdpa_backward_workspace_per_token,
 )
-from .carried_gradients import CARRY_GRADIENTS
 from .config import OOMBConfig
 from .kv import PagedKVStore, capacity
 from .kv.store import window_pages_per_sequence
@@ -452,7 +451,7 @@ def predict(
     # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
     # product is then saved after all, so nothing of the compiled saving is counted there.
     compiled = setup.compiled_layers and not (config.fp32_grad_accumulation and trainable_low_precision)
-    if compiled and CARRY_GRADIENTS:  # carried_gradients.py: a layer's new gradients before its old ones go
+    if compiled:  # carried_gradients.py: a layer's new gradients before its old ones go
         gpu["param grads"] += layer_grad
     fused = setup.dtype if setup.fused_loss else None
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
