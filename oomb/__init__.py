@@ -21,8 +21,8 @@ from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "Trainer", "TrainerConfig",
            "TrainResult", "forward_backward", "patch_trainer", "__version__"]
 

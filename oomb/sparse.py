@@ -211,7 +211,7 @@ def block_scores(
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' or "
                              "'softmax_max', not leak-free; got "
                              f"{options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
-        from .attention.triton_block_scores import summary_block_scores
+        from .attention.triton_block_scores import summary_block_scores  # local: Triton is optional
 
         normaliser = (scale if scale is not None else D ** -0.5) if normalised else None
         n_own = 0
@@ -301,7 +301,7 @@ def exact_block_scores(
     if kernel:
         if options.pooling == "softmax":
             raise ValueError("the exact-score kernel pools by the best row (max); pooling 'softmax' runs in torch")
-        from .attention.triton_scores import exact_page_scores
+        from .attention.triton_scores import exact_page_scores  # local: Triton is optional
 
         scores = exact_page_scores(q, store.layers[layer].k, store.page_table, chunk.start,
                                    scale if scale is not None else D ** -0.5, row_stride)
@@ -423,7 +423,7 @@ def rerank_block_scores(
         raise ValueError("leak-free rerank scores a block from its P + 1 fixed rows: row_stride must be 1")
     keys_at = candidates if key_pages is None else key_pages
     if kernel:
-        from .attention.triton_scores import exact_page_scores
+        from .attention.triton_scores import exact_page_scores  # local: Triton is optional
 
         listed = keys_at.to(torch.int32).contiguous()
         scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed,

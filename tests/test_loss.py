@@ -401,7 +401,7 @@ def test_fused_loss_cases_beside_the_engines():
         half, x16, _ = _bias_free(9, True, torch.float16)
         chunked_cross_entropy(x16.requires_grad_(), targets, half, 50, 7).backward()
     assert not calls
-    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    kernel_module = pytest.importorskip("oomb.attention.triton_loss_gradient")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel in the interpreter
     logits = torch.randn(3, 40, device=device)
     targets = torch.tensor([1, 40, IGNORE_INDEX], device=device)
@@ -431,7 +431,7 @@ def test_gradient_kernel_equals_the_torch_rows(dtype):
     there) against the torch path: the losses, the gradient in place, ignored rows zero, and the
     losses-only pass that leaves the logits as they were."""
     lg = pytest.importorskip("oomb.loss_gradient")
-    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    kernel_module = pytest.importorskip("oomb.attention.triton_loss_gradient")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)
     logits = (torch.randn(9, 300, generator=g) * 4).to(device, dtype)  # several vocabulary tiles on CPU

@@ -50,6 +50,24 @@ class _Layout:
     own_target: torch.Tensor  # staged rows of the chunk's own pages (every head)
 
 
+@dataclass
+class _StagedSelection:
+    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union that some
+    query sees, then the chunk's own), after them one zero page where unseen selected pages point,
+    and the page table of that layout."""
+
+    pages: dict[str, torch.Tensor]
+    table: torch.Tensor
+    history: list[int]  # the selections' union (seen pages): positions of the first rows
+    runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
+    num_pages: int
+    ready: torch.cuda.Event | None  # the copy stream has filled them
+    stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
+    own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
+    selection: torch.Tensor | None = None  # staged as (page, head) rows: the virtual selection the backend reads
+    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, staged rows) of (page, head) rows
+
+
 class HeadRowStaging:
     """Methods of ``OffloadedKVStore`` (through kv/sparse_staging.py's ``SparseStaging``) that stage a
     call's selection as (page, head) rows; they read the store's host tensors and bookkeeping."""
@@ -128,8 +146,6 @@ class HeadRowStaging:
     def _stage_head_rows(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
         """Start moving a call's (page, head) rows and the chunk's own pages to the GPU; returns the
         staged selection with its virtual selection and page table (module docstring)."""
-        from .sparse_staging import _StagedSelection
-
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = selection.shape
         own, dev = last - first, self.device

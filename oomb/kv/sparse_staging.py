@@ -33,12 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from ..attention.reference_sparse import shared_by_all_blocks
-from .head_rows import HeadRowStaging
+from .head_rows import HeadRowStaging, _StagedSelection
 from .host_slabs import _load_grads
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, WindowView
@@ -349,24 +348,6 @@ class SparseStaging(HeadRowStaging):
                         self._host_layer("dk", index)[b, host].copy_(pages["dk"][rows], non_blocking=True)
                         self._host_layer("dv", index)[b, host].copy_(pages["dv"][rows], non_blocking=True)
         self.grad_on_host[index, history] = True
-
-
-@dataclass
-class _StagedSelection:
-    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union that some
-    query sees, then the chunk's own), after them one zero page where unseen selected pages point,
-    and the page table of that layout."""
-
-    pages: dict[str, torch.Tensor]
-    table: torch.Tensor
-    history: list[int]  # the selections' union (seen pages): positions of the first rows
-    runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
-    num_pages: int
-    ready: torch.cuda.Event | None  # the copy stream has filled them
-    stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
-    own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
-    selection: torch.Tensor | None = None  # staged as (page, head) rows: the virtual selection the backend reads
-    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, staged rows) of (page, head) rows
 
 
 def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:

@@ -42,10 +42,11 @@ from ..config import (
     SPARSE_SCORES,
     SPARSE_SELECTIONS,
     OOMBConfig,
+    load_sparse_plan,
     resolve_dtype,
 )
 from ..engine import forward_backward
-from ..real_model import with_yarn
+from ..real_model import english_text, smollm2_dir, with_yarn
 from ..sparse import SparseOptions
 from ..training import presets
 from ..training.config import ModelSection
@@ -128,8 +129,6 @@ REAL_TEXT = "python-docs"
 def _load(options: GradcheckOptions):
     """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
     if options.model == REAL_MODEL:
-        from ..real_model import smollm2_dir
-
         options = replace(options, model=str(smollm2_dir()))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
@@ -157,8 +156,6 @@ def _load(options: GradcheckOptions):
         source = "random token ids"
     else:
         if options.text == REAL_TEXT:
-            from ..real_model import english_text
-
             text, source = english_text(), "Python's help topics"
         else:
             path = Path(options.text)
@@ -191,13 +188,6 @@ def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> fl
 def model_layers(model: torch.nn.Module) -> int:
     config = model.config
     return getattr(config, "num_hidden_layers", 1)
-
-
-def load_sparse_plan(path: str) -> dict:
-    """The OOMBConfig sparse options of a plan written by `oomb calibrate`."""
-    from .calibrate import load_plan
-
-    return load_plan(path)
 
 
 def run_gradcheck(options: GradcheckOptions, progress: bool = False,
