@@ -112,9 +112,8 @@ def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():
 
 
 def test_the_chooser_keeps_replay_off_for_compiled_layers():
+    from oomb.planning.choose import Resources, Workload, choose_config
     from oomb.planning.model_shape import ModelShape
-
-    from oomb.training.autoconfig import Resources, Workload, choose_config
 
     shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
     tight = Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True)
@@ -163,9 +162,8 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients():
 
 
 def test_the_plan_says_when_layers_compile():
+    from oomb.planning.choose import Resources, Workload, choose_config
     from oomb.planning.model_shape import ModelShape
-
-    from oomb.training.autoconfig import Resources, Workload, choose_config
 
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.bfloat16,
                         optimizer="none")
@@ -183,11 +181,10 @@ def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defau
     """`oomb train --compile-layers` / `oomb.compile_layers: true` and `oomb bench --compile-layers` fix
     checkpoint_layers=False (not refused for the replay default); the chooser does not put replay back,
     not even when nothing fits."""
-    from oomb.planning.model_shape import ModelShape
-
     from oomb import cli
+    from oomb.planning.choose import NoConfigFitsError, Resources, Workload, choose_config
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools import bench
-    from oomb.training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
     from oomb.training.config import TrainerConfig
 
     config = TrainerConfig.load(overrides=["oomb.compile_layers=true"])

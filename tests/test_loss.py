@@ -121,10 +121,10 @@ def _saved_bytes(loss_fn) -> int:
 
 
 def test_kept_logits_are_the_log_probabilities_the_planner_counts():
-    """Without recompute autograd keeps every slice's fp32 log-probabilities (oomb.activations.
+    """Without recompute autograd keeps every slice's fp32 log-probabilities (oomb.planning.activations.
     saved_logits_bytes: tokens x vocabulary x 4 per sequence) besides what the checkpointed slices keep."""
-    from oomb.activations import saved_logits_bytes
-    from oomb.model_shape import ModelShape
+    from oomb.planning.activations import saved_logits_bytes
+    from oomb.planning.model_shape import ModelShape
 
     lm_head, hidden, targets = _setup()
     hidden.requires_grad_(True)
@@ -243,8 +243,8 @@ def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_tra
     saved_logits_bytes): a frozen head (LoRA) (tokens, hidden) products only; a trained head without
     recompute the logits' gradient in the model dtype too (half of autograd's kept float32
     log-probabilities in bf16); with recompute nothing of the vocabulary's size."""
-    from oomb.activations import saved_logits_bytes
-    from oomb.model_shape import ModelShape
+    from oomb.planning.activations import saved_logits_bytes
+    from oomb.planning.model_shape import ModelShape
 
     shape = ModelShape(num_layers=1, hidden_size=H, intermediate_size=H, num_heads=1, num_kv_heads=1, head_dim=H,
                        vocab_size=V)
@@ -460,11 +460,11 @@ def test_predict_and_planner_follow_the_fused_loss():
     from helpers import build_tiny_model
 
     import oomb
-    from oomb.memory import TrainingSetup, predict
-    from oomb.model_shape import ModelShape
     from oomb.models import fused_loss_possible
+    from oomb.planning.choose import Resources, Workload, predict_candidate
+    from oomb.planning.memory import TrainingSetup, predict
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools.plan import preset_config
-    from oomb.training.autoconfig import Resources, Workload, predict_candidate
 
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     vocab, slice_rows = shape.head_vocab, 1024

@@ -54,8 +54,9 @@ from typing import Literal
 import torch
 
 from ..config import NORMALISER_PAGES, OOMBConfig
-from ..model_shape import ModelShape
+from ..planning.model_shape import ModelShape
 from ..units import format_tokens, parse_tokens
+from .plan import load_model_shape
 
 H200_PEAK_BF16_FLOPS = 989e12
 """Dense bf16 tensor-core peak of the H200 SXM (the H100's; /work/.library/device/H200.md: "dense bf16
@@ -351,8 +352,6 @@ def floors(spec: StepSpec, rates: Rates = H200) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Print a step's work and floors: ``python -m oomb.tools.step_floor --preset qwen2.5-7b --context 1M``."""
-    from .plan import load_model_shape
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--model", dest="model", default="qwen2.5-7b")
     parser.add_argument("--context", type=parse_tokens, default=parse_tokens("1M"))

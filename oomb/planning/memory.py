@@ -17,8 +17,8 @@ peak GPU memory above the weights predicted vs measured, oomb dense 39.5 / 60.5 
 at 128K / 256K; hf 22.9 / 32.8 / 64.2 GiB vs 22.7 / 32.7 / 64.2 GiB at 32K / 64K / 128K. Qwen2.5-0.5B
 shape at 8K / 16K: dense 3.5 / 3.8 GiB vs 3.6 / 3.9, hf 2.3 / 2.7 GiB vs 2.4 / 2.8.
 
-The model's shape is a ModelShape (oomb/model_shape.py); what a step's activations take per token, and the
-constants those terms assume, are in oomb/activations.py. Both are re-exported here.
+The model's shape is a ModelShape (oomb/planning/model_shape.py); what a step's activations take per token, and the
+constants those terms assume, are in oomb/planning/activations.py. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from typing import Literal
 
 import torch
 
+from ..config import OOMBConfig
+from ..context_parallel import ContextShard
+from ..kv import PagedKVStore, capacity
+from ..kv.store import window_pages_per_sequence
+from ..kv.summaries import summaries_of
 from .activations import (
     FP32_BYTES,
     LOGITS_FP32_COPIES,
@@ -46,9 +51,6 @@ from .activations import (
     saved_logits_bytes,
     sdpa_backward_workspace_per_token,
 )
-from .config import OOMBConfig
-from .kv import PagedKVStore, capacity
-from .kv.store import window_pages_per_sequence
 from .model_shape import GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE, MOE_ROUTED_ROW_SAVED_INTERMEDIATE, ModelShape
 
 __all__ = [
@@ -261,8 +263,6 @@ class SparseAssumptions:
     @classmethod
     def from_config(cls, config) -> SparseAssumptions:
         """The assumptions of an OOMBConfig's sparse options (its score decides the summaries kept)."""
-        from .kv.summaries import summaries_of
-
         return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
                    query_block_pages=config.sparse_query_block_pages,
                    summary_vectors=len(summaries_of(config.resolved_sparse_score, config.sparse_rerank_candidates)))
@@ -300,8 +300,6 @@ def context_parallel_tokens(tokens: int, chunk_size: int, page_size: int, cp: in
     holds: rank 0, with chunks 0, cp, 2 cp, ... (``tokens`` itself when cp is 1)."""
     if cp == 1:
         return tokens
-    from .context_parallel import ContextShard
-
     return ContextShard(0, cp, chunk_size).owned_pages(tokens, page_size) * page_size
 
 

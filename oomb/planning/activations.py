@@ -3,7 +3,7 @@ mixture-of-experts MLP), the attention backward workspaces (torch SDPA's, oomb's
 replay's cache, the chunked LM-head loss's logits slice, and one chunk's total in stage 2.
 
 Each term is a function of a ModelShape and dtypes only (and of the step's options for a chunk's total);
-the memory model (oomb/memory.py: predict, estimate_step_memory) adds them to weights, gradients,
+the memory model (oomb/planning/memory.py: predict, estimate_step_memory) adds them to weights, gradients,
 optimizer state and KV pages.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import OOMBConfig
+from ..config import OOMBConfig
 from .model_shape import ModelShape
 
 FP32_BYTES = 4

@@ -6,7 +6,7 @@ selection per chunk).
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
     choice.gpu_bytes, choice.host_bytes, choice.reason, choice.runner_up
 
-Memory comes from ``oomb.memory.predict`` (the planner's model, calibrated on the H200). Speed comes
+Memory comes from ``oomb.planning.memory.predict`` (the planner's model, calibrated on the H200). Speed comes
 from SPEED_FACTS below: relative step times measured on one H200, each with the JSON file in
 benchmarks/results/ it came from. The search enumerates every combination of the free options,
 keeps those whose predicted GPU and host memory fit, and ranks them by:
@@ -31,7 +31,9 @@ import torch
 
 from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
-from ..memory import (
+from ..units import format_tokens
+from .fit import largest_context
+from .memory import (
     FP32_BYTES,
     GIB,
     MODES,
@@ -41,15 +43,14 @@ from ..memory import (
     TrainingSetup,
     predict,
 )
-from ..model_shape import ModelShape
-from ..units import format_tokens
+from .model_shape import ModelShape
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
                "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
-"""Without layer replay PEFT's LoRA layers keep more per token than oomb.memory counts: measured on the
+"""Without layer replay PEFT's LoRA layers keep more per token than oomb.planning.memory counts: measured on the
 H200 (7B, LoRA r=16, 128K, chunk 4096) 71.79 GiB peak vs 64.7 predicted, 7.1 GiB = 18.5 bytes per
 hidden unit, token and layer (with replay: 39.02 measured vs 40.1 predicted); rounded up to 20
 (benchmarks/results/logs/autoconfig_qwen7b_lora_128k_h200_2026-12-01.log; the replay run: its
@@ -301,7 +302,7 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
 # ---------------------------------------------------------------------------------------------
 
 def predict_candidate(workload: Workload, resources: Resources, config: OOMBConfig) -> Candidate:
-    """Predicted memory (oomb.memory.predict, with the workload's exact counts where given) and the
+    """Predicted memory (oomb.planning.memory.predict, with the workload's exact counts where given) and the
     relative step time of ``config``."""
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
@@ -666,8 +667,6 @@ def _against(c: Candidate, resources: Resources) -> str:
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
     """The largest multiple of the page size below the asked length for which some configuration of
     the free options fits (memory grows with the context, so the search is monotone)."""
-    from ..tools.plan import largest_context  # the planner's search (plan imports heavier things)
-
     def fits(tokens: int) -> bool:
         w = dataclasses.replace(workload, seq_len=tokens)
         return any(_fits(c, resources) for c in candidates(w, resources, base, fixed))
