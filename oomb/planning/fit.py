@@ -17,6 +17,7 @@ CUDA_CONTEXT_BYTES = GIB // 2
 MAX_SEARCH_TOKENS = 1 << 32
 """Upper end of the largest-context search (4G tokens)."""
 
+
 @dataclass(frozen=True)
 class Budget:
     """GPU and host memory a step may use."""
