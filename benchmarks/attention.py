@@ -35,7 +35,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def add_workload_args(p: argparse.ArgumentParser, histories: list[int]) -> None:
-    """The chunk's shape (paged_inputs reads it) and --smoke, shared with forward_switch_ab.py."""
+    """The chunk's shape (paged_inputs reads it) and --smoke."""
     p.add_argument("--histories", type=int, nargs="+", default=histories)
     p.add_argument("--chunk", type=int, default=4096, help="queries per chunk")
     p.add_argument("--heads", type=int, default=28)

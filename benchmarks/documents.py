@@ -46,9 +46,9 @@ from oomb import machine  # noqa: E402
 from oomb.config import BACKENDS  # noqa: E402
 from oomb.engine import forward_backward, store_options  # noqa: E402
 from oomb.kv.offload import HostSlabs, reserve_host_slabs  # noqa: E402
-from oomb.memory import GIB  # noqa: E402
-from oomb.model_shape import ModelShape  # noqa: E402
 from oomb.models import unwrap_causal_lm  # noqa: E402
+from oomb.planning.memory import GIB  # noqa: E402
+from oomb.planning.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import BenchOptions, build_model, hf_step, measure, token_ids  # noqa: E402
 from oomb.tools.plan import parse_tokens  # noqa: E402
 from oomb.training.presets import PRESETS  # noqa: E402

@@ -3,11 +3,10 @@ H100/H200 (sm_90) at the 7B shape on any machine with Triton's CUDA backend (no 
 
 What a GPU run's autotuner chooses from: a config whose shared memory is over the H200's 232,448 bytes per
 program never runs, and one that spills registers to the stack pays local-memory traffic in its inner loop.
-These are compile-time facts, not timings: they say which tiles are worth timing (benchmarks/attention.py
-with ``OOMB_TRITON_CONFIGS``), not which is fastest.
+These are compile-time facts, not timings: they say which tiles are worth timing (benchmarks/attention.py,
+after editing a list), not which is fastest.
 
     python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_sm90.json
-    OOMB_TRITON_CONFIGS='{"dkdv": [[32, 128, 8, 3]]}' python benchmarks/kernel_resources.py   # candidates
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ def main() -> None:
               "commit": machine.git_commit(), "command": "python " + " ".join(sys.argv),
               "machine": {"cpu": machine.cpu_name(), "compiled_for": "sm_90 (H100/H200), no GPU",
                           "triton": triton.__version__},
-              "tuning_lists": os.environ.get("OOMB_TRITON_CONFIGS") or "built-in",
               "config": "[BLOCK_M, BLOCK_N, num_warps, num_stages] (the plain kernels: [num_warps, num_stages])",
               "shape": "7B: head dim 128, 7 query heads per KV head, pages of 128, bf16",
               "shared_memory_limit": SHARED_MEMORY_BYTES, "kernels": rows,

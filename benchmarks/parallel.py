@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from oomb.config import OOMBConfig  # noqa: E402
 from oomb.engine import forward_backward  # noqa: E402
-from oomb.memory import GIB  # noqa: E402
 from oomb.parallel import init_distributed, setup_parallel  # noqa: E402
+from oomb.planning.memory import GIB  # noqa: E402
 from oomb.tools.bench import build_model, measure, token_ids  # noqa: E402
 from oomb.training.presets import PRESETS  # noqa: E402
 

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from oomb import machine  # noqa: E402
 from oomb.attention.function import SCORING_RANGE  # noqa: E402
 from oomb.loss import LOSS_RANGE  # noqa: E402
-from oomb.model_shape import ModelShape  # noqa: E402
+from oomb.planning.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
     MODES,
     BenchOptions,

@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 import torch
 
 from oomb import machine
-from oomb.memory import GIB
 from oomb.models import unwrap_causal_lm
+from oomb.planning.memory import GIB
 from oomb.training.config import TrainerConfig
 from oomb.training.trainer import Trainer
 

@@ -1,18 +1,21 @@
 """oomb: train Hugging Face LLMs on million-token contexts, chunk by chunk over a paged KV cache.
 
-The package has two layers and the tools:
+Layers, each importing only those above it in this list (tests/test_layers.py; docs/design.md, "Layout"):
 
-    the step (here)  engine.py (forward_backward), config.py (OOMBConfig), models.py, loss.py, grads.py,
-                     fp32_linear.py, sparse.py, memory.py (with model_shape.py, activations.py), documents.py,
-                     parallel.py, evaluate.py (stage 1 alone: per-token log-probabilities) with perplexity.py and
-                     passkey.py, attention/ (the kernels), kv/ (the paged store and its offload)
-    training/        the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
-                     checkpoints, data, presets, the Hugging Face Trainer/TRL integration
-    tools/           `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb eval`, `oomb demo`, `oomb calibrate`
-    cli.py           the `oomb` command: dispatches to each command's module
-
-plus machine.py (this machine's memory and versions), units.py (token counts) and real_model.py
-(the small real model the tests and benchmarks use).
+    base         units.py, version.py, config.py (OOMBConfig), documents.py, machine.py, grads.py, fp32_linear.py
+    attention/   the kernels (Triton, cuDNN), their torch oracles (reference*.py), the backends
+    kv/          the paged store and its host tier; context_parallel.py
+    sparse.py    page selection
+    the step     attention/function.py, models.py, loss.py, loss_gradient.py, moe.py, compiled_layers.py,
+                 carried_gradients.py, parallel.py
+    engine.py    forward_backward; evaluate.py (stage 1 alone: per-token log-probabilities) with
+                 perplexity.py and passkey.py; sparse_fidelity.py (the share of the history a sparse step reads)
+    planning/    the memory model, whether a step fits, the chooser of the fastest OOMBConfig that fits
+    training/    the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
+                 checkpoints, data, presets, the Hugging Face Trainer/TRL integration
+    tools/       `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb eval`, `oomb demo`, `oomb calibrate`;
+                 real_model.py
+    cli.py       the `oomb` command: dispatches to each command's module
 """
 
 from typing import Any
@@ -22,8 +25,8 @@ from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "Trainer", "TrainerConfig",
            "TrainResult", "forward_backward", "patch_trainer", "__version__"]
 
@@ -31,8 +34,8 @@ _HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch
 
 
 def __getattr__(name: str) -> Any:
-    """The Hugging Face Trainer integration loads on first use: transformers' Trainer (and TRL for
-    OOMBSFTTrainer) is a heavy import that ``oomb train`` does not need."""
+    """The Hugging Face Trainer integration loads on first use (a local import: transformers' Trainer, and TRL
+    for OOMBSFTTrainer, are heavy imports that ``oomb train`` does not need)."""
     if name in _HF_TRAINER_NAMES:
         from .training import hf_trainer
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Literal
 
 import torch
+import yaml
 
 _DTYPES = {
     "float32": torch.float32,
@@ -326,12 +329,20 @@ class OOMBConfig:
         """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones.
         ``sparse_plan``: the path of a plan written by `oomb calibrate`, whose options fill in those not given."""
         if options.get("sparse_plan"):  # a plan file from `oomb calibrate`: its options, then the explicit ones
-            from .tools.calibrate import load_plan
-
-            options = {**load_plan(options["sparse_plan"]), **{k: v for k, v in options.items() if k != "sparse_plan"}}
+            explicit = {k: v for k, v in options.items() if k != "sparse_plan"}
+            options = {**load_sparse_plan(options["sparse_plan"]), **explicit}
         options = {k: v for k, v in options.items() if k != "sparse_plan"}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown OOMBConfig option(s) {unknown}; valid options: {sorted(known)}")
         return cls(**options)
+
+
+def load_sparse_plan(path: str | Path) -> dict:
+    """The OOMBConfig options of a sparse plan file (YAML or JSON, as `oomb calibrate` writes it)."""
+    text = Path(path).read_text()
+    plan = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(plan, dict) or not isinstance(plan.get("oomb"), dict):
+        raise ValueError(f"{path}: not a sparse plan (expected a mapping with an 'oomb' section)")
+    return plan["oomb"]

@@ -34,11 +34,11 @@ from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
-from .carried_gradients import CARRY_GRADIENTS, carried_weight_gradients
+from .carried_gradients import carried_weight_gradients
 from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
-from .fp32_linear import LINEAR_GRADS_IN_PLACE, float32_weight_gradients, in_place_weight_gradients
+from .fp32_linear import float32_weight_gradients, in_place_weight_gradients
 from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
@@ -190,11 +190,11 @@ def forward_backward(
             # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
             params = [] if parallel.fsdp else model.parameters()
             accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
-            in_place = LINEAR_GRADS_IN_PLACE and parallel.tp == 1 and not parallel.fsdp
+            in_place = parallel.tp == 1 and not parallel.fsdp
             with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
                     float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
                     in_place_weight_gradients(lm_head if compile_layers else model, accumulator, enabled=in_place), \
-                    carried_weight_gradients(decoder_layers(decoder), compile_layers and CARRY_GRADIENTS) as carried:
+                    carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)

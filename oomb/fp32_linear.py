@@ -22,7 +22,6 @@ were measured unbroken).
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -174,11 +173,6 @@ def _routed(layers: list[nn.Linear], sink) -> Iterator[None]:
         for m in layers:
             del m.forward  # the instance attribute: nn.Linear.forward again
             delattr(m, GRAD_SINK)
-
-
-LINEAR_GRADS_IN_PLACE = os.environ.get("OOMB_LINEAR_GRADS_IN_PLACE", "1") != "0"
-"""The engine's default for in_place_weight_gradients; OOMB_LINEAR_GRADS_IN_PLACE=0 (read at import) keeps
-autograd's per-chunk products and adds (to compare the two on a GPU)."""
 
 
 def accumulates_in_place(param: torch.Tensor) -> bool:

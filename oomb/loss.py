@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,17 +9,13 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .fp32_linear import LINEAR_GRADS_IN_PLACE, Float32Sums, InPlaceGradients, grad_sink
+from .fp32_linear import Float32Sums, InPlaceGradients, grad_sink
 from .loss_gradient import IGNORE_INDEX, logits_to_gradient_
 
 GRADIENT_SCALE = "_oomb_loss_gradient_scale"
 """Attribute of an LM head (get_output_embeddings): a factor on every gradient of the LM loss, which the
 fused loss builds its gradient with and autograd's loss applies to the logits' gradient
 (training/hf_trainer.py scaled_loss_gradient sets it)."""
-
-FUSED_LOSS = os.environ.get("OOMB_FUSED_LOSS", "1") != "0"
-"""chunked_cross_entropy's ``fused`` default; OOMB_FUSED_LOSS=0 (read at import) keeps autograd's loss
-everywhere (to compare the two on a GPU). The planner counts what models.fused_loss_possible says."""
 
 FACTOR_TOLERANCE = 1e-6
 """How far from 1.0 the backward's factor (grad_output x normalizer) may be where a trained head's weight gradient
@@ -207,14 +201,6 @@ def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: 
                                        grad_sink(lm_head), weight_gradient_now)
 
 
-def head_gradient_in_forward(fused_loss: bool) -> bool:
-    """Whether the engine's fused loss makes a trained head's weight gradient in the forward (nothing of the
-    vocabulary's size kept or recomputed, whatever recompute_logits says): its head has a gradient sink there,
-    counted here by the in-place gradients' switch alone (with it off, float32 sums can still give one: the
-    memory model then counts the kept gradient, an overestimate)."""
-    return fused_loss and LINEAR_GRADS_IN_PLACE
-
-
 def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
     """Whether each slice of ``slice_tokens`` positions has a counted label: one read from the
     device for all slices (a device synchronisation), not one per slice."""
@@ -231,7 +217,7 @@ def chunked_cross_entropy(
     normalizer: int | torch.Tensor,
     slice_tokens: int,
     recompute: bool = True,
-    fused: bool | None = None,
+    fused: bool = True,
     weight_gradient_now: bool = False,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
@@ -241,7 +227,8 @@ def chunked_cross_entropy(
     backward. Without, autograd keeps every slice's fp32 log-probabilities for the backward (the
     whole of ``hidden``'s positions) and the head's forward runs once.
 
-    ``fused`` (a plain linear head, under autograd; see fused_head): no float32 logits, no
+    ``fused`` (a plain linear head, under autograd; see fused_head; False: autograd's loss, the tests' and
+    benchmarks' comparison): no float32 logits, no
     log-probabilities (_HeadCrossEntropy). A frozen head's slices need no recompute and keep nothing of
     the vocabulary's size; a trained head's keep their logits' gradient (in the model dtype) without
     ``recompute``, nothing with it. ``weight_gradient_now`` (the engine's: only for a backward of the
@@ -249,7 +236,6 @@ def chunked_cross_entropy(
     a gradient sink (fp32_linear.py), which then keeps no more than a frozen head's and recomputes nothing.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
-    fused = FUSED_LOSS if fused is None else fused
     fused = (fused and torch.is_grad_enabled() and hidden.dtype != torch.float16 and fused_head(lm_head)
              and (hidden.requires_grad or lm_head.weight.requires_grad))
     if fused:  # float32: 1 / normalizer, and the gradient's factor (GRADIENT_SCALE in) before it rounds

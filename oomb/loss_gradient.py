@@ -15,7 +15,7 @@ The arithmetic is autograd's: float32 log-probabilities, the loss -log p[target]
 on the CPU it gives autograd's bits); the kernel computes (x - max) - log(sum exp(x - max)), as torch's
 CPU kernel does (CUDA's rounds x - (max + log sum) at the logits' magnitude: the kernel is the more
 precise of the two on a GPU).
-On CUDA a Triton kernel (loss_gradient_kernel.py) does it; elsewhere torch does, a block of rows
+On CUDA a Triton kernel (attention/triton_loss_gradient.py) does it; elsewhere torch does, a block of rows
 at a time so that its float32 temporaries stay small.
 """
 
@@ -45,7 +45,7 @@ def logits_to_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: torc
     if logits.is_cuda:  # (the CPU tests run the kernel itself through the interpreter)
         kernel = _triton_kernel()
         if kernel is not None:
-            return kernel(logits, targets, scale, write_gradient)
+            return kernel(logits, targets, scale, write_gradient, IGNORE_INDEX)
     return _torch_rows(logits, targets, scale, write_gradient)
 
 
@@ -70,7 +70,7 @@ def _torch_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
 def _triton_kernel():
     """The Triton path, imported on first use (Triton is an optional dependency): None without it."""
     try:
-        from .loss_gradient_kernel import logits_to_gradient_triton
+        from .attention.triton_loss_gradient import logits_to_gradient_triton  # local: Triton is optional
     except ImportError:
         return None
     return logits_to_gradient_triton

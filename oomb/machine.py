@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .version import __version__
+
 PROC_MEMINFO = Path("/proc/meminfo")
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -143,8 +145,6 @@ def git_commit(path: Path | None = None) -> str | None:
 
 def versions() -> dict:
     """Versions of what a measurement depends on."""
-    from . import __version__
-
     return {
         "oomb": __version__,
         "git_commit": git_commit(),

@@ -30,6 +30,7 @@ from .attention.function import KeptOutputs, PagedAttentionCall, fill_and_attend
 from .attention.variants import SinkGradient, attach_sinks, layer_backend
 from .documents import Documents, window_bounds
 from .kv import ChunkSpan, PagedKVStore
+from .loss import SoftcappedHead, fused_head
 from .sparse import SparseOptions
 
 ATTENTION_NAME = "oomb"
@@ -218,8 +219,6 @@ def loss_head(causal_lm: PreTrainedModel) -> nn.Module:
     head = causal_lm.get_output_embeddings()
     cap = final_logit_softcap(causal_lm.config)
     if cap is not None:
-        from .loss import SoftcappedHead
-
         return SoftcappedHead(head, cap)
     return head
 
@@ -234,18 +233,14 @@ def fused_loss_possible_for_config(config, dtype: torch.dtype) -> bool:
     """fused_loss_possible before a model is loaded, from its config (`oomb plan`, `oomb bench`): one
     process, a plain linear head, which Hugging Face builds unless the family softcaps its final logits;
     not float16."""
-    from .loss import FUSED_LOSS
-
-    return FUSED_LOSS and dtype != torch.float16 and final_logit_softcap(config) is None
+    return dtype != torch.float16 and final_logit_softcap(config) is None
 
 
 def fused_loss_possible(causal_lm: PreTrainedModel, single_process: bool = True) -> bool:
     """Whether the step's loss can be the fused one (loss.fused_head of its loss head) on one process, not
     in float16; tensor-parallel and FSDP heads are DTensors, which keep autograd's loss. The planner counts the fused
     loss's memory only where this holds."""
-    from .loss import FUSED_LOSS, fused_head
-
-    return FUSED_LOSS and single_process and causal_lm.dtype != torch.float16 and fused_head(loss_head(causal_lm))
+    return single_process and causal_lm.dtype != torch.float16 and fused_head(loss_head(causal_lm))
 
 
 def step_window_bounds(windows: tuple[int | None, ...], documents: Documents | None, shape: tuple[int, int],

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .context_parallel import ContextShard, check_context_parallel
+from .models import unwrap_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +207,6 @@ def check_setup(model: nn.Module, parallel: ParallelSetup | None, grad_targets, 
         raise ValueError("grad_targets cannot be used with data parallel (FSDP): FSDP sums the chunks' gradients "
                          "in fp32 and leaves them in the sharded parameters' .grad")
     if parallel.cp > 1 and config is not None:
-        from .models import unwrap_causal_lm
-
         check_context_parallel(config, unwrap_causal_lm(model))
     return parallel
 
@@ -244,8 +243,6 @@ def setup_parallel(model: nn.Module, tp: int = 1, dp: int = 1, *, cp: int = 1,
     Returns:
         The ParallelSetup to pass to ``forward_backward(parallel=)`` and the trainer.
     """
-    from .models import unwrap_causal_lm
-
     config = ParallelConfig(tp=tp, dp=dp, cp=cp)
     causal_lm = unwrap_causal_lm(model)
     check_tp_degree(causal_lm.config, tp)

@@ -57,7 +57,6 @@ pages, which the backend masks (keys before each query's document start get no a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -74,10 +73,6 @@ if TYPE_CHECKING:
 
 SCORE_TILE_ELEMENTS = 1 << 24
 """At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
-SUMMARY_SCORE_KERNEL = os.environ.get("OOMB_SUMMARY_SCORE_KERNEL", "1") != "0"
-"""Whether CUDA runs score minmax / mean with the Triton kernel (oomb/attention/triton_block_scores.py),
-which keeps the (row, page) products on chip. On by default since its GPU tests passed on the H200
-(2026-12-02); OOMB_SUMMARY_SCORE_KERNEL=0 keeps the torch code (the reference)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +197,7 @@ def block_scores(
             each; block j's rows count own pages 0..j in their normaliser (leak-free: 0..j-1, wholly
             before the block's first query), None: history pages only.
         kernel: score with the Triton kernel (oomb/attention/triton_block_scores.py: the products never
-            leave the chip); None: with SUMMARY_SCORE_KERNEL (the default), for CUDA tensors with pooling "max"
+            leave the chip); None: for CUDA tensors with pooling "max"
             or "softmax_max", not leak-free, summaries in q's dtype. The torch code below is
             the reference and the CPU's path.
     Returns:
@@ -216,14 +211,14 @@ def block_scores(
     kernel_scores = ((options.pooling == "max" or normalised) and not options.leak_free
                      and options.score in ("minmax", "mean"))
     if kernel is None:
-        kernel = (SUMMARY_SCORE_KERNEL and kernel_scores and q.is_cuda and first.dtype == q.dtype
+        kernel = (kernel_scores and q.is_cuda and first.dtype == q.dtype
                   and (q.dtype != torch.float32 or D <= 128))  # float32 tiles at D = 256 outgrow shared memory
     if kernel:
         if not kernel_scores:
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' or "
                              "'softmax_max', not leak-free; got "
                              f"{options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
-        from .attention.triton_block_scores import summary_block_scores
+        from .attention.triton_block_scores import summary_block_scores  # local: Triton is optional
 
         normaliser = (scale if scale is not None else D ** -0.5) if normalised else None
         n_own = 0
@@ -313,7 +308,7 @@ def exact_block_scores(
     if kernel:
         if options.pooling == "softmax":
             raise ValueError("the exact-score kernel pools by the best row (max); pooling 'softmax' runs in torch")
-        from .attention.triton_scores import exact_page_scores
+        from .attention.triton_scores import exact_page_scores  # local: Triton is optional
 
         scores = exact_page_scores(q, store.layers[layer].k, store.page_table, chunk.start,
                                    scale if scale is not None else D ** -0.5, row_stride)
@@ -435,7 +430,7 @@ def rerank_block_scores(
         raise ValueError("leak-free rerank scores a block from its P + 1 fixed rows: row_stride must be 1")
     keys_at = candidates if key_pages is None else key_pages
     if kernel:
-        from .attention.triton_scores import exact_page_scores
+        from .attention.triton_scores import exact_page_scores  # local: Triton is optional
 
         listed = keys_at.to(torch.int32).contiguous()
         scores = exact_page_scores(q, k_pool, page_table, chunk.start, scale, pages=listed,

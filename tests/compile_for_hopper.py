@@ -214,7 +214,7 @@ def _plain_variants():
     the fused loss's gradient kernel, at the 7B shape's widths (pointers marked aligned: marks None)."""
     import triton
 
-    from oomb import loss_gradient_kernel
+    from oomb.attention import triton_loss_gradient as loss_gradient_kernel
     from oomb.attention import triton_row_add
 
     class Pinned:  # what _compile reads of an autotuner: the function and its (one) launch config

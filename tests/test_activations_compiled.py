@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
 import oomb
-from oomb.activations import chunk_activation_bytes, compiled_saving_bytes_per_token
 from oomb.fp32_linear import float32_weight_gradients
 from oomb.grads import Fp32GradAccumulator
-from oomb.memory import TrainingSetup, predict
-from oomb.model_shape import ModelShape
+from oomb.planning.activations import chunk_activation_bytes, compiled_saving_bytes_per_token
+from oomb.planning.memory import TrainingSetup, predict
+from oomb.planning.model_shape import ModelShape
 from oomb.tools.plan import preset_config
 
 TOKENS = 256
@@ -106,7 +106,7 @@ def test_predict_and_planner_follow_compiled_layers():
     """predict's activations term takes TrainingSetup.compiled_layers (bf16 .grad, as oomb bench runs); the
     planner counts compiled layers only for a candidate that compiles where Workload.may_compile says the
     machine and model allow it, and not with float32 gradient targets."""
-    from oomb.training.autoconfig import Resources, Workload, predict_candidate
+    from oomb.planning.choose import Resources, Workload, predict_candidate
 
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     config = oomb.OOMBConfig(attention="sparse", checkpoint_layers=False, fp32_grad_accumulation=False)

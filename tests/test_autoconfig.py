@@ -1,4 +1,4 @@
-"""oomb.training.autoconfig: the chooser's decision for a table of workloads and machines, with its reason;
+"""oomb.planning.choose: the chooser's decision for a table of workloads and machines, with its reason;
 refusals with numbers; user-set options kept; token counts with K/M; backend resolution."""
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ import torch
 
 from oomb.attention.backend import resolve_backend_name
 from oomb.config import OOMBConfig
-from oomb.memory import GIB
-from oomb.model_shape import ModelShape
-from oomb.tools.plan import Budget, make_plan, preset_config
-from oomb.training.autoconfig import (
+from oomb.planning.choose import (
     SPEED_FACTS,
     NoConfigFitsError,
     Resources,
@@ -25,6 +22,9 @@ from oomb.training.autoconfig import (
     choose_config,
     fixed_from_options,
 )
+from oomb.planning.memory import GIB
+from oomb.planning.model_shape import ModelShape
+from oomb.tools.plan import Budget, make_plan, preset_config
 from oomb.training.config import TrainerConfig
 from oomb.units import parse_tokens
 
@@ -140,7 +140,7 @@ def test_steps_keep_their_attention_outputs_where_they_fit(attention):
     """The chooser keeps stage 1's attention outputs for a step with every page on the GPU where they fit
     (kept-attention-outputs-128k: 0.941x sparse; kept-attention-outputs-dense-128k: 0.858x dense), after the
     weightier choices; never with offload, on a CPU, under context parallelism, or against the user's setting."""
-    from oomb.training.autoconfig import SPEED_FACTS
+    from oomb.planning.choose import SPEED_FACTS
 
     workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
     choice = choose_config(workload, H200, {"attention": attention})

@@ -10,7 +10,7 @@ import torch
 
 import oomb.tools.bench as bench
 from oomb import cli
-from oomb.memory import MODES
+from oomb.planning.memory import MODES
 from oomb.tools.plan import is_implemented
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -233,8 +233,8 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
 def test_resident_layers_reach_the_step_config_and_the_prediction():
     """--resident-layers keeps the first layers' pages on the GPU in offload modes, and the predicted
     memory counts them (more GPU, the same host slabs for the offloaded rest)."""
-    from oomb.memory import TrainingSetup, predict
-    from oomb.model_shape import ModelShape
+    from oomb.planning.memory import TrainingSetup, predict
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools.plan import preset_config
 
     args = cli.build_parser().parse_args(["bench", "--quick", "--resident-layers", "2", "--modes", "dense+offload"])
@@ -284,7 +284,7 @@ def test_documents_benchmark_smoke(tmp_path, monkeypatch):
 def test_reported_backend_follows_the_model_as_the_step_resolves_it():
     """"auto" goes to the step unresolved (the engine picks per model); the report names what it picks:
     cudnn for bf16 on CUDA, triton for a softcapped model (cuDNN has no softcap), as given otherwise."""
-    from oomb.model_shape import ModelShape
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools.plan import preset_config
 
     gemma2, qwen = (ModelShape.from_hf_config(preset_config(p, 8192)) for p in ("gemma-2-9b", "qwen2.5-7b"))
@@ -298,8 +298,8 @@ def test_reported_backend_follows_the_model_as_the_step_resolves_it():
 def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
     """--chosen: an oomb mode runs the plan `oomb train`'s chooser makes from the free memory, the mode
     fixing attention and offload and the command line's options kept; the rows' predictions follow it."""
+    from oomb.planning.choose import Resources, Workload, choose_config
     from oomb.tools.bench_choice import CHOSEN_FIELDS, chosen_options
-    from oomb.training.autoconfig import Resources, Workload, choose_config
 
     rc = cli.main(["bench", "--quick", "--chosen", "--modes", "hf", "sparse", "--contexts", "1K",
                    "--no-checkpoint-layers", "--out-dir", str(tmp_path)])

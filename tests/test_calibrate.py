@@ -6,9 +6,9 @@ import yaml
 from helpers import build_tiny_model, random_ids
 
 import oomb
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, load_sparse_plan
 from oomb.sparse import SparseOptions
-from oomb.tools.calibrate import DENSE, LayerCurve, allocate, load_plan, make_plan, recall_curves
+from oomb.tools.calibrate import DENSE, LayerCurve, allocate, make_plan, recall_curves
 from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 TOKENS, CHUNK, PAGE = 320, 64, 16  # 5 chunks; up to 16 history pages
@@ -120,10 +120,7 @@ def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     assert plan["measured"]["history_read"] <= 0.5 + 1e-9
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
-    assert load_plan(path) == plan["oomb"]
-    from oomb.tools.gradcheck import load_sparse_plan
-
-    assert load_sparse_plan(str(path)) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
+    assert load_sparse_plan(path) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
     config = OOMBConfig.from_dict({"sparse_plan": str(path), "chunk_size": CHUNK, "page_size": PAGE,
                                    "backend": "torch"})
     assert config.attention == "sparse" and config.sparse_layer_budgets == plan["oomb"]["sparse_layer_budgets"]

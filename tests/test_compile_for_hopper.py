@@ -42,27 +42,18 @@ def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     # the launcher's marks: aligned pointers, the head dim's unit stride a constant
     assert all(launch["specialization"]["q_ptr"] == "D" and launch["specialization"]["stride_qd"] == 1
                for launch in launches)
-    # OOMB_TRITON_TMA's forward and dQ (tensor-descriptor loads): the same launches with TMA on compile too
-    dense = [launch for launch in launches if launch["module"].endswith("triton_paged")
-             and launch["kernel"] in ("_fwd_kernel", "_dq_kernel")]
-    assert {launch["kernel"] for launch in dense} == {"_fwd_kernel", "_dq_kernel"}
-    assert all(launch["constants"].get("TMA") is False for launch in dense)
-    tma = [{**launch, "constants": {**launch["constants"], "TMA": True}} for launch in dense]
-    captured.write_text(json.dumps(launches + tma))
     results = [json.loads(line) for line in _run("compile", str(captured), interpret=False).stdout.splitlines()]
     plain = {"exact_scores", "block_scores", "row_lse", "row_add", "loss_gradient"}
     assert {r["kernel"] for r in results} >= plain | kernels
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed
-    for kernel in ("triton_paged._fwd_kernel", "triton_paged._dq_kernel"):
-        assert any('"TMA": true' in r["variant"] for r in results if r["kernel"] == kernel)
     # every attention kernel also with gemma2's logit softcap (its pointer forward once failed to compile)
     assert {r["kernel"] for r in results if '"SOFTCAP": 30.0' in r["variant"]} >= kernels
     assert all(r["shared"] <= 232448 for r in results)  # within the H200's shared memory per program
     assert all(r["shared"] > 0 for r in results if r["kernel"] != "row_add")  # (the row add stages nothing)
     # with the marks the K/V loads are pipelined: the dense forward keeps its query tile and num_stages K and V
     # tiles in shared memory (unmarked, the loads went through registers and the kernel had a third of that)
-    forward = [r for r in results if r["kernel"] == "triton_paged._fwd_kernel" and '"TMA": false' in r["variant"]]
+    forward = [r for r in results if r["kernel"] == "triton_paged._fwd_kernel"]
     for r in forward:
         block_m, block_n, _, stages = r["config"]
         assert r["shared"] >= 2 * 128 * (block_m + stages * 2 * block_n), r

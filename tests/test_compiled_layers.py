@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 import oomb
+import oomb.carried_gradients
 from oomb.attention.function import KeptOutputs
 from oomb.compiled_layers import COMPILED_CALL, resolve_compile_layers
 from oomb.models import decoder_layers
@@ -111,8 +112,8 @@ def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():
 
 
 def test_the_chooser_keeps_replay_off_for_compiled_layers():
-    from oomb.model_shape import ModelShape
-    from oomb.training.autoconfig import Resources, Workload, choose_config
+    from oomb.planning.choose import Resources, Workload, choose_config
+    from oomb.planning.model_shape import ModelShape
 
     shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
     tight = Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True)
@@ -161,8 +162,8 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients():
 
 
 def test_the_plan_says_when_layers_compile():
-    from oomb.model_shape import ModelShape
-    from oomb.training.autoconfig import Resources, Workload, choose_config
+    from oomb.planning.choose import Resources, Workload, choose_config
+    from oomb.planning.model_shape import ModelShape
 
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.bfloat16,
                         optimizer="none")
@@ -181,9 +182,9 @@ def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defau
     checkpoint_layers=False (not refused for the replay default); the chooser does not put replay back,
     not even when nothing fits."""
     from oomb import cli
-    from oomb.model_shape import ModelShape
+    from oomb.planning.choose import NoConfigFitsError, Resources, Workload, choose_config
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools import bench
-    from oomb.training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
     from oomb.training.config import TrainerConfig
 
     config = TrainerConfig.load(overrides=["oomb.compile_layers=true"])
@@ -218,13 +219,21 @@ def test_kept_attention_outputs_compile_no_more_graphs():
     _assert_close(results[True][1], results[False][1])
 
 
+def _carry(monkeypatch, carry: bool) -> None:
+    """Carry the compiled layers' weight gradients through their graphs (the engine's way) or not (autograd's
+    adds, the comparison)."""
+    real = oomb.carried_gradients.carried_weight_gradients  # the module's, never patched
+    monkeypatch.setattr(oomb.engine, "carried_weight_gradients",
+                        lambda layers, enabled=True: real(layers, enabled and carry))
+
+
 def _accumulating_ops(model, ids, monkeypatch, carry: bool) -> tuple[dict, dict]:
     """Calls of aten::add_ (autograd adding a chunk's gradient into an existing .grad), aten::addmm and aten::copy_
     in a compiled step, and the gradients, with the compiled layers' weight gradients carried through their
     graphs or not."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(oomb.engine, "CARRY_GRADIENTS", carry)
+    _carry(monkeypatch, carry)
     torch._dynamo.reset()
     _step(model, ids, compile_layers=True)  # compiles: the profiled step runs the compiled code alone
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -305,7 +314,7 @@ def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(3)).cuda()
     adds, fused_adds, copies, results = {}, {}, {}, {}
     for carry in (False, True):
-        monkeypatch.setattr(oomb.engine, "CARRY_GRADIENTS", carry)
+        _carry(monkeypatch, carry)
         torch._dynamo.reset()
         _step(model, ids, compile_layers=True, fp32_grad_accumulation=False)  # compiles
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -331,7 +331,7 @@ def test_oomb_train_with_cp_under_torchrun_matches_one_process(tmp_path):
 def test_plan_with_cp_divides_the_pages():
     import argparse
 
-    from oomb.memory import MODES, TrainingSetup, context_parallel_tokens, predict
+    from oomb.planning.memory import MODES, TrainingSetup, context_parallel_tokens, predict
     from oomb.tools.plan import add_arguments, load_model_shape, plan_from_args
 
     shape = load_model_shape("qwen2.5-7b")

@@ -279,7 +279,7 @@ def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
 
 def test_the_engine_makes_a_trained_heads_gradient_in_the_loss_forward(monkeypatch):
     """The engine's fused loss gets a gradient sink for the trained head and makes its weight gradient in the
-    forward (loss.head_gradient_in_forward): every slice is called so, and the step still matches the full-
+    forward (weight_gradient_now): every slice is called so, and the step still matches the full-
     sequence backward (HF) within the usual tolerances."""
     import oomb.loss as loss_module
 
@@ -327,7 +327,7 @@ def test_kept_attention_outputs_give_the_recomputed_gradients_bitwise(monkeypatc
 def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
     """Refused with offload; `oomb bench --keep-attention-outputs` sets it; the plan counts the kept outputs."""
     from oomb import cli
-    from oomb.memory import ModelShape, TrainingSetup, predict
+    from oomb.planning.memory import ModelShape, TrainingSetup, predict
     from oomb.tools import bench
     from oomb.training.presets import preset_config
 
@@ -353,8 +353,8 @@ def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
 def test_the_chooser_keeps_kept_attention_outputs_on_the_gpu():
     """oomb train's chooser with keep_attention_outputs set: no offload candidate (which the option refuses),
     and the kept outputs in the plan's memory."""
-    from oomb.memory import ModelShape
-    from oomb.training.autoconfig import Resources, Workload, choose_config
+    from oomb.planning.choose import Resources, Workload, choose_config
+    from oomb.planning.memory import ModelShape
 
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.float32,
                         optimizer="none")

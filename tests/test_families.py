@@ -26,9 +26,9 @@ from oomb.documents import resolve_documents, window_bounds
 from oomb.kv import PagedKVStore, split_into_chunks
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
 from oomb.kv.store import window_pages_per_sequence
-from oomb.memory import OffloadAssumptions, TrainingSetup, predict
-from oomb.model_shape import ModelShape
 from oomb.models import layer_windows
+from oomb.planning.memory import OffloadAssumptions, TrainingSetup, predict
+from oomb.planning.model_shape import ModelShape
 
 GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5

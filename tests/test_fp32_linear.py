@@ -224,7 +224,7 @@ def test_in_place_leaves_summed_hooked_and_other_layers_to_their_paths():
 def test_bf16_step_in_place_is_no_worse_than_autograds_adds(monkeypatch):
     """A bf16 step of 6 chunks without float32 sums (oomb bench's standard workload), against a float32
     full-sequence backward: the linear layers' gradients summed in place are no further from it than with
-    autograd's per-chunk products and adds (OOMB_LINEAR_GRADS_IN_PLACE=0)."""
+    autograd's per-chunk products and adds (the routing switched off here)."""
     from helpers import grads
     from helpers import relative_error as rel_err
 
@@ -233,18 +233,17 @@ def test_bf16_step_in_place_is_no_worse_than_autograds_adds(monkeypatch):
 
     bf16, ids, reference = _bf16_model_and_float32_gradients()
     config = oomb.OOMBConfig(chunk_size=256, page_size=64, fp32_grad_accumulation=False)
-    errors, routed = {}, []
+    errors, routed, on = {}, [], [True]
     real = oomb.engine.in_place_weight_gradients
 
     @contextlib.contextmanager
-    def spy(*args, **kwargs):
-        with real(*args, **kwargs) as layers:
+    def spy(model, accumulator, enabled=True):
+        with real(model, accumulator, enabled=enabled and on[0]) as layers:  # off: autograd's adds
             routed.append(len(layers))
             yield layers
 
     monkeypatch.setattr(oomb.engine, "in_place_weight_gradients", spy)
-    for name, on in (("in_place", True), ("autograd", False)):
-        monkeypatch.setattr(oomb.engine, "LINEAR_GRADS_IN_PLACE", on)
+    for name, on[0] in (("in_place", True), ("autograd", False)):
         bf16.zero_grad(set_to_none=True)
         oomb.forward_backward(bf16, ids, config=config)
         errors[name] = rel_err(grads(bf16), reference)

@@ -330,7 +330,7 @@ def test_refuses_what_it_cannot_reproduce(tmp_path):
 
 def test_sft_trainer_without_trl(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)
-    monkeypatch.setattr(hft, "_sft_class", None)
+    hft._make_sft_trainer.cache_clear()  # built again, without TRL
     with pytest.raises(ImportError, match=r"pip install 'oomb\[trl\]'"):
         hft.OOMBSFTTrainer  # noqa: B018
 

@@ -121,10 +121,10 @@ def _saved_bytes(loss_fn) -> int:
 
 
 def test_kept_logits_are_the_log_probabilities_the_planner_counts():
-    """Without recompute autograd keeps every slice's fp32 log-probabilities (oomb.activations.
+    """Without recompute autograd keeps every slice's fp32 log-probabilities (oomb.planning.activations.
     saved_logits_bytes: tokens x vocabulary x 4 per sequence) besides what the checkpointed slices keep."""
-    from oomb.activations import saved_logits_bytes
-    from oomb.model_shape import ModelShape
+    from oomb.planning.activations import saved_logits_bytes
+    from oomb.planning.model_shape import ModelShape
 
     lm_head, hidden, targets = _setup()
     hidden.requires_grad_(True)
@@ -243,8 +243,8 @@ def test_fused_loss_keeps_no_logits_for_a_frozen_head_and_the_gradient_for_a_tra
     saved_logits_bytes): a frozen head (LoRA) (tokens, hidden) products only; a trained head without
     recompute the logits' gradient in the model dtype too (half of autograd's kept float32
     log-probabilities in bf16); with recompute nothing of the vocabulary's size."""
-    from oomb.activations import saved_logits_bytes
-    from oomb.model_shape import ModelShape
+    from oomb.planning.activations import saved_logits_bytes
+    from oomb.planning.model_shape import ModelShape
 
     shape = ModelShape(num_layers=1, hidden_size=H, intermediate_size=H, num_heads=1, num_kv_heads=1, head_dim=H,
                        vocab_size=V)
@@ -401,7 +401,7 @@ def test_fused_loss_cases_beside_the_engines():
         half, x16, _ = _bias_free(9, True, torch.float16)
         chunked_cross_entropy(x16.requires_grad_(), targets, half, 50, 7).backward()
     assert not calls
-    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    kernel_module = pytest.importorskip("oomb.attention.triton_loss_gradient")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel in the interpreter
     logits = torch.randn(3, 40, device=device)
     targets = torch.tensor([1, 40, IGNORE_INDEX], device=device)
@@ -431,7 +431,7 @@ def test_gradient_kernel_equals_the_torch_rows(dtype):
     there) against the torch path: the losses, the gradient in place, ignored rows zero, and the
     losses-only pass that leaves the logits as they were."""
     lg = pytest.importorskip("oomb.loss_gradient")
-    kernel_module = pytest.importorskip("oomb.loss_gradient_kernel")
+    kernel_module = pytest.importorskip("oomb.attention.triton_loss_gradient")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)
     logits = (torch.randn(9, 300, generator=g) * 4).to(device, dtype)  # several vocabulary tiles on CPU
@@ -460,14 +460,12 @@ def test_predict_and_planner_follow_the_fused_loss():
     from helpers import build_tiny_model
 
     import oomb
-    from oomb.loss import head_gradient_in_forward
-    from oomb.memory import TrainingSetup, predict
-    from oomb.model_shape import ModelShape
     from oomb.models import fused_loss_possible
+    from oomb.planning.choose import Resources, Workload, predict_candidate
+    from oomb.planning.memory import TrainingSetup, predict
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools.plan import preset_config
-    from oomb.training.autoconfig import Resources, Workload, predict_candidate
 
-    assert head_gradient_in_forward(True) and not head_gradient_in_forward(False)
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     vocab, slice_rows = shape.head_vocab, 1024
     for lora, recompute in ((16, True), (16, False), (0, True), (0, False)):
@@ -478,7 +476,7 @@ def test_predict_and_planner_follow_the_fused_loss():
         fused = predict("sparse", shape, 131072, config, dataclasses.replace(setup, fused_loss=True)).gpu["activations"]
         kept = 0 if recompute else 4096 * vocab * 4  # autograd's float32 log-probabilities
         # the engine's fused loss keeps a (tokens, hidden) tensor and nothing of the vocabulary's size: a frozen
-        # head needs none, a trained head's weight gradient is made in the forward (head_gradient_in_forward)
+        # head needs none, a trained head's weight gradient is made in the forward (weight_gradient_now)
         kept_fused = 4096 * shape.hidden_size * 2
         assert autograd - fused == (3 * slice_rows * vocab * 4 + kept) - (slice_rows * (vocab + shape.hidden_size) * 2
                                                                            + kept_fused), (lora, recompute)
@@ -508,19 +506,3 @@ def test_loss_speed_benchmark_smoke(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 10 and all(r["max_abs_diff_dhidden"] < 1e-6 for r in rows)
     assert all(r["max_abs_diff_dweight"] < 1e-5 for r in rows if r["head"] == "trained")
-
-
-def test_oomb_fused_loss_0_keeps_autograds_loss(monkeypatch):
-    """OOMB_FUSED_LOSS=0 (loss.FUSED_LOSS): the default path is autograd's, and the planner is told so."""
-    from helpers import build_tiny_model
-
-    import oomb.loss as loss_module
-    from oomb.models import fused_loss_possible
-
-    model = build_tiny_model("llama")
-    assert fused_loss_possible(model)
-    monkeypatch.setattr(loss_module, "FUSED_LOSS", False)
-    monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply", lambda *a: pytest.fail("fused"))
-    head, hidden, targets = _bias_free(11, True)
-    _loss_and_grads(head, hidden, targets, 40, 7)
-    assert not fused_loss_possible(model)

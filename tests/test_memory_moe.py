@@ -10,10 +10,10 @@ import transformers as tr
 from torch import nn
 
 from oomb import cli
-from oomb.activations import chunk_activation_bytes, mlp_activation_bytes_per_token
 from oomb.config import OOMBConfig
-from oomb.memory import GIB, TrainingSetup, predict
-from oomb.model_shape import ModelShape
+from oomb.planning.activations import chunk_activation_bytes, mlp_activation_bytes_per_token
+from oomb.planning.memory import GIB, TrainingSetup, predict
+from oomb.planning.model_shape import ModelShape
 from oomb.tools.plan import load_model_shape, preset_config
 from oomb.training.presets import PRESET_SOURCES, PRESETS
 
@@ -184,7 +184,7 @@ def test_window_layers_keep_their_tails_with_and_without_offload():
     where resident window layers keep every page on the GPU, like global ones."""
     from dataclasses import replace
 
-    from oomb.memory import OffloadAssumptions, _page_bytes
+    from oomb.planning.memory import OffloadAssumptions, _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     assert gemma.window_layer_ids() == tuple(i for i in range(48) if i % 6 != 5)  # five local : one global
@@ -216,7 +216,7 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     block."""
     from dataclasses import replace
 
-    from oomb.memory import OffloadAssumptions, SparseAssumptions, _page_bytes
+    from oomb.planning.memory import OffloadAssumptions, SparseAssumptions, _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)

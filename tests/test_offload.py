@@ -242,12 +242,12 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
     Staged by index kernels over the host tensors, or (devices without mapped host memory) by copies.
     Score "rerank": its candidates' keys are staged in stage 1 for scoring. "copy per run" stands for a
-    CUDA device without mapped slabs, which stages the union: (page, head) rows are pinned off for it."""
+    CUDA device without mapped slabs, which stages the union: no gather by device index."""
     import oomb.kv.head_rows as head_rows
 
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
-        monkeypatch.setattr(head_rows, "HEAD_ROWS", False)
+        monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
                            sparse_selection=selection, sparse_query_block_pages=group, sparse_pooling=pooling,
@@ -284,42 +284,16 @@ def _record_calls(monkeypatch, cls, method: str, arg: int) -> list:
 
 @pytest.mark.parametrize("score", ["minmax", "rerank"])
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("staging", ["gather", "copy per run"])
-def test_stage_one_in_place_staging_is_bitwise_the_same(score, batch, staging, monkeypatch):
-    """OOMB_STAGE1_IN_PLACE: stage 1 stages one selection per chunk (and rerank's candidate keys) as they
-    lie on the device, duplicates across KV heads included, with a page table scattered on the device:
-    the same bits as without offload; stage 2 keeps the union."""
-    import oomb.kv.head_rows as head_rows
-    import oomb.kv.sparse_staging as staging_module
-
-    if staging == "copy per run":
-        monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
-    monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", True)
-    monkeypatch.setattr(head_rows, "HEAD_ROWS", False)  # head rows take precedence where they apply
-    calls = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)  # the pages
-    model = build_tiny_model("qwen2", seed=4)
-    ids = random_ids(batch, 150, seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
-                           sparse_score=score, sparse_rerank_factor=2, **SPARSE)
-    _assert_offload_is_bitwise_the_same(model, ids, base)
-    # Chunks 1-4 of both layers select in stage 1 (rerank: also its candidates' keys), each as it lies.
-    assert len(calls) == 4 * 2 * (2 if score == "rerank" else 1)
-    assert all(pages.shape[0] == batch for pages in calls)
-
-
-@pytest.mark.parametrize("score", ["minmax", "rerank"])
-@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("resident", [0, 1])
 @pytest.mark.parametrize("staging", ["gather", "host tensors"])
 def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, offload_stores, monkeypatch):
-    """OOMB_OFFLOAD_HEAD_ROWS: one selection per chunk moves as (page, KV head) rows in both stages (virtual
+    """One selection per chunk moves as (page, KV head) rows in both stages (virtual
     pages; gradients written back per head, a page's other heads zeroed on its first write), and so do
     rerank's candidate keys: the same bits as without offload."""
     import oomb.kv.head_rows as head_rows
 
     if staging == "host tensors":  # a CPU device without mapped slabs reads the host tensors themselves
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
-    monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
     calls = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)  # grads
     scored = _record_calls(monkeypatch, head_rows.HeadRowStaging, "scoring_head_rows", 3)  # candidates
     model = build_tiny_model("qwen2", seed=4)
@@ -334,14 +308,12 @@ def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, o
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_leak_free_candidates_move_in_place_by_default(batch, offload_stores, monkeypatch):
-    """With (page, head) rows on (the default), leak-free rerank's candidate keys keep their page layout
-    (their score masks the last history page by position) and move by stage 1's in-place path, without
-    a sync, even with OOMB_STAGE1_IN_PLACE off: the same bits as without offload."""
+    """Leak-free rerank's candidate keys keep their page layout (their score masks the last history page by
+    position) and move by stage 1's in-place path, without a sync, the selections by (page, head) rows: the
+    same bits as without offload."""
     import oomb.kv.head_rows as head_rows
     import oomb.kv.sparse_staging as staging_module
 
-    monkeypatch.setattr(head_rows, "HEAD_ROWS", True)
-    monkeypatch.setattr(staging_module, "STAGE1_IN_PLACE", False)
     in_place = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)
     rows = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)
     model = build_tiny_model("qwen2", seed=4)
@@ -362,7 +334,7 @@ def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, m
 
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
-        monkeypatch.setattr(head_rows, "HEAD_ROWS", False)
+        monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=group, **SPARSE)
@@ -554,9 +526,9 @@ def test_page_store_without_offload_streams_the_same_windows():
     assert store.windows(ChunkSpan(0, 0, 8)) == [(0, 8)]
 
 
-def test_mapped_views_only_where_kernels_can_address_the_slabs(monkeypatch):
+def test_mapped_views_only_where_kernels_can_address_the_slabs():
     """On a CPU device the host tensors are used in place; on a GPU only registered slabs are
-    aliased, and OOMB_OFFLOAD_GATHER=copy (read at import) turns the aliases off."""
+    aliased."""
     import oomb.kv.mapped as mapped
 
     slabs = HostSlabs(pin=False)
@@ -565,8 +537,6 @@ def test_mapped_views_only_where_kernels_can_address_the_slabs(monkeypatch):
     assert in_place.data_ptr() == taken.data_ptr() and in_place.shape == taken.shape
     assert slabs.mapped("k", (3, 4, 8), torch.bfloat16, torch.device("cuda")) is None  # not registered
     assert mapped.mapped_view(taken.view(torch.uint8).flatten(), torch.device("cpu")) is None
-    monkeypatch.setattr(mapped, "ENABLED", False)
-    assert mapped.mapped_view(torch.empty(1 << 16, dtype=torch.uint8), torch.device("cuda")) is None
 
 
 def test_pages_move_as_rows_of_8_byte_words_where_they_divide():
@@ -595,17 +565,9 @@ def test_a_selection_shared_by_every_block_stays_one_row_on_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["OOMB_OFFLOAD_HEAD_ROWS", "OOMB_STAGE1_IN_PLACE"])
-def test_gpu_sparse_offload_by_head_rows_or_in_place_equals_no_offload_bitwise(switch, offload_stores, monkeypatch):
-    """On the GPU (mapped slabs, side streams): one selection per chunk staged as (page, head) rows, or
-    stage 1 without the union's sync, gives the bits of the step without offload."""
-    import oomb.kv.head_rows as head_rows
-    import oomb.kv.sparse_staging as sparse_staging
-
-    module, flag = ((head_rows, "HEAD_ROWS") if switch == "OOMB_OFFLOAD_HEAD_ROWS"
-                    else (sparse_staging, "STAGE1_IN_PLACE"))
-    monkeypatch.setattr(head_rows, "HEAD_ROWS", False)  # on by default; it takes precedence over in place
-    monkeypatch.setattr(module, flag, True)
+def test_gpu_sparse_offload_by_head_rows_equals_no_offload_bitwise(offload_stores):
+    """On the GPU (mapped slabs, side streams): one selection per chunk staged as (page, head) rows gives the
+    bits of the step without offload."""
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=3).to("cuda", torch.bfloat16)

@@ -143,7 +143,7 @@ def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
 
 
 def test_plan_divides_by_tp():
-    from oomb.model_shape import ModelShape
+    from oomb.planning.model_shape import ModelShape
     from oomb.tools.plan import preset_config
 
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))

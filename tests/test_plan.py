@@ -9,7 +9,7 @@ from transformers import Qwen2Config
 
 from oomb import cli
 from oomb.config import ATTENTION_MODES, OOMBConfig
-from oomb.memory import (
+from oomb.planning.memory import (
     GIB,
     MODES,
     SparseAssumptions,
@@ -311,7 +311,7 @@ def test_plan_counts_the_step_kernels_training_would_run(tmp_path, monkeypatch):
     this machine (a machine that compiles is stood in for): not under tensor parallelism, not for a model
     with active dropout (compiled layers), not for a softcapped head or float16 (the fused loss)."""
     import oomb.tools.plan as plan_module
-    from oomb.memory import TrainingSetup
+    from oomb.planning.memory import TrainingSetup
 
     monkeypatch.setattr(plan_module, "can_compile", lambda: True)
     bf16 = TrainingSetup(torch.bfloat16)

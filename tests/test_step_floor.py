@@ -14,7 +14,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 
 from oomb.config import OOMBConfig
-from oomb.model_shape import ModelShape
+from oomb.planning.model_shape import ModelShape
 from oomb.tools.plan import load_model_shape
 from oomb.tools.step_floor import (
     H200,

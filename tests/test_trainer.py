@@ -286,13 +286,13 @@ def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_f
 def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_file):
     """keep_attention_outputs set in the config: the memory check's terms include the kept outputs (every
     layer's attention output and lse), as the planner counts them."""
-    from oomb.memory import kept_attention_bytes
+    from oomb.planning.memory import kept_attention_bytes
 
     config = make_config(tmp_path / "kept", model_dir, data_file, oomb={"keep_attention_outputs": True})
     trainer = Trainer(config)
     trainer.setup()
     terms = trainer.predicted_memory(trainer.model)
-    shape = oomb.memory.ModelShape.from_hf_config(trainer.model.config)
+    shape = oomb.planning.memory.ModelShape.from_hf_config(trainer.model.config)
     assert terms["kept attention outputs (stage 1 to stage 2)"] == kept_attention_bytes(shape, 256, 1, trainer.dtype)
     plain = Trainer(make_config(tmp_path / "plain", model_dir, data_file))
     plain.setup()

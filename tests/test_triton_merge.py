@@ -72,8 +72,7 @@ def test_merge_pair_refuses_what_it_cannot_merge():
 
 
 def test_merge_into_takes_the_kernel_on_cuda_only(monkeypatch):
-    """cudnn_paged.merge_into: merge_window and a cast on the CPU (the same bits), the kernel for CUDA tensors;
-    OOMB_MERGE_KERNEL=0 (MERGE_KERNEL) keeps merge_window there too."""
+    """cudnn_paged.merge_into: merge_window and a cast on the CPU (the same bits), the kernel for CUDA tensors."""
     parts = _partials(torch.bfloat16)
     calls = []
     monkeypatch.setattr(cudnn_paged, "_merge_kernel", lambda: lambda *a: calls.append(a) or "kernel")
@@ -83,10 +82,3 @@ def test_merge_into_takes_the_kernel_on_cuda_only(monkeypatch):
         assert not calls and torch.equal(got[0], want_out.to(torch.bfloat16)) and torch.equal(got[1], want_lse)
     else:
         assert got == "kernel" and len(calls) == 1
-    monkeypatch.undo()
-    monkeypatch.setattr(cudnn_paged, "MERGE_KERNEL", False)
-    cudnn_paged._merge_kernel.cache_clear()
-    try:
-        assert cudnn_paged._merge_kernel() is None
-    finally:
-        cudnn_paged._merge_kernel.cache_clear()

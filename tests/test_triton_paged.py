@@ -158,60 +158,6 @@ def _dense(pool: torch.Tensor, page_table: torch.Tensor, num_keys: int) -> torch
     return pages.permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * P, D)[:, :, :num_keys]
 
 
-@pytest.mark.parametrize("P, Lq, key_range, softcap, dtype", [
-    (16, 21, None, None, torch.float32),
-    (32, 40, None, None, torch.float32),
-    (16, 21, (16, 32), None, torch.float32),  # a history window
-    (32, 21, None, 30.0, torch.float32),
-    (16, 21, None, None, torch.bfloat16),
-    (8, 21, None, None, torch.float32),  # tiles span pages: the pointer loads run
-])
-def test_descriptor_loads_give_the_pointer_loads_bits(P, Lq, key_range, softcap, dtype, monkeypatch):
-    """OOMB_TRITON_TMA: whole-page key tiles loaded through tensor descriptors give the pointer loads' output,
-    lse and dQ (dK, dV keep their kernel) bit for bit, also with NaN in unused slots and pages (masked tiles
-    zero what they may not read)."""
-    c = make_case(2, 4, 2, Lq, 32, 16, P, dtype=dtype)
-    num_keys = c.history + Lq
-    used = c.page_table[:, : math.ceil(num_keys / P)]
-    unused = torch.ones(c.k_pool.shape[0], dtype=torch.bool, device=DEVICE)
-    unused[used.flatten().long()] = False
-    for pool in (c.k_pool, c.v_pool):
-        pool[unused] = float("nan")
-        pool[used[:, -1].long(), :, num_keys - (used.shape[1] - 1) * P:] = float("nan")
-    results, launches = {}, []
-    real = triton_paged._set_descriptor_allocator
-    monkeypatch.setattr(triton_paged, "_set_descriptor_allocator", lambda: launches.append(1) or real())
-    for tma in (False, True):
-        monkeypatch.setattr(triton_paged, "TMA_LOADS", tma)
-        out, lse = triton_paged.paged_attention_forward(c.q, c.k_pool, c.v_pool, c.page_table, c.history,
-                                                        c.scale, key_range=key_range, softcap=softcap)
-        dk = torch.zeros(c.k_pool.shape, dtype=torch.float32, device=DEVICE)
-        dv = torch.zeros_like(dk)
-        dq = triton_paged.paged_attention_backward(c.q, c.k_pool, c.v_pool, c.page_table, c.history, c.scale, out,
-                                                   c.dout, lse, dk, dv, key_range=key_range, softcap=softcap)
-        results[tma] = (out, lse, dq, dk[~unused], dv[~unused])
-    assert launches == [1, 1]  # the descriptors' allocator, for the TMA launches (forward, dQ) only
-    for got, want in zip(results[True], results[False], strict=True):
-        assert torch.equal(got, want) and not got.isnan().any()
-    strided = c.k_pool.transpose(2, 3).contiguous().transpose(2, 3)  # D not the unit stride: pointer loads
-    assert not triton_paged._descriptors_fit(strided) and triton_paged._descriptors_fit(c.k_pool)
-
-
-def test_forward_switch_benchmark_smoke(tmp_path, monkeypatch):
-    """benchmarks/forward_switch_ab.py on tiny shapes: both arms of the TMA switch run, alternate round by
-    round and give the same bits; the switch is left off."""
-    import json
-
-    from helpers import run_benchmark
-
-    out = tmp_path / "ab.json"
-    run_benchmark("forward_switch_ab", ["--switch", "tma", "--smoke", "--out", str(out)], monkeypatch)
-    row, configs = json.loads(out.read_text())["rows"]
-    assert row["same_bits"] and len(row["paired_time_ratios"]) == len(row["on_ms"]) == len(row["off_ms"]) == 2
-    assert row["median_paired_time_ratio"] > 0 and "autotuned_configs" in configs
-    assert triton_paged.TMA_LOADS is False
-
-
 def test_unaligned_query_start_matches_dense_autograd():
     """The kernels also take chunks that start inside a page (the reference does not): check them
     against autograd through plain dense attention."""
@@ -443,27 +389,6 @@ def test_gpu_bf16_error_within_twice_reference(Hq, Hkv, D, P, history, Lq):
         eps = 1e-4 * w.abs().max().item()  # bf16 resolution is 2**-8 = 3.9e-3 relative
         print(f"bf16 error {name}: ours {ours:.3e}, reference on bf16 inputs {theirs:.3e}")
         assert ours <= 2 * theirs + eps, f"{name}: ours {ours:.3e} vs reference-on-bf16 {theirs:.3e}"
-
-
-@pytest.mark.gpu
-def test_gpu_descriptor_loads_give_the_pointer_loads_bits(monkeypatch):
-    """OOMB_TRITON_TMA at the 7B shape (7 query heads per KV head, head dim 128, pages of 128, bf16): the
-    descriptor loads give the pointer loads' output, lse and dQ bits, both with the kernels' first configs
-    (other tiles would sum in another order)."""
-    c = make_case(1, 28, 4, 4096, 8192, 128, 128, torch.bfloat16, device="cuda")
-    kernel = triton_paged._fwd_kernel
-    monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
-    monkeypatch.setattr(kernel, "cache", {})
-    results = {}
-    dq_kernel = triton_paged._dq_kernel
-    monkeypatch.setattr(dq_kernel, "configs", dq_kernel.configs[:1])
-    monkeypatch.setattr(dq_kernel, "cache", {})
-    for tma in (False, True):
-        monkeypatch.setattr(triton_paged, "TMA_LOADS", tma)
-        out, lse = run_forward(triton_paged, c)
-        results[tma] = (out, lse, run_backward(triton_paged, c, out, lse)[0])
-    for got, want in zip(results[True], results[False], strict=True):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -117,16 +117,3 @@ def test_speed_benchmark_smoke(tmp_path, monkeypatch):
     run_benchmark("row_add_speed", ["--smoke", "--pool-dtypes", "float32", "--out", str(out)], monkeypatch)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["bitwise_equal"] and row["rows"] == 4 * 2 * 4  # 4 groups x 2 heads x (sink + budget 3)
-
-
-def test_oomb_row_add_kernel_0_keeps_index_put(monkeypatch):
-    """OOMB_ROW_ADD_KERNEL=0 (cudnn_sparse.ROW_ADD_KERNEL): no kernel, torch's cast and index_put_."""
-    from oomb.attention import cudnn_sparse
-
-    cudnn_sparse._row_add_kernel.cache_clear()
-    assert cudnn_sparse._row_add_kernel() is triton_row_add.add_rows_
-    monkeypatch.setattr(cudnn_sparse, "ROW_ADD_KERNEL", False)
-    cudnn_sparse._row_add_kernel.cache_clear()
-    assert cudnn_sparse._row_add_kernel() is None
-    monkeypatch.undo()
-    cudnn_sparse._row_add_kernel.cache_clear()

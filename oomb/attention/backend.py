@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference, reference_sparse
+from . import cudnn_paged, cudnn_sparse, reference, reference_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,6 @@ def _triton_backend() -> AttentionBackend:
 def _cudnn_backend() -> AttentionBackend:
     """Dense key windows (cudnn_paged.py) and sparse selected pages (cudnn_sparse.py) on cuDNN's fused
     attention."""
-    from . import cudnn_paged, cudnn_sparse
-
     windowed, selected = cudnn_paged.WindowedAttention(), cudnn_sparse.SelectedPagesAttention()
     return AttentionBackend("cudnn", windowed.paged_attention_forward, windowed.paged_attention_backward,
                             cudnn_paged.no_delta, selected.sparse_attention_forward,

@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cudnn_paged import FusedKernel, _add_into_pages, _fold, _gather, _gather_from, _unfold
+from .cudnn_layout import FusedKernel, _add_into_pages, _fold, _gather, _gather_from, _unfold
 from .reference import merge_window
 
 

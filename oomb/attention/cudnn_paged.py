@@ -39,37 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from .reference import _check, _check_backward_extras, _gather_block, _scatter_add_block, check_key_range, merge_window
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class FusedKernel:
-    """Plain (B, H, S, D) attention with equal head counts for q, k, v, contiguous inputs.
-
-    forward(q, k, v, causal, scale) -> (out in q's dtype, lse (B, H, Sq) float32 natural log)
-    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv); out and lse may be the merged
-        ones of several windows: the result is then that window's share.
-    causal means square, top-left aligned (only the local window uses it: Sq == Sk).
-    """
-
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
-    """Input dtypes the kernel takes."""
-    grouped_forward: Callable[[torch.device, torch.dtype], bool] | None = None
-    """Whether ``forward`` on this device takes K and V with fewer heads than q (each KV head serving its
-    consecutive query heads), or None (never): the chunk's own causal window then skips repeating them
-    (local_forward). The backward keeps repeated heads: their dK/dV come back per query head and are summed
-    in float32, where a grouped backward rounds each KV head's sum to bf16 (about twice the error against
-    float32: benchmarks/cudnn_gqa.py)."""
+from .cudnn_band import BandAttention
+from .cudnn_layout import FusedKernel, _add_into_pages, _fold, _gather, _gather_from, _unfold
+from .reference import _check, _check_backward_extras, check_key_range, merge_window
 
 
 @functools.cache
@@ -164,18 +139,11 @@ runs on TORCH_KERNEL, not cuDNN (documents of a few tokens, windows under 65 tok
 remainders make such calls; see WindowedAttention)."""
 
 
-MERGE_KERNEL = os.environ.get("OOMB_MERGE_KERNEL", "1") != "0"
-"""CUDA partial attentions merge through triton_merge.py; OOMB_MERGE_KERNEL=0 (read at import) keeps
-reference.merge_window and a cast (to compare the two on a GPU)."""
-
-
 @functools.cache
 def _merge_kernel():
-    """triton_merge.merge_pair, imported on first use; None without Triton or with OOMB_MERGE_KERNEL=0."""
-    if not MERGE_KERNEL:
-        return None
+    """triton_merge.merge_pair, imported on first use; None without Triton (an optional dependency)."""
     try:
-        from .triton_merge import merge_pair
+        from .triton_merge import merge_pair  # local: Triton is optional
     except ImportError:
         return None
     return merge_pair
@@ -196,20 +164,6 @@ def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, ls
 def no_delta(out: torch.Tensor, dout: torch.Tensor) -> None:
     """The backend's backward_delta: none, since the fused kernel computes rowsum(dO * O) from out."""
     return None
-
-
-def _gather(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Keys [lo, hi) (lo on a page boundary) as one contiguous (B, Hkv, hi - lo, D) block."""
-    P = pool.shape[2]
-    return _gather_block(pool, page_table, lo // P, -(-hi // P), dtype=None)[:, :, : hi - lo].contiguous()
-
-
-def _add_into_pages(pool: torch.Tensor, page_table: torch.Tensor, lo: int, grad: torch.Tensor) -> None:
-    """Add the (B, Hkv, L, D) gradients of keys [lo, lo + L) into their pages, in the pool's dtype."""
-    P = pool.shape[2]
-    n = -(-grad.shape[2] // P)
-    grad = torch.nn.functional.pad(grad, (0, 0, 0, n * P - grad.shape[2]))  # a partial last page
-    _scatter_add_block(pool, page_table, lo // P, lo // P + n, grad)
 
 
 def check_inputs(kernel: FusedKernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
@@ -255,8 +209,6 @@ class WindowedAttention:
                  short_segment: int = SHORT_SEGMENT) -> None:
         self.kernel = kernel
         self.short_kernel, self.short_segment = short_kernel, short_segment
-        from .cudnn_band import BandAttention  # cudnn_band imports this module (its gathers): import it late
-
         self.band = BandAttention(self._segment_kernel)
 
     def _segment_kernel(self, queries: int, keys: int) -> FusedKernel:
@@ -431,23 +383,3 @@ def _segment_keys(group: int, k_pool, v_pool, page_table, query_start: int, a: i
     """A segment's own keys [query_start + a, query_start + e), K and V repeated per query head."""
     lo, hi = query_start + a, query_start + e
     return tuple(_gather_from(pool, page_table, lo, hi).repeat_interleave(group, dim=1) for pool in (k_pool, v_pool))
-
-
-def _gather_from(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Keys [lo, hi) as one contiguous (B, Hkv, hi - lo, D) block; ``lo`` may lie inside a page."""
-    P = pool.shape[2]
-    first = lo // P * P
-    block = _gather_block(pool, page_table, first // P, -(-hi // P), dtype=None)
-    return block[:, :, lo - first: hi - first].contiguous()
-
-
-def _fold(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(B, Hq, L, D) -> contiguous (B, Hkv, G * L, D): each KV head's query heads as one sequence."""
-    B, Hq, L, D = x.shape
-    return x.contiguous().view(B, num_kv_heads, (Hq // num_kv_heads) * L, D)
-
-
-def _unfold(x: torch.Tensor, num_kv_heads: int, length: int) -> torch.Tensor:
-    B, _, _, D = x.shape
-    return x.reshape(B, -1, length, D)
-

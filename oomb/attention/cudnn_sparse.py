@@ -17,7 +17,6 @@ synchronisation per call, which stalls the host's kernel launches behind the GPU
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -31,19 +30,11 @@ def _pool_rows(pool: torch.Tensor, ids: torch.Tensor, heads: torch.Tensor) -> to
     return (ids * pool.shape[1] + heads).transpose(1, 2).reshape(-1)
 
 
-ROW_ADD_KERNEL = os.environ.get("OOMB_ROW_ADD_KERNEL", "1") != "0"
-"""CUDA pools take the backward's dK, dV through triton_row_add.py; OOMB_ROW_ADD_KERNEL=0 (read at import)
-keeps torch's cast and index_put_ (to compare the two on a GPU)."""
-
-
 @functools.cache
 def _row_add_kernel():
-    """triton_row_add.add_rows_, imported on first use; None without Triton (an optional dependency) or
-    with OOMB_ROW_ADD_KERNEL=0."""
-    if not ROW_ADD_KERNEL:
-        return None
+    """triton_row_add.add_rows_, imported on first use; None without Triton (an optional dependency)."""
     try:
-        from .triton_row_add import add_rows_
+        from .triton_row_add import add_rows_  # local: Triton is optional
     except ImportError:
         return None
     return add_rows_
@@ -198,7 +189,7 @@ class SelectedPagesAttention:
             kernel = _row_add_kernel() if pool.is_cuda else None
             if kernel is not None:  # the gradient read once, converted in registers
                 if order is None:
-                    from .triton_row_add import sorted_rows  # importable: the kernel came from there
+                    from .triton_row_add import sorted_rows  # local: Triton is optional; the kernel came from there
 
                     order = sorted_rows(rows)
                 kernel(flat, rows, grad.contiguous(), order)

@@ -70,7 +70,6 @@ Caveats:
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -85,11 +84,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
 """OOMB_TRITON_AUTOTUNE=0 pins each kernel to its first config: fewer compiles (quicker tests) and
 the same config, hence bit-identical results, in every process."""
-TMA_LOADS = os.environ.get("OOMB_TRITON_TMA", "0") == "1"
-"""OOMB_TRITON_TMA=1 (experimental; off: its forward was 17 % slower on the H200, attention-tma-ab): the dense
-forward and dQ kernels load their whole-page key tiles with tensor descriptors (Hopper's bulk tensor copies)
-instead of per-row pointers; packed documents keep the pointer loads. The same values in the same order: the
-results are bitwise those of the pointer loads."""
 CACHE_TUNING = AUTOTUNE and not INTERPRET and os.environ.get("OOMB_TRITON_AUTOTUNE_CACHE", "1") != "0"
 """Keep autotuning results in Triton's on-disk cache: later processes on the machine reuse the first
 one's choice (same configs, hence the same bits, and no tuning in their warm-up).
@@ -150,40 +144,11 @@ def _prune_for_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -
     return fitting[:1] or [min(configs, key=staged_bytes)]
 
 
-def _valid_tuning_entry(entry) -> bool:
-    """[BLOCK_M, BLOCK_N, num_warps, num_stages]: integers, the first three powers of two, stages >= 1."""
-    if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, int) for x in entry)):
-        return False
-    return all(x > 0 and x & (x - 1) == 0 for x in entry[:3]) and entry[3] >= 1
-
-
-def tuning_lists_from_env(text: str | None) -> dict[str, list[tuple[int, int, int, int]]]:
-    """OOMB_TRITON_CONFIGS (tuning experiments, e.g. ``{"dkdv": [[32, 128, 8, 3]]}``): the dense kernels' lists
-    ("fwd", "dkdv", "dq") of (BLOCK_M, BLOCK_N, num_warps, num_stages) that replace the built-in ones, so that a
-    GPU call can time other tiles without a code change (benchmarks/attention.py records the pick)."""
-    if not text:
-        return {}
-    try:
-        lists = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"OOMB_TRITON_CONFIGS is not JSON: {err}") from None
-    if not isinstance(lists, dict) or not set(lists) <= {"fwd", "dkdv", "dq"}:
-        raise ValueError(f"OOMB_TRITON_CONFIGS must map some of fwd, dkdv, dq to lists; got {text!r}")
-    parsed = {}
-    for kernel, configs in lists.items():
-        if not (isinstance(configs, list) and configs and all(map(_valid_tuning_entry, configs))):
-            raise ValueError(f"OOMB_TRITON_CONFIGS[{kernel!r}] must be a non-empty list of [BLOCK_M, BLOCK_N, "
-                             f"num_warps, num_stages] (powers of two, stages >= 1); got {configs!r}")
-        parsed[kernel] = [tuple(c) for c in configs]
-    return parsed
-
-
-_TUNING_LISTS = tuning_lists_from_env(os.environ.get("OOMB_TRITON_CONFIGS"))
 # Chosen for H100/H200 (wgmma wants >= 64 rows per warpgroup); the autotuner picks per shape key.
-_FWD_CONFIGS = _configs(_TUNING_LISTS.get("fwd", [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)]))
-_DQ_CONFIGS = _configs(_TUNING_LISTS.get("dq", [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]))
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 # dK/dV: BLOCK_N keys stay resident (two BLOCK_N x BLOCK_D float32 accumulators), BLOCK_M rows stream.
-_DKDV_CONFIGS = _configs(_TUNING_LISTS.get("dkdv", [(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)]))
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 
 WIDE_HEAD_DIM = 128
 """Above this (Gemma's head dim 256) the tiles above outgrow the registers: ptxas for sm_90a spills, per
@@ -342,32 +307,25 @@ def _fwd_inner(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
     doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-    k_desc=None, v_desc=None, TMA: tl.constexpr = False, BLOCK_D: tl.constexpr = 0,
 ):
     """Online softmax over key tiles [lo, hi); MASKED tiles apply causality and keys < key_hi (the
     key count), with WINDOW also keys >= key_lo, and with DOCS keys >= doc_start (per row). SOFTCAP
-    (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax. TMA: tiles
-    load by _load_kv_page (OOMB_TRITON_TMA)."""
+    (c > 0; 0: off): qk_scale is _qk_scale's and the logits are capped before the softmax."""
     # Each tile's page rows are looked up one iteration ahead: its K/V loads then depend on no load of
     # their own iteration, and Triton keeps them in flight while the previous tile computes.
-    if not TMA:
-        last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
-        _, next_ok = _tile_keys(lo, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
-                                  PAGE_SIZE, BLOCK_N, MASKED, lo < hi, True)
+    last = lo + tl.maximum(hi - lo - 1, 0) // BLOCK_N * BLOCK_N  # the last tile (lo itself if none)
+    _, next_ok = _tile_keys(lo, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+    next_k, next_v = _kv_rows(table_row_ptr, lo, offs_n, next_ok, stride_kp, stride_kt, stride_vp, stride_vt,
+                              PAGE_SIZE, BLOCK_N, MASKED, lo < hi, True)
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        if TMA:
-            k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                                 MASKED, UPCAST)
-        else:
-            k_rows, v_rows = next_k, next_v
-            ahead = tl.minimum(start_n + BLOCK_N, last)
-            _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-            next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp,
-                                      stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
-            k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
-                            EVEN_D, UPCAST)
+        k_rows, v_rows = next_k, next_v
+        ahead = tl.minimum(start_n + BLOCK_N, last)
+        _, next_ok = _tile_keys(ahead, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
+        next_k, next_v = _kv_rows(table_row_ptr, ahead, offs_n, next_ok, stride_kp, stride_kt, stride_vp,
+                                  stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
+                        EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) base-2 logits
         if SOFTCAP > 0:
             qk, _tanh = _cap(qk, SOFTCAP)  # (not `_`: the loop carries it as a key tile)
@@ -396,40 +354,6 @@ def _fwd_inner(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
-                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """Tensor descriptors of one KV head's pages, (num_pages, PAGE_SIZE, BLOCK_D) boxes of (1, BLOCK_N,
-    BLOCK_D) (OOMB_TRITON_TMA); without TMA the bases themselves, unused."""
-    if TMA:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                           strides=[stride_kp, stride_kt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[num_pages, PAGE_SIZE, BLOCK_D],
-                                           strides=[stride_vp, stride_vt, 1], block_shape=[1, BLOCK_N, BLOCK_D])
-    else:
-        k_desc = k_base
-        v_desc = v_base
-    return k_desc, v_desc
-
-
-@triton.jit
-def _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """A key tile inside one page (PAGE_SIZE % BLOCK_N == 0) loaded by the pools' tensor descriptors
-    (OOMB_TRITON_TMA): _load_kv's values. Masked tiles zero the keys they may not read (a page's unused slots
-    may hold anything, and 0 x NaN is NaN)."""
-    page = tl.load(table_row_ptr + start_n // PAGE_SIZE)
-    k = tl.reshape(k_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
-    v = tl.reshape(v_desc.load([page, start_n % PAGE_SIZE, 0]), [BLOCK_N, BLOCK_D])
-    if MASKED:
-        k = tl.where(key_ok[:, None], k, tl.zeros_like(k))
-        v = tl.where(key_ok[:, None], v, tl.zeros_like(v))
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
 
 
 @triton.jit
@@ -477,9 +401,9 @@ def _fwd_documents(
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY + ["TMA"], cache_results=CACHE_TUNING,
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY, cache_results=CACHE_TUNING,
                  prune_configs_by=_FWD_PRUNE)
-@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -489,18 +413,16 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_ol, stride_od,
     stride_lb, stride_lh, stride_ll,
     stride_db,
-    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale, num_pages,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (row tiles, B * Hkv): one tile of packed (query, group head) rows against all its keys
     (with WINDOW: its keys in [key_lo, key_hi); with DOCS: only keys of each row's document; with
-    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c)). TMA (OOMB_TRITON_TMA, the launcher checks the
-    pools' strides): whole-page key tiles load through tensor descriptors over the num_pages pages."""
+    SOFTCAP = c > 0: scores c * tanh(scale * q.k / c))."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    USE_TMA: tl.constexpr = TMA and EVEN_D and PAGE_SIZE % BLOCK_N == 0 and not DOCS
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
@@ -557,26 +479,22 @@ def _fwd_kernel(
             full_end = (first_q + 1) // BLOCK_N * BLOCK_N
             end = last_q + 1
             key_end = num_keys
-        k_desc, v_desc = _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
-                                           PAGE_SIZE, BLOCK_N, BLOCK_D, USE_TMA)
         if WINDOW:
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, window_lo, full_lo,
                 key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
                 offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
-                SOFTCAP=SOFTCAP, k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
+                SOFTCAP=SOFTCAP,
             )
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
-            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
-            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
 
         out = acc / l_i[:, None]
@@ -801,22 +719,17 @@ def _dq_inner(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, key_lo=0, WINDOW: tl.constexpr = False,
     doc_start=0, DOCS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-    k_desc=None, v_desc=None, TMA: tl.constexpr = False, BLOCK_D: tl.constexpr = 0,
 ):
     """Accumulate dQ of one row tile over key tiles [lo, hi); masks and SOFTCAP as in _fwd_inner, dS
-    times the cap's derivative as in _dkdv_inner. TMA: tiles load by _load_kv_page (OOMB_TRITON_TMA)."""
+    times the cap's derivative as in _dkdv_inner."""
     # The page rows are looked up in the tile's own iteration: looked up a tile ahead (as _fwd_inner does)
     # dQ took 1.19x as long on the H200 (7.47 vs 6.29 ms at 32K of history, benchmarks/attention.py).
     for start_n in range(lo, hi, BLOCK_N):
         keys, key_ok = _tile_keys(start_n, offs_n, key_lo, key_hi, doc_start, WINDOW, DOCS)
-        if TMA:
-            k, v = _load_kv_page(k_desc, v_desc, table_row_ptr, start_n, key_ok, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                                 MASKED, UPCAST)
-        else:
-            k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp,
-                                      stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
-            k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
-                            EVEN_D, UPCAST)
+        k_rows, v_rows = _kv_rows(table_row_ptr, start_n, offs_n, key_ok, stride_kp, stride_kt, stride_vp,
+                                  stride_vt, PAGE_SIZE, BLOCK_N, MASKED)
+        k, v = _load_kv(k_base, v_base, k_rows, v_rows, offs_d, stride_kd, stride_vd, key_ok, d_ok, MASKED,
+                        EVEN_D, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             qk, tanh = _cap(qk, SOFTCAP)
@@ -838,9 +751,9 @@ def _dq_inner(
 
 
 # restore_value: with ACCUMULATE_DQ, benchmarking configs would add into the caller's accumulator.
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY + ["TMA"], restore_value=["dq_ptr"],
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY, restore_value=["dq_ptr"],
                  cache_results=CACHE_TUNING, prune_configs_by=_DQ_PRUNE)
-@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS + ["num_pages"])
+@triton.jit(do_not_specialize=_DOC_DYNAMIC_INTS)
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -851,18 +764,17 @@ def _dq_kernel(
     stride_lb, stride_lh, stride_ll,
     stride_dqb, stride_dqh, stride_dql, stride_dqd,
     stride_db,
-    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale, num_pages,
+    num_kv_heads, seq_len, query_start, key_lo, key_hi, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     WINDOW: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid (row tiles, B * Hkv): dQ of one tile of packed rows, same traversal as the forward.
     ACCUMULATE_DQ: add into a float32 dq (one window's share of a streamed backward) instead of
-    storing in q's dtype; each element has one writer per launch, so no atomics. TMA: as the forward's."""
+    storing in q's dtype; each element has one writer per launch, so no atomics."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    USE_TMA: tl.constexpr = TMA and EVEN_D and PAGE_SIZE % BLOCK_N == 0 and not DOCS
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_kv_heads).to(tl.int64)
@@ -930,15 +842,13 @@ def _dq_kernel(
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, row_doc, True, SOFTCAP=SOFTCAP,
         )
     else:
-        k_desc, v_desc = _page_descriptors(k_base, v_base, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
-                                           PAGE_SIZE, BLOCK_N, BLOCK_D, USE_TMA)
         if WINDOW:  # the forward's traversal of the window: masked edge tile, unmasked, masked
             full_lo = (key_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             dq = _dq_inner(
                 dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, key_lo // BLOCK_N * BLOCK_N, full_lo,
                 key_hi, qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
                 offs_n, offs_d, d_ok, PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, True,
-                SOFTCAP=SOFTCAP, k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
+                SOFTCAP=SOFTCAP,
             )
             full_end = tl.maximum(full_lo, tl.minimum(key_hi, first_q + 1) // BLOCK_N * BLOCK_N)
             end = tl.minimum(key_hi, last_q + 1)
@@ -952,13 +862,11 @@ def _dq_kernel(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_lo, full_end, key_end, qk_scale,
             stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, False, UPCAST, DOT_PRECISION, SOFTCAP=SOFTCAP,
-            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
         dq = _dq_inner(
             dq, q, do, lse2, delta, q_pos, k_base, v_base, table_row_ptr, full_end, end, key_end,
             qk_scale, stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd, offs_n, offs_d, d_ok,
             PAGE_SIZE, BLOCK_N, EVEN_D, True, UPCAST, DOT_PRECISION, key_lo, WINDOW, SOFTCAP=SOFTCAP,
-            k_desc=k_desc, v_desc=v_desc, TMA=USE_TMA, BLOCK_D=BLOCK_D,
         )
     dq = dq * scale
     dq_rows = b * stride_dqb + head * stride_dqh + qi.to(tl.int64) * stride_dql
@@ -1100,43 +1008,13 @@ def paged_attention_forward(
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
     doc_start, _, stride_db = _document_args(documents, q, query_start, page_table)
-    tma = _use_descriptors(k_pool, v_pool)
     _fwd_kernel[grid](
         q, k_pool, v_pool, page_table, out, lse, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *out.stride(), *lse.stride(),
-        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
-        WINDOW=window is not None, DOCS=documents is not None, TMA=tma, **meta,
+        stride_db, Hkv, Lq, query_start, key_lo, key_hi, float(scale),
+        WINDOW=window is not None, DOCS=documents is not None, **meta,
     )
     return out, lse
-
-
-def _use_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """Whether the forward and dQ kernels load whole-page key tiles by tensor descriptors (OOMB_TRITON_TMA and
-    pools they can address); sets Triton's allocator for them the first time."""
-    tma = TMA_LOADS and _descriptors_fit(k_pool) and _descriptors_fit(v_pool)
-    if tma:
-        _set_descriptor_allocator()
-    return tma
-
-
-def _descriptors_fit(pool: torch.Tensor) -> bool:
-    """A (num_pages, Hkv, P, D) pool a tensor descriptor can address: unit stride along D, 16-byte aligned
-    start and strides (the bulk tensor copy's rules)."""
-    size = pool.element_size()
-    return (pool.stride(3) == 1 and pool.data_ptr() % 16 == 0
-            and all(stride * size % 16 == 0 for stride in pool.stride()[:3]))
-
-
-_ALLOCATOR_SET = False
-
-
-def _set_descriptor_allocator() -> None:
-    """Tensor descriptors made inside a kernel need a global scratch buffer from Triton's allocator: torch's,
-    set once (only when OOMB_TRITON_TMA asks for descriptors)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET and not INTERPRET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -1241,13 +1119,11 @@ def paged_attention_backward(
     def row_grid(meta):
         return (triton.cdiv(Lq * G, meta["BLOCK_M"]), B * Hkv)
 
-    tma = _use_descriptors(k_pool, v_pool)
     _dq_kernel[row_grid](
         q, k_pool, v_pool, page_table, dout, lse, delta, dq, doc_start,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), page_table.stride(0), *dout.stride(),
         *lse.stride(), *dq.stride(), stride_db,
-        Hkv, Lq, query_start, key_lo, key_hi, float(scale), k_pool.shape[0],
-        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, DOCS=documents is not None, TMA=tma,
-        **meta,
+        Hkv, Lq, query_start, key_lo, key_hi, float(scale),
+        WINDOW=window is not None, ACCUMULATE_DQ=dq_accumulator is not None, DOCS=documents is not None, **meta,
     )
     return dq

@@ -21,16 +21,13 @@ virtual positions and writes each score to its candidate's own (oomb/sparse.py `
 scoring masks the last history page by its position, so its candidates keep their page layout (moved
 without the union's sync by kv/sparse_staging.py's in-place path).
 
-On by default: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it
-against 33.61 s with the union (benchmarks/offload_staging.py,
-benchmarks/results/offload_staging_1m_2layers_h200_2026-12-03.json). ``OOMB_OFFLOAD_HEAD_ROWS=0`` switches
-it off. Context parallelism and packed documents keep the union (their selections point at pages of
-other ranks or documents).
+Why: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it against
+33.61 s with the union (``offload-staging-1m`` in docs/results.md). Context parallelism and packed
+documents keep the union (their selections point at pages of other ranks or documents).
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,9 +36,6 @@ import torch
 from ..attention.reference_sparse import shared_by_all_blocks
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan
-
-HEAD_ROWS = os.environ.get("OOMB_OFFLOAD_HEAD_ROWS", "1") != "0"
-"""Stage one selection per chunk as (page, KV head) rows (module docstring); on unless the variable is 0."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +48,24 @@ class _Layout:
     target: torch.Tensor  # their staged (row, head) rows
     virtual: torch.Tensor  # (B, Hkv, n_blocks, K) int32 selection of the virtual pages, stride 0 over blocks
     own_target: torch.Tensor  # staged rows of the chunk's own pages (every head)
+
+
+@dataclass
+class _StagedSelection:
+    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union that some
+    query sees, then the chunk's own), after them one zero page where unseen selected pages point,
+    and the page table of that layout."""
+
+    pages: dict[str, torch.Tensor]
+    table: torch.Tensor
+    history: list[int]  # the selections' union (seen pages): positions of the first rows
+    runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
+    num_pages: int
+    ready: torch.cuda.Event | None  # the copy stream has filled them
+    stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
+    own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
+    selection: torch.Tensor | None = None  # staged as (page, head) rows: the virtual selection the backend reads
+    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, staged rows) of (page, head) rows
 
 
 class HeadRowStaging:
@@ -71,7 +83,7 @@ class HeadRowStaging:
 
     def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor) -> bool:
         """Whether this call's selection (host or device) can move as (page, head) rows."""
-        if not HEAD_ROWS or not shared_by_all_blocks(selection) or not self._gathers_by_device_index():
+        if not shared_by_all_blocks(selection) or not self._gathers_by_device_index():
             return False
         first, _ = self._page_range(chunk)
         return 0 < selection.shape[3] <= first
@@ -134,8 +146,6 @@ class HeadRowStaging:
     def _stage_head_rows(self, index: int, layer: int, chunk: ChunkSpan, selection: torch.Tensor, grads: bool):
         """Start moving a call's (page, head) rows and the chunk's own pages to the GPU; returns the
         staged selection with its virtual selection and page table (module docstring)."""
-        from .sparse_staging import _StagedSelection
-
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = selection.shape
         own, dev = last - first, self.device

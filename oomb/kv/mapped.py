@@ -7,20 +7,17 @@ the GPU's address space, so a CUDA tensor aliasing a slab lets one ``index_selec
 all of a call's pages over PCIe and one ``index_copy_`` kernel scatter its gradients back.
 
 ``mapped_view`` checks once per slab that a kernel really reads and writes the host bytes; if the
-device cannot (or ``OOMB_OFFLOAD_GATHER=copy``), callers fall back to copies per run.
+device cannot, callers fall back to copies per run.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("OOMB_OFFLOAD_GATHER", "kernel") != "copy"
-"""OOMB_OFFLOAD_GATHER=copy: stage sparse pages with one copy per run instead (diagnostics)."""
 _PROBE_BYTES = 4096
 
 
@@ -60,7 +57,7 @@ def pointer_attributes(tensor: torch.Tensor) -> tuple[int, int | None]:
 def mapped_view(slab: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A CUDA uint8 tensor over the bytes of ``slab`` (a registered, page-locked CPU byte tensor), or
     None when kernels on ``device`` cannot address it. The caller keeps ``slab`` alive."""
-    if not ENABLED or device.type != "cuda" or slab.numel() < 2 * _PROBE_BYTES:
+    if device.type != "cuda" or slab.numel() < 2 * _PROBE_BYTES:
         return None
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

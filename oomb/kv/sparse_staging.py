@@ -10,16 +10,14 @@ backward the history pages' gradients go back to the host and the chunk's own ar
   therefore known, and each call stages them while it computes (``OffloadedKVStore._prefetch``).
 * Stage 1's exact page scores move only keys: those of the candidate pages, from the host, and the
   chunk's own, still on the GPU (``scoring_keys``).
-* Stage 1 without a device sync (``OOMB_STAGE1_IN_PLACE=1``; off until measured on the H200): a
-  selection (or candidate set) that one group shares over the chunk's blocks (stride 0,
-  oomb/sparse.py) is staged as it lies on the GPU, every KV head's pages in turn, gathered by index
-  from the host and placed in the page table by a scatter: the host never reads it. A page several
-  heads chose moves once per head (the same bytes, so any of its slots is read alike): more bytes
-  where heads agree (on a tiny model's short histories, more pages than one selection per block
-  moves), against the union's reading of the selection on the host, one sync per layer and chunk
-  that stalls the kernel launches behind it (the 1M step's profile has about 1.9 s of host gaps per
-  layer, to which these syncs contribute). Other selections, packed documents and context parallelism take the union
-  (``_selected_columns``).
+* Stage 1 without a device sync (the in-place path): a selection (or candidate set) that one group
+  shares over the chunk's blocks (stride 0, oomb/sparse.py) and that (page, head) rows do not take
+  (kv/head_rows.py; leak-free rerank's candidate keys, which keep their page layout) is staged as it
+  lies on the GPU, every KV head's pages in turn, gathered by index from the host and placed in the
+  page table by a scatter: the host never reads it. A page several heads chose moves once per head (the
+  same bytes, so any of its slots is read alike). Other selections, packed documents and context
+  parallelism take the union (``_selected_columns``), whose positions the host reads: one sync per layer
+  and chunk.
 * Packed documents: a query block whose document holds fewer history pages than it reads fills its
   selection up with pages wholly before the document (oomb/sparse.py), which the backend masks. Those
   stay on the host: the page table sends them to one zero page after every sequence's rows (the result
@@ -33,27 +31,18 @@ bookkeeping (``kv_on_host``, ``grad_on_host``) and its copy stream.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from ..attention.reference_sparse import shared_by_all_blocks
-from . import head_rows
-from .head_rows import HeadRowStaging
+from .head_rows import HeadRowStaging, _StagedSelection
 from .host_slabs import _load_grads
 from .mapped import index_tensor, rows_of
 from .store import ChunkSpan, WindowView
 
 __all__ = ["SparseStaging"]
-
-STAGE1_IN_PLACE = os.environ.get("OOMB_STAGE1_IN_PLACE", "0") == "1"
-"""Stage 1 stages one selection per chunk without a device sync (module docstring); off by default
-until the 1M step measures it (benchmarks/offload_staging.py). With (page, head) rows on (their default,
-kv/head_rows.py) this path still moves leak-free rerank's candidate keys, which keep their page layout."""
-
 
 class SparseStaging(HeadRowStaging):
     """The sparse-mode methods of ``OffloadedKVStore`` (module docstring); the dense streaming and the
@@ -246,9 +235,7 @@ class SparseStaging(HeadRowStaging):
         n_blocks, K) that one group shares over the chunk's blocks, when stage 1 can stage them without
         reading them on the host (module docstring); else None. Needs kernels that gather from host
         memory (mapped slabs, or a CPU device) and neither context parallelism nor packed documents."""
-        if not (STAGE1_IN_PLACE or head_rows.HEAD_ROWS) or not shared_by_all_blocks(pages):
-            return None  # (page, head) rows stage 1 too: rerank's candidate keys then move this way
-        if not self._gathers_by_device_index():
+        if not shared_by_all_blocks(pages) or not self._gathers_by_device_index():
             return None
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
@@ -361,24 +348,6 @@ class SparseStaging(HeadRowStaging):
                         self._host_layer("dk", index)[b, host].copy_(pages["dk"][rows], non_blocking=True)
                         self._host_layer("dv", index)[b, host].copy_(pages["dv"][rows], non_blocking=True)
         self.grad_on_host[index, history] = True
-
-
-@dataclass
-class _StagedSelection:
-    """A sparse call's pages on the GPU: ``num_pages`` per sequence (its selections' union that some
-    query sees, then the chunk's own), after them one zero page where unseen selected pages point,
-    and the page table of that layout."""
-
-    pages: dict[str, torch.Tensor]
-    table: torch.Tensor
-    history: list[int]  # the selections' union (seen pages): positions of the first rows
-    runs: list[tuple[int, int, int]] | None  # copied run by run (None: gathered by kernels)
-    num_pages: int
-    ready: torch.cuda.Event | None  # the copy stream has filled them
-    stage_one: bool  # the chunk's own pages came from the GPU (stage 1)
-    own_chunk: bool = True  # the chunk's own pages are the last rows (context parallel: on its owner only)
-    selection: torch.Tensor | None = None  # staged as (page, head) rows: the virtual selection the backend reads
-    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (host rows, staged rows) of (page, head) rows
 
 
 def _runs(columns: list[int], grad_on_host: torch.Tensor, offset: int = 0) -> list[tuple[int, int, int]]:

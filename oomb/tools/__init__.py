@@ -10,6 +10,6 @@
     sparse_recall.py            the attention mass a sparse selection keeps, per layer and KV head
     step_floor.py               the least time each part of a step takes: FLOPs and bytes at the H200's rates
 
-They use the step (oomb.engine) and the training run's presets; nothing in the step imports them,
-except that OOMBConfig reads a calibrate plan file (``sparse_plan``).
+They use the step (oomb.engine), the planner (oomb.planning) and the training run's presets; nothing below
+imports them (OOMBConfig reads a calibrate plan file itself, config.load_sparse_plan).
 """

@@ -50,9 +50,12 @@ from ..config import (
     OOMBConfig,
     resolve_dtype,
 )
-from ..memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
-from ..model_shape import ModelShape
+from ..engine import forward_backward, store_options, window_store_options
+from ..kv.offload import HostSlabs, reserve_host_slabs
+from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
+from ..planning.memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
+from ..planning.model_shape import ModelShape
 from ..training import presets
 from ..units import parse_normaliser_pages
 from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
@@ -222,8 +225,6 @@ def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch
 
 def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
     """Plain HF with the tools a savvy user adds: SDPA, gradient checkpointing, a chunked loss."""
-    from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
-
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
@@ -241,15 +242,10 @@ def make_step(mode: str, options: BenchOptions):
     """The function running one step of ``mode``: (model, ids) -> loss."""
     if mode == "hf":
         return lambda model, ids: hf_step(model, ids, options.loss_chunk_tokens)
-    from ..engine import forward_backward
-
     config = oomb_config_for(mode, options.oomb_config())
     progress = options.progress
     if not config.offload:
         return lambda model, ids: float(forward_backward(model, ids, config=config, progress=progress))
-    from ..engine import store_options, window_store_options
-    from ..kv.offload import HostSlabs, reserve_host_slabs
-
     slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
 
     def offload_step(model, ids):

@@ -1,6 +1,6 @@
 """`oomb bench --chosen`: a mode runs the step options `oomb train`'s chooser picks, not the flags' defaults.
 
-The chooser (oomb/training/autoconfig.py) decides the options a user leaves unset from the memory free
+The chooser (oomb/planning/choose.py) decides the options a user leaves unset from the memory free
 when the step starts. A benchmark of "what users get" must run that plan, not a hand-copied list of
 flags that goes stale when the chooser learns a new decision. Here the bench step's workload (every
 weight trained, no optimizer: not the plan of a run with an optimizer or LoRA) is planned for the
@@ -17,10 +17,10 @@ import torch
 
 from .. import machine
 from ..compiled_layers import may_compile
-from ..memory import GIB
-from ..model_shape import ModelShape
 from ..models import fused_loss_possible
-from ..training.autoconfig import NoConfigFitsError, Resources, Workload, choose_config
+from ..planning.choose import NoConfigFitsError, Resources, Workload, choose_config
+from ..planning.memory import GIB
+from ..planning.model_shape import ModelShape
 from .plan import oomb_config_for
 
 MEMORY_HEADROOM = 0.95

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..memory import GIB, MIB, MODES
+from ..planning.memory import GIB, MIB, MODES
 from .plan import format_tokens
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,10 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from ..config import SPARSE_POOLINGS, SPARSE_SCORES
 from ..sparse import SparseOptions
+from .gradcheck import GradcheckOptions, _load
+from .plan import parse_tokens
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
 
 logger = logging.getLogger(__name__)
@@ -162,15 +165,6 @@ def make_plan(curves: list[LayerCurve], choice: list[int], base: SparseOptions, 
     }
 
 
-def load_plan(path: str | Path) -> dict:
-    """The OOMBConfig options of a plan file (YAML or JSON, as `oomb calibrate` writes it)."""
-    text = Path(path).read_text()
-    plan = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    if not isinstance(plan, dict) or not isinstance(plan.get("oomb"), dict):
-        raise ValueError(f"{path}: not a sparse plan (expected a mapping with an 'oomb' section)")
-    return plan["oomb"]
-
-
 def format_plan(plan: dict) -> str:
     m = plan["measured"]
     lines = [f"oomb calibrate: {m['model']}, {m['tokens']} tokens of {m['sequence']}, chunk {m['chunk_size']}, "
@@ -186,9 +180,6 @@ def format_plan(plan: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb calibrate` (the model and data options are gradcheck's)."""
-    from ..config import SPARSE_POOLINGS, SPARSE_SCORES
-    from .plan import parse_tokens
-
     parser.add_argument("--model", default="smollm2", help="a local HF model directory, or 'smollm2'")
     parser.add_argument("--text", default="python-docs", help="a text file of your data, or 'python-docs'")
     parser.add_argument("--seq-len", type=parse_tokens, default=8192, help="tokens (e.g. 8192, 32K)")
@@ -208,8 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .gradcheck import GradcheckOptions, _load
-
     options = GradcheckOptions(model=args.model, text=args.text, seq_len=args.seq_len, chunk_size=args.chunk_size,
                                page_size=args.page_size, dtype=args.dtype, device=args.device, yarn=args.yarn)
     model, ids, model_text, source = _load(options)

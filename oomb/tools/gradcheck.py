@@ -42,10 +42,11 @@ from ..config import (
     SPARSE_SCORES,
     SPARSE_SELECTIONS,
     OOMBConfig,
+    load_sparse_plan,
     resolve_dtype,
 )
 from ..engine import forward_backward
-from ..real_model import stdlib_source, with_yarn
+from ..real_model import english_text, smollm2_dir, stdlib_source, with_yarn
 from ..sparse import SparseOptions
 from ..sparse_fidelity import budget_for_read, history_read
 from ..training import presets
@@ -139,8 +140,6 @@ def _load(options: GradcheckOptions):
     random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
     first, then the warm-up's."""
     if options.model == REAL_MODEL:
-        from ..real_model import smollm2_dir
-
         options = replace(options, model=str(smollm2_dir()))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
@@ -171,8 +170,6 @@ def _load(options: GradcheckOptions):
         source = "random token ids"
     else:
         if options.text == REAL_TEXT:
-            from ..real_model import english_text
-
             text, source = english_text(), "Python's help topics"
         elif options.text == REAL_CODE:
             text = stdlib_source(CHARS_PER_TOKEN * need)
@@ -194,13 +191,6 @@ def _load(options: GradcheckOptions):
 def model_layers(model: torch.nn.Module) -> int:
     config = model.config
     return getattr(config, "num_hidden_layers", 1)
-
-
-def load_sparse_plan(path: str) -> dict:
-    """The OOMBConfig sparse options of a plan written by `oomb calibrate`."""
-    from .calibrate import load_plan
-
-    return load_plan(path)
 
 
 def is_default_sparse(config: OOMBConfig) -> bool:

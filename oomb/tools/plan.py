@@ -5,14 +5,14 @@
 
 For every mode (plain HF, oomb dense/sparse with host offload off/on) it prints the predicted peak
 GPU memory by term, the host RAM, whether the step fits the GPU and host budgets, and the largest
-context that does. The numbers come from ``oomb.memory.predict``; modes this version of oomb does
+context that does. The numbers come from ``oomb.planning.memory.predict``; modes this version of oomb does
 not implement yet are modelled from the design and labelled "planned", never "measured".
 
 Sliding-window layers shorter than the step keep, on the GPU or with offload in host memory, only
 the last W - 1 keys of every chunk before the current one plus that chunk (stage 2 runs the chunks in
-reverse and needs each window's earlier K/V again; see ``oomb.memory.predict``): about (W - 1) / C of
+reverse and needs each window's earlier K/V again; see ``oomb.planning.memory.predict``): about (W - 1) / C of
 a global layer's pages, none saved when W - 1 >= C. Mixtures of experts count
-every expert's weights and a chunk's top-k routed rows of activations (``oomb.model_shape.ModelShape``).
+every expert's weights and a chunk's top-k routed rows of activations (``oomb.planning.model_shape.ModelShape``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .. import machine
 from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
-from ..memory import (
+from ..models import fused_loss_possible_for_config
+from ..planning.choose import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
+from ..planning.fit import CUDA_CONTEXT_BYTES, SAFETY_MARGIN, Budget, largest_context
+from ..planning.memory import (
     GIB,
     GPU_TERMS,
     HOST_TERMS,
@@ -41,20 +42,11 @@ from ..memory import (
     TrainingSetup,
     predict,
 )
-from ..model_shape import ModelShape
-from ..models import fused_loss_possible_for_config
+from ..planning.model_shape import ModelShape
 from ..training import presets
-from ..training.autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
 from ..training.config import LoraSection
 from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
-SAFETY_MARGIN = 0.05
-"""Fraction of GPU and host memory the planner keeps free: allocator fragmentation and temporaries
-the model does not count (measured peaks were within 1-4 % of the predictions)."""
-CUDA_CONTEXT_BYTES = GIB // 2
-"""Device memory held by the CUDA context and kernel images, outside PyTorch's allocator."""
-MAX_SEARCH_TOKENS = 1 << 32
-"""Upper end of the largest-context search (4G tokens)."""
 GROWTH_TOKENS = 10_000
 """GPU memory growth is reported per this many more tokens (DESIGN.md section 6)."""
 DEFAULT_CONTEXT = 131072
@@ -145,75 +137,6 @@ def mode_status(mode: str | Mode) -> str:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Budget:
-    """GPU and host memory a step may use."""
-
-    gpu_bytes: int
-    """Size of the GPU (total device memory)."""
-    host_bytes: int
-    """Host RAM the step may take (MemAvailable when detected)."""
-    gpu_source: str = "given"
-    host_source: str = "given"
-    margin: float = SAFETY_MARGIN
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin={self.margin} must be in [0, 1)")
-        if self.gpu_bytes <= 0 or self.host_bytes <= 0:
-            raise ValueError(f"memory sizes must be positive (GPU {self.gpu_bytes}, host {self.host_bytes} bytes)")
-
-    @property
-    def gpu_limit(self) -> int:
-        return int(self.gpu_bytes * (1 - self.margin)) - CUDA_CONTEXT_BYTES
-
-    @property
-    def host_limit(self) -> int:
-        return int(self.host_bytes * (1 - self.margin))
-
-    @classmethod
-    def detect(cls, gpu_gib: float | None = None, host_gib: float | None = None,
-               margin: float = SAFETY_MARGIN) -> Budget:
-        """Given sizes (GiB) win; otherwise this machine's GPU (mem_get_info) and MemAvailable."""
-        if gpu_gib is not None:
-            gpu, gpu_source = int(gpu_gib * GIB), "given"
-        else:
-            info = machine.detect_gpu()
-            if info is None:
-                raise ValueError("no CUDA device on this machine: give the GPU size with --gpu-gib "
-                                 "(e.g. --gpu-gib 139 for an H200, 79 for an H100 80GB)")
-            gpu, gpu_source = info.total_bytes, f"detected: {info.name}"
-        if host_gib is not None:
-            host, host_source = int(host_gib * GIB), "given"
-        else:
-            available = machine.host_available_bytes()
-            if available is None:
-                raise ValueError("cannot read MemAvailable from /proc/meminfo: give the host RAM with --host-gib")
-            host, host_source = available, "detected: MemAvailable"
-        return cls(gpu, host, gpu_source, host_source, margin)
-
-
-def largest_context(fits: Callable[[int], bool], step: int, limit: int = MAX_SEARCH_TOKENS) -> int:
-    """The largest multiple of ``step`` (at most ``limit``) for which ``fits`` holds; 0 if none.
-
-    ``fits`` must be monotone (true up to some length, false beyond): memory grows with the context.
-    """
-    if not fits(step):
-        return 0
-    n_max = limit // step
-    lo, hi = 1, 2  # lo * step fits; hi * step does not, or is past the limit
-    while hi <= n_max and fits(hi * step):
-        lo, hi = hi, hi * 2
-    hi = min(hi, n_max + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid
-    return lo * step
-
-
-@dataclass(frozen=True)
 class ModeReport:
     mode: Mode
     prediction: MemoryPrediction
@@ -245,7 +168,7 @@ class Plan:
     reports: list[ModeReport]
     hints: list[str]
     choice: Choice | None = None
-    """oomb.training.autoconfig's fastest configuration that fits (the attention mode as given)."""
+    """oomb.planning.choose's fastest configuration that fits (the attention mode as given)."""
     choice_error: str | None = None
     """Why no configuration fits, when none does."""
 
@@ -267,7 +190,7 @@ def make_plan(
     fixed: dict | None = None,
 ) -> Plan:
     """Predictions, fit and largest context of every mode in ``modes`` (default: all), and the
-    configuration oomb.training.autoconfig chooses for ``config.attention`` keeping the options in ``fixed``
+    configuration oomb.planning.choose chooses for ``config.attention`` keeping the options in ``fixed``
     (None: every option of ``config`` fixed but the backend: no choice beyond that)."""
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()

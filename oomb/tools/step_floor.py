@@ -24,7 +24,7 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
                dX, and dW when the head trains) and the logits' memory traffic: reading the bf16 logits
                in each of those passes and writing their gradient, 8 bytes per logit; oomb's fused loss
                (fused_loss): its kernel's 6 bytes per logit, and no recompute (a frozen head needs none; a
-               trained head's weight gradient is made in the forward: loss.head_gradient_in_forward; 8 bytes
+               trained head's weight gradient is made in the forward: weight_gradient_now; 8 bytes
                with a recompute, the forward's loss-only pass, where that is switched off).
     copies     K, V written to their pages once (stage 1); with offload, pinned-host <-> device traffic
                (stage 1: the chunk's K, V out, the history it reads in; stage 2: K, V in for the forward
@@ -54,9 +54,9 @@ from typing import Literal
 import torch
 
 from ..config import NORMALISER_PAGES, OOMBConfig
-from ..loss import head_gradient_in_forward
-from ..model_shape import ModelShape
+from ..planning.model_shape import ModelShape
 from ..units import format_tokens, parse_tokens
+from .plan import load_model_shape
 
 H200_PEAK_BF16_FLOPS = 989e12
 """Dense bf16 tensor-core peak of the H200 SXM (the H100's; /work/.library/device/H200.md: "dense bf16
@@ -298,9 +298,9 @@ def loss_work(spec: StepSpec) -> Work:
     tokens = spec.batch_size * spec.tokens
     vocab = spec.shape.head_vocab
     # The engine's fused loss recomputes nothing: a frozen head needs none, a trained head's weight gradient is
-    # made in the forward (loss.head_gradient_in_forward)
+    # made in the forward (chunked_cross_entropy's weight_gradient_now)
     fused = spec.fused_loss and spec.mode != "hf"
-    recompute = spec.recompute_logits and not (fused and (spec.lora_rank or head_gradient_in_forward(fused)))
+    recompute = spec.recompute_logits and not fused
     passes = 2 + recompute + (0 if spec.lora_rank else 1)  # forward, (recompute,) dX (+ dW)
     per_logit = LOGIT_BYTES
     if fused:  # its kernel; a trained head's recompute reads them once more
@@ -352,8 +352,6 @@ def floors(spec: StepSpec, rates: Rates = H200) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Print a step's work and floors: ``python -m oomb.tools.step_floor --preset qwen2.5-7b --context 1M``."""
-    from .plan import load_model_shape
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", "--model", dest="model", default="qwen2.5-7b")
     parser.add_argument("--context", type=parse_tokens, default=parse_tokens("1M"))

@@ -3,7 +3,6 @@
     trainer.py        Trainer: setup, the loop of steps (oomb.engine.forward_backward), resume, export
     config.py         TrainerConfig: the run's typed sections (model, data, optim, train, oomb, ...)
     cli.py            `oomb train`: the config from YAML, flags and --set overrides
-    autoconfig.py     the fastest OOMBConfig that fits the free GPU and host memory
     optim.py          AdamW with fp32 master weights; warmup + cosine schedule
     checkpointing.py  the Trainer's save/resume, with one or several processes
     checkpoint.py     the checkpoint directory format: atomic step directories, lazy loading

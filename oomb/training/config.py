@@ -28,8 +28,8 @@ import torch
 import yaml
 
 from ..config import OOMBConfig
+from ..planning.choose import AUTO_FIELDS
 from ..units import coerce_tokens
-from .autoconfig import AUTO_FIELDS
 
 PRESET_NAMES = ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b")
 TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "loss_chunk_tokens"),
@@ -153,7 +153,7 @@ class TrainSection:
     auto_config: bool = True
     """Before the first step, choose the oomb options left unset (or set to "auto"): backend,
     offload, offload_resident_layers, kv_grad_dtype, checkpoint_layers, chunk_size, for the fastest
-    step that fits the free GPU and host memory (oomb.training.autoconfig; the plan is printed). Options you
+    step that fits the free GPU and host memory (oomb.planning.choose; the plan is printed). Options you
     set are kept. False: the oomb section's values as they are (defaults where unset)."""
 
 

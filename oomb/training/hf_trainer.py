@@ -32,6 +32,7 @@ Semantics kept (each one checked against the plain Trainer in tests/test_hf_trai
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 import warnings
@@ -433,28 +434,26 @@ class OOMBEvalCallback(TrainerCallback):
 
 _TRL_MISSING = ("OOMBSFTTrainer needs TRL: pip install 'oomb[trl]' (or pip install trl); "
                 "plain transformers users can use oomb.OOMBTrainer")
-_sft_class: type | None = None
 
 
+@functools.cache
 def _make_sft_trainer() -> type:
-    global _sft_class
-    if _sft_class is None:
-        try:
-            from trl import SFTTrainer
-        except ImportError as err:
-            raise ImportError(_TRL_MISSING) from err
+    """The OOMBSFTTrainer class, built once on first use (TRL, an optional heavy import, is imported here)."""
+    try:
+        from trl import SFTTrainer
+    except ImportError as err:
+        raise ImportError(_TRL_MISSING) from err
 
-        class OOMBSFTTrainer(OOMBTrainerMixin, SFTTrainer):
-            """TRL ``SFTTrainer`` whose training step is oomb's chunk-recurrent step (``oomb_config=``).
+    class OOMBSFTTrainer(OOMBTrainerMixin, SFTTrainer):
+        """TRL ``SFTTrainer`` whose training step is oomb's chunk-recurrent step (``oomb_config=``).
 
-            Its per-token metrics ``entropy`` and ``mean_token_accuracy`` need full logits and are not
-            logged during training; ``num_tokens`` is.
-            """
+        Its per-token metrics ``entropy`` and ``mean_token_accuracy`` need full logits and are not
+        logged during training; ``num_tokens`` is.
+        """
 
-        OOMBSFTTrainer.__module__ = __name__
-        OOMBSFTTrainer.__qualname__ = "OOMBSFTTrainer"
-        _sft_class = OOMBSFTTrainer
-    return _sft_class
+    OOMBSFTTrainer.__module__ = __name__
+    OOMBSFTTrainer.__qualname__ = "OOMBSFTTrainer"
+    return OOMBSFTTrainer
 
 
 def __getattr__(name: str) -> Any:

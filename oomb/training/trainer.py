@@ -40,11 +40,11 @@ from .. import machine
 from ..compiled_layers import may_compile
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
-from ..memory import GIB, estimate_step_memory
-from ..model_shape import ModelShape
 from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
-from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
+from ..planning.choose import Choice, NoConfigFitsError, Resources, Workload, choose_config
+from ..planning.memory import GIB, estimate_step_memory
+from ..planning.model_shape import ModelShape
 from .checkpoint import (
     atomic_directory,
     latest_checkpoint,
@@ -147,7 +147,7 @@ class Trainer(Checkpointing):
         self._last_metrics: dict | None = None
         self._peak_gpu = 0.0
         self._owns_process_group = False  # setup() joined torchrun's process group: close() leaves it
-        self.choice: Choice | None = None  # what oomb.training.autoconfig chose for the oomb options left unset
+        self.choice: Choice | None = None  # what oomb.planning.choose chose for the oomb options left unset
         self._auto_refusal: str | None = None  # why the chooser found nothing that fits
         self._step_times: list[float] = []  # this session's step times (first step reported apart)
         self.parallel = ParallelSetup()
@@ -317,7 +317,7 @@ class Trainer(Checkpointing):
 
     def _auto_configure(self, causal_lm) -> None:
         """Replace the oomb options left to the chooser (train.auto_config, TrainerConfig.oomb_auto) by
-        the fastest configuration that fits the memory free now (oomb.training.autoconfig.choose_config).
+        the fastest configuration that fits the memory free now (oomb.planning.choose.choose_config).
         Several processes choose from the smallest free memory of any rank, so all choose alike."""
         cfg = self.config
         if not cfg.train.auto_config or not cfg.oomb_auto:
@@ -361,7 +361,7 @@ class Trainer(Checkpointing):
         return unmastered + 16 * self._num_masters
 
     def predicted_memory(self, causal_lm) -> dict[str, int]:
-        """Bytes a step adds to the loaded model on its device, by term (oomb.memory + optimizer)."""
+        """Bytes a step adds to the loaded model on its device, by term (oomb.planning.memory + optimizer)."""
         cfg = self.config
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
         # With masters on the GPU, chunk gradients go straight into their fp32 .grad (counted with the

@@ -6,7 +6,7 @@ selection per chunk).
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
     choice.gpu_bytes, choice.host_bytes, choice.reason, choice.runner_up
 
-Memory comes from ``oomb.memory.predict`` (the planner's model, calibrated on the H200). Speed comes
+Memory comes from ``oomb.planning.memory.predict`` (the planner's model, calibrated on the H200). Speed comes
 from SPEED_FACTS below: relative step times measured on one H200, each with the JSON file in
 benchmarks/results/ it came from. The search enumerates every combination of the free options,
 keeps those whose predicted GPU and host memory fit, and ranks them by:
@@ -32,8 +32,9 @@ import torch
 from .. import sparse_fidelity
 from ..compiled_layers import compiles
 from ..config import OOMBConfig, resolve_dtype
-from ..loss import head_gradient_in_forward
-from ..memory import (
+from ..units import format_tokens
+from .fit import largest_context
+from .memory import (
     FP32_BYTES,
     GIB,
     MODES,
@@ -43,15 +44,14 @@ from ..memory import (
     TrainingSetup,
     predict,
 )
-from ..model_shape import ModelShape
-from ..units import format_tokens
+from .model_shape import ModelShape
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
                "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
-"""Without layer replay PEFT's LoRA layers keep more per token than oomb.memory counts: measured on the
+"""Without layer replay PEFT's LoRA layers keep more per token than oomb.planning.memory counts: measured on the
 H200 (7B, LoRA r=16, 128K, chunk 4096) 71.79 GiB peak vs 64.7 predicted, 7.1 GiB = 18.5 bytes per
 hidden unit, token and layer (with replay: 39.02 measured vs 40.1 predicted); rounded up to 20
 (benchmarks/results/logs/autoconfig_qwen7b_lora_128k_h200_2026-12-01.log; the replay run: its
@@ -208,7 +208,7 @@ class Candidate:
     @property
     def loss_keeps_nothing(self) -> bool:
         """The fused loss keeps nothing of the vocabulary's size and recomputes nothing (loss_keeps_nothing)."""
-        return loss_keeps_nothing(self.fused_loss, self.head_trained)
+        return loss_keeps_nothing(self.fused_loss)
 
     def loss_words(self) -> str:
         """What the loss keeps for its backward, in words."""
@@ -217,9 +217,7 @@ class Candidate:
             return f"log-probabilities {kept}"
         if not self.head_trained:
             return "loss fused (frozen head: nothing kept)"
-        if self.loss_keeps_nothing:
-            return "loss fused (head's gradient made in the forward: nothing kept)"
-        return f"loss fused (logits' gradient {kept})"
+        return "loss fused (head's gradient made in the forward: nothing kept)"
 
     def summary(self, num_layers: int) -> str:
         c = self.config
@@ -309,7 +307,7 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
 # ---------------------------------------------------------------------------------------------
 
 def predict_candidate(workload: Workload, resources: Resources, config: OOMBConfig) -> Candidate:
-    """Predicted memory (oomb.memory.predict, with the workload's exact counts where given) and the
+    """Predicted memory (oomb.planning.memory.predict, with the workload's exact counts where given) and the
     relative step time of ``config``."""
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
@@ -331,17 +329,17 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers,
-                                  not loss_keeps_nothing(setup.fused_loss, not workload.lora_rank))
+                                  not loss_keeps_nothing(setup.fused_loss))
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
     return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
                      head_trained=not workload.lora_rank)
 
 
-def loss_keeps_nothing(fused_loss: bool, head_trained: bool) -> bool:
+def loss_keeps_nothing(fused_loss: bool) -> bool:
     """The step's fused loss keeps nothing of the vocabulary's size and recomputes nothing, whatever
-    recompute_logits says: a frozen head, or a trained one whose weight gradient the engine makes in the
-    forward (loss.head_gradient_in_forward)."""
-    return fused_loss and (not head_trained or head_gradient_in_forward(fused_loss))
+    recompute_logits says: a frozen head needs nothing, and a trained one's weight gradient the engine makes in
+    the forward (chunked_cross_entropy's weight_gradient_now)."""
+    return fused_loss
 
 
 def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
@@ -674,8 +672,6 @@ def _against(c: Candidate, resources: Resources) -> str:
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
     """The largest multiple of the page size below the asked length for which some configuration of
     the free options fits (memory grows with the context, so the search is monotone)."""
-    from ..tools.plan import largest_context  # the planner's search (plan imports heavier things)
-
     def fits(tokens: int) -> bool:
         w = dataclasses.replace(workload, seq_len=tokens)
         return any(_fits(c, resources) for c in candidates(w, resources, base, fixed))

@@ -3,7 +3,7 @@ mixture-of-experts MLP), the attention backward workspaces (torch SDPA's, oomb's
 replay's cache, the chunked LM-head loss's logits slice, and one chunk's total in stage 2.
 
 Each term is a function of a ModelShape and dtypes only (and of the step's options for a chunk's total);
-the memory model (oomb/memory.py: predict, estimate_step_memory) adds them to weights, gradients,
+the memory model (oomb/planning/memory.py: predict, estimate_step_memory) adds them to weights, gradients,
 optimizer state and KV pages.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import OOMBConfig
+from ..config import OOMBConfig
 from .model_shape import ModelShape
 
 FP32_BYTES = 4
@@ -130,7 +130,7 @@ def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, re
     The fused loss (``fused_dtype``: the model dtype) keeps a (tokens, hidden) tensor per slice (dL/dhidden,
     or with recompute the head's input), and a trained head without recompute also the logits' gradient,
     unless its weight gradient is made in the forward (``weight_gradient_now``: the engine's,
-    loss.head_gradient_in_forward); a frozen head (LoRA) nothing of the vocabulary's size."""
+    oomb/engine.py); a frozen head (LoRA) nothing of the vocabulary's size."""
     tokens = chunk_tokens * batch_size
     if fused_dtype is None:
         return 0 if recompute_logits else tokens * shape.head_vocab * FP32_BYTES

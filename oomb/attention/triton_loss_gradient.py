@@ -1,5 +1,6 @@
 """The Triton kernel of oomb/loss_gradient.py: one program per row of logits, two passes over its vocabulary
-(an online log-sum-exp, then the gradient written over the logits)."""
+(an online log-sum-exp, then the gradient written over the logits). Its torch oracle is loss_gradient.py's
+torch path (rows whose target is ``ignore_index`` count nothing)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention.triton_paged import INTERPRET
-from .loss_gradient import IGNORE_INDEX
+from .triton_paged import INTERPRET
 
 _BLOCK = 128 if INTERPRET else 4096
 """Vocabulary entries per tile: 4096 float32 over 8 warps, 16 per thread."""
@@ -55,11 +55,11 @@ def _write_gradient(base, top, log_total, target, counted, scale, vocab, BLOCK: 
 
 
 def logits_to_gradient_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                              write_gradient: bool = True) -> torch.Tensor:
+                              write_gradient: bool = True, ignore_index: int = -100) -> torch.Tensor:  # -100: torch's
     """loss_gradient.logits_to_gradient_ on the Triton kernel (inputs checked there)."""
     loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     scale = scale.to(device=logits.device, dtype=torch.float32).reshape(1)
     _logits_to_gradient_kernel[(logits.shape[0],)](logits, targets.contiguous(), scale, loss, logits.shape[1],
-                                                   logits.stride(0), IGNORE=IGNORE_INDEX, WRITE=write_gradient,
+                                                   logits.stride(0), IGNORE=ignore_index, WRITE=write_gradient,
                                                    BLOCK=_BLOCK, num_warps=8)
     return loss

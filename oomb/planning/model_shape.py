@@ -3,8 +3,8 @@ Hugging Face config.
 
 Parameter counts by part (attention, dense MLP or experts and router, norms, LoRA adapters; ``num_params()`` equals the
 transformers model's, tests/test_memory_moe.py), one tensor-parallel rank's share and the sliding-window
-layers. Kept apart from the memory model that uses it (oomb/memory.py, oomb/activations.py) because the
-trainer, autoconfig and the tools read a model's shape too.
+layers. Kept apart from the memory model that uses it (memory.py, activations.py) because the trainer, the
+chooser (choose.py) and the tools read a model's shape too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 # Saved expert-intermediate vectors per routed row: the default of ModelShape.expert_saved_intermediates
-# (the other mixture-of-experts activation terms are in oomb/activations.py).
+# (the other mixture-of-experts activation terms are in oomb/planning/activations.py).
 MOE_ROUTED_ROW_SAVED_INTERMEDIATE = 4
 """Expert-intermediate-size vectors kept per routed row, as for a dense gated MLP: gate and up (one
 2 i output), act(gate) and act(gate) x up (qwen3_moe; measured with saved-tensor hooks in

@@ -17,8 +17,8 @@ peak GPU memory above the weights predicted vs measured, oomb dense 39.5 / 60.5 
 at 128K / 256K; hf 22.9 / 32.8 / 64.2 GiB vs 22.7 / 32.7 / 64.2 GiB at 32K / 64K / 128K. Qwen2.5-0.5B
 shape at 8K / 16K: dense 3.5 / 3.8 GiB vs 3.6 / 3.9, hf 2.3 / 2.7 GiB vs 2.4 / 2.8.
 
-The model's shape is a ModelShape (oomb/model_shape.py); what a step's activations take per token, and the
-constants those terms assume, are in oomb/activations.py. Both are re-exported here.
+The model's shape is a ModelShape (oomb/planning/model_shape.py); what a step's activations take per token, and the
+constants those terms assume, are in oomb/planning/activations.py. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ from typing import Literal
 
 import torch
 
+from ..config import READ_SHARE_STEP, OOMBConfig
+from ..context_parallel import ContextShard
+from ..kv import PagedKVStore, capacity
+from ..kv.store import window_pages_per_sequence
+from ..kv.summaries import summaries_of
 from .activations import (
     FP32_BYTES,
     LOGITS_FP32_COPIES,
@@ -47,11 +52,6 @@ from .activations import (
     saved_logits_bytes,
     sdpa_backward_workspace_per_token,
 )
-from .carried_gradients import CARRY_GRADIENTS
-from .config import READ_SHARE_STEP, OOMBConfig
-from .kv import PagedKVStore, capacity
-from .kv.store import window_pages_per_sequence
-from .loss import head_gradient_in_forward
 from .model_shape import GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE, MOE_ROUTED_ROW_SAVED_INTERMEDIATE, ModelShape
 
 __all__ = [
@@ -155,7 +155,7 @@ def estimate_step_memory(
     fused = dtype if fused_loss else None
     logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens, fused)
               + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits, fused, head_trained,
-                                   head_gradient_in_forward(fused_loss)))
+                                   weight_gradient_now=fused_loss))
     kept = kept_attention_bytes(shape, num_tokens, batch_size, dtype) if config.keep_attention_outputs else 0
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits, kept)
 
@@ -275,8 +275,6 @@ class SparseAssumptions:
     @classmethod
     def from_config(cls, config) -> SparseAssumptions:
         """The assumptions of an OOMBConfig's sparse options (its score decides the summaries kept)."""
-        from .kv.summaries import summaries_of
-
         return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
                    query_block_pages=config.sparse_query_block_pages, read_share=config.sparse_read_share,
                    summary_vectors=len(summaries_of(config.resolved_sparse_score, config.sparse_rerank_candidates)))
@@ -314,8 +312,6 @@ def context_parallel_tokens(tokens: int, chunk_size: int, page_size: int, cp: in
     holds: rank 0, with chunks 0, cp, 2 cp, ... (``tokens`` itself when cp is 1)."""
     if cp == 1:
         return tokens
-    from .context_parallel import ContextShard
-
     return ContextShard(0, cp, chunk_size).owned_pages(tokens, page_size) * page_size
 
 
@@ -465,14 +461,14 @@ def predict(
     # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
     # product is then saved after all, so nothing of the compiled saving is counted there.
     compiled = setup.compiled_layers and not (config.fp32_grad_accumulation and trainable_low_precision)
-    if compiled and CARRY_GRADIENTS:  # carried_gradients.py: a layer's new gradients before its old ones go
+    if compiled:  # carried_gradients.py: a layer's new gradients before its old ones go
         gpu["param grads"] += layer_grad
     fused = setup.dtype if setup.fused_loss else None
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
                           + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens, fused)
                           + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits, fused,
                                                head_trained=not setup.lora_rank,
-                                               weight_gradient_now=head_gradient_in_forward(setup.fused_loss)))
+                                               weight_gradient_now=setup.fused_loss))
     pages = _num_pages(tokens, P, B)  # pages of one layer
     # Context parallel: the pages of the busiest rank's chunks (all of them without it).
     own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)
