@@ -39,7 +39,7 @@ def test_describe_states_the_share_and_the_measurement():
 
 
 def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
-    from oomb.memory import SparseAssumptions
+    from oomb.planning.memory import SparseAssumptions
 
     fixed = SparseAssumptions.from_config(OOMBConfig(attention="sparse"))
     grown = SparseAssumptions.from_config(OOMBConfig(attention="sparse", sparse_read_share=0.25))
