@@ -1,4 +1,4 @@
-"""The step's floor model (oomb/tools/step_floor.py) on hand-counted cases, and benchmarks/profile_step.py's
+"""The step's floor model (oomb/planning/step_work.py) on hand-counted cases, and benchmarks/profile_step.py's
 grouping and its --quick run."""
 
 import dataclasses
@@ -15,8 +15,7 @@ from torch.autograd.profiler_util import Interval
 
 from oomb.config import OOMBConfig
 from oomb.planning.model_shape import ModelShape
-from oomb.tools.plan import load_model_shape
-from oomb.tools.step_floor import (
+from oomb.planning.step_work import (
     H200,
     PARTS,
     StepSpec,
@@ -29,6 +28,7 @@ from oomb.tools.step_floor import (
     step_work,
     visible_pairs,
 )
+from oomb.tools.plan import load_model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 # One layer: hidden 8, MLP 16, 2 query heads and 1 KV head of dimension 4, vocabulary 10.
@@ -303,7 +303,7 @@ def test_profile_with_the_choosers_plan(tmp_path, monkeypatch):
 def test_fused_loss_floor():
     """oomb's fused loss: 6 bytes of kernel traffic per logit, and no recompute whatever recompute_logits says:
     a frozen head (LoRA) needs none, a trained head's weight gradient is made in the forward (forward, dX, dW)."""
-    from oomb.tools.step_floor import FUSED_LOGIT_BYTES, LOGIT_BYTES, loss_work
+    from oomb.planning.step_work import FUSED_LOGIT_BYTES, LOGIT_BYTES, loss_work
 
     shape = load_model_shape("qwen2.5-7b")
     lora = StepSpec(shape, 131072, "sparse", lora_rank=16)

@@ -45,6 +45,7 @@ from .memory import (
     predict,
 )
 from .model_shape import ModelShape
+from .step_time import StepTime, predict_step_time
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
                "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
@@ -250,6 +251,10 @@ class Choice:
     replay resolves it; whether Triton is installed is checked by the step, not here)."""
     seq_len: int = 0
     """Tokens per sequence the choice was made for (a sparse plan's share of the history read depends on it)."""
+    step_time: StepTime | None = None
+    """The predicted step time (planning/step_time.py); None on a CPU."""
+    other_mode_time: StepTime | None = None
+    """The same plan's step time with the other attention mode (dense <-> sparse), for comparison."""
 
     def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
@@ -258,6 +263,10 @@ class Choice:
                  f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
                  f"relative step time {self.chosen.relative_time:.2f}",
                  f"  why: {self.reason}"]
+        if self.step_time is not None:
+            other = "sparse" if self.config.attention == "dense" else "dense"
+            also = (f"; {other} attention: {self.other_mode_time}" if self.other_mode_time is not None else "")
+            lines.append(f"  step time: {self.step_time}{also}")
         if self.config.attention == "sparse" and self.seq_len:
             lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers)}")
         if self.compiled_layers:
@@ -552,8 +561,14 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
         runner_up = _decided_last(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
+    gpu_name = (resources.gpu_name or "unknown GPU") if resources.device == "cuda" else None
+    other = dataclasses.replace(best.config, attention="sparse" if best.config.attention == "dense" else "dense")
+    times = [predict_step_time(workload.shape, workload.seq_len, config, gpu_name=gpu_name,
+                               lora_rank=workload.lora_rank, dtype=workload.dtype, batch_size=workload.batch_size,
+                               fused_loss=best.fused_loss, relative_time=best.relative_time)
+             for config in (best.config, other)]
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
-                  workload.shape.num_layers, compiled, workload.seq_len)
+                  workload.shape.num_layers, compiled, workload.seq_len, *times)
 
 
 def _headline(c: Candidate) -> tuple:

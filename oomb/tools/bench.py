@@ -56,12 +56,12 @@ from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
 from ..planning.memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
 from ..planning.model_shape import ModelShape
+from ..planning.step_work import StepSpec, step_work
 from ..training import presets
 from ..units import parse_normaliser_pages
 from .bench_choice import CHOSEN_FIELDS, chosen_for_loaded_model
 from .bench_report import NOT_IMPLEMENTED, output_paths, replot, write_outputs
 from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_config_for, parse_tokens, preset_config
-from .step_floor import StepSpec, step_work
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +478,7 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
 
 
 def step_spec(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> StepSpec:
-    """The floor model's view (oomb/tools/step_floor.py) of a bench step of ``mode`` (every weight trained)."""
+    """The floor model's view (oomb/planning/step_work.py) of a bench step of ``mode`` (every weight trained)."""
     config = None if MODES[mode].attention == "hf" else oomb_config_for(mode, options.oomb_config())
     return StepSpec.from_config(shape, tokens, config, dtype=options.dtype,
                                 fused_loss=config is not None and options.fused_loss_for())
@@ -486,7 +486,7 @@ def step_spec(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) 
 
 def executed_flops(mode: str, tokens: int, shape: ModelShape, options: BenchOptions) -> float:
     """FLOPs a step of ``mode`` executes (linear layers with every recomputation and replay, attention,
-    scoring, loss), as oomb/tools/step_floor.py counts them for its floors."""
+    scoring, loss), as oomb/planning/step_work.py counts them for its floors."""
     return sum(work.flops for work in step_work(step_spec(mode, tokens, shape, options)).values())
 
 

@@ -161,6 +161,8 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
         if result.steady_step_s is not None:
             timing += (f", then {result.steady_step_s:,.2f} s per step (median): the first step's overhead "
                        f"(compilation, kernel tuning, warm-up) was {result.first_step_overhead_s:,.2f} s")
+        if result.predicted_step_s is not None:
+            timing += f"; the plan predicted {result.predicted_step_s:,.1f} s per step"
         lines.append(timing)
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")

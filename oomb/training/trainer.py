@@ -104,6 +104,8 @@ class TrainResult:
     """Seconds of this session's first step: compilation and kernel autotuning included."""
     steady_step_s: float | None = None
     """Median seconds of the session's later steps (None with fewer than two steps)."""
+    predicted_step_s: float | None = None
+    """The step time the plan predicted (planning/step_time.py; None on a CPU), beside steady_step_s."""
 
     @property
     def first_step_overhead_s(self) -> float | None:
@@ -556,7 +558,9 @@ class Trainer(Checkpointing):
             interrupted=interrupted, resumed_from=str(self.resumed_from) if self.resumed_from else None,
             peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB,
             first_step_s=self._step_times[0] if self._step_times else None,
-            steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None)
+            steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None,
+            predicted_step_s=(self.choice.step_time.seconds
+                              if self.choice is not None and self.choice.step_time is not None else None))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,53 @@
+"""Predicted step times: the executed FLOPs over a rate measured on the same kind of GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomb.config import OOMBConfig
+from oomb.planning.choose import Resources, Workload, choose_config
+from oomb.planning.model_shape import ModelShape
+from oomb.planning.step_time import RATES, format_duration, gpu_kind, predict_step_time
+
+QWEN_7B = ModelShape(num_layers=28, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
+                     head_dim=128, vocab_size=152064, attention_bias=True)
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_the_measured_runs_are_predicted_back():
+    dense = predict_step_time(QWEN_7B, 131072, OOMBConfig(checkpoint_layers=False), gpu_name=H100)
+    sparse = predict_step_time(QWEN_7B, 131072, OOMBConfig(attention="sparse", checkpoint_layers=False),
+                               gpu_name=H100)
+    assert dense.seconds == pytest.approx(43.46, rel=0.02) and sparse.seconds == pytest.approx(21.66, rel=0.02)
+    assert "dense step on an H100" in dense.basis and "not measured" not in dense.basis
+
+
+def test_a_longer_step_costs_its_flops_and_other_gpus_are_extrapolations():
+    short = predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name="NVIDIA H200")
+    long = predict_step_time(QWEN_7B, 1 << 20, OOMBConfig(), gpu_name="NVIDIA H200")
+    assert long.seconds > 30 * short.seconds  # dense attention grows with the square of the context
+    other = predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name="NVIDIA A100-SXM4-80GB")
+    assert "is not measured" in other.basis and other.rate.gpu == "H100"
+    offload = predict_step_time(QWEN_7B, 131072, OOMBConfig(offload=True), gpu_name=H100)
+    assert "no dense+offload step on an H100 is measured" in offload.basis
+    assert predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name=None) is None
+    assert gpu_kind(H100) == "H100" and gpu_kind("NVIDIA H200") == "H200" and gpu_kind("cpu") is None
+    assert {r.gpu for r in RATES} == {"H100", "H200"}
+
+
+def test_relative_time_scales_and_durations_read_well():
+    one = predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name=H100)
+    slower = predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name=H100, relative_time=1.5)
+    assert slower.seconds == pytest.approx(1.5 * one.seconds) and "x 1.50" in slower.basis
+    assert [format_duration(s) for s in (42, 210, 2000, 9000)] == ["42 s", "3.5 min", "33.3 min", "2.5 h"]
+
+
+def test_the_plan_states_its_step_time_and_the_other_modes():
+    workload = Workload(QWEN_7B, 1 << 20, lora_rank=16)
+    resources = Resources("cuda", gpu_limit=74 * 2**30, host_limit=118 * 2**30, gpu_name=H100)
+    choice = choose_config(workload, resources, {"attention": "sparse"})
+    assert choice.step_time is not None and choice.other_mode_time.seconds > 5 * choice.step_time.seconds
+    text = choice.describe()
+    assert "step time: ~" in text and "dense attention: ~" in text and "sparse reads 1.6 % of the history" in text
+    cpu = choose_config(Workload(QWEN_7B, 8192, lora_rank=16), Resources("cpu", host_limit=2**40))
+    assert cpu.step_time is None and "step time: ~" not in cpu.describe()
