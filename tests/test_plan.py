@@ -192,13 +192,13 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     assert rc == 1  # no implemented mode fits 1M tokens
     for text in ("dense+offload", "sparse+offload", "implemented", "largest context", "KV grad pages",
-                 "does not fit: dense: GPU", "fits at 1,048,576 tokens",
+                 "does not fit with the options above: dense: GPU", "fits at 1,048,576 tokens",
                  "dense+offload fits with --kv-grad-dtype bfloat16"):
         assert text in out, text
     rc = cli.main(["plan", "--model", "qwen2.5-0.5b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125",
                    "--modes", "dense", "hf"])
     assert rc == 0
-    assert "fits at 131,072 tokens: dense, hf" in capsys.readouterr().out
+    assert "fits at 131,072 tokens with the options above: dense, hf" in capsys.readouterr().out
 
 
 def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):

@@ -332,7 +332,15 @@ def format_plan(plan: Plan) -> str:
     lines.append(row("largest context", [f"{r.largest_context:,}" for r in reports]))
     lines.append("")
     fitting = [r.mode.name + ("" if r.status == "implemented" else " (planned)") for r in reports if r.fits]
-    lines.append(f"fits at {plan.tokens:,} tokens: {', '.join(fitting) if fitting else 'none'}")
+    chooser = ""
+    if plan.choice is not None:
+        c = plan.choice.config
+        chooser = (f"; with the options oomb train's chooser picks (below), {c.attention}"
+                   f"{'+offload' if c.offload else ''} fits")
+    elif plan.choice_error is not None:
+        chooser = "; nor with any options oomb train's chooser tries (below)"
+    lines.append(f"fits at {plan.tokens:,} tokens with the options above: {', '.join(fitting) if fitting else 'none'}"
+                 f"{chooser}")
     for r in reports:
         if not r.fits:
             why = []
@@ -340,7 +348,7 @@ def format_plan(plan: Plan) -> str:
                 why.append(f"GPU {r.prediction.gpu_total / GIB:.1f} > {budget.gpu_limit / GIB:.1f} GiB")
             if not r.fits_host:
                 why.append(f"host {r.prediction.host_total / GIB:.1f} > {budget.host_limit / GIB:.1f} GiB")
-            lines.append(f"does not fit: {r.mode.name}: {'; '.join(why)}")
+            lines.append(f"does not fit with the options above: {r.mode.name}: {'; '.join(why)}")
     lines.extend(f"hint: {h}" for h in plan.hints)
     if any(r.status == "planned" for r in reports):
         o, sp = plan.offload, plan.sparse
