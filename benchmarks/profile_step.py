@@ -19,7 +19,7 @@ warm-up step, then profiles one step and sums the device time of its kernels by 
 A kernel is inside a range when the host call that launched it (its cudaLaunchKernel, found by correlation id)
 ran inside an op inside the range: by time on the call's thread, not by the cpu_parent tree.
 
-Each part is set beside its floor (oomb/tools/step_floor.py: its FLOPs and bytes at the H200's
+Each part is set beside its floor (oomb/planning/step_work.py: its FLOPs and bytes at the H200's
 sustained rates) and measured / floor. The JSON keeps the table, the top kernels and the top launching ops
 (``top_by_launching_op``: the op that launched the kernels, its input shapes and its two enclosing ops, by
 part), which say which code a part's time comes from; the largest are printed.
@@ -57,6 +57,7 @@ from oomb import machine  # noqa: E402
 from oomb.attention.function import SCORING_RANGE  # noqa: E402
 from oomb.loss import LOSS_RANGE  # noqa: E402
 from oomb.planning.model_shape import ModelShape  # noqa: E402
+from oomb.planning.step_work import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 from oomb.tools.bench import (  # noqa: E402
     MODES,
     BenchOptions,
@@ -69,7 +70,6 @@ from oomb.tools.bench import (  # noqa: E402
     warmup_tokens,
 )
 from oomb.tools.bench_choice import chosen_for_loaded_model  # noqa: E402
-from oomb.tools.step_floor import H200, PARTS, Rates, StepSpec, linear_flops, step_work  # noqa: E402
 
 ROWS = PARTS + ("other", "host gaps")
 """The table's rows: the parts with a floor, then the rest of the device time and the host's gaps."""
