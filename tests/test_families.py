@@ -4,7 +4,7 @@ against a full-sequence Hugging Face backward (eager attention: the one HF path 
 Every case: fp32 on CPU, GQA (4 query heads, 2 KV heads), 150 tokens in chunks of 32 and pages of 8,
 windows of 40 tokens (shorter than the sequence, not a multiple of the page, chunk boundaries inside
 every window), history read one page per key window (stream_block_pages=1). The Triton cases run the
-kernels in the interpreter at smaller sizes; the GPU cases (``-m gpu``, benchmarks/gpu/families.sh)
+kernels in the interpreter at smaller sizes; the GPU cases (``-m gpu``)
 repeat the families on triton at 1100 tokens with windows of 300.
 """
 
