@@ -97,7 +97,7 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length, P, row_stride)
     store.free_all()
 
 
-@pytest.mark.parametrize("with_previous,P", [(True, 16), (False, 16), (True, 32)],
+@pytest.mark.parametrize("with_previous,P", [(True, 16), (False, 16), pytest.param(True, 32, marks=pytest.mark.slow)],
                          ids=["previous_page", "no_previous", "previous_page_of_two_tiles"])
 def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, monkeypatch):
     """Leak-free rerank: block j scored by the page of queries before it and its first query, each seeing
