@@ -1,8 +1,9 @@
-# The two commands of the README: `make train` (main job) and `make test` (test suite); `make demo` too.
+# The two commands of the README: `make train` (main job) and `make test` (the fast test tier); `make demo`
+# and `make test-all` (every test: the fast tier and the tests marked slow) too.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo train test lint clean
+.PHONY: setup demo train test test-all lint clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	scripts/setup.sh
@@ -17,6 +18,9 @@ train: setup
 	$(VENV)/bin/oomb train --overwrite
 
 test: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: setup
 	$(PY) -m pytest -q tests
 
 lint: setup

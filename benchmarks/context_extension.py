@@ -1,9 +1,9 @@
 """Context extension of a real model, 8K -> 32K (YaRN x4) with LoRA: HF vs oomb dense vs oomb sparse.
 
-    # on the CPU machine: tokenize the data once (SmolLM2's tokenizer, Python's stdlib and docs)
-    python benchmarks/context_extension.py prepare --out .gpu_carry/ctx
-    # on the GPU: train every arm on the same data, seed and steps; evaluate each with plain HF attention
-    python benchmarks/context_extension.py run --data .gpu_carry/ctx --out $OUT/ctx --steps 40
+    # tokenize the data once, on any machine (SmolLM2's tokenizer, Python's stdlib and docs)
+    python benchmarks/context_extension.py prepare --out data/ctx
+    # on a GPU: train every arm on the same data, seed and steps; evaluate each with plain HF attention
+    python benchmarks/context_extension.py run --data data/ctx --model <smollm2 dir> --out out/ctx --steps 40
 
 Arms: "hf" (transformers + SDPA + gradient checkpointing, one full-sequence backward), "dense" (oomb,
 exact), and "sparse" (oomb sparse mode with the settings given by --sparse, default: OOMBConfig's sparse

@@ -1,4 +1,4 @@
-"""Packed documents at one long context (issue 20, item 6): oomb's step with attention inside each
+"""Packed documents at one long context: oomb's step with attention inside each
 document, oomb's step with attention across them, and plain HF stepping over each document alone.
 
 Standard workload (DESIGN.md section 6), built with `oomb bench`'s helpers (oomb/tools/bench.py:

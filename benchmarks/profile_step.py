@@ -30,7 +30,7 @@ part), which say which code a part's time comes from; the largest are printed.
 It takes `oomb bench`'s options (backend, budget, chunk size, ...). ``--layers N`` profiles the preset's
 first N decoder layers: each layer's parts scale with N, the loss and the embedding do not (their floors
 too: the table's floors are for the model profiled). At 128K a profile of all 28 layers of the 7B shape
-did not finish within 280 s on the H200 (2026-12-02; the plain step takes 22-50 s): the profiler's
+did not finish within 280 s on an H200 (the plain step takes 22-50 s): the profiler's
 millions of events. On the CPU "device time" is the self time of the aten ops (the torch backend's
 attention is plain matmuls there: GEMM and other), and
 the floors are left out unless a rate flag (--gemm-tflops, ...) is given.

@@ -2,12 +2,11 @@
 # OOMBSFTTrainer (examples/sft_trainer.py: TRL's SFTTrainer with the one-line switch) vs `oomb train` on the
 # GPU machine, same settings (benchmarks/sft_trainer_vs_train.py says which and how it times them):
 #
-#   device run, carry [".whl/hf_trainer_gpu"] (made by `bash benchmarks/hf_trainer_wheels.sh`, 46 MiB):
-#     OOMB_GIT_COMMIT=<commit> bash benchmarks/sft_trainer_h200.sh                 # 7B preset, LoRA, 128K, 3 steps
+#     bash benchmarks/sft_trainer_h200.sh                                          # 7B preset, LoRA, 128K, 3 steps
 #   arguments: [PRESET [SEQ_LEN [sft_trainer_vs_train.py flags...]]], e.g. tiny-qwen2 2048 --train-set oomb.chunk_size=512
 #
-# The GPU machine has no trl/datasets: when `import trl, datasets` fails, the carried wheels ($WHEELS) are
-# installed into $SITE (default /tmp/site; --no-deps), put first on PYTHONPATH. Results JSON and the two
+# A GPU machine without network may lack trl/datasets: when `import trl, datasets` fails, wheels in $WHEELS
+# (`pip download trl datasets` elsewhere) are installed into $SITE (default /tmp/site; --no-deps), put first on PYTHONPATH. Results JSON and the two
 # arms' logs go to $OUT (default out/sft_vs_train); data, runs and caches to /tmp/oomb_sft_vs_train.
 # On the H200: ~7 minutes (each arm: ~30 s start and 7B random init, then 54.5 + 2 x 49.3 s of steps).
 set -euo pipefail

@@ -70,12 +70,14 @@ def _saving_per_token(fp32_linear_grads: bool) -> tuple[int, ModelShape]:
     return (eager - compiled) // TOKENS, ModelShape.from_hf_config(config)
 
 
+@pytest.mark.slow
 def test_compiled_layer_saves_what_the_memory_model_counts():
     """The compiled layer saves exactly compiled_saving_bytes_per_token less per token than the eager one."""
     saving, shape = _saving_per_token(fp32_linear_grads=False)
     assert saving == compiled_saving_bytes_per_token(shape, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_float32_linear_gradients_are_not_counted():
     """Where the linear layers' gradients go to float32 sums the compiled graphs break at them and save more
     (the MLP's product): the compiled layer still saves something, less than the formula, and the memory

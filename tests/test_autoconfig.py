@@ -318,6 +318,7 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_dir, capsys):
     """CPU end to end: the chooser runs before the first step (chunk and page fixed by the user),
     its plan is printed, config.yaml records what ran, the summary reports the first step apart."""

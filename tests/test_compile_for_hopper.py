@@ -29,6 +29,7 @@ def _run(*args: str, interpret: bool) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_in_bf16(tmp_path):
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton has no ptxas for the CUDA backend")

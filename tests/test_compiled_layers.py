@@ -36,7 +36,8 @@ def _assert_close(got: dict, want: dict) -> None:
         assert rel <= TOLERANCE, (name, rel)
 
 
-@pytest.mark.parametrize("options", [{}, {"attention": "sparse", "sparse_budget": 2}], ids=["dense", "sparse"])
+@pytest.mark.parametrize("options", [pytest.param({}, marks=pytest.mark.slow),
+                                     {"attention": "sparse", "sparse_budget": 2}], ids=["dense", "sparse"])
 def test_compiled_layers_give_the_eager_gradients(options):
     model = build_tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(0))
@@ -50,6 +51,7 @@ def test_compiled_layers_give_the_eager_gradients(options):
     assert all(getattr(layer, COMPILED_CALL, None) is None for layer in decoder_layers(model.model))  # restored
 
 
+@pytest.mark.slow
 def test_compiled_layers_with_lora():
     model = get_peft_model(build_tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
                                                                                                   "down_proj"]))
@@ -122,6 +124,7 @@ def test_the_chooser_keeps_replay_off_for_compiled_layers():
     assert choice.config.compile_layers is True and choice.config.checkpoint_layers is False
 
 
+@pytest.mark.slow
 def test_uneven_chunks_and_a_second_step_reuse_the_compiled_code():
     """A short last chunk compiles once more (its length); a second step compiles nothing new; torch's
     recompile settings are back to the user's after the step."""
@@ -198,6 +201,7 @@ def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defau
                       Resources("cuda", 1 << 20, 1 << 20, weights_loaded=True), {"compile_layers": True})
 
 
+@pytest.mark.slow
 def test_kept_attention_outputs_compile_no_more_graphs():
     """keep_attention_outputs with compiled layers compiles the graphs the step compiles without it. The kept
     outputs travel to the attention function inside the step's state; torch 2.11 guarded on the entries of
@@ -242,6 +246,7 @@ def _accumulating_ops(model, ids, monkeypatch, carry: bool) -> tuple[dict, dict]
     return {op: counts.get(f"aten::{op}", 0) for op in ("add_", "addmm", "copy_")}, got
 
 
+@pytest.mark.slow
 def test_compiled_layers_carry_weight_gradients_into_their_products(monkeypatch):
     """carried_gradients.py: each chunk's weight gradient of a compiled layer's linear joins the gradient so far
     inside the compiled backward (one addmm), so autograd adds no chunk's gradient into those weights' .grad:

@@ -42,7 +42,8 @@ def _spawn(world: int, names: list[str], out, device_type: str = "cpu") -> list[
     return ranks
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS_BY_WORLD))
+@pytest.fixture(scope="module", params=[world if world == 2 else pytest.param(world, marks=pytest.mark.slow)
+                                        for world in sorted(SCENARIOS_BY_WORLD)])  # 2 ranks in the fast tier
 def world_results(request, tmp_path_factory) -> tuple[int, list[dict]]:
     """Every scenario of a world size, run once by that many spawned ranks: (world, per-rank results)."""
     world = request.param
@@ -297,6 +298,7 @@ def test_bad_shard_is_refused():
 
 # ---- trainer and planner ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_oomb_train_with_cp_under_torchrun_matches_one_process(tmp_path):
     """`oomb train --cp 2` under torchrun (2 CPU processes) ends with the weights of a one-process run."""
     import os

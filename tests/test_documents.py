@@ -366,6 +366,7 @@ def test_triton_kernels_mask_documents_and_skip_earlier_pages():
     _check_backend(triton_paged, q, k, v, v_poisoned, table, qs, docs)
 
 
+@pytest.mark.slow
 def test_triton_step_with_documents_equals_torch_step():
     """The whole step through the Triton interpreter (tiny: 40 tokens, chunks of 16, pages of 8, two rows
     with different documents, one window per history page)."""

@@ -208,7 +208,7 @@ def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoi
     config = OOMBConfig(chunk_size=case.chunk, page_size=case.page, backend="torch",
                         checkpoint_layers=checkpoint_layers, compile_layers=compile_layers)
     ids, _ = case.inputs(seed=15)
-    if compile_layers:  # refused: with bf16 adapters compiled stage 2 drew other masks (compiled_dropout.py)
+    if compile_layers:  # refused: with bf16 adapters compiled stage 2 drew other masks
         with pytest.raises(ValueError, match=r"compile_layers=True with an active dropout \(.*lora_dropout"):
             oomb.forward_backward(peft_model, ids, None, config)
         return

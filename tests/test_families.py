@@ -4,7 +4,7 @@ against a full-sequence Hugging Face backward (eager attention: the one HF path 
 Every case: fp32 on CPU, GQA (4 query heads, 2 KV heads), 150 tokens in chunks of 32 and pages of 8,
 windows of 40 tokens (shorter than the sequence, not a multiple of the page, chunk boundaries inside
 every window), history read one page per key window (stream_block_pages=1). The Triton cases run the
-kernels in the interpreter at smaller sizes; the GPU cases (``-m gpu``, benchmarks/gpu/families.sh)
+kernels in the interpreter at smaller sizes; the GPU cases (``-m gpu``)
 repeat the families on triton at 1100 tokens with windows of 300.
 """
 
@@ -368,6 +368,7 @@ def test_sparse_mode_reads_windows_densely_and_covering_budget_is_exact(family):
     assert_matches(got_loss, got, want_loss, want)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 @pytest.mark.parametrize("attention", ["dense", "sparse"])
 def test_gemma2_on_triton_equals_torch_backend(attention):
@@ -703,6 +704,7 @@ def test_plain_attention_is_sdpa_where_the_family_has_it(family, want):
 
 
 # The families whose layers differ most from llama's (mistral, qwen2 passed too when this was written; CPU time).
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo2"])
 def test_family_with_compiled_layers_equals_full_sequence_backward(family):
     """Families without experts with their decoder layers compiled (OOMBConfig.compile_layers, no replay):

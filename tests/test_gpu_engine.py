@@ -91,9 +91,9 @@ def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, c
 
 # Sequences each case is measured on. One sequence is too few: the error of a bf16 step moves by
 # several percent with any change in where it rounds. On one sequence, two sets of Triton tile
-# configs whose attention errors agree to three digits (benchmarks/attention_accuracy.py) gave
+# configs whose attention errors agree to three digits gave
 # 0.986x and 1.058x HF's error; HF's own error, pooled over 4 sequences, is 0.01121 to 0.01152
-# depending on its attention implementation (benchmarks/bf16_gradient_error.py).
+# depending on its attention implementation.
 SEEDS = tuple(range(1, 9))
 
 

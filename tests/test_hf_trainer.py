@@ -73,6 +73,7 @@ def assert_same_weights(m0: torch.nn.Module, m1: torch.nn.Module, tol: float = T
     assert worst <= tol, f"weights differ by {worst:.3g}"
 
 
+@pytest.mark.slow
 def test_trainer_accumulation_padding_and_checkpointing_flag(tmp_path):
     """GA 2 over right-padded batches of unequal token counts (num_items_in_batch scaling), clipping on;
     oomb's run asks for gradient checkpointing, which it replaces with a warning."""
@@ -112,6 +113,7 @@ def test_lora_through_patch_trainer(tmp_path):
     assert moved and all("lora_" in n for n in moved)
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path):
     data = [{"input_ids": x} for x in token_lists(12, seed=2)]
 
@@ -148,6 +150,7 @@ def sft_config(out, **overrides) -> SFTConfig:
     return SFTConfig(**{**options, **overrides})
 
 
+@pytest.mark.slow
 def test_sft_trainer_completion_only(tmp_path):
     """SFTTrainer's own collator (right padding) and completion-only labels, GA 2."""
     from datasets import Dataset
@@ -166,6 +169,7 @@ def test_sft_trainer_completion_only(tmp_path):
     assert logged(ours)[-1]["num_tokens"] == logged(plain)[-1]["num_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_real_model_chat_sft_with_lora(tmp_path, smollm2_path):
     """SmolLM2-135M-Instruct, its chat template, LoRA: one optimizer step on the 4 chats, plain vs oomb.
 
@@ -264,6 +268,7 @@ def test_refuses_left_padding_and_labels_after_padding():
         hft.step_inputs(counted)
 
 
+@pytest.mark.slow
 def test_sft_trainer_padding_free(tmp_path):
     """TRL's padding-free collator (one row, position_ids restarting at each document): document-aware
     attention, against the plain SFTTrainer (which derives a block-diagonal mask from position_ids).
@@ -354,6 +359,7 @@ def test_loss_gradient_scale_is_exact():
     assert not hasattr(model.get_output_embeddings(), hft.GRADIENT_SCALE)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes(tmp_path):
     """2 CPU processes (gloo) under torchrun: accelerate's DDP, GA 2, tokens counted over both ranks."""
     import json
@@ -383,6 +389,7 @@ def test_ddp_two_processes(tmp_path):
     print(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("items", [True, False], ids=["num_items_in_batch", "accumulation_mean"])
 def test_moe_load_balancing_term_weighs_as_the_trainers(tmp_path, items):
     """qwen3_moe with its load-balancing loss, GA 2: with num_items_in_batch the model adds the term unscaled

@@ -30,6 +30,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-5, atol=1e-5)
 """float32: merged windows vs one pass differ only in the order of float32 sums."""
 BACKENDS = ["reference", "triton"]
+BACKENDS_TRITON_SLOW = ["reference", pytest.param("triton", marks=pytest.mark.slow)]  # the interpreter: ~4 s a case
 
 
 def _backend(name: str):
@@ -159,7 +160,7 @@ def _split(name: str, history_pages: int) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("G,Hkv,P,history_pages,Lq", SHAPES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_TRITON_SLOW)
 def test_windows_merge_to_the_full_attention(backend, G, Hkv, P, history_pages, Lq, split):
     be = _backend(backend)
     c = make_case(2, G * Hkv, Hkv, Lq, history_pages, 32, P)
@@ -208,7 +209,7 @@ def _poison(c: Case, window: tuple[int, int]) -> Case:
 
 
 @pytest.mark.parametrize("G,Hkv,P,history_pages,Lq", [SHAPES[1], SHAPES[2]])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_TRITON_SLOW)
 def test_nothing_outside_the_window_is_read(backend, G, Hkv, P, history_pages, Lq):
     be = _backend(backend)
     c = make_case(2, G * Hkv, Hkv, Lq, history_pages, 32, P)

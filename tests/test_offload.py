@@ -236,7 +236,7 @@ SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
                          [("kv_head", 1, "max", "minmax"), ("shared", 1, "max", "minmax"),
                           ("kv_head", 4, "max", "minmax"), ("kv_head", 1, "softmax_max", "minmax"),
                           ("kv_head", 1, "max", "rerank"), ("kv_head", 4, "max", "rerank")])
-@pytest.mark.parametrize("staging", ["gather", "copy per run"])
+@pytest.mark.parametrize("staging", ["gather", pytest.param("copy per run", marks=pytest.mark.slow)])
 def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selection, group, pooling, score, staging,
                                                                  offload_stores, monkeypatch):
     """Sparse: only the selected pages (and the chunk's own) are staged; same bits as on the GPU tier.
@@ -285,7 +285,7 @@ def _record_calls(monkeypatch, cls, method: str, arg: int) -> list:
 @pytest.mark.parametrize("score", ["minmax", "rerank"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("resident", [0, 1])
-@pytest.mark.parametrize("staging", ["gather", "host tensors"])
+@pytest.mark.parametrize("staging", ["gather", pytest.param("host tensors", marks=pytest.mark.slow)])
 def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, offload_stores, monkeypatch):
     """One selection per chunk moves as (page, KV head) rows in both stages (virtual
     pages; gradients written back per head, a page's other heads zeroed on its first write), and so do

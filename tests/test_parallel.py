@@ -109,6 +109,7 @@ def test_parallel_run_needs_a_process_group():
         setup_parallel(build_tiny_model("llama"), tp=2)
 
 
+@pytest.mark.slow
 def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
     """`oomb train --tp 2` under torchrun (2 CPU processes) ends with the weights of a one-process run."""
     import os

@@ -138,6 +138,7 @@ def _assert_bitwise(got: dict, want: dict) -> None:
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, stopped", [("tp", "tp-killed"), ("dp", "dp-interrupted")])
 def test_resumed_run_equals_uninterrupted_bitwise(runs, name, stopped):
     """tp=2 (fp32, vocabulary-sharded head) killed in step 3; dp=2 (FSDP2, bf16 with fp32 masters, tied

@@ -84,6 +84,7 @@ def test_missing_real_model_skips_but_fails_where_required(monkeypatch):
                 real_model_dir()
 
 
+@pytest.mark.slow
 def test_dense_gradients_match_full_sequence_backward(smollm2_path, tokenizer):
     """2048 tokens of real text in 4 chunks of 4 pages: every parameter's gradient and the loss."""
     model = load_fp32(smollm2_path)
@@ -93,6 +94,7 @@ def test_dense_gradients_match_full_sequence_backward(smollm2_path, tokenizer):
     assert len(got) == 272 and all(g is not None for g in got.values())  # 30 layers x 9 + embedding + norm
 
 
+@pytest.mark.slow
 def test_lora_gradients_match_full_sequence_backward(smollm2_path, tokenizer):
     """PEFT LoRA on every linear layer; ignored labels span a chunk boundary (like a masked prompt)."""
     model = get_peft_model(load_fp32(smollm2_path), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -155,6 +157,7 @@ def test_chat_records_are_the_chat_template_tokens_without_a_second_eos(tmp_path
     assert tokenizer.eos_token == "<|im_end|>" and len(got) > 64
 
 
+@pytest.mark.slow
 def test_cli_lora_run_exports_merged_model_that_generates(tmp_path, smollm2_path):
     """`oomb train --lora` from the converted directory on chat data, 2 steps; the merged export
     reloads with from_pretrained and answers through its chat template."""

@@ -84,7 +84,9 @@ def test_readme_commands_are_the_makefile_targets():
     commands = re.findall(r"^make (\w+)", section, flags=re.MULTILINE)
     assert commands == ["train", "test"], commands
     assert set(commands) <= targets
-    assert "$(PY) -m pytest -q tests" in makefile and "make test" in (ROOT / ".ci" / "run").read_text()
+    assert '$(PY) -m pytest -q -m "not slow" tests' in makefile and "$(PY) -m pytest -q tests" in makefile
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test\n" in ci and "pytest -q -m slow tests" in ci  # the fast tier, then the rest once
 
 
 def test_readme_oomb_subcommands_exist():
@@ -118,3 +120,22 @@ def test_index_value_paths(suite):
         assert suite.scenario_values(scenario) == {"a": 2.0, "r": 0.5}
     finally:
         suite.load_json = original
+
+
+def test_suite_run_selects_and_fills_commands(suite, index):
+    """`suite.py run NAME`: a suite name stands for its scenarios in order, a scenario name for itself, and a
+    command's <placeholders> must all be given (--set name=value) before anything runs."""
+    standard = suite.selected(index, "standard")
+    assert [s["suite"] for s in standard] == ["standard"] * len(standard) and len(standard) >= 3
+    assert [s["name"] for s in suite.selected(index, "standard-128k")] == ["standard-128k"]
+    with pytest.raises(KeyError, match="unknown suite or scenario"):
+        suite.selected(index, "no-such-thing")
+    scenario = {"name": "t", "command": "python x.py --out <out dir>"}
+    with pytest.raises(ValueError, match="--set data=... --set out=..."):
+        suite.command_line({"name": "t", "command": "python x.py --data <data> --out <out>"}, {})
+    filled = suite.command_line({"name": "t", "command": "python x.py --data <data> --out <out>"},
+                                {"data": "/d", "out": "/o p"})
+    assert filled == "python x.py --data /d --out '/o p'"
+    assert suite.command_line(scenario, {}) == scenario["command"]  # "<out dir>" is no placeholder name
+    assert suite.main(["run", "standard-128k", "--dry-run"]) == 0
+    assert len(suite.readme_table(index).splitlines()) <= suite.README_MAX_ROWS + 4  # markers and header

@@ -72,7 +72,7 @@ AttentionInterface.register(ORACLE, _oracle_attention)
 
 @pytest.mark.parametrize(("family", "sparse"), [
     ("llama", {}),
-    ("llama", dict(backend="triton")),
+    pytest.param("llama", dict(backend="triton"), marks=pytest.mark.slow),  # the interpreter: minutes
     ("qwen2", dict(sparse_selection="shared", sparse_leak_free=True, sparse_pooling="softmax")),
     ("qwen3", dict(sparse_query_block_pages=2, sparse_sink_pages=2, sparse_budget=1)),
 ], ids=["kv_head", "triton", "shared-leak_free-softmax", "query_groups"])
@@ -163,7 +163,7 @@ def test_sparse_documents_with_offload_equal_without_bitwise():
 @pytest.mark.parametrize(("backend", "staging", "rows"), [
     ("torch", "gather", [LENGTHS, LENGTHS_2]),
     ("torch", "copy per run", [LENGTHS, LENGTHS_2]),
-    ("triton", "gather", [LENGTHS[:4]]),  # 128 tokens: the interpreter is slow
+    pytest.param("triton", "gather", [LENGTHS[:4]], marks=pytest.mark.slow),  # 128 tokens: the interpreter is slow
 ])
 def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows, selections, monkeypatch):
     """A block whose document holds fewer history pages than it reads fills its selection up with

@@ -250,6 +250,7 @@ def _quick_profile(script, tmp_path, monkeypatch, *extra: str) -> dict:
     return json.loads((tmp_path / "p.json").read_text())["runs"][0]
 
 
+@pytest.mark.slow
 def test_quick_profile_groups_and_floors(tmp_path, monkeypatch, capsys):
     script = _profile_script()
     run = _quick_profile(script, tmp_path, monkeypatch)
@@ -288,6 +289,7 @@ def test_profile_of_the_first_layers_only(tmp_path, monkeypatch):
         _quick_profile(script, tmp_path, monkeypatch, "--layers", "0")
 
 
+@pytest.mark.slow
 def test_profile_with_the_choosers_plan(tmp_path, monkeypatch):
     """--chosen: the profiled step runs the plan `oomb train`'s chooser makes (not the flags' defaults, which
     replay layers), and the JSON keeps the plan; without it the plan is None."""

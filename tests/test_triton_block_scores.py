@@ -54,6 +54,7 @@ def test_kernel_in_bf16_and_shared_selection(score):
     assert torch.equal(got[:, 0], got[:, 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("score", ["minmax", "mean"])
 @pytest.mark.parametrize("length,n_hist,dtype", [(32, 5, torch.float32), (29, 21, torch.float32),
                                                  (16, 1, torch.float32), (40, 7, torch.bfloat16)])

@@ -107,13 +107,3 @@ def test_the_sparse_cudnn_backward_adds_through_the_kernel(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_speed_benchmark_smoke(tmp_path, monkeypatch):
-    """benchmarks/row_add_speed.py on tiny shapes: both paths run and agree on a float32 pool."""
-    import json
-
-    from helpers import run_benchmark
-
-    out = tmp_path / "r.json"
-    run_benchmark("row_add_speed", ["--smoke", "--pool-dtypes", "float32", "--out", str(out)], monkeypatch)
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["bitwise_equal"] and row["rows"] == 4 * 2 * 4  # 4 groups x 2 heads x (sink + budget 3)

@@ -97,7 +97,7 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length, P, row_stride)
     store.free_all()
 
 
-@pytest.mark.parametrize("with_previous,P", [(True, 16), (False, 16), (True, 32)],
+@pytest.mark.parametrize("with_previous,P", [(True, 16), (False, 16), pytest.param(True, 32, marks=pytest.mark.slow)],
                          ids=["previous_page", "no_previous", "previous_page_of_two_tiles"])
 def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, monkeypatch):
     """Leak-free rerank: block j scored by the page of queries before it and its first query, each seeing
@@ -142,18 +142,3 @@ def test_tuning_key_classes_the_scored_pages():
     assert "tuning_bucket" in triton_scores._exact_scores_kernel.keys
     assert [triton_scores.tune_bucket(n) for n in (0, 1, 65, 96, 128, 129, 256, 8192)] == \
         [1, 1, 128, 128, 128, 256, 256, 8192]
-
-
-def test_ablation_benchmark_smoke(tmp_path, monkeypatch):
-    """benchmarks/score_kernel_ablation.py on tiny shapes: the variants' source edits apply and run; the exact
-    ones (the pipelined product) match the kernel as it is, those that leave a part out are not compared."""
-    import json
-
-    from helpers import run_benchmark
-
-    out = tmp_path / "a.json"
-    run_benchmark("score_kernel_ablation", ["--smoke", "--variants", "base", "no_max", "prefetch", "--out", str(out)],
-                  monkeypatch)
-    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"base", "no_max", "prefetch"} and all("ms" in row for row in rows.values())
-    assert rows["prefetch"]["max_abs_diff_vs_base"] == 0.0 and "max_abs_diff_vs_base" not in rows["no_max"]

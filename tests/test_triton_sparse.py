@@ -214,6 +214,7 @@ def test_gpu_repeat_runs_are_bit_identical():
         assert all(torch.equal(a, b) for a, b in zip(first, _run(triton_sparse, c), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query_block_pages", [1, 3], ids=["per-block", "one-group-expanded"])
 def test_engine_with_the_triton_backend_matches_the_torch_backend(query_block_pages):
     """A sparse step through the Triton kernels (interpreted on CPU) equals the torch reference's; with
@@ -309,6 +310,7 @@ def _run_capped(backend, c: Case, softcap: float, out=None, lse=None, **kwargs):
     return fwd_out, fwd_lse, dq, dk, dv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,history_pages,D,P,K,documents", [
     pytest.param(2, 4, 2, 40, 5, 16, 16, 2, False, id="G2-P16-K2"),
     pytest.param(1, 2, 1, 30, 4, 16, 12, 2, False, id="G2-P12-K2"),
