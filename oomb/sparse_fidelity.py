@@ -62,10 +62,8 @@ class FidelityPoint:
 _128K = "real_model/gradcheck_smollm2_128k_h100.json"
 _512K = "real_model/gradcheck_smollm2_512k_h100.json"
 MEASURED: tuple[FidelityPoint, ...] = (
-    FidelityPoint(32768, 0.2567, 0.98867, 0.0010, "budget 32, SmolLM2-135M YaRN x4, as shipped",
-                  "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
-    FidelityPoint(32768, 0.1328, 0.96457, 0.0111, "budget 16, SmolLM2-135M YaRN x4, as shipped",
-                  "real_model/gradcheck_smollm2_32k_curve_h200_2026-12-02.json"),
+    FidelityPoint(32768, 0.25, 0.98591, 0.00122, "budget 31, SmolLM2-135M YaRN x4, as shipped",
+                  "real_model/gradcheck_smollm2_32k_p128_k31_gpu_text_cpu_2026-12-05.json"),
     FidelityPoint(131072, 0.012, 0.52628, -0.04963, "budget 5, SmolLM2-135M YaRN x16, as shipped", _128K),
     FidelityPoint(131072, 0.031, 0.58048, -0.00668, "budget 15, SmolLM2-135M YaRN x16, as shipped", _128K),
     FidelityPoint(131072, 0.100, 0.93984, -0.00770, "budget 51, SmolLM2-135M YaRN x16, as shipped", _128K),
