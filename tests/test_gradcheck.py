@@ -203,3 +203,12 @@ def test_gradcheck_reads_curve_marks_the_defaults_and_repeats_after_a_warm_up():
     shipped = [r["cosine"] for r in rows if r["model_state"] == "as shipped"]
     warmed = [r["cosine"] for r in rows if r["model_state"] != "as shipped"]
     assert shipped != warmed  # the warm-up changed the model the second comparison sees
+
+
+def test_gradcheck_read_share_arms_read_their_share_and_a_full_one_is_dense():
+    report = run_gradcheck(GradcheckOptions(seq_len=512, chunk_size=128, page_size=16, budgets=[], reads=[0.5],
+                                            read_shares=[0.5, 1.0], scores=["auto"], hf="off"))
+    fixed, half, full = report["sparse"]
+    assert fixed["budget"] != "share 0.5" and half["budget"] == "share 0.5" and full["budget"] == "share 1.0"
+    assert half["history_read"] >= 0.5 and half["target_read"] == 0.5
+    assert full["cosine"] == pytest.approx(1.0, abs=1e-12) and full["loss_gap"] == 0.0

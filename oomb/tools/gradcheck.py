@@ -93,6 +93,7 @@ class GradcheckOptions:
     json_path: str | None = None
     dense_cache: str | None = None  # a folder keeping dense steps (dense_cache.py): a later run skips its own
     reads: list[float] = field(default_factory=list)  # shares of the history: budgets that read about as much
+    read_shares: list[float] = field(default_factory=list)  # sparse_read_share arms (every block reads the share)
     warmup_steps: int = 0  # dense LoRA context-extension steps on the following text, then everything again
     warmup_lr: float = 2e-4
 
@@ -230,8 +231,10 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
     probe = OOMBConfig(**{**asdict(base), **common})
     reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
     budgets = [None] if layer_budgets is not None else list(dict.fromkeys([*options.budgets, *reads]))
+    budgets += [f"share {share}" for share in options.read_shares]
     arms = []
     for score, pooling, budget in itertools.product(options.scores, options.poolings, budgets):
+        share = float(budget.split()[1]) if isinstance(budget, str) else None
         rerank = score == "rerank"
         for factor, proposer, pooled in itertools.product(
                 options.rerank_factors if rerank else [None], options.rerank_candidates if rerank else [None],
@@ -251,10 +254,12 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
                     name = score + ("" if bound is None else f"/{bound}")
                 else:
                     name = _rerank_name(factor, proposer, pooled, bound)
-                arms.append({"name": name, "pooling": pooling, "budget": budget, "target_read": reads.get(budget),
+                fixed = 0 if share is not None else budget if budget is not None else max(layer_budgets)
+                arms.append({"name": name, "pooling": pooling, "budget": budget,
+                             "target_read": share if share is not None else reads.get(budget),
                              "config": {**common, **extra, "sparse_score": score, "sparse_pooling": pooling,
-                                        "sparse_normaliser_pages": bound,
-                                        "sparse_budget": budget if budget is not None else max(layer_budgets)}})
+                                        "sparse_normaliser_pages": bound, "sparse_budget": fixed,
+                                        "sparse_read_share": share}})
     return arms
 
 
@@ -438,6 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run, per score, the budget that reads about this share of the history "
                              "(e.g. 0.01 0.03 0.1 0.25); with --scores auto exact: the defaults and the oracle "
                              "at equal reads")
+    parser.add_argument("--read-shares", type=float, nargs="+", default=d.read_shares, metavar="SHARE",
+                        help="also run, per score, sparse_read_share at these shares (every query block reads the "
+                             "share of its history): against --reads' fixed budgets at equal reads")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                         help="after the comparisons, train this many dense LoRA steps on the text that follows "
                              "the measured sequence (a short context extension at --seq-len), then compare again")
