@@ -13,7 +13,7 @@ Only without layer replay: transformers runs a layer's checkpoint inside its for
 eager while stage 1 ran compiled (keys and values recomputed with other rounding, dropout with other
 masks). Not with an active dropout either: with trainable bf16 linear layers (bf16 LoRA adapters), stage
 2's graphs break at the float32-gradient linear layers (fp32_linear.py) and stage 1's do not, and the
-masks differed (benchmarks/compiled_dropout.py). The layers are compiled in place with
+masks differed (measured; see CHANGELOG.md and git history). The layers are compiled in place with
 ``nn.Module.compile`` only for the step and restored afterwards, so a user's own calls of the model
 (generation, evaluation) run as they did. Compiled code is cached by torch per code object: the first
 step compiles (tens of seconds), later steps reuse it.
@@ -56,7 +56,7 @@ def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn
     if dropout is not None:
         raise ValueError(f"compile_layers=True with an active dropout ({dropout}): stage 2 must draw the masks "
                          "stage 1 drew, and compiled layers with trainable bf16 linear layers drew others "
-                         "(benchmarks/compiled_dropout.py); set compile_layers=False (or None), or the dropout to 0")
+                         "(measured on the H200); set compile_layers=False (or None), or the dropout to 0")
     if problem is not None:
         raise ValueError(f"compile_layers=True: {problem}")
     return True

@@ -297,7 +297,7 @@ def exact_block_scores(
     Args and result: as block_scores, with the keys read from ``store`` (every history page and
     the chunk's own pages, written by stage 1 before selection). ``row_stride`` > 1 pools only every
     row_stride-th query of a block (the last of each group), to measure how few queries an exact score
-    needs (benchmarks/sparse_exact_rows.py). ``kernel``: score with the fused Triton kernel
+    needs. ``kernel``: score with the fused Triton kernel
     (oomb/attention/triton_scores.py; max pooling only); None: for CUDA tensors whose page size it
     takes. The torch code below materialises tiles of logits: the reference, and the CPU's path.
     """

@@ -36,7 +36,7 @@ class FusedKernel:
     consecutive query heads), or None (never): the chunk's own causal window then skips repeating them
     (local_forward). The backward keeps repeated heads: their dK/dV come back per query head and are summed
     in float32, where a grouped backward rounds each KV head's sum to bf16 (about twice the error against
-    float32: benchmarks/cudnn_gqa.py)."""
+    float32, measured)."""
 
 
 def _gather(pool: torch.Tensor, page_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether torch's cuDNN attention forward here takes fewer KV heads than query heads, with the results
     of repeated heads (bitwise on the H200 with torch 2.11, and 0.15 ms of 1.14 faster for a 4096-token chunk
-    of the 7B's causal forward and backward: benchmarks/cudnn_gqa.py). Checked once per device and dtype on a
+    of the 7B's causal forward and backward, measured). Checked once per device and dtype on a
     small causal case of 7 query heads per KV head, head dim 128; a refusal or another result keeps the
     repeats (running out of memory is raised, not taken for an answer)."""
     gen = torch.Generator(device=device).manual_seed(0)

@@ -54,7 +54,7 @@ from .triton_paged import (
 )
 
 # The last config only serves pages of 16 or 48 keys (pruned whenever a larger key tile fits). The others
-# from benchmarks/score_kernel_configs.py on the H200 (2026-12-03, rerank x4's 256 listed pages per block
+# measured on the H200 (rerank x4's 256 listed pages per block
 # of the 7B shape; score-kernel-configs in docs/results.md): 128 rows on one warpgroup (4 warps) ran fastest,
 # whole 128-key pages (3.3 ms per chunk at 128K) or half pages (3.7 ms; it also serves 64-key pages), against
 # 4.1 ms for the autotuner's pick of the list before, (64, 64, 4, 3); (128, 64, 8, 3), first in that list,

@@ -407,7 +407,7 @@ class Trainer(Checkpointing):
     def close(self) -> None:
         """Leave the process group that setup() joined (under torchrun). Left to interpreter exit,
         the group's threads are torn down while still running, and a rank can abort after the run
-        finished (SIGABRT; 1 of 25 CPU runs, benchmarks/torchrun_exit.sh), which torchrun reports as a failed job.
+        finished (SIGABRT; 1 of 25 CPU runs), which torchrun reports as a failed job.
         A group the caller initialized is left alone."""
         if self._owns_process_group:
             self._owns_process_group = False
