@@ -140,6 +140,41 @@ def test_cli_run_resume_and_refusal(tmp_path, model_dir, capsys, caplog):
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tokens"] == 128
 
 
+@pytest.mark.parametrize(("damaged_file", "spoil"), [
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])),  # a truncated copy
+    ("optimizer.pt", lambda p: p.write_bytes(p.read_bytes()[:100])),
+    ("trainer_state.json", lambda p: p.write_text('{"step": 2, "tok')),
+])
+def test_cli_resume_passes_over_a_damaged_checkpoint(tmp_path, model_dir, capsys, caplog, damaged_file, spoil):
+    data = tmp_path / "notes.txt"
+    data.write_text("".join(f"note {i}: long context training, chunk by chunk.\n" for i in range(100)))
+    out = tmp_path / "out"
+    args = ["train", "--model", str(model_dir), "--data", str(data), "--seq-len", "128", "--steps", "2",
+            "--output-dir", str(out), *FAST, "--set", "checkpoint.every=1", "--set", "checkpoint.export=false"]
+    assert cli_main(args) == 0
+    checkpoints = out / "checkpoints"
+    spoil(checkpoints / "step-000002" / damaged_file)
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 0  # step 2 again, from step 1
+    assert f"checkpoint {checkpoints / 'step-000002'}: {damaged_file} is " in caplog.text
+    assert f"resuming from {checkpoints / 'step-000001'}, the latest intact checkpoint" in caplog.text
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    # An explicit checkpoint that is damaged: refused, naming the intact one to pass instead.
+    spoil(checkpoints / "step-000002" / damaged_file)  # rewritten by the resumed run
+    assert cli_main([*args, "--resume", str(checkpoints / "step-000002")]) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged_file} is " in err and f"--resume {checkpoints / 'step-000001'}" in err
+
+    # None intact: exit 2 with every damaged file listed, and the ways out; no traceback.
+    spoil(checkpoints / "step-000001" / damaged_file)
+    assert cli_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oomb train: error: no intact checkpoint to resume from in {checkpoints}")
+    assert err.count(f"{damaged_file} is ") == 2 and "--overwrite" in err and "Traceback" not in err
+
+
 def test_cli_ctrl_c_exits_130_with_resume_hint(tmp_path, model_dir, capsys, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb train`."""
     parser.epilog = ("Precedence: defaults < CONFIG.yaml < the flags above < --set. --print-config lists every key; "
                      "docs/training.md explains them. Exit codes: 0 done, 1 loss not finite, 2 bad config or "
-                     "input, 3 not enough memory, 130 interrupted (state saved; add --resume to continue).")
+                     "input (also: no intact checkpoint to resume), 3 not enough memory, 130 interrupted (state saved; "
+                     "add --resume to continue).")
     parser.add_argument("config", nargs="?", help="YAML config file (default: the embedded tiny model and corpus)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")

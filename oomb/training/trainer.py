@@ -45,10 +45,13 @@ from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
 from .checkpoint import (
+    DamagedCheckpointError,
     atomic_directory,
     latest_checkpoint,
+    latest_intact_checkpoint,
+    load_checkpoint,
 )
-from .checkpointing import Checkpointing
+from .checkpointing import RESUME_STATE_KEYS, Checkpointing
 from .config import TrainerConfig
 from .data import PackedSequences, resolve_files
 from .optim import MasterWeights, build_optimizer, build_scheduler
@@ -251,9 +254,9 @@ class Trainer(Checkpointing):
         metrics = self.output_dir / self.config.logging.metrics_file
         artifacts = [p for p in (self.output_dir / n for n in (*ARTIFACTS, metrics.name)) if p.exists()]
         if resume == "latest" and latest is not None:
-            return latest, []
+            return self._intact_checkpoint(), []
         if resume is not None and resume != "latest":
-            return Path(resume), []
+            return self._checked_resume_path(Path(resume)), []
         if resume == "latest":
             logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0", self.checkpoint_dir)
             return None, artifacts  # a run that died before its first checkpoint: start it again
@@ -264,6 +267,31 @@ class Trainer(Checkpointing):
                 "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
                 "another train.output_dir")
         return None, artifacts
+
+    def _intact_checkpoint(self) -> Path:
+        """The newest checkpoint whose files all read back; a damaged newer one is passed over with a warning
+        naming its file, and a run with none intact is refused before anything is loaded."""
+        intact, damaged = latest_intact_checkpoint(self.checkpoint_dir, RESUME_STATE_KEYS)
+        if intact is None:
+            raise DamagedCheckpointError(
+                f"no intact checkpoint to resume from in {self.checkpoint_dir}:\n  " + "\n  ".join(damaged)
+                + "\nrestore the damaged files from a copy, or start over with --overwrite (train.overwrite=true; "
+                "deletes these checkpoints)")
+        for message in damaged:
+            logger.warning("%s: resuming from %s, the latest intact checkpoint, instead", message, intact)
+        return intact
+
+    def _checked_resume_path(self, path: Path) -> Path:
+        """``path`` (checkpoint.resume) if its files read back; otherwise refused, naming the damaged file and
+        the latest intact checkpoint of this run."""
+        try:
+            load_checkpoint(path, RESUME_STATE_KEYS)
+        except DamagedCheckpointError as err:
+            intact, _ = latest_intact_checkpoint(self.checkpoint_dir, RESUME_STATE_KEYS)
+            fix = (f"resume from the latest intact checkpoint with --resume {intact}" if intact is not None
+                   else f"no checkpoint in {self.checkpoint_dir} is intact")
+            raise DamagedCheckpointError(f"{err}: {fix}, or restore the file from a copy") from err
+        return path
 
     def _check_memory(self, causal_lm) -> None:
         mode = self.config.train.memory_check
