@@ -283,6 +283,34 @@ def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_f
     assert "not enough host memory" in caplog.text
 
 
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_path, monkeypatch, caplog):
+    """A 7B preset on a machine with 12 GiB free: refused with the numbers before any weight is allocated
+    (building it first would die in the allocator). The free memory is injected; nothing large is allocated."""
+    free = 12 * 1024**3
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: free)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the memory check")
+
+    monkeypatch.setattr(oomb.training.trainer, "build_model", no_build)
+    config = TrainerConfig.load(None, ["model.preset=qwen2.5-7b", "train.device=cpu", "data.seq_len=8192",
+                                       f"train.output_dir={json.dumps(str(tmp_path / 'out'))}"])
+    with pytest.raises(NotEnoughMemoryError) as err:
+        Trainer(config).setup()
+    message = str(err.value)
+    params = oomb.training.trainer.ModelShape.from_hf_config(
+        oomb.training.presets.load_model_config(config.model, 8192)).num_params()
+    assert f"{params / 1e9:.2f} B parameters" in message
+    assert f"need {params * 4 / 1024**3:.1f} GiB in float32" in message and "12.0 GiB are free" in message
+    assert "model.dtype=bfloat16" in message and "train.memory_check=warn" in message
+    assert not (tmp_path / "out").exists()  # nothing written either
+    # warn: the check says so and goes on (to the build, stopped here by the stand-in)
+    config.train.memory_check = "warn"
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"), pytest.raises(AssertionError):
+        Trainer(config).setup()
+    assert "weights alone need" in caplog.text
+
+
 def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_file):
     """keep_attention_outputs set in the config: the memory check's terms include the kept outputs (every
     layer's attention output and lse), as the planner counts them."""

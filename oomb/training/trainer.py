@@ -43,7 +43,7 @@ from ..memory import GIB, estimate_step_memory
 from ..model_shape import ModelShape
 from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
-from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config
+from .autoconfig import Choice, NoConfigFitsError, Resources, Workload, choose_config, lora_no_replay_bytes
 from .checkpoint import (
     DamagedCheckpointError,
     atomic_directory,
@@ -195,6 +195,7 @@ class Trainer(Checkpointing):
 
         if self.model is None:
             model_config = load_model_config(cfg.model, cfg.data.seq_len)
+            self._check_weights_fit(model_config)  # before anything of the model's size is allocated
         else:
             model_config = unwrap_causal_lm(self.model).config
         warning = context_warning(model_config, cfg.data.seq_len)
@@ -292,6 +293,35 @@ class Trainer(Checkpointing):
                    else f"no checkpoint in {self.checkpoint_dir} is intact")
             raise DamagedCheckpointError(f"{err}: {fix}, or restore the file from a copy") from err
         return path
+
+    def _check_weights_fit(self, model_config) -> None:
+        """Refuse, before the model is built, a model whose weights alone exceed the free memory of the device
+        they go to: building it would die in the allocator with a traceback (a 7B preset on a small machine).
+        The step's own terms are checked after the build (``_check_memory``), with the model's exact counts."""
+        cfg = self.config
+        if cfg.train.memory_check == "off":
+            return
+        shape = ModelShape.from_hf_config(model_config).per_rank(cfg.parallel.tp)
+        params = shape.num_params()
+        need = params * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, where = machine.gpu_free_bytes(self.device), f"GPU memory on {self.device}"
+        else:
+            free, where = host_available_bytes(), "host memory (MemAvailable)"
+        if need <= MEMORY_HEADROOM * free:
+            return
+        source = cfg.model.path or f"preset {cfg.model.preset}"
+        tips = ["a smaller model or preset", "a machine with more free memory"]
+        if self.dtype.itemsize > 2:
+            tips.insert(0, f"model.dtype=bfloat16 (half of {str(self.dtype).removeprefix('torch.')}'s "
+                           f"{need / GIB:.1f} GiB)")
+        message = (f"not enough {where} for the model: {source} has {params / 1e9:.2f} B parameters, whose weights "
+                   f"alone need {need / GIB:.1f} GiB in {str(self.dtype).removeprefix('torch.')}, and "
+                   f"{free / GIB:.1f} GiB are free (nothing was allocated)\noptions: " + "; ".join(tips))
+        if cfg.train.memory_check == "warn":
+            logger.warning("%s", message)
+            return
+        raise NotEnoughMemoryError(message + "\n  or set train.memory_check=warn to try anyway")
 
     def _check_memory(self, causal_lm) -> None:
         mode = self.config.train.memory_check
@@ -401,6 +431,9 @@ class Trainer(Checkpointing):
         }
         if step.kept_attention:
             terms["kept attention outputs (stage 1 to stage 2)"] = step.kept_attention
+        if cfg.lora.enabled and not cfg.oomb.checkpoint_layers:
+            terms["LoRA layers' saved inputs (no layer replay)"] = lora_no_replay_bytes(
+                shape, min(cfg.oomb.chunk_size, cfg.data.seq_len), self.dtype)
         if not cfg.optim.offload:
             # AdamW's exp_avg and exp_avg_sq take the dtype of what it steps: an fp32 master (which
             # also holds 4 bytes of weight and 4 of gradient), else the parameter itself (bf16: 4
