@@ -104,6 +104,30 @@ def test_print_config_applies_flags(capsys):
     assert printed["model"]["preset"] == "qwen2.5-7b" and printed["data"]["seq_len"] == 1 << 20
 
 
+def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
+    """Each oomb option left auto carries what it resolves to on this machine, and the chooser's plan follows
+    as comments; the output still loads as the same config (those options left auto again)."""
+    args = ["train", "--seq-len", "8K", "--chunk-size", "2K", "--set", "train.device=cpu", "--print-config"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    config = TrainerConfig.load(None, ["data.seq_len=8192", "oomb.chunk_size=2048", "train.device=cpu"])
+    assert yaml.safe_load(out) == config.to_dict()
+    oomb_lines = out.split("\noomb:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    annotated = {line.split(":")[0].strip(): line.split("# here: ")[1] for line in oomb_lines if "# here: " in line}
+    assert set(config.oomb_auto) <= set(annotated) and "chunk_size" not in annotated  # set by the flag: as given
+    assert annotated["backend"] == "torch" and annotated["offload"] == "false"  # a CPU
+    assert annotated["sparse_score"] == config.oomb.resolved_sparse_score
+    assert "# configuration: pages in host memory" in out and "chunk 2048" in out and "#   why: " in out
+
+    assert cli_main([*args, "--no-auto-config"]) == 0  # nothing left to the chooser: no plan
+    out = capsys.readouterr().out
+    assert "# configuration:" not in out and "  offload: false\n" in out and "offload: auto" not in out
+
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)  # a machine with 1 MiB
+    assert cli_main(args) == 0
+    assert "# on this machine no plan fits:" in capsys.readouterr().out
+
+
 def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path):
     assert cli_main(["train", "--set", "optim.lrr=1"]) == 2
     assert "oomb train: error: unknown key(s) ['optim.lrr']" in capsys.readouterr().err

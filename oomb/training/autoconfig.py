@@ -228,7 +228,8 @@ class Candidate:
     def memory_words(self) -> str:
         """'GPU 9.6 GiB, host 2.0 GiB'; on a CPU the one memory there is."""
         if self.device == "cpu":
-            return f"host {self.host_counted / GIB:.1f} GiB (activations, logits, pages, process)"
+            weights = "beyond the loaded weights" if self.gpu_counted < self.gpu_bytes else "with the weights"
+            return f"host {self.host_counted / GIB:.1f} GiB ({weights}: activations, logits, pages, process)"
         return f"GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB"
 
     @property
@@ -655,7 +656,9 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         elif name in fixed:
             parts.append(f"{name}={value} as set")
         elif not value:
-            parts.append(off.format(SPEED_FACTS[f"{fact}_{'sparse' if cfg.attention == 'sparse' else 'dense'}"].factor))
+            kind = "cpu" if fact == "replay" and resources.device == "cpu" else (
+                "sparse" if cfg.attention == "sparse" else "dense")
+            parts.append(off.format(SPEED_FACTS[f"{fact}_{kind}"].factor))
         else:
             parts.append(on)
     if "keep_attention_outputs" in fixed:
@@ -687,8 +690,10 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
     if longest:
         lines.append(f"  up to {longest:,} tokens ({_approx_tokens(longest)}) fit, by the same search")
     else:
+        fixes = ("train LoRA adapters, use a smaller model or a machine with more memory" if resources.device == "cpu"
+                 else "train LoRA adapters, offload the optimizer, or use a larger GPU")
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
-                     "large (train LoRA adapters, offload the optimizer, or use a larger GPU)")
+                     f"large ({fixes})")
     if fixed:
         tied = {"checkpoint_layers"} if base.compile_layers is True else set()  # compiled layers: no replay
         free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS and k not in tied}

@@ -10,10 +10,14 @@ import argparse
 import json
 import sys
 
+import torch
+import yaml
+
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig
 from ..units import parse_tokens
+from .autoconfig import NoConfigFitsError
 from .config import TrainerConfig
-from .trainer import NotEnoughMemoryError, Trainer, TrainResult
+from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
 
 EXIT_ERROR = 1
 EXIT_MEMORY = 3
@@ -91,11 +95,46 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
 
 
+def annotated_config(config: TrainerConfig) -> str:
+    """The config as YAML, each oomb option left ``auto`` followed by a comment with what it resolves to on
+    this machine, and the chooser's plan as trailing comments: ``auto`` alone says nothing of what will run.
+    Still valid YAML (and loading it leaves those options to the chooser again)."""
+    text = config.to_yaml()
+    try:
+        choice, failure = preview_choice(config), None
+    except NoConfigFitsError as err:
+        choice, failure = None, str(err)
+    o = choice.config if choice is not None else config.oomb
+    resolved = {key: _yaml_value(getattr(o, key)) for key in config.oomb_auto} if choice is not None else {}
+    resolved.update(sparse_score=o.resolved_sparse_score, sparse_candidate_pooling=o.resolved_sparse_candidate_pooling,
+                    sparse_normaliser_pages=_yaml_value(o.resolved_sparse_normaliser_pages))
+    lines, in_oomb = [], False
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            in_oomb = line == "oomb:"
+        key, _, value = line.strip().partition(": ")
+        if in_oomb and value == "auto" and key in resolved:
+            line += f"  # here: {resolved[key]}"
+        lines.append(line)
+    if choice is not None:
+        lines += ["", "# the plan for the options left auto on this machine (oomb train prints its own, from the "
+                      "built model):", *(f"# {line}" for line in choice.describe().splitlines())]
+    elif failure is not None:
+        lines += ["", "# on this machine no plan fits:", *(f"# {line}" for line in failure.splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `oomb train`: 0 when done, 130 when interrupted (state saved), 3 when memory is short."""
     config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
     if args.print_config:
-        print(config.to_yaml(), end="")
+        print(annotated_config(config), end="")
         return 0
     _quiet_transformers()
     trainer = Trainer(config)

@@ -82,6 +82,30 @@ def chooser_fixed(cfg: TrainerConfig, cuda: bool) -> dict:
     return fixed
 
 
+def preview_choice(cfg: TrainerConfig) -> Choice | None:
+    """What the chooser would pick for ``cfg``'s oomb options left ``auto`` on this machine now, from the model's
+    config alone (nothing is built: ``oomb train --print-config``). The weights count against the free memory,
+    the LoRA adapters are PEFT's all-linear ones, and nothing is counted compiled or fused, so the trainer,
+    which knows the built model, may choose a little more generously. None: nothing is left to the chooser.
+    Raises NoConfigFitsError when nothing fits."""
+    if not cfg.train.auto_config or not cfg.oomb_auto:
+        return None
+    device = _resolve_device(cfg.train.device)
+    dtype = _resolve_dtype(cfg.model.dtype, device)
+    cuda = device.type == "cuda"
+    shape = ModelShape.from_hf_config(load_model_config(cfg.model, cfg.data.seq_len)).per_rank(cfg.parallel.tp)
+    lora = cfg.lora.r if cfg.lora.enabled else 0
+    workload = Workload(shape, cfg.data.seq_len, 1, dtype, lora, master_weights=cfg.optim.master_weights,
+                        trainable_params=shape.lora_params(lora) if lora else shape.num_params(),
+                        fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
+                        context_parallel=cfg.parallel.cp > 1)
+    gpu_free = machine.gpu_free_bytes(device) if cuda else 0
+    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
+                          int(MEMORY_HEADROOM * host_available_bytes()),
+                          gpu_name=torch.cuda.get_device_name(device) if cuda else None)
+    return choose_config(workload, resources, chooser_fixed(cfg, cuda), cfg.oomb)
+
+
 class NotEnoughMemoryError(MemoryError):
     """The predicted memory of a step exceeds what is free; the message has the numbers and the fixes."""
 
