@@ -39,6 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
+from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
@@ -633,8 +634,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=parse_tokens)
     parser.add_argument("--page-size", type=parse_tokens)
     parser.add_argument("--kv-grad-dtype", help=f"default {d.kv_grad_dtype}")
-    parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
-                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
+    parser.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction, default=None,
+                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off (the default here): bf16 "
+                             ".grad like HF")
     parser.add_argument("--backend", choices=BACKENDS,
                         help=f"attention kernels (default {d.backend}: cudnn for bf16 on CUDA, triton with "
                              "--deterministic, torch on a CPU)")
@@ -658,8 +660,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
-    parser.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="sparse_query_block_pages", type=int,
-                        help="sparse modes: query blocks sharing one selection (default 1)")
+    add_option(parser, "--sparse-query-block-pages", "--query-block-pages", dest="sparse_query_block_pages", type=int,
+               help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
                         help=f"sparse modes: history pages per query block, besides the sinks "
                              f"(default {d.sparse_budget})")

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cli_options import REAL_MODEL, add_option, resolve_model
 from ..config import (
     CANDIDATE_POOLINGS,
     NORMALISER_PAGES,
@@ -119,18 +120,13 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-REAL_MODEL = "smollm2"
-"""--model smollm2: the real SmolLM2-135M-Instruct of oomb/real_model.py (converted once, cached)."""
 REAL_TEXT = "python-docs"
-"""--text python-docs: Python's English help topics (oomb/real_model.py's english_text)."""
+"""--data python-docs: Python's English help topics (oomb/real_model.py's english_text)."""
 
 
 def _load(options: GradcheckOptions):
     """(model, input_ids, description) from a preset name or a local directory, and a text file or random ids."""
-    if options.model == REAL_MODEL:
-        from ..real_model import smollm2_dir
-
-        options = replace(options, model=str(smollm2_dir()))
+    options = replace(options, model=resolve_model(options.model))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
                            preset=options.model if is_preset else presets.TINY_PRESET)
@@ -334,32 +330,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model,
                         help=f"a preset ({', '.join(presets.PRESETS)}; random weights), a local HF model directory, "
                              f"or {REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
-    parser.add_argument("--text", default=None,
+    add_option(parser, "--data", "--text", dest="text", default=None,
                         help=f"text file to tokenize (model's tokenizer; bytes for a preset), or {REAL_TEXT!r} "
                              "(Python's English docs); default: random ids")
-    parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --text)")
+    parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --data)")
     parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=d.budgets, help="sparse budgets (pages)")
-    parser.add_argument("--scores", nargs="+", choices=SPARSE_SCORES, default=d.scores, help="score rules to compare")
-    parser.add_argument("--poolings", nargs="+", choices=SPARSE_POOLINGS, default=d.poolings,
-                        help="how a block's rows combine into a page score (max, softmax)")
-    parser.add_argument("--layer-budgets", type=int, nargs="+", default=None, help="a budget per layer")
-    parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers read densely")
+    add_option(parser, "--sparse-budget", "--budgets", dest="budgets", type=int, nargs="+", default=d.budgets,
+               help="sparse budgets (pages), one arm each")
+    add_option(parser, "--sparse-score", "--scores", dest="scores", nargs="+", choices=SPARSE_SCORES,
+               default=d.scores, help="score rules to compare (default: the one OOMBConfig() runs)")
+    add_option(parser, "--sparse-pooling", "--poolings", dest="poolings", nargs="+", choices=SPARSE_POOLINGS,
+               default=d.poolings, help="how a block's rows combine into a page score (max, softmax)")
+    add_option(parser, "--sparse-layer-budgets", "--layer-budgets", dest="layer_budgets", type=int, nargs="+",
+               default=None, help="a budget per layer")
+    add_option(parser, "--sparse-dense-layers", "--dense-layers", dest="dense_layers", type=int, nargs="*",
+               default=[], help="layers read densely")
     parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")
-    parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
-    parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
-    parser.add_argument("--leak-free", action="store_true",
-                        help="score each block with the page of queries before it and its first query")
-    parser.add_argument("--query-block-pages", type=int, default=d.query_block_pages,
-                        help="consecutive query blocks (pages of queries) sharing one selection")
-    parser.add_argument("--rerank-factors", type=int, nargs="+", default=d.rerank_factors,
-                        help="score rerank: candidate pages per block as multiples of the budget")
-    parser.add_argument("--rerank-candidates", nargs="+", choices=RERANK_CANDIDATES, default=d.rerank_candidates,
-                        help="score rerank: the summary scores proposing the candidates")
-    parser.add_argument("--candidate-poolings", nargs="+", choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
-                        help="score rerank: how a block's rows pool the candidates' summary scores")
-    parser.add_argument("--normaliser-pages", nargs="+", type=parse_normaliser_pages, default=d.normaliser_pages,
-                        help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
+    add_option(parser, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=d.sink_pages)
+    add_option(parser, "--sparse-selection", "--selection", dest="selection", choices=SPARSE_SELECTIONS,
+               default=d.selection)
+    add_option(parser, "--sparse-leak-free", "--leak-free", dest="leak_free", action="store_true",
+               help="score each block with the page of queries before it and its first query")
+    add_option(parser, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
+               default=d.query_block_pages, help="consecutive query blocks (pages of queries) sharing one selection")
+    add_option(parser, "--sparse-rerank-factor", "--rerank-factors", dest="rerank_factors", type=int, nargs="+",
+               default=d.rerank_factors, help="score rerank: candidate pages per block as multiples of the budget")
+    add_option(parser, "--sparse-rerank-candidates", "--rerank-candidates", dest="rerank_candidates", nargs="+",
+               choices=RERANK_CANDIDATES, default=d.rerank_candidates,
+               help="score rerank: the summary scores proposing the candidates")
+    add_option(parser, "--sparse-candidate-pooling", "--candidate-poolings", dest="candidate_poolings", nargs="+",
+               choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
+               help="score rerank: how a block's rows pool the candidates' summary scores")
+    add_option(parser, "--sparse-normaliser-pages", "--normaliser-pages", dest="normaliser_pages", nargs="+",
+               type=parse_normaliser_pages, default=d.normaliser_pages,
+               help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
                              "each ('all': every page)")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)

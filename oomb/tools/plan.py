@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import machine
+from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
 from ..memory import (
@@ -537,11 +538,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep stage 1's attention outputs for stage 2 (default off in the table, where the modes "
                             "without offload then count them; unset, the chooser keeps them for steps with "
                             "every page on the GPU where they fit)")
-    group.add_argument("--no-fp32-grad-accumulation", action="store_true")
+    group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,
+                       default=defaults.fp32_grad_accumulation,
+                       help="sum low-precision parameters' chunk gradients in float32 (default on)")
     group = parser.add_argument_group("planned modes (assumptions)")
-    group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
-    group.add_argument("--sink-pages", "--sparse-sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
-    group.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="query_block_pages", type=int,
+    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.top_k_pages,
+               help="sparse: history pages each query block reads besides the sinks")
+    add_option(group, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
+    add_option(group, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
                        help=f"sparse: query blocks sharing one selection (fewer pages staged with offload; table "
                             f"default {sparse.query_block_pages}; unset, `oomb train` takes one per chunk with "
                             "offload)")
@@ -559,7 +563,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
              "recompute_logits": args.recompute_logits, "keep_attention_outputs": args.keep_attention_outputs}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
-                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
+                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=args.fp32_grad_accumulation,
                  sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages)
     fixed = fixed_from_options(fixed)
     query_block_pages = args.query_block_pages or defaults.sparse_query_block_pages
@@ -568,7 +572,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                         checkpoint_layers=args.checkpoint_layers is not False,
                         recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
                         keep_attention_outputs=bool(args.keep_attention_outputs),
-                        fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
+                        fp32_grad_accumulation=args.fp32_grad_accumulation, attention=args.attention,
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
                         sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
