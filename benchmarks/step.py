@@ -1,7 +1,7 @@
 """One training step (forward + backward, no optimizer) of plain HF vs oomb dense: a thin wrapper over
 `oomb bench` (oomb/tools/bench.py), kept for the commands recorded with earlier results.
 
-Standard workload (DESIGN.md section 6): Qwen2.5-7B shape with random weights, bf16, chunk 4096,
+Standard workload: Qwen2.5-7B shape with random weights, bf16, chunk 4096,
 page 128. Plain HF = SDPA + gradient checkpointing + oomb's chunked LM-head loss. Each mode runs in
 its own process; steps are timed after a warm-up step, with synchronisation and peak statistics
 reset; memory is the peak above the weights. Results are written after every measurement.

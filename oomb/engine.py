@@ -1,4 +1,4 @@
-"""The two-stage chunk-recurrent training step (DESIGN.md section 2), top to bottom.
+"""The two-stage chunk-recurrent training step (docs/design.md, "Data flow"), top to bottom.
 
     stage 1, no grad, chunks 0..N-1:  run chunk c at positions [cC, cC+len); every layer writes
                                        its k, v into the chunk's new pages and attends to all pages

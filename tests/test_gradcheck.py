@@ -178,3 +178,12 @@ def test_history_read():
     # Chunks of 4 blocks with 0, 4, 8 history pages: read 0, 2, 2 of them per block.
     assert history_read(192, config) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
     assert history_read(64, config) == 1.0
+
+
+def test_default_scores_are_the_default_configs():
+    """`oomb gradcheck` with no --sparse-score checks what a default OOMBConfig trains with."""
+    from oomb.cli import build_parser
+    from oomb.config import OOMBConfig
+
+    assert GradcheckOptions().scores == [OOMBConfig().resolved_sparse_score]
+    assert build_parser().parse_args(["gradcheck"]).scores == GradcheckOptions().scores

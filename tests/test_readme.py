@@ -1,9 +1,12 @@
-"""The README's Python quick start runs as written: its code block is extracted and executed against a
-tiny local model directory, so an undefined name or a deprecated argument in it fails here first."""
+"""The README and docs agree with the code: the Python quick start runs as written (its code block is executed
+against a tiny local model directory), every `oomb <command> --flag` they show is a flag of that command, and
+no file they or the docstrings cite is missing."""
 
 from __future__ import annotations
 
+import argparse
 import re
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -50,3 +53,25 @@ def test_readme_python_quick_start_runs(tmp_path: Path) -> None:
     after = model.state_dict()
     assert any(not torch.equal(before[name], after[name]) for name in before)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_docs_use_the_commands_real_flags():
+    """`oomb train --model.path ...` or `oomb train --dp N` in a doc would fail for whoever copies it."""
+    from oomb.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    known = {name: {f for action in parser._actions for f in action.option_strings}
+             for name, parser in sub.choices.items()}
+    command = re.compile(r"oomb (" + "|".join(known) + r")(?= )([^`\n|]*)")
+    flag = re.compile(r"(?<![\w-])(--[a-z][\w.-]*)")
+    wrong = [f"{path.relative_to(ROOT)}: oomb {m.group(1)} {f}"
+             for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for m in command.finditer(path.read_text()) for f in flag.findall(m.group(2))
+             if f not in known[m.group(1)]]
+    assert not wrong, f"flags the commands do not have: {wrong}"
+
+
+def test_no_citation_of_a_missing_design_file():
+    found = subprocess.run(["git", "grep", "-n", "DESIGN.md", "--", "oomb", "docs", "tests", "benchmarks", "README.md",
+                            ":!tests/test_readme.py"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert not found, f"DESIGN.md is not in the repository (docs/design.md is):\n{found}"

@@ -1,6 +1,6 @@
 """`oomb bench`: one training step (forward + backward, no optimizer) of plain HF and oomb's modes, over contexts.
 
-    oomb bench --out-dir DIR             # the standard workload (DESIGN.md section 6) on this GPU
+    oomb bench --out-dir DIR             # the standard workload (docs/benchmarks.md) on this GPU
     oomb bench --quick --out-dir DIR     # tiny model on the CPU, 1K and 2K tokens, a few seconds
     oomb bench --replot DIR/bench.json   # redraw the table and plot of a run (e.g. where matplotlib is)
 
@@ -74,7 +74,7 @@ WORKER_PRELOAD = ["oomb.tools.bench", "oomb.engine", "transformers", "transforme
 
 @dataclass
 class BenchOptions:
-    """One benchmark run. Defaults: the standard workload (DESIGN.md section 6) on one GPU."""
+    """One benchmark run. Defaults: the standard workload (docs/benchmarks.md) on one GPU."""
 
     preset: str = "qwen2.5-7b"
     contexts: list[int] = field(default_factory=lambda: [32768, 65536, 131072, 262144])

@@ -1,6 +1,6 @@
 """`oomb calibrate`: a sparse plan for your model from a sample of your data.
 
-    oomb calibrate --model path/to/model --text sample.txt --seq-len 32K --max-read 0.25 --out plan.yaml
+    oomb calibrate --model path/to/model --data sample.txt --seq-len 32K --max-read 0.25 --out plan.yaml
     oomb train config.yaml --set oomb.sparse_plan=plan.yaml        # or OOMBConfig.from_dict({"sparse_plan": ...})
 
 A few layers of a pretrained model attend diffusely and need many pages (or all of them); most need

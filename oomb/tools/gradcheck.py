@@ -1,7 +1,7 @@
 """`oomb gradcheck`: how far sparse attention's parameter gradients are from dense ones.
 
     oomb gradcheck                                         # tiny-qwen2, random weights, 2K synthetic tokens
-    oomb gradcheck --model path/to/model --text book.txt --seq-len 32K --budgets 8 32 128
+    oomb gradcheck --model path/to/model --data book.txt --seq-len 32K --sparse-budget 8 32 128
     oomb gradcheck --scores minmax mean --leak-free --json out.json
     oomb gradcheck --model trained/ --ids sequence.txt --seq-len 8192       # token ids, one file
 
@@ -68,7 +68,9 @@ class GradcheckOptions:
     ids: str | None = None
     seq_len: int = 2048
     budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
-    scores: list[str] = field(default_factory=lambda: ["minmax", "mean"])  # "exact": the oracle, on request
+    # The score a default config runs (OOMBConfig().sparse_score resolved): what a user's run would check; others,
+    # and "exact" (the oracle), on request.
+    scores: list[str] = field(default_factory=lambda: [OOMBConfig().resolved_sparse_score])
     poolings: list[str] = field(default_factory=lambda: ["max"])
     layer_budgets: list[int] | None = None
     dense_layers: list[int] = field(default_factory=list)

@@ -57,7 +57,7 @@ CUDA_CONTEXT_BYTES = GIB // 2
 MAX_SEARCH_TOKENS = 1 << 32
 """Upper end of the largest-context search (4G tokens)."""
 GROWTH_TOKENS = 10_000
-"""GPU memory growth is reported per this many more tokens (DESIGN.md section 6)."""
+"""GPU memory growth is reported per this many more tokens."""
 DEFAULT_CONTEXT = 131072
 
 def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
@@ -222,7 +222,7 @@ class ModeReport:
     fits_host: bool
     largest_context: int
     gpu_growth_per_10k: int
-    """GPU bytes 10,000 more tokens would add (DESIGN.md section 6 reports this)."""
+    """GPU bytes 10,000 more tokens would add."""
 
     @property
     def fits(self) -> bool:
