@@ -157,7 +157,7 @@ def test_gradcheck_reads_token_ids(tmp_path):
     report = run_gradcheck(GradcheckOptions(ids=str(ids), seq_len=256, chunk_size=128, page_size=32, budgets=[1],
                                             scores=["mean"], hf="off"))
     assert report["sequence"] == "ids.txt" and report["sparse"][0]["groups"]["total"]["cosine"] > 0.5
-    with pytest.raises(ValueError, match="give --text or --ids, not both"):
+    with pytest.raises(ValueError, match="give --data or --ids, not both"):
         run_gradcheck(GradcheckOptions(ids=str(ids), text=str(ids)))
 
 

@@ -2,7 +2,7 @@
 
     oomb gradcheck                                         # tiny-qwen2, random weights, 2K synthetic tokens
     oomb gradcheck --model path/to/model --data book.txt --seq-len 32K --sparse-budget 8 32 128
-    oomb gradcheck --scores minmax mean --leak-free --json out.json
+    oomb gradcheck --sparse-score minmax mean --sparse-leak-free --json out.json
     oomb gradcheck --model trained/ --ids sequence.txt --seq-len 8192       # token ids, one file
 
 For one sequence it runs one dense oomb step and one sparse step per (score rule, budget), and
@@ -139,7 +139,7 @@ def _load(options: GradcheckOptions):
     torch.manual_seed(options.seed)
     model = presets.build_model(section, config, dtype, device).eval()
     if options.text is not None and options.ids is not None:
-        raise ValueError("give --text or --ids, not both")
+        raise ValueError("give --data or --ids, not both")
     if options.ids is not None:
         path = Path(options.ids)
         if not path.is_file():
@@ -161,11 +161,11 @@ def _load(options: GradcheckOptions):
         else:
             path = Path(options.text)
             if not path.is_file():
-                raise FileNotFoundError(f"--text {options.text!r} is not a file")
+                raise FileNotFoundError(f"--data {options.text!r} is not a file")
             text, source = path.read_text(errors="replace"), path.name
         tokens = presets.load_tokenizer(section)(text)["input_ids"]
         if len(tokens) < options.seq_len:
-            raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than --seq-len "
+            raise ValueError(f"--data {options.text!r} has {len(tokens)} tokens, fewer than --seq-len "
                              f"{options.seq_len}; give a longer file or a shorter --seq-len")
         ids = torch.tensor(tokens[: options.seq_len])[None]
     weights = "random weights" if is_preset else "local weights"
