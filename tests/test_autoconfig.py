@@ -343,7 +343,8 @@ def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_di
     assert ("configuration: pages in host memory, dK/dV float32, layer replay off, loss fused (head's gradient made "
             "in the forward: nothing kept), chunk 128, backend torch") in printed
     assert "why: no offload on a CPU" in printed
-    assert "step time: first" in printed and "first step's overhead" in printed
+    assert "step time: first" in printed
+    assert "first step's overhead" in printed or "the first step took no longer than the others" in printed
     ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["oomb"]
     assert ran["checkpoint_layers"] is False and ran["backend"] == "torch" and ran["chunk_size"] == 128
 

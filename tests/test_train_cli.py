@@ -237,3 +237,21 @@ def test_header_names_how_rerank_ranks_its_candidates():
         " with softmax_max candidates (normaliser: every page)"
     assert _candidates(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")) == " with max candidates"
     assert _candidates(OOMBConfig(attention="sparse", sparse_score="minmax")) == ""
+
+
+@pytest.mark.parametrize(("first", "steady", "words"), [
+    (40.0, 1.0, "the first step's overhead (compilation, kernel tuning, warm-up) was 39.00 s"),
+    (1.01, 1.0, "the first step took no longer than the others"),  # within the steps' own spread
+    (0.9, 1.0, "the first step took no longer than the others"),
+])
+def test_summary_reports_a_first_step_overhead_only_when_there_is_one(tmp_path, first, steady, words):
+    from oomb.training.cli import _summary
+    from oomb.training.trainer import TrainResult
+
+    result = TrainResult(steps=3, losses=[2.0, 1.0], tokens=768, elapsed_s=first + 2 * steady, tokens_per_s=1.0,
+                         output_dir=str(tmp_path), checkpoint=None, export_dir=None, merged_dir=None,
+                         interrupted=False, resumed_from=None, peak_gpu_gib=None, peak_host_gib=0.5,
+                         first_step_s=first, steady_step_s=steady)
+    trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
+    text = _summary(result, trainer)
+    assert words in text and "was 0.00 s" not in text

@@ -441,3 +441,36 @@ def test_warmup_then_cosine_schedule():
     assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
     constant = OptimSection(warmup_steps=0, schedule="constant")
     assert {lr_factor(step, constant, 10) for step in range(10)} == {1.0}
+
+
+def test_the_progress_bar_shows_the_chunk_in_progress(tmp_path, model_dir, data_file, capsys):
+    """A long step's bar says which stage and chunk it is at (forward_backward's progress callback), in order:
+    stage 1's chunks, then stage 2's, per sequence of the step."""
+    config = make_config(tmp_path / "bar", model_dir, data_file, train={"max_steps": 1, "grad_accum": 2},
+                         logging={"progress": True}, checkpoint={"export": False})
+    trainer = Trainer(config)
+    calls = []
+    trainer.setup()
+    trainer.train_step(on_chunk=lambda *args: calls.append(args))
+    # 256 tokens in chunks of 128: 2 chunks, so 4 calls per sequence (2 stages), for 2 sequences
+    assert calls == [(m, done, 4) for m in (0, 1) for done in (1, 2, 3, 4)]
+    Trainer(make_config(tmp_path / "bar2", model_dir, data_file, train={"max_steps": 1, "grad_accum": 2},
+                        logging={"progress": True}, checkpoint={"export": False})).train()
+    err = capsys.readouterr().err
+    positions = [err.index(f"step 1: sequence {s}/2, stage {st}, chunk {c}/2")
+                 for s in (1, 2) for st in (1, 2) for c in (1, 2)]
+    assert positions == sorted(positions)
+
+
+def test_lora_adapters_are_added_without_a_deprecation_warning(model_dir):
+    """PEFT asks transformers for a deprecated property; oomb's call must not print its FutureWarning at the top of
+    every LoRA run."""
+    import warnings
+
+    from oomb.training.config import LoraSection
+    from oomb.training.presets import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_lora(model, LoraSection(enabled=True))

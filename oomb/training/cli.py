@@ -31,6 +31,11 @@ SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_po
                 "sparse_query_block_pages")
 """OOMBConfig's sparse options with a --sparse-* flag of the same name."""
 
+FIRST_STEP_NOISE = 0.05
+FIRST_STEP_NOISE_S = 0.05
+"""A first step slower than the median by less than this fraction of it (or these seconds) has no overhead worth
+reporting: step times vary that much anyway."""
+
 EXIT_ERROR = 1
 EXIT_MEMORY = 3
 EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
@@ -231,8 +236,13 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
     if result.first_step_s is not None:
         timing = f"  step time: first {result.first_step_s:,.2f} s"
         if result.steady_step_s is not None:
-            timing += (f", then {result.steady_step_s:,.2f} s per step (median): the first step's overhead "
-                       f"(compilation, kernel tuning, warm-up) was {result.first_step_overhead_s:,.2f} s")
+            timing += f", then {result.steady_step_s:,.2f} s per step (median)"
+            overhead = result.first_step_overhead_s
+            if overhead > max(FIRST_STEP_NOISE_S, FIRST_STEP_NOISE * result.steady_step_s):
+                timing += (f": the first step's overhead (compilation, kernel tuning, warm-up) was "
+                           f"{overhead:,.2f} s")
+            else:  # nothing compiled or tuned (a CPU run): a difference within the steps' own spread means nothing
+                timing += ": the first step took no longer than the others"
         lines.append(timing)
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -499,7 +501,7 @@ class Trainer(Checkpointing):
         interrupted = False
         try:
             while self.step < cfg.train.max_steps:
-                metrics = self.train_step()
+                metrics = self.train_step(on_chunk=reporter.chunk)
                 reporter.log(metrics)
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
@@ -523,8 +525,10 @@ class Trainer(Checkpointing):
         self.data.close()
         return result
 
-    def train_step(self) -> dict:
-        """One optimizer step over train.grad_accum sequences; returns its metrics."""
+    def train_step(self, on_chunk: Callable[[int, int, int], None] | None = None) -> dict:
+        """One optimizer step over train.grad_accum sequences; returns its metrics. ``on_chunk(sequence, done,
+        total)``: called after each chunk of either stage (``forward_backward``'s progress callback), unless
+        logging.chunk_progress shows the step's own bar."""
         cfg = self.config
         start = time.perf_counter()
         if self.device.type == "cuda":
@@ -537,9 +541,11 @@ class Trainer(Checkpointing):
             samples = [next(self.data) for _ in range(parallel.dp)]
             sample = samples[parallel.dp_rank]
             boundaries = {"cu_seqlens": sample.cu_seqlens()} if cfg.data.documents == "separate" else {}
+            progress = cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main
+            if not progress and on_chunk is not None:
+                progress = functools.partial(on_chunk, micro)
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
-                                    **boundaries,
-                                    progress=cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main,
+                                    **boundaries, progress=progress,
                                     grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
                                     parallel=parallel, host_slabs=self.host_slabs,
                                     sync_gradients=micro == cfg.train.grad_accum - 1)
