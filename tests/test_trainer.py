@@ -115,10 +115,10 @@ def test_killed_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, model
     config = make_config(out, model_dir, data_file, **RESUME_CASES[case])
     step = Trainer.train_step
 
-    def dies_in_step_3(self):
+    def dies_in_step_3(self, **kwargs):
         if self.step == 2:
             raise ProcessKilledError
-        return step(self)
+        return step(self, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", dies_in_step_3)
     with pytest.raises(ProcessKilledError):
