@@ -225,7 +225,7 @@ def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
     """Plain HF with the tools a savvy user adds: SDPA, gradient checkpointing, a chunked loss."""
     from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     try:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         targets = shift_labels(ids)
@@ -234,8 +234,17 @@ def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
                                      loss_chunk_tokens, fused=False)
         loss.backward()
     finally:
-        model.gradient_checkpointing_disable()
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     return float(loss.detach())
+
+
+def enable_checkpointing(model) -> None:
+    """HF's gradient checkpointing (non-reentrant) under its current name where transformers has it
+    (``activation_checkpointing_enable``, 5.2x): the old name warns of its removal on every call."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def make_step(mode: str, options: BenchOptions):
