@@ -1,7 +1,7 @@
 """Context parallel vs one GPU: step time and per-GPU peak memory of oomb's step (dense by default;
 --attention sparse, --offload: pages in each rank's pinned host memory).
 
-Standard workload (DESIGN.md section 6): Qwen2.5-7B shape with random weights (built locally, no
+Standard workload: Qwen2.5-7B shape with random weights (built locally, no
 download), bf16, one forward + backward without optimizer, chunk 4096, page 128, fp32 KV gradients.
 The processes form one context-parallel group (--tp splits each cp rank's heads further: the
 process count is cp x tp); --cp-one-path runs one process through the context-parallel code path

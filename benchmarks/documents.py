@@ -1,7 +1,7 @@
 """Packed documents at one long context: oomb's step with attention inside each
 document, oomb's step with attention across them, and plain HF stepping over each document alone.
 
-Standard workload (DESIGN.md section 6), built with `oomb bench`'s helpers (oomb/tools/bench.py:
+Standard workload, built with `oomb bench`'s helpers (oomb/tools/bench.py:
 BenchOptions, build_model, hf_step, measure): Qwen2.5-7B shape with random weights, bf16, one
 forward + backward without optimizer, chunk 4096, page 128, fp32 KV gradients, bf16 .grad (no fp32
 sums, like HF). One sequence of --context tokens (default 128K) is cut into documents whose lengths

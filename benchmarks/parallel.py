@@ -1,6 +1,6 @@
 """Tensor parallel vs one GPU: step time and per-GPU peak memory of oomb's dense step.
 
-Standard workload (DESIGN.md section 6): Qwen2.5-7B shape with random weights (built locally, no
+Standard workload: Qwen2.5-7B shape with random weights (built locally, no
 download), bf16, one forward + backward without optimizer, chunk 4096, page 128, fp32 KV gradients.
 Run it once per degree; the process count is the TP degree (1 = the single-GPU baseline):
 

@@ -44,7 +44,7 @@ def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
 
 @dataclass
 class OOMBConfig:
-    """Options of the chunk-recurrent step (DESIGN.md section 2)."""
+    """Options of the chunk-recurrent step (docs/design.md)."""
 
     chunk_size: int = 4096
     """Tokens per chunk: the unit of recomputation. A multiple of page_size."""

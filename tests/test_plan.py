@@ -1,4 +1,4 @@
-"""The memory planner: model terms against DESIGN.md section 3 and H200 measurements, search, CLI."""
+"""The memory planner: model terms against docs/benchmarks.md's arithmetic and H200 measurements, search, CLI."""
 
 import dataclasses
 import json
@@ -40,14 +40,14 @@ def test_presets_have_the_documented_shapes():
     assert QWEN7B.kv_bytes_per_token(torch.bfloat16) == 56 * KIB
     small = load_model_shape("qwen2.5-0.5b")
     assert (small.num_layers, small.num_kv_heads, small.head_dim, small.tie_word_embeddings) == (24, 2, 64, True)
-    assert small.kv_bytes_per_token(torch.bfloat16) == 12 * KIB  # DESIGN.md section 3
+    assert small.kv_bytes_per_token(torch.bfloat16) == 12 * KIB
     llama = load_model_shape("llama3-8b")
     assert (llama.num_layers, llama.head_dim, llama.attention_bias, llama.vocab_size) == (32, 128, False, 128256)
     assert load_model_shape("tiny-qwen2").hidden_size == 64
 
 
 def test_kv_pages_of_qwen7b_at_one_million_tokens():
-    """DESIGN.md section 3: 56 KiB/token K+V, 112 KiB fp32 dK+dV: 1M tokens = 56 GiB + 112 GiB."""
+    """56 KiB/token K+V, 112 KiB fp32 dK+dV: 1M tokens = 56 GiB + 112 GiB."""
     p = predict("dense+offload", QWEN7B, 1 << 20, OOMBConfig(kv_grad_dtype="float32"))
     assert p.host["KV pages"] == 56 * GIB
     assert p.host["KV grad pages"] == 112 * GIB
@@ -56,7 +56,7 @@ def test_kv_pages_of_qwen7b_at_one_million_tokens():
 
 
 def test_one_million_tokens_fits_only_with_offload_and_bf16_grad_pages():
-    """DESIGN.md section 3, our GPU machine: 141 GB GPU, 125 GiB host."""
+    """Our GPU machine: 141 GB GPU, 125 GiB host."""
     budget = Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB)
     for grad_dtype, offload_fits in (("float32", False), ("bfloat16", True)):
         plan = make_plan("qwen2.5-7b", QWEN7B, 1 << 20, budget, OOMBConfig(kv_grad_dtype=grad_dtype), BENCH)

@@ -104,6 +104,30 @@ def test_print_config_applies_flags(capsys):
     assert printed["model"]["preset"] == "qwen2.5-7b" and printed["data"]["seq_len"] == 1 << 20
 
 
+def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
+    """Each oomb option left auto carries what it resolves to on this machine, and the chooser's plan follows
+    as comments; the output still loads as the same config (those options left auto again)."""
+    args = ["train", "--seq-len", "8K", "--chunk-size", "2K", "--set", "train.device=cpu", "--print-config"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    config = TrainerConfig.load(None, ["data.seq_len=8192", "oomb.chunk_size=2048", "train.device=cpu"])
+    assert yaml.safe_load(out) == config.to_dict()
+    oomb_lines = out.split("\noomb:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    annotated = {line.split(":")[0].strip(): line.split("# here: ")[1] for line in oomb_lines if "# here: " in line}
+    assert set(config.oomb_auto) <= set(annotated) and "chunk_size" not in annotated  # set by the flag: as given
+    assert annotated["backend"] == "torch" and annotated["offload"] == "false"  # a CPU
+    assert annotated["sparse_score"] == config.oomb.resolved_sparse_score
+    assert "# configuration: pages in host memory" in out and "chunk 2048" in out and "#   why: " in out
+
+    assert cli_main([*args, "--no-auto-config"]) == 0  # nothing left to the chooser: no plan
+    out = capsys.readouterr().out
+    assert "# configuration:" not in out and "  offload: false\n" in out and "offload: auto" not in out
+
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)  # a machine with 1 MiB
+    assert cli_main(args) == 0
+    assert "# on this machine no plan fits:" in capsys.readouterr().out
+
+
 def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path):
     assert cli_main(["train", "--set", "optim.lrr=1"]) == 2
     assert "oomb train: error: unknown key(s) ['optim.lrr']" in capsys.readouterr().err
@@ -138,6 +162,41 @@ def test_cli_run_resume_and_refusal(tmp_path, model_dir, capsys, caplog):
     assert "resuming at step 2" in capsys.readouterr().out
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tokens"] == 128
+
+
+@pytest.mark.parametrize(("damaged_file", "spoil"), [
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])),  # a truncated copy
+    ("optimizer.pt", lambda p: p.write_bytes(p.read_bytes()[:100])),
+    ("trainer_state.json", lambda p: p.write_text('{"step": 2, "tok')),
+])
+def test_cli_resume_passes_over_a_damaged_checkpoint(tmp_path, model_dir, capsys, caplog, damaged_file, spoil):
+    data = tmp_path / "notes.txt"
+    data.write_text("".join(f"note {i}: long context training, chunk by chunk.\n" for i in range(100)))
+    out = tmp_path / "out"
+    args = ["train", "--model", str(model_dir), "--data", str(data), "--seq-len", "128", "--steps", "2",
+            "--output-dir", str(out), *FAST, "--set", "checkpoint.every=1", "--set", "checkpoint.export=false"]
+    assert cli_main(args) == 0
+    checkpoints = out / "checkpoints"
+    spoil(checkpoints / "step-000002" / damaged_file)
+    capsys.readouterr()
+    assert cli_main([*args, "--resume"]) == 0  # step 2 again, from step 1
+    assert f"checkpoint {checkpoints / 'step-000002'}: {damaged_file} is " in caplog.text
+    assert f"resuming from {checkpoints / 'step-000001'}, the latest intact checkpoint" in caplog.text
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    # An explicit checkpoint that is damaged: refused, naming the intact one to pass instead.
+    spoil(checkpoints / "step-000002" / damaged_file)  # rewritten by the resumed run
+    assert cli_main([*args, "--resume", str(checkpoints / "step-000002")]) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged_file} is " in err and f"--resume {checkpoints / 'step-000001'}" in err
+
+    # None intact: exit 2 with every damaged file listed, and the ways out; no traceback.
+    spoil(checkpoints / "step-000001" / damaged_file)
+    assert cli_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oomb train: error: no intact checkpoint to resume from in {checkpoints}")
+    assert err.count(f"{damaged_file} is ") == 2 and "--overwrite" in err and "Traceback" not in err
 
 
 def test_cli_ctrl_c_exits_130_with_resume_hint(tmp_path, model_dir, capsys, monkeypatch):
@@ -178,3 +237,21 @@ def test_header_names_how_rerank_ranks_its_candidates():
         " with softmax_max candidates (normaliser: every page)"
     assert _candidates(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")) == " with max candidates"
     assert _candidates(OOMBConfig(attention="sparse", sparse_score="minmax")) == ""
+
+
+@pytest.mark.parametrize(("first", "steady", "words"), [
+    (40.0, 1.0, "the first step's overhead (compilation, kernel tuning, warm-up) was 39.00 s"),
+    (1.01, 1.0, "the first step took no longer than the others"),  # within the steps' own spread
+    (0.9, 1.0, "the first step took no longer than the others"),
+])
+def test_summary_reports_a_first_step_overhead_only_when_there_is_one(tmp_path, first, steady, words):
+    from oomb.training.cli import _summary
+    from oomb.training.trainer import TrainResult
+
+    result = TrainResult(steps=3, losses=[2.0, 1.0], tokens=768, elapsed_s=first + 2 * steady, tokens_per_s=1.0,
+                         output_dir=str(tmp_path), checkpoint=None, export_dir=None, merged_dir=None,
+                         interrupted=False, resumed_from=None, peak_gpu_gib=None, peak_host_gib=0.5,
+                         first_step_s=first, steady_step_s=steady)
+    trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
+    text = _summary(result, trainer)
+    assert words in text and "was 0.00 s" not in text

@@ -115,10 +115,10 @@ def test_killed_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, model
     config = make_config(out, model_dir, data_file, **RESUME_CASES[case])
     step = Trainer.train_step
 
-    def dies_in_step_3(self):
+    def dies_in_step_3(self, **kwargs):
         if self.step == 2:
             raise ProcessKilledError
-        return step(self)
+        return step(self, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", dies_in_step_3)
     with pytest.raises(ProcessKilledError):
@@ -283,6 +283,34 @@ def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_f
     assert "not enough host memory" in caplog.text
 
 
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_path, monkeypatch, caplog):
+    """A 7B preset on a machine with 12 GiB free: refused with the numbers before any weight is allocated
+    (building it first would die in the allocator). The free memory is injected; nothing large is allocated."""
+    free = 12 * 1024**3
+    monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: free)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the memory check")
+
+    monkeypatch.setattr(oomb.training.trainer, "build_model", no_build)
+    config = TrainerConfig.load(None, ["model.preset=qwen2.5-7b", "train.device=cpu", "data.seq_len=8192",
+                                       f"train.output_dir={json.dumps(str(tmp_path / 'out'))}"])
+    with pytest.raises(NotEnoughMemoryError) as err:
+        Trainer(config).setup()
+    message = str(err.value)
+    params = oomb.training.trainer.ModelShape.from_hf_config(
+        oomb.training.presets.load_model_config(config.model, 8192)).num_params()
+    assert f"{params / 1e9:.2f} B parameters" in message
+    assert f"need {params * 4 / 1024**3:.1f} GiB in float32" in message and "12.0 GiB are free" in message
+    assert "model.dtype=bfloat16" in message and "train.memory_check=warn" in message
+    assert not (tmp_path / "out").exists()  # nothing written either
+    # warn: the check says so and goes on (to the build, stopped here by the stand-in)
+    config.train.memory_check = "warn"
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"), pytest.raises(AssertionError):
+        Trainer(config).setup()
+    assert "weights alone need" in caplog.text
+
+
 def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_file):
     """keep_attention_outputs set in the config: the memory check's terms include the kept outputs (every
     layer's attention output and lse), as the planner counts them."""
@@ -413,3 +441,36 @@ def test_warmup_then_cosine_schedule():
     assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
     constant = OptimSection(warmup_steps=0, schedule="constant")
     assert {lr_factor(step, constant, 10) for step in range(10)} == {1.0}
+
+
+def test_the_progress_bar_shows_the_chunk_in_progress(tmp_path, model_dir, data_file, capsys):
+    """A long step's bar says which stage and chunk it is at (forward_backward's progress callback), in order:
+    stage 1's chunks, then stage 2's, per sequence of the step."""
+    config = make_config(tmp_path / "bar", model_dir, data_file, train={"max_steps": 1, "grad_accum": 2},
+                         logging={"progress": True}, checkpoint={"export": False})
+    trainer = Trainer(config)
+    calls = []
+    trainer.setup()
+    trainer.train_step(on_chunk=lambda *args: calls.append(args))
+    # 256 tokens in chunks of 128: 2 chunks, so 4 calls per sequence (2 stages), for 2 sequences
+    assert calls == [(m, done, 4) for m in (0, 1) for done in (1, 2, 3, 4)]
+    Trainer(make_config(tmp_path / "bar2", model_dir, data_file, train={"max_steps": 1, "grad_accum": 2},
+                        logging={"progress": True}, checkpoint={"export": False})).train()
+    err = capsys.readouterr().err
+    positions = [err.index(f"step 1: sequence {s}/2, stage {st}, chunk {c}/2")
+                 for s in (1, 2) for st in (1, 2) for c in (1, 2)]
+    assert positions == sorted(positions)
+
+
+def test_lora_adapters_are_added_without_a_deprecation_warning(model_dir):
+    """PEFT asks transformers for a deprecated property; oomb's call must not print its FutureWarning at the top of
+    every LoRA run."""
+    import warnings
+
+    from oomb.training.config import LoraSection
+    from oomb.training.presets import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_lora(model, LoraSection(enabled=True))

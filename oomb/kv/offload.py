@@ -242,7 +242,7 @@ class OffloadedKVStore(SparseStaging, PagedKVStore):
 
     def rewrite(self, layer: int, chunk: ChunkSpan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stage 2: an offloaded window layer's recomputed (B, Hkv, L, D) k, v of the chunk go to its head's
-        host slots, before its attention stages them (stage 1 wrote the same values, DESIGN.md section 2)."""
+        host slots, before its attention stages them (stage 1 wrote the same values, docs/design.md)."""
         index = self._offloaded(layer)
         if index is None or not self.window_tier.awaits_rewrite(index, chunk):
             return super().rewrite(layer, chunk, k, v)

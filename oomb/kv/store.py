@@ -35,7 +35,7 @@ of a window layer's K/V are needed when (chunk size C, chunks start on page boun
   only by the chunk's own attention.
 * Stage 2 recomputes chunk c with grad: the attention of every layer is handed the recomputed k, v
   of the chunk, the same values stage 1 wrote (the same inputs, the same RNG state, the same kernels:
-  the assumption the whole two-stage step rests on, DESIGN.md section 2). Chunks c' > c run before c
+  the assumption the whole two-stage step rests on, docs/design.md). Chunks c' > c run before c
   in stage 2 and read c's tail from its pages (its K/V, and they add into its dK/dV): the tail must
   persist from stage 1 to stage 2. The head need not: ``finish_fill`` frees the head pages once
   stage 1 is done with the chunk, ``refill`` gives them back (dK/dV zeroed: no later chunk reaches

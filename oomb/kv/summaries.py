@@ -9,7 +9,7 @@ writes them (``PagedKVStore.write``)::
 
 They live next to the pool tensors, indexed by page id like K and V, so they are freed (reused)
 with their pages. With host offload they are the part of the store that stays on the GPU: 2 x Hkv x
-D values per page and layer for "minmax" (bytes: DESIGN.md section 3; oomb.planning.memory predicts them).
+D values per page and layer for "minmax" (oomb.planning.memory predicts their bytes).
 Only the slots of a page's written tokens count: the zero padding of a partial last page does not.
 """
 

@@ -51,12 +51,21 @@ AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype",
                "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
 """OOMBConfig options the chooser decides unless the user fixed them."""
 
-LORA_NO_REPLAY_BYTES_PER_HIDDEN = 20
+LORA_NO_REPLAY_VALUES_PER_HIDDEN = 10
 """Without layer replay PEFT's LoRA layers keep more per token than oomb.planning.memory counts: measured on the
-H200 (7B, LoRA r=16, 128K, chunk 4096) 71.79 GiB peak vs 64.7 predicted, 7.1 GiB = 18.5 bytes per
-hidden unit, token and layer (with replay: 39.02 measured vs 40.1 predicted); rounded up to 20
+H200 (7B, LoRA r=16, 128K, chunk 4096, bf16) 71.79 GiB peak vs 64.7 predicted, 7.1 GiB = 18.5 bytes
+per hidden unit, token and layer (with replay: 39.02 measured vs 40.1 predicted), that is 9.25 bf16
+values, rounded up to 10; in the model's dtype (float32 on a CPU: 40 bytes)
 (benchmarks/results/logs/autoconfig_qwen7b_lora_128k_h200_2026-12-01.log; the replay run: its
 stdout in the report of that session)."""
+
+CPU_SLOWER_ALLOWED = 1.05
+"""On a CPU the step's memory is the machine's memory, shared with everything else on it: a plan up to
+this factor slower than the fastest is taken when it saves at least CPU_MEMORY_SAVING of the host memory
+(layer replay, typically: SPEED_FACTS replay_cpu)."""
+
+CPU_MEMORY_SAVING = 0.25
+"""Fraction of the fastest CPU plan's predicted host memory a slower plan must save (CPU_SLOWER_ALLOWED)."""
 
 MIN_AUTO_CHUNK = 1024
 """The chooser halves the chunk (less activation memory) down to this many tokens, never below."""
@@ -119,6 +128,10 @@ SPEED_FACTS: dict[str, SpeedFact] = {
         38.870 / 45.299, "dense 128K, the chooser's plan (cudnn, no replay, compiled layers): attention outputs kept "
         "from stage 1 38.87 s vs recomputed 45.30 s (one run each, one call; HF 41.89 s in the call before)",
         "dense_chosen_kept_128k_h200_2026-12-04.json, dense_chosen_128k_h200_2026-12-04.json"),
+    "replay_cpu": SpeedFact(
+        1.03, "CPU, SmolLM2-135M LoRA r=16, 8K, float32, torch backend: layer replay took 3 % more time and "
+        "7.9 GiB of peak RSS against 16.5 GiB without",
+        "assumed from a user's 2-core CPU run (not stored in benchmarks/results)"),
     "half_chunk": SpeedFact(
         1.05, "each halving of the chunk below 4096 (more, smaller kernel launches): not measured", "assumed"),
 }
@@ -205,6 +218,21 @@ class Candidate:
     fused_loss: bool = False
     """The step's loss is counted fused (TrainingSetup.fused_loss)."""
     head_trained: bool = True
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Resources.device: on a CPU the "GPU" terms (activations, logits, pages) are host memory too."""
+
+    @property
+    def host_counted(self) -> int:
+        """Host bytes checked against Resources.host_limit: on a CPU every term (without loaded weights), else
+        host_bytes."""
+        return self.gpu_counted + self.host_bytes if self.device == "cpu" else self.host_bytes
+
+    def memory_words(self) -> str:
+        """'GPU 9.6 GiB, host 2.0 GiB'; on a CPU the one memory there is."""
+        if self.device == "cpu":
+            weights = "beyond the loaded weights" if self.gpu_counted < self.gpu_bytes else "with the weights"
+            return f"host {self.host_counted / GIB:.1f} GiB ({weights}: activations, logits, pages, process)"
+        return f"GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB"
 
     @property
     def loss_keeps_nothing(self) -> bool:
@@ -225,7 +253,7 @@ class Candidate:
         if c.offload:
             where = f"offload ({c.offload_resident_layers} of {num_layers} layers resident on the GPU)"
         else:
-            where = "pages on the GPU"
+            where = "pages on the GPU" if self.device == "cuda" else "pages in host memory"
         grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
                     if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
         kept = ", attention outputs kept" if c.keep_attention_outputs else ""
@@ -260,8 +288,7 @@ class Choice:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
         num_layers = self.num_layers
         lines = [f"configuration: {self.chosen.summary(num_layers)}",
-                 f"  predicted: GPU {self.gpu_bytes / GIB:.1f} GiB, host {self.host_bytes / GIB:.1f} GiB, "
-                 f"relative step time {self.chosen.relative_time:.2f}",
+                 f"  predicted: {self.chosen.memory_words()}, relative step time {self.chosen.relative_time:.2f}",
                  f"  why: {self.reason}"]
         if self.step_time is not None:
             other = "sparse" if self.config.attention == "dense" else "dense"
@@ -276,8 +303,8 @@ class Choice:
             r = self.runner_up
             ahead = ("; estimated faster only by keeping outputs the choice has no room for, a trade against "
                      "its other decisions that is not measured" if _rank(r) < _rank(self.chosen) else "")
-            lines.append(f"  runner-up: {r.summary(num_layers)} (GPU {r.gpu_bytes / GIB:.1f} GiB, host "
-                         f"{r.host_bytes / GIB:.1f} GiB, relative step time {r.relative_time:.2f}{ahead})")
+            lines.append(f"  runner-up: {r.summary(num_layers)} ({r.memory_words()}, relative step time "
+                         f"{r.relative_time:.2f}{ahead})")
         return "\n".join(lines)
 
 
@@ -333,15 +360,21 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
         gpu["optimizer"] = workload.optimizer_bytes
     if workload.lora_rank and not config.checkpoint_layers:
         shape, chunk = workload.shape, min(config.chunk_size, workload.seq_len) * workload.batch_size
-        gpu["activations"] += LORA_NO_REPLAY_BYTES_PER_HIDDEN * shape.hidden_size * shape.num_layers * chunk
+        gpu["activations"] += lora_no_replay_bytes(shape, chunk, workload.dtype)
     gpu_bytes = sum(gpu.values())
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers,
-                                  not loss_keeps_nothing(setup.fused_loss))
+                                  not loss_keeps_nothing(setup.fused_loss, not workload.lora_rank), resources.device)
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
     return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
-                     head_trained=not workload.lora_rank)
+                     head_trained=not workload.lora_rank, device=resources.device)
+
+
+def lora_no_replay_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """What PEFT's LoRA layers keep of a chunk (batch included) beyond oomb.planning.memory's count, without layer
+    replay (LORA_NO_REPLAY_VALUES_PER_HIDDEN)."""
+    return LORA_NO_REPLAY_VALUES_PER_HIDDEN * dtype.itemsize * shape.hidden_size * shape.num_layers * chunk_tokens
 
 
 def loss_keeps_nothing(fused_loss: bool) -> bool:
@@ -363,11 +396,12 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
     return trainable * b, 0
 
 
-def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool = True
-                  ) -> tuple[float, tuple[str, ...]]:
+def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool = True,
+                  device: Literal["cuda", "cpu"] = "cuda") -> tuple[float, tuple[str, ...]]:
     """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, log-probabilities
     kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn). ``loss_may_recompute`` False: the
-    loss recomputes nothing whatever recompute_logits says (Candidate.loss_keeps_nothing)."""
+    loss recomputes nothing whatever recompute_logits says (Candidate.loss_keeps_nothing). On a CPU layer replay
+    costs what it was measured to cost there (replay_cpu)."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
     if config.backend == "triton":
@@ -375,7 +409,7 @@ def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool 
         time *= SPEED_FACTS[key].factor
         factors.append(key)
     if config.checkpoint_layers:
-        key = "replay_sparse" if sparse else "replay_dense"
+        key = "replay_cpu" if device == "cpu" else "replay_sparse" if sparse else "replay_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
     if config.recompute_logits and loss_may_recompute:
@@ -405,7 +439,7 @@ def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool 
 
 def _fits(c: Candidate, resources: Resources) -> bool:
     if resources.device == "cpu":  # everything lives in host memory
-        return resources.host_limit is None or c.gpu_counted + c.host_bytes <= resources.host_limit
+        return resources.host_limit is None or c.host_counted <= resources.host_limit
     host_ok = resources.host_limit is None or c.host_bytes <= resources.host_limit
     return c.gpu_counted <= resources.gpu_limit and host_ok
 
@@ -552,7 +586,7 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
         raise NoConfigFitsError(_refusal(workload, resources, base, fixed, options))
     # The search's headline decisions stand; what the last decisions keep never reorders them (their trades
     # against replay, offload or smaller chunks are not measured together).
-    best = _decided_last(fitting[0], workload, resources, fixed)
+    best = _decided_last(_lean_on_cpu(fitting, resources), workload, resources, fixed)
     # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
     # alternative to a step that keeps every page on the GPU.
     runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
@@ -569,6 +603,18 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
              for config in (best.config, other)]
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
                   workload.shape.num_layers, compiled, workload.seq_len, *times)
+
+
+def _lean_on_cpu(fitting: list[Candidate], resources: Resources) -> Candidate:
+    """The fastest fitting plan; on a CPU the leanest one at most CPU_SLOWER_ALLOWED slower, with the same dK/dV
+    dtype (exactness still comes first), if it saves at least CPU_MEMORY_SAVING of the fastest one's memory."""
+    fastest = fitting[0]
+    if resources.device != "cpu":
+        return fastest
+    near = [c for c in fitting if c.config.grad_dtype == fastest.config.grad_dtype
+            and c.relative_time <= fastest.relative_time * CPU_SLOWER_ALLOWED * (1 + 1e-9)]
+    lean = min(near, key=lambda c: (c.host_counted, _rank(c)))
+    return lean if lean.host_counted <= (1 - CPU_MEMORY_SAVING) * fastest.host_counted else fastest
 
 
 def _headline(c: Candidate) -> tuple:
@@ -606,9 +652,16 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     # What a trained head's loss keeps is the logits' gradient when the loss is fused (oomb/loss.py).
     kept, them, fit = (("the logits' gradient", "it", "it fits") if best.fused_loss
                        else ("log-probabilities", "them", "they fit"))
+    replay_on = "layer replay on: without it a chunk's activations do not fit"
+    without = [c for c in fitting if not c.config.checkpoint_layers and c.config.grad_dtype == cfg.grad_dtype]
+    if resources.device == "cpu" and without:  # _lean_on_cpu chose it over a faster plan
+        fastest = _decided_last(min(without, key=_rank), workload, resources, fixed)  # as it would have run
+        replay_on = (f"layer replay on: on a CPU it takes {SPEED_FACTS['replay_cpu'].factor:.2f}x the time and the "
+                     f"step {best.host_counted / GIB:.1f} GiB of host memory instead of "
+                     f"{fastest.host_counted / GIB:.1f} GiB")
     for name, fact, off, on in (
             ("checkpoint_layers", "replay", "no layer replay: a chunk's activations fit (replay takes {:.2f}x)",
-             "layer replay on: without it a chunk's activations do not fit"),
+             replay_on),
             ("recompute_logits", "recompute_logits",
              f"{kept} kept: {fit} (recomputing {them} takes {{:.3f}}x)",
              f"{kept} recomputed: keeping {them} does not fit next to the rest")):
@@ -621,7 +674,9 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         elif name in fixed:
             parts.append(f"{name}={value} as set")
         elif not value:
-            parts.append(off.format(SPEED_FACTS[f"{fact}_{'sparse' if cfg.attention == 'sparse' else 'dense'}"].factor))
+            kind = "cpu" if fact == "replay" and resources.device == "cpu" else (
+                "sparse" if cfg.attention == "sparse" else "dense")
+            parts.append(off.format(SPEED_FACTS[f"{fact}_{kind}"].factor))
         else:
             parts.append(on)
     if "keep_attention_outputs" in fixed:
@@ -653,8 +708,10 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
     if longest:
         lines.append(f"  up to {longest:,} tokens ({_approx_tokens(longest)}) fit, by the same search")
     else:
+        fixes = ("train LoRA adapters, use a smaller model or a machine with more memory" if resources.device == "cpu"
+                 else "train LoRA adapters, offload the optimizer, or use a larger GPU")
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
-                     "large (train LoRA adapters, offload the optimizer, or use a larger GPU)")
+                     f"large ({fixes})")
     if fixed:
         tied = {"checkpoint_layers"} if base.compile_layers is True else set()  # compiled layers: no replay
         free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS and k not in tied}
@@ -676,8 +733,7 @@ def _approx_tokens(tokens: int) -> str:
 
 def _against(c: Candidate, resources: Resources) -> str:
     if resources.device == "cpu":
-        total = c.gpu_counted + c.host_bytes
-        return f"{total / GIB:.1f} GiB of host memory, {(resources.host_limit or 0) / GIB:.1f} GiB usable"
+        return f"{c.host_counted / GIB:.1f} GiB of host memory, {(resources.host_limit or 0) / GIB:.1f} GiB usable"
     text = f"GPU {c.gpu_counted / GIB:.1f} GiB of {resources.gpu_limit / GIB:.1f} usable"
     if resources.host_limit is not None:
         text += f", host {c.host_bytes / GIB:.1f} GiB of {resources.host_limit / GIB:.1f} usable"

@@ -1,4 +1,5 @@
-"""Predicted GPU and host memory of one training step (DESIGN.md section 3), before anything is allocated.
+"""Predicted GPU and host memory of one training step, before anything is allocated (docs/benchmarks.md,
+"`oomb plan`: the memory model").
 
     GPU memory of a step = weights + parameter gradients (+ fp32 gradient sums) + optimizer state
                          + one chunk's activations (+ one logits slice) + KV working set
@@ -12,7 +13,7 @@ comparison) and oomb's dense/sparse attention with host offload off/on. Only the
 mode, their summaries) grow with the context in oomb; in "hf" the stored layer inputs and one layer's
 activations for the whole sequence do. Every assumption is a named constant or a field below.
 
-Calibration (standard workload, DESIGN.md section 6, H200, benchmarks/results/step_h200_2026-11-29*.json):
+Calibration (standard workload of docs/benchmarks.md, H200, benchmarks/results/step_h200_2026-11-29*.json):
 peak GPU memory above the weights predicted vs measured, oomb dense 39.5 / 60.5 GiB vs 39.9 / 60.9 GiB
 at 128K / 256K; hf 22.9 / 32.8 / 64.2 GiB vs 22.7 / 32.7 / 64.2 GiB at 32K / 64K / 128K. Qwen2.5-0.5B
 shape at 8K / 16K: dense 3.5 / 3.8 GiB vs 3.6 / 3.9, hf 2.3 / 2.7 GiB vs 2.4 / 2.8.
@@ -247,7 +248,7 @@ class OffloadAssumptions:
 
 @dataclass(frozen=True)
 class SparseAssumptions:
-    """Sparse attention's budget and bookkeeping (DESIGN.md section 2, "Sparse mode")."""
+    """Sparse attention's budget and bookkeeping (docs/sparse.md)."""
 
     top_k_pages: int = 64
     """Earlier pages each query block attends to, chosen by score against the page summaries."""

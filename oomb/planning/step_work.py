@@ -78,8 +78,7 @@ class Rates:
 
     matmul_flops: float = 790e12
     """GEMMs: what cuBLAS sustains on random bf16 data, below the 989 TFLOP/s peak. One 8192^3 matmul ran
-    at 769-798 TFLOP/s on these machines (/work/.library/device/KINDS.md, 2026-11-04; DESIGN.md section 5:
-    "about 790"), and the step's own GEMMs about as fast: the 64K sparse profile
+    at 769-798 TFLOP/s on these machines, and the step's own GEMMs about as fast: the 64K sparse profile
     (profile_sparse_cudnn_64k_h200_2026-11-30.json) spent 4.77 s on 3.7e15 FLOPs of linear layers and LM
     head, about 780 TFLOP/s. A "practical" 700 would put that part below its floor."""
     attention_flops: float = 550e12
@@ -90,7 +89,7 @@ class Rates:
     """Device memory: 4.8 TB/s by the datasheet (H200.md); a device-to-device copy moved about 4.3 TB/s
     counting reads and writes (KINDS.md)."""
     host_bytes: float = 55e9
-    """Pinned host <-> device copies, each way (DESIGN.md section 5, measured on the H200 machine)."""
+    """Pinned host <-> device copies, each way (measured on the H200 machine)."""
 
 
 H200 = Rates()

@@ -1,6 +1,6 @@
 """`oomb bench`: one training step (forward + backward, no optimizer) of plain HF and oomb's modes, over contexts.
 
-    oomb bench --out-dir DIR             # the standard workload (DESIGN.md section 6) on this GPU
+    oomb bench --out-dir DIR             # the standard workload (docs/benchmarks.md) on this GPU
     oomb bench --quick --out-dir DIR     # tiny model on the CPU, 1K and 2K tokens, a few seconds
     oomb bench --replot DIR/bench.json   # redraw the table and plot of a run (e.g. where matplotlib is)
 
@@ -39,6 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
+from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
@@ -76,7 +77,7 @@ WORKER_PRELOAD = ["oomb.tools.bench", "oomb.engine", "transformers", "transforme
 
 @dataclass
 class BenchOptions:
-    """One benchmark run. Defaults: the standard workload (DESIGN.md section 6) on one GPU."""
+    """One benchmark run. Defaults: the standard workload (docs/benchmarks.md) on one GPU."""
 
     preset: str = "qwen2.5-7b"
     contexts: list[int] = field(default_factory=lambda: [32768, 65536, 131072, 262144])
@@ -225,7 +226,7 @@ def build_model(preset: str, max_tokens: int, device: torch.device, dtype: torch
 
 def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
     """Plain HF with the tools a savvy user adds: SDPA, gradient checkpointing, a chunked loss."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     try:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         targets = shift_labels(ids)
@@ -234,8 +235,17 @@ def hf_step(model, ids: torch.Tensor, loss_chunk_tokens: int) -> float:
                                      loss_chunk_tokens, fused=False)
         loss.backward()
     finally:
-        model.gradient_checkpointing_disable()
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     return float(loss.detach())
+
+
+def enable_checkpointing(model) -> None:
+    """HF's gradient checkpointing (non-reentrant) under its current name where transformers has it
+    (``activation_checkpointing_enable``, 5.2x): the old name warns of its removal on every call."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def make_step(mode: str, options: BenchOptions):
@@ -629,8 +639,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=parse_tokens)
     parser.add_argument("--page-size", type=parse_tokens)
     parser.add_argument("--kv-grad-dtype", help=f"default {d.kv_grad_dtype}")
-    parser.add_argument("--fp32-grad-accumulation", action="store_true", default=None,
-                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off: bf16 .grad like HF")
+    parser.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction, default=None,
+                        help="oomb's fp32 sum of chunk gradients (+4 bytes/parameter); off (the default here): bf16 "
+                             ".grad like HF")
     parser.add_argument("--backend", choices=BACKENDS,
                         help=f"attention kernels (default {d.backend}: cudnn for bf16 on CUDA, triton with "
                              "--deterministic, torch on a CPU)")
@@ -654,8 +665,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resident-layers", dest="offload_resident_layers", type=int,
                         help="offload modes: the first N layers keep their pages on the GPU (default 0; "
                              "`oomb plan` prints how many `oomb train` would keep)")
-    parser.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="sparse_query_block_pages", type=int,
-                        help="sparse modes: query blocks sharing one selection (default 1)")
+    add_option(parser, "--sparse-query-block-pages", "--query-block-pages", dest="sparse_query_block_pages", type=int,
+               help="sparse modes: query blocks sharing one selection (default 1)")
     parser.add_argument("--sparse-budget", type=int,
                         help=f"sparse modes: history pages per query block, besides the sinks "
                              f"(default {d.sparse_budget})")

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED = "not implemented in this version"
 TOKENS_PER_GROWTH = 10_000
-"""Memory growth is reported per this many tokens (DESIGN.md section 6)."""
+"""Memory growth is reported per this many tokens."""
 MODE_COLORS = {"hf": "tab:gray", "dense": "tab:blue", "dense+offload": "tab:green", "sparse": "tab:purple",
                "sparse+offload": "tab:orange"}
 

@@ -1,6 +1,6 @@
 """`oomb calibrate`: a sparse plan for your model from a sample of your data.
 
-    oomb calibrate --model path/to/model --text sample.txt --seq-len 32K --max-read 0.25 --out plan.yaml
+    oomb calibrate --model path/to/model --data sample.txt --seq-len 32K --max-read 0.25 --out plan.yaml
     oomb train config.yaml --set oomb.sparse_plan=plan.yaml        # or OOMBConfig.from_dict({"sparse_plan": ...})
 
 A few layers of a pretrained model attend diffusely and need many pages (or all of them); most need
@@ -30,6 +30,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from ..cli_options import REAL_MODEL, add_option
 from ..config import SPARSE_POOLINGS, SPARSE_SCORES
 from ..sparse import SparseOptions
 from .gradcheck import GradcheckOptions, _load
@@ -180,18 +181,21 @@ def format_plan(plan: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb calibrate` (the model and data options are gradcheck's)."""
-    parser.add_argument("--model", default="smollm2", help="a local HF model directory, or 'smollm2'")
-    parser.add_argument("--text", default="python-docs", help="a text file of your data, or 'python-docs'")
+    parser.add_argument("--model", default=REAL_MODEL, help=f"a local HF model directory, or {REAL_MODEL!r}")
+    add_option(parser, "--data", "--text", dest="text", default="python-docs",
+               help="a text file of your data, or 'python-docs'")
     parser.add_argument("--seq-len", type=parse_tokens, default=8192, help="tokens (e.g. 8192, 32K)")
     parser.add_argument("--chunk-size", type=parse_tokens, default=4096)
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--max-read", type=float, default=0.25,
                         help="share of the history pages (all layers) the plan may read")
-    parser.add_argument("--grid", type=int, nargs="+", default=list(DEFAULT_GRID), help="candidate budgets")
-    parser.add_argument("--score", choices=SPARSE_SCORES, default="minmax")
-    parser.add_argument("--pooling", choices=SPARSE_POOLINGS, default="max")
-    parser.add_argument("--sink-pages", type=int, default=1)
-    parser.add_argument("--leak-free", action="store_true", help="score blocks with earlier queries only")
+    add_option(parser, "--sparse-budget", "--grid", dest="grid", type=int, nargs="+", default=list(DEFAULT_GRID),
+               help="candidate budgets (pages) to measure the recall of")
+    add_option(parser, "--sparse-score", "--score", dest="score", choices=SPARSE_SCORES, default="minmax")
+    add_option(parser, "--sparse-pooling", "--pooling", dest="pooling", choices=SPARSE_POOLINGS, default="max")
+    add_option(parser, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=1)
+    add_option(parser, "--sparse-leak-free", "--leak-free", dest="leak_free", action="store_true",
+               help="score blocks with earlier queries only")
     parser.add_argument("--yarn", type=float, default=None, help="YaRN factor for RoPE (e.g. 4: 8K -> 32K)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,8 +1,8 @@
 """`oomb gradcheck`: how far sparse attention's parameter gradients are from dense ones.
 
     oomb gradcheck                                         # tiny-qwen2, random weights, 2K synthetic tokens
-    oomb gradcheck --model path/to/model --text book.txt --seq-len 32K --budgets 8 32 128
-    oomb gradcheck --scores minmax mean --leak-free --json out.json
+    oomb gradcheck --model path/to/model --data book.txt --seq-len 32K --sparse-budget 8 32 128
+    oomb gradcheck --sparse-score minmax mean --sparse-leak-free --json out.json
     oomb gradcheck --model trained/ --ids sequence.txt --seq-len 8192       # token ids, one file
 
 For one sequence it runs one dense oomb step and one sparse step per (score rule, budget), and
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cli_options import REAL_MODEL, add_option, resolve_model
 from ..config import (
     CANDIDATE_POOLINGS,
     NORMALISER_PAGES,
@@ -46,7 +47,7 @@ from ..config import (
     resolve_dtype,
 )
 from ..engine import forward_backward
-from ..real_model import english_text, smollm2_dir, stdlib_source, with_yarn
+from ..real_model import english_text, stdlib_source, with_yarn
 from ..sparse import SparseOptions
 from ..sparse_fidelity import budget_for_read, history_read
 from ..training import presets
@@ -69,7 +70,9 @@ class GradcheckOptions:
     ids: str | None = None
     seq_len: int = 2048
     budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
-    scores: list[str] = field(default_factory=lambda: ["minmax", "mean"])  # "exact": the oracle, on request
+    # The score a default config runs (OOMBConfig().sparse_score resolved): what a user's run would check; others,
+    # and "exact" (the oracle), on request.
+    scores: list[str] = field(default_factory=lambda: [OOMBConfig().resolved_sparse_score])
     poolings: list[str] = field(default_factory=lambda: ["max"])
     layer_budgets: list[int] | None = None
     dense_layers: list[int] = field(default_factory=list)
@@ -125,12 +128,10 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-REAL_MODEL = "smollm2"
-"""--model smollm2: the real SmolLM2-135M-Instruct of oomb/real_model.py (converted once, cached)."""
 REAL_TEXT = "python-docs"
-"""--text python-docs: Python's English help topics (oomb/real_model.py's english_text), ~110K SmolLM2 tokens."""
+"""--data python-docs: Python's English help topics (oomb/real_model.py's english_text), ~110K SmolLM2 tokens."""
 REAL_CODE = "python-stdlib"
-"""--text python-stdlib: the Python standard library's source (oomb/real_model.py's stdlib_source), millions of
+"""--data python-stdlib: the Python standard library's source (oomb/real_model.py's stdlib_source), millions of
 tokens: real text for 128K-1M sequences."""
 CHARS_PER_TOKEN = 5
 """python-stdlib: characters read per token asked (SmolLM2 averages ~3.4 on code; the rest is margin)."""
@@ -140,8 +141,7 @@ def _load(options: GradcheckOptions):
     """(model, input_ids, description, source) from a preset name or a local directory, and a text file or
     random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
     first, then the warm-up's."""
-    if options.model == REAL_MODEL:
-        options = replace(options, model=str(smollm2_dir()))
+    options = replace(options, model=resolve_model(options.model))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
                            preset=options.model if is_preset else presets.TINY_PRESET)
@@ -152,7 +152,7 @@ def _load(options: GradcheckOptions):
     torch.manual_seed(options.seed)
     model = presets.build_model(section, config, dtype, device).eval()
     if options.text is not None and options.ids is not None:
-        raise ValueError("give --text or --ids, not both")
+        raise ValueError("give --data or --ids, not both")
     rows = 1 + options.warmup_steps
     need = rows * options.seq_len
     asked = f"--seq-len {options.seq_len}" + (f" x (1 + --warmup-steps {options.warmup_steps})" if rows > 1 else "")
@@ -178,11 +178,11 @@ def _load(options: GradcheckOptions):
         else:
             path = Path(options.text)
             if not path.is_file():
-                raise FileNotFoundError(f"--text {options.text!r} is not a file")
+                raise FileNotFoundError(f"--data {options.text!r} is not a file")
             text, source = path.read_text(errors="replace"), path.name
         tokens = presets.load_tokenizer(section)(text)["input_ids"]
         if len(tokens) < need:
-            raise ValueError(f"--text {options.text!r} has {len(tokens)} tokens, fewer than {asked}; give a longer "
+            raise ValueError(f"--data {options.text!r} has {len(tokens)} tokens, fewer than {asked}; give a longer "
                              f"file or a shorter --seq-len")
         ids = torch.tensor(tokens[:need]).view(rows, options.seq_len)
     weights = "random weights" if is_preset else "local weights"
@@ -403,32 +403,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model,
                         help=f"a preset ({', '.join(presets.PRESETS)}; random weights), a local HF model directory, "
                              f"or {REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
-    parser.add_argument("--text", default=None,
+    add_option(parser, "--data", "--text", dest="text", default=None,
                         help=f"text file to tokenize (model's tokenizer; bytes for a preset), or {REAL_TEXT!r} "
                              "(Python's English docs); default: random ids")
-    parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --text)")
+    parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --data)")
     parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=d.budgets, help="sparse budgets (pages)")
-    parser.add_argument("--scores", nargs="+", choices=SPARSE_SCORES, default=d.scores, help="score rules to compare")
-    parser.add_argument("--poolings", nargs="+", choices=SPARSE_POOLINGS, default=d.poolings,
-                        help="how a block's rows combine into a page score (max, softmax)")
-    parser.add_argument("--layer-budgets", type=int, nargs="+", default=None, help="a budget per layer")
-    parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers read densely")
+    add_option(parser, "--sparse-budget", "--budgets", dest="budgets", type=int, nargs="+", default=d.budgets,
+               help="sparse budgets (pages), one arm each")
+    add_option(parser, "--sparse-score", "--scores", dest="scores", nargs="+", choices=SPARSE_SCORES,
+               default=d.scores, help="score rules to compare (default: the one OOMBConfig() runs)")
+    add_option(parser, "--sparse-pooling", "--poolings", dest="poolings", nargs="+", choices=SPARSE_POOLINGS,
+               default=d.poolings, help="how a block's rows combine into a page score (max, softmax)")
+    add_option(parser, "--sparse-layer-budgets", "--layer-budgets", dest="layer_budgets", type=int, nargs="+",
+               default=None, help="a budget per layer")
+    add_option(parser, "--sparse-dense-layers", "--dense-layers", dest="dense_layers", type=int, nargs="*",
+               default=[], help="layers read densely")
     parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")
-    parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
-    parser.add_argument("--selection", choices=SPARSE_SELECTIONS, default=d.selection)
-    parser.add_argument("--leak-free", action="store_true",
-                        help="score each block with the page of queries before it and its first query")
-    parser.add_argument("--query-block-pages", type=int, default=d.query_block_pages,
-                        help="consecutive query blocks (pages of queries) sharing one selection")
-    parser.add_argument("--rerank-factors", type=int, nargs="+", default=d.rerank_factors,
-                        help="score rerank: candidate pages per block as multiples of the budget")
-    parser.add_argument("--rerank-candidates", nargs="+", choices=RERANK_CANDIDATES, default=d.rerank_candidates,
-                        help="score rerank: the summary scores proposing the candidates")
-    parser.add_argument("--candidate-poolings", nargs="+", choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
-                        help="score rerank: how a block's rows pool the candidates' summary scores")
-    parser.add_argument("--normaliser-pages", nargs="+", type=parse_normaliser_pages, default=d.normaliser_pages,
-                        help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
+    add_option(parser, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=d.sink_pages)
+    add_option(parser, "--sparse-selection", "--selection", dest="selection", choices=SPARSE_SELECTIONS,
+               default=d.selection)
+    add_option(parser, "--sparse-leak-free", "--leak-free", dest="leak_free", action="store_true",
+               help="score each block with the page of queries before it and its first query")
+    add_option(parser, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
+               default=d.query_block_pages, help="consecutive query blocks (pages of queries) sharing one selection")
+    add_option(parser, "--sparse-rerank-factor", "--rerank-factors", dest="rerank_factors", type=int, nargs="+",
+               default=d.rerank_factors, help="score rerank: candidate pages per block as multiples of the budget")
+    add_option(parser, "--sparse-rerank-candidates", "--rerank-candidates", dest="rerank_candidates", nargs="+",
+               choices=RERANK_CANDIDATES, default=d.rerank_candidates,
+               help="score rerank: the summary scores proposing the candidates")
+    add_option(parser, "--sparse-candidate-pooling", "--candidate-poolings", dest="candidate_poolings", nargs="+",
+               choices=CANDIDATE_POOLINGS, default=d.candidate_poolings,
+               help="score rerank: how a block's rows pool the candidates' summary scores")
+    add_option(parser, "--sparse-normaliser-pages", "--normaliser-pages", dest="normaliser_pages", nargs="+",
+               type=parse_normaliser_pages, default=d.normaliser_pages,
+               help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
                              "each ('all': every page)")
     parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
     parser.add_argument("--page-size", type=int, default=d.page_size)

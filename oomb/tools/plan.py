@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
 from ..models import fused_loss_possible_for_config
@@ -48,7 +49,7 @@ from ..training.config import LoraSection
 from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
 GROWTH_TOKENS = 10_000
-"""GPU memory growth is reported per this many more tokens (DESIGN.md section 6)."""
+"""GPU memory growth is reported per this many more tokens."""
 DEFAULT_CONTEXT = 131072
 
 def preset_config(name: str, max_positions: int = DEFAULT_CONTEXT):
@@ -144,7 +145,7 @@ class ModeReport:
     fits_host: bool
     largest_context: int
     gpu_growth_per_10k: int
-    """GPU bytes 10,000 more tokens would add (DESIGN.md section 6 reports this)."""
+    """GPU bytes 10,000 more tokens would add."""
 
     @property
     def fits(self) -> bool:
@@ -468,11 +469,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep stage 1's attention outputs for stage 2 (default off in the table, where the modes "
                             "without offload then count them; unset, the chooser keeps them for steps with "
                             "every page on the GPU where they fit)")
-    group.add_argument("--no-fp32-grad-accumulation", action="store_true")
+    group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,
+                       default=defaults.fp32_grad_accumulation,
+                       help="sum low-precision parameters' chunk gradients in float32 (default on)")
     group = parser.add_argument_group("planned modes (assumptions)")
-    group.add_argument("--top-k-pages", "--sparse-budget", dest="top_k_pages", type=int, default=sparse.top_k_pages)
-    group.add_argument("--sink-pages", "--sparse-sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
-    group.add_argument("--query-block-pages", "--sparse-query-block-pages", dest="query_block_pages", type=int,
+    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.top_k_pages,
+               help="sparse: history pages each query block reads besides the sinks")
+    add_option(group, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
+    add_option(group, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
                        help=f"sparse: query blocks sharing one selection (fewer pages staged with offload; table "
                             f"default {sparse.query_block_pages}; unset, `oomb train` takes one per chunk with "
                             "offload)")
@@ -490,7 +494,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
              "recompute_logits": args.recompute_logits, "keep_attention_outputs": args.keep_attention_outputs}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
-                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=not args.no_fp32_grad_accumulation,
+                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=args.fp32_grad_accumulation,
                  sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages)
     fixed = fixed_from_options(fixed)
     query_block_pages = args.query_block_pages or defaults.sparse_query_block_pages
@@ -499,7 +503,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                         checkpoint_layers=args.checkpoint_layers is not False,
                         recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
                         keep_attention_outputs=bool(args.keep_attention_outputs),
-                        fp32_grad_accumulation=not args.no_fp32_grad_accumulation, attention=args.attention,
+                        fp32_grad_accumulation=args.fp32_grad_accumulation, attention=args.attention,
                         deterministic=args.deterministic, sparse_budget=args.top_k_pages,
                         sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,

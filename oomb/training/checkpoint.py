@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -137,24 +138,80 @@ def save_checkpoint(checkpoint: Checkpoint, root: str | Path, keep_last: int = 0
     return final
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint directory written by ``save_checkpoint`` (tensors on the CPU)."""
+class DamagedCheckpointError(ValueError):
+    """A checkpoint directory with a file that is missing or cannot be read back (truncated, overwritten);
+    the message names the directory and the file."""
+
+
+STATE_KEYS = ("step", "adapter")
+"""Keys of trainer_state.json that this module writes itself; the rest is ``Checkpoint.state``."""
+
+
+def load_checkpoint(path: str | Path, state_keys: tuple[str, ...] = ()) -> Checkpoint:
+    """Read a checkpoint directory written by ``save_checkpoint`` (tensors on the CPU).
+
+    Every file is opened here, so a damaged one fails now (``DamagedCheckpointError``, naming it) rather than
+    halfway through a restore: the safetensors headers are checked against the file sizes and the optimizer,
+    scheduler and RNG archives' directories are read (their tensors stay memory-mapped). ``state_keys``:
+    keys of ``Checkpoint.state`` the caller will read, missing ones making the checkpoint damaged too."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         hint = f"; complete checkpoints there: {[p.name for p in list_checkpoints(path)]}" if path.is_dir() else ""
         raise FileNotFoundError(f"{str(path)!r} is not a complete oomb checkpoint (no {STATE_FILE}){hint}")
-    state = json.loads((path / STATE_FILE).read_text())
+    state = _read_file(path, STATE_FILE, lambda file: _read_state(file, (*STATE_KEYS, *state_keys)))
     adapter = bool(state.pop("adapter"))
-    weights = LazyTensors(path / (ADAPTER_WEIGHTS if adapter else FULL_WEIGHTS))
-    master = LazyTensors(path / MASTER_WEIGHTS) if (path / MASTER_WEIGHTS).is_file() else {}
+    weights = _read_file(path, ADAPTER_WEIGHTS if adapter else FULL_WEIGHTS, LazyTensors)
+    master = _read_file(path, MASTER_WEIGHTS, LazyTensors) if (path / MASTER_WEIGHTS).is_file() else {}
 
-    def load(name: str):
-        return torch.load(path / name, map_location="cpu", weights_only=True, mmap=True)
+    def load(file: Path):
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
 
-    config_yaml = (path / "config.yaml").read_text() if (path / "config.yaml").is_file() else ""
+    config_yaml = _read_file(path, "config.yaml", _read_yaml_text) if (path / "config.yaml").is_file() else ""
     return Checkpoint(step=int(state.pop("step")), weights=weights, adapter=adapter, master=master,
-                      optimizer=load("optimizer.pt"), scheduler=load("scheduler.pt"), rng=load("rng.pt"),
+                      optimizer=_read_file(path, "optimizer.pt", load),
+                      scheduler=_read_file(path, "scheduler.pt", load), rng=_read_file(path, "rng.pt", load),
                       state=state, config_yaml=config_yaml)
+
+
+def latest_intact_checkpoint(root: str | Path, state_keys: tuple[str, ...] = ()) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` whose files all read back (``load_checkpoint``; None if none), and
+    why each newer one was passed over (one ``DamagedCheckpointError`` message each, newest first)."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            load_checkpoint(path, state_keys)
+        except DamagedCheckpointError as err:
+            damaged.append(str(err))
+            continue
+        return path, damaged
+    return None, damaged
+
+
+def _read_file(directory: Path, name: str, reader):
+    """``reader(directory / name)``, any failure to read it raised as a ``DamagedCheckpointError`` naming it."""
+    file = directory / name
+    if not file.is_file():
+        raise DamagedCheckpointError(f"checkpoint {directory}: {name} is missing")
+    try:
+        return reader(file)
+    except Exception as err:  # truncated or overwritten files fail in each reader's own way
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DamagedCheckpointError(f"checkpoint {directory}: {name} is damaged ({file.stat().st_size:,} bytes; "
+                                     f"{reason})") from err
+
+
+def _read_state(file: Path, keys: tuple[str, ...]) -> dict:
+    state = json.loads(file.read_text())
+    if not isinstance(state, dict) or any(key not in state for key in keys):
+        have = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"expected the keys {list(keys)}, found {have}")
+    return state
+
+
+def _read_yaml_text(file: Path) -> str:
+    text = file.read_text()
+    yaml.safe_load(text)  # parsed again on resume, to compare the settings
+    return text
 
 
 class LazyTensors(Mapping):

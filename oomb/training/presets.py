@@ -8,6 +8,7 @@ with random weights plus oomb's built-in byte-level tokenizer: the embedded defa
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -210,7 +211,12 @@ def apply_lora(model: PreTrainedModel, section: LoraSection) -> nn.Module:
     peft_config = LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
                              target_modules=section.target_modules, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, peft_config)
+        with warnings.catch_warnings():
+            # PEFT reads transformers' deprecated ``is_gradient_checkpointing`` property, which warns on every real
+            # model's run; the property's answer is right and the warning is about PEFT's code, not the user's.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return get_peft_model(model, peft_config)
     except ValueError as err:
         raise ValueError(f"lora.target_modules={section.target_modules!r}: {err}") from err
 

@@ -27,6 +27,7 @@ class Reporter:
             output_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = open(output_dir / config.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
         self.last_step = start_step
+        self.grad_accum = config.train.grad_accum
         self.writer = None
         if config.logging.tensorboard and enabled:
             try:
@@ -37,10 +38,21 @@ class Reporter:
                 logger.warning("logging.tensorboard=true but the tensorboard package is not installed "
                                "(pip install tensorboard): metrics go to %s only", config.logging.metrics_file)
 
+    def chunk(self, sequence: int, done: int, total: int) -> None:
+        """Where the step in progress is, after each of its chunks (``forward_backward``'s ``progress`` callback for
+        sequence ``sequence`` of the step): a step of minutes would otherwise show nothing until it ends."""
+        if self.bar.disable:
+            return
+        half = total // 2
+        stage, index = (1, done) if done <= half else (2, done - half)
+        of = f"sequence {sequence + 1}/{self.grad_accum}, " if self.grad_accum > 1 else ""
+        self.bar.set_description_str(f"oomb train (step {self.last_step + 1}: {of}stage {stage}, chunk {index}/{half})")
+
     def log(self, metrics: dict) -> None:
         self.last_step = metrics["step"]
         if not self.enabled:
             return
+        self.bar.set_description_str("oomb train", refresh=False)
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
         postfix = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",

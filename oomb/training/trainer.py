@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,14 +44,24 @@ from ..engine import forward_backward
 from ..kv.offload import HostSlabs
 from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
-from ..planning.choose import Choice, NoConfigFitsError, Resources, Workload, choose_config
+from ..planning.choose import (
+    Choice,
+    NoConfigFitsError,
+    Resources,
+    Workload,
+    choose_config,
+    lora_no_replay_bytes,
+)
 from ..planning.memory import GIB, estimate_step_memory
 from ..planning.model_shape import ModelShape
 from .checkpoint import (
+    DamagedCheckpointError,
     atomic_directory,
     latest_checkpoint,
+    latest_intact_checkpoint,
+    load_checkpoint,
 )
-from .checkpointing import Checkpointing
+from .checkpointing import RESUME_STATE_KEYS, Checkpointing
 from .config import TrainerConfig
 from .data import PackedSequences, resolve_files
 from .evaluation import run_evaluation
@@ -79,6 +91,30 @@ def chooser_fixed(cfg: TrainerConfig, cuda: bool) -> dict:
     if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
         fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
     return fixed
+
+
+def preview_choice(cfg: TrainerConfig) -> Choice | None:
+    """What the chooser would pick for ``cfg``'s oomb options left ``auto`` on this machine now, from the model's
+    config alone (nothing is built: ``oomb train --print-config``). The weights count against the free memory,
+    the LoRA adapters are PEFT's all-linear ones, and nothing is counted compiled or fused, so the trainer,
+    which knows the built model, may choose a little more generously. None: nothing is left to the chooser.
+    Raises NoConfigFitsError when nothing fits."""
+    if not cfg.train.auto_config or not cfg.oomb_auto:
+        return None
+    device = _resolve_device(cfg.train.device)
+    dtype = _resolve_dtype(cfg.model.dtype, device)
+    cuda = device.type == "cuda"
+    shape = ModelShape.from_hf_config(load_model_config(cfg.model, cfg.data.seq_len)).per_rank(cfg.parallel.tp)
+    lora = cfg.lora.r if cfg.lora.enabled else 0
+    workload = Workload(shape, cfg.data.seq_len, 1, dtype, lora, master_weights=cfg.optim.master_weights,
+                        trainable_params=shape.lora_params(lora) if lora else shape.num_params(),
+                        fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
+                        context_parallel=cfg.parallel.cp > 1)
+    gpu_free = machine.gpu_free_bytes(device) if cuda else 0
+    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
+                          int(MEMORY_HEADROOM * host_available_bytes()),
+                          gpu_name=torch.cuda.get_device_name(device) if cuda else None)
+    return choose_config(workload, resources, chooser_fixed(cfg, cuda), cfg.oomb)
 
 
 class NotEnoughMemoryError(MemoryError):
@@ -201,6 +237,7 @@ class Trainer(Checkpointing):
 
         if self.model is None:
             model_config = load_model_config(cfg.model, cfg.data.seq_len)
+            self._check_weights_fit(model_config)  # before anything of the model's size is allocated
         else:
             model_config = unwrap_causal_lm(self.model).config
         warning = context_warning(model_config, cfg.data.seq_len)
@@ -260,9 +297,9 @@ class Trainer(Checkpointing):
         metrics = self.output_dir / self.config.logging.metrics_file
         artifacts = [p for p in (self.output_dir / n for n in (*ARTIFACTS, metrics.name)) if p.exists()]
         if resume == "latest" and latest is not None:
-            return latest, []
+            return self._intact_checkpoint(), []
         if resume is not None and resume != "latest":
-            return Path(resume), []
+            return self._checked_resume_path(Path(resume)), []
         if resume == "latest":
             logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0", self.checkpoint_dir)
             return None, artifacts  # a run that died before its first checkpoint: start it again
@@ -273,6 +310,60 @@ class Trainer(Checkpointing):
                 "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
                 "another train.output_dir")
         return None, artifacts
+
+    def _intact_checkpoint(self) -> Path:
+        """The newest checkpoint whose files all read back; a damaged newer one is passed over with a warning
+        naming its file, and a run with none intact is refused before anything is loaded."""
+        intact, damaged = latest_intact_checkpoint(self.checkpoint_dir, RESUME_STATE_KEYS)
+        if intact is None:
+            raise DamagedCheckpointError(
+                f"no intact checkpoint to resume from in {self.checkpoint_dir}:\n  " + "\n  ".join(damaged)
+                + "\nrestore the damaged files from a copy, or start over with --overwrite (train.overwrite=true; "
+                "deletes these checkpoints)")
+        for message in damaged:
+            logger.warning("%s: resuming from %s, the latest intact checkpoint, instead", message, intact)
+        return intact
+
+    def _checked_resume_path(self, path: Path) -> Path:
+        """``path`` (checkpoint.resume) if its files read back; otherwise refused, naming the damaged file and
+        the latest intact checkpoint of this run."""
+        try:
+            load_checkpoint(path, RESUME_STATE_KEYS)
+        except DamagedCheckpointError as err:
+            intact, _ = latest_intact_checkpoint(self.checkpoint_dir, RESUME_STATE_KEYS)
+            fix = (f"resume from the latest intact checkpoint with --resume {intact}" if intact is not None
+                   else f"no checkpoint in {self.checkpoint_dir} is intact")
+            raise DamagedCheckpointError(f"{err}: {fix}, or restore the file from a copy") from err
+        return path
+
+    def _check_weights_fit(self, model_config) -> None:
+        """Refuse, before the model is built, a model whose weights alone exceed the free memory of the device
+        they go to: building it would die in the allocator with a traceback (a 7B preset on a small machine).
+        The step's own terms are checked after the build (``_check_memory``), with the model's exact counts."""
+        cfg = self.config
+        if cfg.train.memory_check == "off":
+            return
+        shape = ModelShape.from_hf_config(model_config).per_rank(cfg.parallel.tp)
+        params = shape.num_params()
+        need = params * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, where = machine.gpu_free_bytes(self.device), f"GPU memory on {self.device}"
+        else:
+            free, where = host_available_bytes(), "host memory (MemAvailable)"
+        if need <= MEMORY_HEADROOM * free:
+            return
+        source = cfg.model.path or f"preset {cfg.model.preset}"
+        tips = ["a smaller model or preset", "a machine with more free memory"]
+        if self.dtype.itemsize > 2:
+            tips.insert(0, f"model.dtype=bfloat16 (half of {str(self.dtype).removeprefix('torch.')}'s "
+                           f"{need / GIB:.1f} GiB)")
+        message = (f"not enough {where} for the model: {source} has {params / 1e9:.2f} B parameters, whose weights "
+                   f"alone need {need / GIB:.1f} GiB in {str(self.dtype).removeprefix('torch.')}, and "
+                   f"{free / GIB:.1f} GiB are free (nothing was allocated)\noptions: " + "; ".join(tips))
+        if cfg.train.memory_check == "warn":
+            logger.warning("%s", message)
+            return
+        raise NotEnoughMemoryError(message + "\n  or set train.memory_check=warn to try anyway")
 
     def _check_memory(self, causal_lm) -> None:
         mode = self.config.train.memory_check
@@ -382,6 +473,9 @@ class Trainer(Checkpointing):
         }
         if step.kept_attention:
             terms["kept attention outputs (stage 1 to stage 2)"] = step.kept_attention
+        if cfg.lora.enabled and not cfg.oomb.checkpoint_layers:
+            terms["LoRA layers' saved inputs (no layer replay)"] = lora_no_replay_bytes(
+                shape, min(cfg.oomb.chunk_size, cfg.data.seq_len), self.dtype)
         if not cfg.optim.offload:
             # AdamW's exp_avg and exp_avg_sq take the dtype of what it steps: an fp32 master (which
             # also holds 4 bytes of weight and 4 of gradient), else the parameter itself (bf16: 4
@@ -423,7 +517,7 @@ class Trainer(Checkpointing):
         interrupted = False
         try:
             while self.step < cfg.train.max_steps:
-                metrics = self.train_step()
+                metrics = self.train_step(on_chunk=reporter.chunk)
                 if self._evaluation_due():
                     metrics["eval"] = self.evaluate()
                 reporter.log(metrics)
@@ -449,8 +543,10 @@ class Trainer(Checkpointing):
         self.data.close()
         return result
 
-    def train_step(self) -> dict:
-        """One optimizer step over train.grad_accum sequences; returns its metrics."""
+    def train_step(self, on_chunk: Callable[[int, int, int], None] | None = None) -> dict:
+        """One optimizer step over train.grad_accum sequences; returns its metrics. ``on_chunk(sequence, done,
+        total)``: called after each chunk of either stage (``forward_backward``'s progress callback), unless
+        logging.chunk_progress shows the step's own bar."""
         cfg = self.config
         start = time.perf_counter()
         if self.device.type == "cuda":
@@ -463,9 +559,11 @@ class Trainer(Checkpointing):
             samples = [next(self.data) for _ in range(parallel.dp)]
             sample = samples[parallel.dp_rank]
             boundaries = {"cu_seqlens": sample.cu_seqlens()} if cfg.data.documents == "separate" else {}
+            progress = cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main
+            if not progress and on_chunk is not None:
+                progress = functools.partial(on_chunk, micro)
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
-                                    **boundaries,
-                                    progress=cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main,
+                                    **boundaries, progress=progress,
                                     grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
                                     parallel=parallel, host_slabs=self.host_slabs,
                                     sync_gradients=micro == cfg.train.grad_accum - 1)
