@@ -22,8 +22,8 @@ from ..config import (
     SPARSE_SCORES,
     OOMBConfig,
 )
+from ..planning.choose import NoConfigFitsError
 from ..units import parse_tokens
-from .autoconfig import NoConfigFitsError
 from .config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
 
