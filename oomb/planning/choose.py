@@ -365,7 +365,7 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers,
-                                  not loss_keeps_nothing(setup.fused_loss, not workload.lora_rank), resources.device)
+                                  not loss_keeps_nothing(setup.fused_loss), resources.device)
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
     return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
                      head_trained=not workload.lora_rank, device=resources.device)
