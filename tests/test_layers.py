@@ -11,8 +11,9 @@ still an arrow). The order, lowest first (docs/design.md, "Layout"):
                models, loss, loss_gradient, moe, compiled_layers, carried_gradients, parallel
     engine     engine (forward_backward), evaluate (stage 1 alone) with perplexity and passkey
     planning   planning/ (memory model, fit, the chooser)
-    training   training/ (Trainer, `oomb train`, checkpoints, data, presets, the HF Trainer integration)
-    tools      tools/ (bench, plan, gradcheck, demo, calibrate), real_model (a small real model for them)
+    training   training/ (Trainer, `oomb train`, checkpoints, data, presets, the HF Trainer integration),
+               real_model (a small real model, `--model smollm2`), cli_options (the commands' shared option names)
+    tools      tools/ (bench, plan, gradcheck, eval, demo, calibrate)
     cli        cli, __main__, and the package root (its public API)
 """
 
@@ -33,8 +34,8 @@ LAYERS = [
               "oomb.compiled_layers", "oomb.carried_gradients", "oomb.parallel"]),
     ("engine", ["oomb.engine", "oomb.evaluate", "oomb.passkey", "oomb.perplexity"]),
     ("planning", ["oomb.planning"]),
-    ("training", ["oomb.training"]),
-    ("tools", ["oomb.tools", "oomb.real_model"]),
+    ("training", ["oomb.training", "oomb.real_model", "oomb.cli_options"]),
+    ("tools", ["oomb.tools"]),
     ("cli", ["oomb.cli", "oomb.__main__", "oomb"]),
 ]
 
