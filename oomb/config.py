@@ -31,6 +31,15 @@ READ_SHARE_STEP = 16
 distinct selection sizes rather than one per chunk."""
 
 
+def read_share_budget(budget: int, share: float | None, history_pages: int) -> int:
+    """The budget of a block with ``history_pages`` before its chunk under sparse_read_share: at least
+    ``share`` of them, rounded up to a multiple of READ_SHARE_STEP, never below ``budget``."""
+    if share is None:
+        return budget
+    wanted = -(-round(share * history_pages * 1_000_000) // 1_000_000)  # ceil, without float noise
+    return max(budget, -(-wanted // READ_SHARE_STEP) * READ_SHARE_STEP)
+
+
 def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
     """Map a dtype name ('float32', 'bf16', ...) or a torch.dtype to a torch.dtype."""
     if isinstance(value, torch.dtype):

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import NORMALISER_PAGES, READ_SHARE_STEP, OOMBConfig
+from .config import NORMALISER_PAGES, OOMBConfig, read_share_budget
 from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
@@ -120,10 +120,7 @@ class SparseOptions:
             budget = self.layer_budgets[layer]
         else:
             budget = self.budget
-        if self.read_share is not None:
-            grown = -(-round(self.read_share * history_pages * 1e6) // 1_000_000)  # ceil, robust to float noise
-            budget = max(budget, -(-grown // READ_SHARE_STEP) * READ_SHARE_STEP)
-        return budget
+        return read_share_budget(budget, self.read_share, history_pages)
 
     def num_selected(self, history_pages: int, layer: int = 0) -> int:
         """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""

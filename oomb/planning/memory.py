@@ -24,13 +24,12 @@ constants those terms assume, are in oomb/planning/activations.py. Both are re-e
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
 
-from ..config import READ_SHARE_STEP, OOMBConfig
+from ..config import OOMBConfig, read_share_budget
 from ..context_parallel import ContextShard
 from ..kv import PagedKVStore, capacity
 from ..kv.store import window_pages_per_sequence
@@ -267,11 +266,7 @@ class SparseAssumptions:
     def pages_read(self, tokens: int, page_size: int) -> int:
         """Pages a query block reads besides its chunk (sinks + budget) at the longest history of ``tokens``:
         with a read share the budget grows with the history, and memory is sized for its largest."""
-        budget = self.top_k_pages
-        if self.read_share is not None:
-            grown = math.ceil(self.read_share * -(-tokens // page_size))
-            budget = max(budget, -(-grown // READ_SHARE_STEP) * READ_SHARE_STEP)
-        return budget + self.sink_pages
+        return read_share_budget(self.top_k_pages, self.read_share, -(-tokens // page_size)) + self.sink_pages
 
     @classmethod
     def from_config(cls, config) -> SparseAssumptions:

@@ -51,7 +51,7 @@ from typing import Literal
 
 import torch
 
-from ..config import NORMALISER_PAGES, READ_SHARE_STEP, OOMBConfig
+from ..config import NORMALISER_PAGES, OOMBConfig, read_share_budget
 from .model_shape import ModelShape
 
 H200_PEAK_BF16_FLOPS = 989e12
@@ -194,10 +194,7 @@ class StepSpec:
     def read_pages(self, start: int) -> int | None:
         """History pages each query block of the chunk at ``start`` reads; None: all of them (dense)."""
         n_hist = start // self.page_size
-        budget = self.sparse_budget
-        if self.sparse_read_share is not None:
-            grown = -(-round(self.sparse_read_share * n_hist * 1e6) // 1_000_000)
-            budget = max(budget, -(-grown // READ_SHARE_STEP) * READ_SHARE_STEP)
+        budget = read_share_budget(self.sparse_budget, self.sparse_read_share, n_hist)
         if self.mode != "sparse" or self.sparse_sink_pages + budget >= n_hist:
             return None
         return self.sparse_sink_pages + budget
