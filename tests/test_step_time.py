@@ -51,3 +51,15 @@ def test_the_plan_states_its_step_time_and_the_other_modes():
     assert "step time: ~" in text and "dense attention: ~" in text and "sparse reads 1.6 % of the history" in text
     cpu = choose_config(Workload(QWEN_7B, 8192, lora_rank=16), Resources("cpu", host_limit=2**40))
     assert cpu.step_time is None and "step time: ~" not in cpu.describe()
+
+
+def test_oomb_plan_prints_step_times_for_the_named_gpu_and_the_longest_context_per_mode(capsys):
+    from oomb import cli
+
+    rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "78", "--host-gib", "125",
+                   "--lora-rank", "16", "--attention", "sparse", "--gpu", "H100"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "step time: ~" in out and "on an H100" in out and "unknown GPU" not in out
+    line = next(x for x in out.splitlines() if x.startswith("longest context oomb train fits here"))
+    longest = {part.split()[0]: int(part.split()[1].replace(",", "")) for part in line.split(": ")[1].split(", ")}
+    assert set(longest) == {"dense", "sparse"} and all(tokens >= 1 << 20 for tokens in longest.values())

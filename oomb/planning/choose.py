@@ -740,6 +740,14 @@ def _against(c: Candidate, resources: Resources) -> str:
     return text
 
 
+def longest_context(workload: Workload, resources: Resources, fixed: dict | None = None,
+                    base: OOMBConfig | None = None, limit: int = 1 << 26) -> int:
+    """The longest sequence (a multiple of the page size, at most ``limit`` tokens) for which some
+    configuration the chooser tries fits, keeping ``fixed``; 0 if none does."""
+    base = base or OOMBConfig()
+    return _longest_fitting(dataclasses.replace(workload, seq_len=limit), resources, base, dict(fixed or {}))
+
+
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
     """The largest multiple of the page size below the asked length for which some configuration of
     the free options fits (memory grows with the context, so the search is monotone)."""

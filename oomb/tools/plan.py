@@ -29,7 +29,15 @@ from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem
 from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
 from ..models import fused_loss_possible_for_config
-from ..planning.choose import Choice, NoConfigFitsError, Resources, Workload, choose_config, fixed_from_options
+from ..planning.choose import (
+    Choice,
+    NoConfigFitsError,
+    Resources,
+    Workload,
+    choose_config,
+    fixed_from_options,
+    longest_context,
+)
 from ..planning.fit import CUDA_CONTEXT_BYTES, SAFETY_MARGIN, Budget, largest_context
 from ..planning.memory import (
     GIB,
@@ -172,6 +180,8 @@ class Plan:
     """oomb.planning.choose's fastest configuration that fits (the attention mode as given)."""
     choice_error: str | None = None
     """Why no configuration fits, when none does."""
+    longest: dict[str, int] | None = None
+    """Per attention mode, the longest sequence oomb train's chooser fits (options the user set kept)."""
 
 
 def _check(prediction: MemoryPrediction, budget: Budget) -> tuple[bool, bool]:
@@ -189,10 +199,12 @@ def make_plan(
     sparse: SparseAssumptions | None = None,
     modes: list[str] | None = None,
     fixed: dict | None = None,
+    gpu: str | None = None,
 ) -> Plan:
     """Predictions, fit and largest context of every mode in ``modes`` (default: all), and the
     configuration oomb.planning.choose chooses for ``config.attention`` keeping the options in ``fixed``
-    (None: every option of ``config`` fixed but the backend: no choice beyond that)."""
+    (None: every option of ``config`` fixed but the backend: no choice beyond that). ``gpu``: the GPU's name
+    for step times (e.g. "H100"); default: the detected device, none when the size is given."""
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
     offload = offload or OffloadAssumptions()
@@ -235,13 +247,16 @@ def make_plan(
         workload = Workload(shape, tokens, setup.batch_size, setup.dtype, setup.lora_rank, setup.optimizer,
                             setup.master_weights, fp32_targets=setup.master_weights,  # as oomb train's
                             **_step_kernels(model, shape, setup))
-        gpu_name = budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None
+        gpu_name = gpu or (budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None)
         resources = Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=gpu_name)
         try:
             choice = choose_config(workload, resources, fixed, config)
         except NoConfigFitsError as err:
             choice_error = str(err)
-    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints, choice, choice_error)
+        longest = {mode: longest_context(workload, resources, {**fixed, "attention": mode}, config)
+                   for mode in ATTENTION_MODES}
+    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints, choice, choice_error,
+                longest if fixed is not None else None)
 
 
 def _speed_hints(reports: list[ModeReport], config: OOMBConfig, run, budget: Budget) -> list[str]:
@@ -358,6 +373,9 @@ def format_plan(plan: Plan) -> str:
             f"  (offload: {o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page "
             f"streamed blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} "
             f"summary vectors per page and KV head)")
+    if plan.longest:
+        lines.append("longest context oomb train fits here, by its chooser: " + ", ".join(
+            f"{mode} {tokens:,} tokens (~{tokens / 2**20:.2f}M)" for mode, tokens in plan.longest.items()))
     if plan.choice is not None:
         lines += ["", f"oomb train would run ({plan.choice.config.attention} attention, options you set kept):",
                   plan.choice.describe()]
@@ -403,6 +421,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "hints": plan.hints,
         "choice": _choice_to_dict(plan.choice) if plan.choice is not None else None,
         "choice_error": plan.choice_error,
+        "longest_context": plan.longest,
     }
 
 
@@ -435,6 +454,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--gpu-gib", type=float, help="GPU size in GiB (default: this machine's CUDA device)")
+    parser.add_argument("--gpu", default=None, metavar="NAME",
+                        help="the GPU kind for predicted step times, e.g. H100 or H200 (default: this machine's)")
     parser.add_argument("--host-gib", type=float, help="host RAM for the step in GiB (default: MemAvailable)")
     parser.add_argument("--margin", type=float, default=SAFETY_MARGIN, help="fraction of each memory kept free")
     group = parser.add_argument_group("training")
@@ -520,7 +541,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
-                     modes, fixed)
+                     modes, fixed, args.gpu)
 
 
 def main(args: argparse.Namespace) -> int:
