@@ -134,7 +134,8 @@ REAL_CODE = "python-stdlib"
 """--data python-stdlib: the Python standard library's source (oomb/real_model.py's stdlib_source), millions of
 tokens: real text for 128K-1M sequences."""
 CHARS_PER_TOKEN = 5
-"""python-stdlib: characters read per token asked (SmolLM2 averages ~3.4 on code; the rest is margin)."""
+"""python-stdlib: characters read per token asked (SmolLM2 took 3.9 on the first 2M characters of CPython 3.11's
+standard library; the rest is margin)."""
 
 
 def _load(options: GradcheckOptions):
@@ -197,8 +198,7 @@ def model_layers(model: torch.nn.Module) -> int:
 def is_default_sparse(config: OOMBConfig) -> bool:
     """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs."""
     default = OOMBConfig(attention="sparse", chunk_size=config.chunk_size)
-    names = [f for f in asdict(default) if f.startswith("sparse_")] + ["page_size"]
-    return (all(getattr(config, name) == getattr(default, name) for name in names)
+    return (config.page_size == default.page_size
             and SparseOptions.from_config(config) == SparseOptions.from_config(default))
 
 
@@ -230,11 +230,15 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
               "sparse_layer_budgets": layer_budgets, "sparse_dense_layers": dense_layers}
     probe = OOMBConfig(**{**asdict(base), **common})
     reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
-    budgets = [None] if layer_budgets is not None else list(dict.fromkeys([*options.budgets, *reads]))
-    budgets += [f"share {share}" for share in options.read_shares]
+    # (budget label, the fixed budget, read share, target read): the budgets asked and found for --reads, then
+    # the --read-shares arms (budget 0: the share alone decides)
+    if layer_budgets is not None:
+        sizes = [("per layer", max(layer_budgets), None, None)]
+    else:
+        sizes = [(b, b, None, reads.get(b)) for b in dict.fromkeys([*options.budgets, *reads])]
+    sizes += [(f"share {share}", 0, share, share) for share in options.read_shares]
     arms = []
-    for score, pooling, budget in itertools.product(options.scores, options.poolings, budgets):
-        share = float(budget.split()[1]) if isinstance(budget, str) else None
+    for score, pooling, (label, budget, share, target) in itertools.product(options.scores, options.poolings, sizes):
         rerank = score == "rerank"
         for factor, proposer, pooled in itertools.product(
                 options.rerank_factors if rerank else [None], options.rerank_candidates if rerank else [None],
@@ -254,11 +258,9 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
                     name = score + ("" if bound is None else f"/{bound}")
                 else:
                     name = _rerank_name(factor, proposer, pooled, bound)
-                fixed = 0 if share is not None else budget if budget is not None else max(layer_budgets)
-                arms.append({"name": name, "pooling": pooling, "budget": budget,
-                             "target_read": share if share is not None else reads.get(budget),
+                arms.append({"name": name, "pooling": pooling, "budget": label, "target_read": target,
                              "config": {**common, **extra, "sparse_score": score, "sparse_pooling": pooling,
-                                        "sparse_normaliser_pages": bound, "sparse_budget": fixed,
+                                        "sparse_normaliser_pages": bound, "sparse_budget": budget,
                                         "sparse_read_share": share}})
     return arms
 
@@ -339,7 +341,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
             loss = float(forward_backward(model, ids, config=config, progress=progress))
             groups = compare(_gradients(model), dense)
             run = {"model_state": state, "seq_len": ids.shape[1], "score": arm["name"], "pooling": arm["pooling"],
-                   "budget": arm["budget"] if arm["budget"] is not None else "per layer",
+                   "budget": arm["budget"],
                    "target_read": arm["target_read"], "history_read": history_read(ids.shape[1], config, num_layers),
                    "defaults": is_default_sparse(config), "cosine": groups["total"]["cosine"],
                    "loss": loss, "dense_loss": dense_loss, "loss_gap": (loss - dense_loss) / dense_loss,
