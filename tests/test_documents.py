@@ -469,17 +469,8 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
     assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
 
 
-@pytest.mark.parametrize("options", [{"attention": "sparse", "backend": "cudnn"}])
-def test_trainer_refuses_separate_documents_on_sparse_cudnn_and_contradictions(options):
-    from oomb import Trainer, TrainerConfig
-    from oomb.training.config import DataSection
+def test_the_data_sections_contradictions_are_refused():
+    from oomb.training.config import DataSection, _check_section
 
-    config = TrainerConfig()
-    for option, value in options.items():
-        setattr(config.oomb, option, value)
-    with pytest.raises(ValueError, match="data.documents"):
-        Trainer(config).setup()
     with pytest.raises(ValueError, match="contradicts"):
-        from oomb.training.config import _check_section
-
         _check_section(DataSection(documents="joined", mask_document_boundaries=True), "data")
