@@ -264,11 +264,18 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     windows = layer_windows(causal_lm)
     binding_windows = any(w is not None and w < num_tokens for w in windows)
     split_documents = None if documents is None or not documents.split else documents
-    backend = _select_step_backend(causal_lm, config, device, split_documents is not None and binding_windows)
+    # cudnn's sparse documents rest on every block reading its document's first page (attention/cudnn_sparse.py)
+    unsinked = config.attention == "sparse" and config.sparse_sink_pages == 0
+    backend = _select_step_backend(causal_lm, config, device,
+                                   split_documents is not None and (binding_windows or unsinked))
     softcap, sinks = attention_variants(causal_lm)
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse",
                            documents=split_documents is not None)
+    if backend.name == "cudnn" and split_documents is not None and unsinked:
+        raise NotImplementedError("packed documents in sparse mode with sparse_sink_pages=0 are not supported by the "
+                                  "cudnn backend (it reads each document's first page as its sink): set "
+                                  "sparse_sink_pages >= 1, or backend='auto' or 'triton'")
     if context_parallel and config.attention == "sparse":
         backend = share_backend(backend)
     return backend, split_documents, windows
@@ -291,16 +298,16 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
                                                                      store.page_size)
 
 
-def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, windows_in_documents: bool):
+def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, not_on_cudnn: bool):
     """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path; packed
     documents run there as per-document segments, dense and sparse), torch for float32, triton when
-    deterministic; logit softcapping (Gemma 2), which cuDNN's fused attention does not have, and sliding
-    windows inside packed documents (``windows_in_documents``), which it runs neither as segments nor as a
-    band, stay on triton for bf16/fp16. Sliding windows alone and attention sinks go to cudnn like other models (its
-    band path: attention/cudnn_band.py)."""
+    deterministic; logit softcapping (Gemma 2), which cuDNN's fused attention does not have, and the
+    packed documents it cannot run (``not_on_cudnn``: sliding windows inside them, which are neither
+    segments nor a band; sparse mode without sink pages) stay on triton for bf16/fp16. Sliding windows
+    alone and attention sinks go to cudnn like other models (its band path: attention/cudnn_band.py)."""
     softcap = attention_variants(causal_lm)[0]
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
-    if (softcap or windows_in_documents) and weights_dtype != torch.float32:
+    if (softcap or not_on_cudnn) and weights_dtype != torch.float32:
         weights_dtype = None  # "auto" on CUDA without a dtype: triton
     return select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
 

@@ -246,3 +246,36 @@ def test_gpu_cudnn_sparse_documents_bf16_error_within_twice_reference(group):
 
     _assert_within_twice_reference(run(cudnn_sparse.SelectedPagesAttention(), torch.bfloat16, block_group=group),
                                    run(reference_sparse, torch.bfloat16), run(reference_sparse, torch.float32))
+
+
+def test_a_selection_without_the_documents_first_page_fails_loudly():
+    """The invariant the cudnn path rests on (each block of the chunk's first document reads that
+    document's first page first) is checked on the device: a selection made otherwise raises."""
+    from test_cudnn_paged import DOC_MATH, MATH
+
+    q, k_pool, v_pool, table, qs, selection, _, docs = _documents_case(1)
+    broken = selection.clone()
+    broken[0, :, 0, 0] = broken[0, :, 0, 1]  # row 0's first block no longer reads page 1 (its sink)
+    ours = cudnn_sparse.SelectedPagesAttention(MATH.kernel, windowed=DOC_MATH)
+    with pytest.raises(RuntimeError, match="sink_pages >= 1"):
+        ours.sparse_attention_forward(q, k_pool, v_pool, table, qs, 0.25, broken, documents=docs)
+
+
+def test_sparse_documents_without_sinks_stay_off_cudnn(monkeypatch):
+    """sparse_sink_pages=0 breaks that invariant: "auto" takes triton, and cudnn asked for is refused."""
+    from helpers import build_tiny_model
+
+    import oomb.engine
+    from oomb import OOMBConfig
+    from oomb.attention.backend import AttentionBackend
+    from oomb.documents import resolve_documents
+
+    model = build_tiny_model("llama", seed=2).to(torch.bfloat16)
+    docs = resolve_documents(None, [0, 20, 40], (1, 40), torch.device("cpu"))
+    config = OOMBConfig(chunk_size=16, page_size=8, attention="sparse", sparse_sink_pages=0)
+    asked = []
+    fake = AttentionBackend("cudnn", None, None, None)
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **kw: asked.append(kw["dtype"]) or fake)
+    with pytest.raises(NotImplementedError, match="sparse_sink_pages >= 1"):
+        oomb.engine.attention_setup(model, config, torch.device("cuda"), 40, docs)
+    assert asked == [None]  # "auto" would have resolved to triton

@@ -307,6 +307,7 @@ class SelectedPagesAttention:
                                                        plan.windows, None, row_docs)
             row_selection = plan.selected(selection[rows])
             if row_selection is not None:
+                _check_first_page(selection[rows], plan, k_pool.shape[2])
                 out_h, lse_h = self._groups_forward(q[rows], k_pool, v_pool, page_table[rows], scale, row_selection,
                                                     block_group)
                 if plan.first_document_end < q.shape[2]:  # later documents' queries see no history
@@ -355,6 +356,18 @@ def _add_group_dq(total: torch.Tensor, layout: _Layout, dq_h: torch.Tensor) -> N
         total.index_add_(2, layout.queries, dq_h.float())
 
 
+def _check_first_page(selection: torch.Tensor, plan: _DocumentPlan, page_size: int) -> None:
+    """The invariant the plan rests on, checked on the device without a synchronisation: every block of
+    the chunk's first document reads that document's first page first (oomb/sparse.py's sink). A
+    selection made otherwise fails loudly instead of giving wrong gradients."""
+    if plan.drop_first_page is None:
+        return
+    first_blocks = -(-plan.first_document_end // page_size)
+    torch._assert_async((selection[:, :, :first_blocks, 0] == plan.first_page).all(),
+                        "cudnn sparse with packed documents needs every block of a document to select the "
+                        "document's first page (sparse.sink_pages >= 1)")
+
+
 def _no_window(documents: Documents) -> Documents:
     if documents.window is not None:
         raise NotImplementedError("sliding-window layers in sparse mode are not supported by the cudnn backend's "
@@ -373,6 +386,8 @@ class _DocumentPlan:
     drop_first_page: bool | None
     """None: no selected page is read (the windows hold all the history a query sees); True: the selection's
     first page (the document's partial first page, in ``windows``) is left out; False: all of it is read."""
+    first_page: int = 0
+    """The history position of the first document's first page (its sink)."""
 
     def selected(self, selection: torch.Tensor) -> torch.Tensor | None:
         """The selected pages the fused kernel reads, or None."""
@@ -399,7 +414,7 @@ def _document_plans(documents: Documents, query_start: int, num_queries: int, pa
             plans.append(_DocumentPlan(([(0, query_start)] if history_pages > 0 else []) + [own], first_end, None))
         elif start % P:
             page = start // P * P
-            plans.append(_DocumentPlan([(page, page + P), own], first_end, True))
+            plans.append(_DocumentPlan([(page, page + P), own], first_end, True, start // P))
         else:
-            plans.append(_DocumentPlan([own], first_end, False))
+            plans.append(_DocumentPlan([own], first_end, False, start // P))
     return plans
