@@ -567,12 +567,12 @@ def test_auto_backend_runs_softcapping_on_triton_on_cuda():
     model = build("gemma2")
     auto = replace(CONFIG, backend="auto")
     cuda = torch.device("cuda")
-    assert oomb.engine._select_step_backend(model, auto, cuda, masked=False).name == "torch"
-    assert oomb.engine._select_step_backend(model, auto, torch.device("cpu"), masked=False).name == "torch"
+    assert oomb.engine._select_step_backend(model, auto, cuda, not_on_cudnn=False).name == "torch"
+    assert oomb.engine._select_step_backend(model, auto, torch.device("cpu"), not_on_cudnn=False).name == "torch"
     model.to(torch.bfloat16)
-    assert oomb.engine._select_step_backend(model, auto, cuda, masked=False).name == "triton"
+    assert oomb.engine._select_step_backend(model, auto, cuda, not_on_cudnn=False).name == "triton"
     deterministic = replace(auto, deterministic=True)
-    assert oomb.engine._select_step_backend(model, deterministic, cuda, masked=False).name == "triton"
+    assert oomb.engine._select_step_backend(model, deterministic, cuda, not_on_cudnn=False).name == "triton"
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "mistral"])
