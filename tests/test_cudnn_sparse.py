@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oomb.attention import cudnn_sparse
+from oomb.config import SparseConfig
 
 
 @pytest.mark.parametrize("n_blocks, group, want", [
@@ -55,8 +56,8 @@ def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch)
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
-                                 sparse_query_block_pages=2)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(budget=2,
+                                                                                                     query_block_pages=2))
         results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
     assert seen and set(seen) == {2}
     torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
