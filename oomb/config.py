@@ -352,8 +352,8 @@ class OOMBConfig:
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
     """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (CUDA: cudnn for
-    bf16/fp16 weights, torch for float32, triton with deterministic=True or for bf16/fp16 packed
-    documents; torch off CUDA),
+    bf16/fp16 weights, torch for float32, triton with deterministic=True, logit softcapping or sliding
+    windows inside packed documents; torch off CUDA),
     "cudnn" (CUDA, bf16/fp16: cuDNN's fused attention, which HF's SDPA runs on Hopper; faster there,
     not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
     offload: bool = False

@@ -56,6 +56,11 @@ class Documents:
         """Whether some row holds more than one document (otherwise attention is plainly causal)."""
         return bool((self.start_cpu != 0).any())
 
+    def row(self, b: int) -> Documents:
+        """The boundaries of row ``b`` alone, as a batch of one (backends that cut rows into segments)."""
+        rows = slice(b, b + 1)
+        return Documents(self.start[rows], self.end[rows], self.start_cpu[rows], self.positions[rows], self.window)
+
     def history_start(self, chunk_start: int, page_size: int) -> int:
         """First key position (page-aligned) any query of the chunk starting at ``chunk_start`` may see:
         pages before it belong to earlier documents of every row and are neither read nor staged."""

@@ -263,8 +263,8 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     the selected keys (attention/context_sparse.py), the dense ones keep the backend's kernels."""
     windows = layer_windows(causal_lm)
     binding_windows = any(w is not None and w < num_tokens for w in windows)
-    backend = _select_step_backend(causal_lm, config, device, documents is not None)
-    split_documents = _check_documents(documents, config, backend.name)
+    split_documents = None if documents is None or not documents.split else documents
+    backend = _select_step_backend(causal_lm, config, device, split_documents is not None and binding_windows)
     softcap, sinks = attention_variants(causal_lm)
     check_backend_supports(backend.name, softcap=softcap, sinks=sinks, windows=binding_windows,
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse",
@@ -291,33 +291,18 @@ def set_history_starts(store: PagedKVStore, chunks: list[ChunkSpan], windows: tu
                                                                      store.page_size)
 
 
-def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, masked: bool):
-    """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path),
-    triton for float32 or when deterministic; packed documents (``masked``; with or without sliding
-    windows) stay on triton for bf16/fp16, whose kernels mask a per-query first key (float32: torch, as
-    without them); so does logit softcapping (Gemma 2), which cuDNN's fused attention does not have.
-    Sliding windows alone and attention sinks go to cudnn like other models (its band path:
-    attention/cudnn_band.py)."""
-    masked = masked or attention_variants(causal_lm)[0]
+def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, windows_in_documents: bool):
+    """The step's attention backend. "auto": cudnn for bf16/fp16 on CUDA (the measured fast path; packed
+    documents run there as per-document segments, dense and sparse), torch for float32, triton when
+    deterministic; logit softcapping (Gemma 2), which cuDNN's fused attention does not have, and sliding
+    windows inside packed documents (``windows_in_documents``), which it runs neither as segments nor as a
+    band, stay on triton for bf16/fp16. Sliding windows alone and attention sinks go to cudnn like other models (its
+    band path: attention/cudnn_band.py)."""
+    softcap = attention_variants(causal_lm)[0]
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
-    if masked and weights_dtype != torch.float32:
+    if (softcap or windows_in_documents) and weights_dtype != torch.float32:
         weights_dtype = None  # "auto" on CUDA without a dtype: triton
     return select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
-
-
-def _check_documents(documents: Documents | None, config: OOMBConfig, backend: str) -> Documents | None:
-    """The documents attention must respect (None when every row is one document), refusing the
-    modes that do not support them."""
-    if documents is None or not documents.split:
-        return None
-    if backend == "cudnn" and config.attention == "sparse":
-        raise NotImplementedError(
-            "packed documents in sparse mode are not supported by the cudnn backend: a selected page that "
-            "holds a document's start must be masked per query inside the page, which cuDNN's paged call "
-            "cannot express (dense documents run on cudnn as per-document segments); use backend='auto' "
-            "(Triton for documents) or 'triton'"
-        )
-    return documents
 
 
 def _backward_without_loss(hidden: torch.Tensor) -> None:

@@ -393,16 +393,22 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
 
 
 def test_the_trainer_fixes_what_the_run_decides():
-    """What the trainer hands the chooser as fixed: the user's options and the Triton backend for separate
-    documents on CUDA."""
+    """What the trainer hands the chooser as fixed: the user's options, and the Triton backend for separate
+    documents on CUDA only where sliding windows bind inside them (cuDNN runs other documents)."""
     from oomb.training.trainer import chooser_fixed
 
+    plain = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=256)
+    windowed = dataclasses.replace(plain, sliding_window=128, sliding_window_layers=1)
     config = TrainerConfig.load(None, ["oomb.attention=sparse"])
-    assert chooser_fixed(config, cuda=True)["attention"] == "sparse"
-    assert "keep_attention_outputs" not in chooser_fixed(config, cuda=True)
-    documents = TrainerConfig.load(None, ["data.documents=separate"])
-    assert chooser_fixed(documents, cuda=True)["backend"] == "triton"
-    assert "backend" not in chooser_fixed(documents, cuda=False)
+    assert chooser_fixed(config, True, plain)["attention"] == "sparse"
+    assert "keep_attention_outputs" not in chooser_fixed(config, True, plain)
+    documents = TrainerConfig.load(None, ["data.documents=separate", "data.seq_len=1024"])
+    assert "backend" not in chooser_fixed(documents, True, plain)
+    assert chooser_fixed(documents, True, windowed)["backend"] == "triton"
+    assert "backend" not in chooser_fixed(documents, False, windowed)
+    assert "backend" not in chooser_fixed(dataclasses.replace(documents), True,
+                                          dataclasses.replace(windowed, sliding_window=4096))
 
 
 SMOLLM2 = ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,

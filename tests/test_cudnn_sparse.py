@@ -119,3 +119,131 @@ def test_groups_in_order_put_no_index_on_the_device(monkeypatch):
     layout.from_groups(layout.to_groups(x, 2), 1, 4)
     sel = torch.arange(8, dtype=torch.int32).reshape(1, 1, 4, 2)
     assert torch.equal(layout.group_rows(sel), sel[:, :, ::2].long())
+
+
+# --- packed documents --------------------------------------------------------------------------------
+# Rows of 104 tokens, the chunk at 64 (8 history pages of 8), budget 2 + 1 sink: the chunk's first
+# document starts mid-page with 7 history pages (its first page read densely, the rest selected); on a
+# page start with 6 (all selected); with 2 (fewer than the budget: one dense window); at the chunk's
+# start (no history). Later documents start inside the chunk, one of a single token.
+DOCUMENT_ROWS = [[0, 13, 70, 71, 90, 104], [0, 16, 75, 104], [0, 48, 104], [0, 64, 66, 104]]
+
+
+def _documents_case(group: int, seed: int = 0, scale: int = 1, D: int = 16):
+    """DOCUMENT_ROWS with every length (pages, chunk, documents) times ``scale``."""
+    from test_cudnn_paged import _grouped
+
+    from oomb.documents import resolve_documents
+    from oomb.kv import ChunkSpan
+    from oomb.sparse import SparseOptions, block_first_pages, top_pages
+
+    g = torch.Generator().manual_seed(seed)
+    B, Hq, Hkv, P, qs, Lq = len(DOCUMENT_ROWS), 4, 2, 8 * scale, 64 * scale, 40 * scale
+    pages = B * (qs + Lq) // P
+    k_pool, v_pool = (torch.randn(pages, Hkv, P, D, generator=g) for _ in range(2))
+    table = torch.randperm(pages, generator=g).to(torch.int32).reshape(B, -1)
+    q = torch.randn(B, Hq, Lq, D, generator=g)
+    dout = torch.randn(B, Hq, Lq, D, generator=g)
+    docs = resolve_documents(None, [[n * scale for n in row] for row in DOCUMENT_ROWS], (B, qs + Lq),
+                             torch.device("cpu"))
+    n_blocks = -(-Lq // P)
+    scores = torch.randn(B, Hkv, n_blocks, qs // P, generator=g)
+    options = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    selection = top_pages(scores, options, first_pages=block_first_pages(docs, ChunkSpan(1, qs, qs + Lq), P))
+    return q, k_pool, v_pool, table, qs, _grouped(selection, group), dout, docs
+
+
+@pytest.mark.parametrize("group", [1, 2, 5], ids=["per-block", "groups-of-2", "one-group"])
+def test_selected_pages_with_documents_match_the_sparse_reference(group):
+    """Every way a row reads its history (module docstring of cudnn_sparse.py) on the stand-in kernel vs
+    reference_sparse.py, which masks each query's keys before its document start: out, lse, dQ, dK, dV."""
+    from test_cudnn_paged import DOC_MATH, MATH
+
+    from oomb.attention import reference_sparse
+
+    q, k_pool, v_pool, table, qs, selection, dout, docs = _documents_case(group)
+    ours = cudnn_sparse.SelectedPagesAttention(MATH.kernel, windowed=DOC_MATH)
+    plans = cudnn_sparse._document_plans(docs, qs, q.shape[2], k_pool.shape[2], selection.shape[3])
+    assert [p.drop_first_page for p in plans] == [True, False, None, None]  # each case is covered
+    args = (q, k_pool, v_pool, table, qs, 0.25, selection)
+    results = {}
+    for name, impl, kwargs in (("ours", ours, {"block_group": group}), ("reference", reference_sparse, {})):
+        out, lse = impl.sparse_attention_forward(*args, documents=docs, **kwargs)
+        dk, dv = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+        dq = impl.sparse_attention_backward(*args, out, dout, lse, dk, dv, documents=docs, **kwargs)
+        results[name] = (out, lse, dq, dk, dv)
+    for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["ours"], results["reference"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=label)
+
+
+def test_sliding_windows_in_sparse_mode_are_refused_with_the_way_out():
+    from test_cudnn_paged import MATH
+
+    from oomb.documents import window_bounds
+
+    q, k_pool, v_pool, table, qs, selection, _, _ = _documents_case(1)
+    band = window_bounds(None, 16, (q.shape[0], qs + q.shape[2]), torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="backend='triton'"):
+        cudnn_sparse.SelectedPagesAttention(MATH.kernel).sparse_attention_forward(q, k_pool, v_pool, table, qs, 0.25,
+                                                                            selection, documents=band)
+
+
+@pytest.mark.parametrize("query_block_pages, offload", [(1, False), (2, True), (4, False)])
+def test_sparse_documents_step_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages, offload):
+    """A whole sparse step with packed documents (two rows; documents starting inside pages and chunks,
+    one shorter than the budget, a one-token one) through the cudnn backend's code equals the torch
+    backend's."""
+    from helpers import build_tiny_model, grads, random_ids, relative_error
+    from test_cudnn_paged import DOC_MATH, MATH
+
+    import oomb
+    import oomb.engine
+    from oomb.attention import cudnn_paged
+    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+    from oomb.kv.offload import HostSlabs
+
+    selected = cudnn_sparse.SelectedPagesAttention(MATH.kernel, windowed=DOC_MATH)
+    stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
+                                cudnn_paged.no_delta, selected.sparse_attention_forward,
+                                selected.sparse_attention_backward, whole_history=True, sparse_block_group=True)
+    model = build_tiny_model("qwen2", seed=44, num_hidden_layers=2)
+    ids = random_ids(2, 200, seed=44)
+    cu = [[0, 13, 14, 90, 130, 200], [0, 70, 75, 76, 181, 200]]
+    results = {}
+    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
+        model.zero_grad(set_to_none=True)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
+                                 sparse_query_block_pages=query_block_pages, offload=offload)
+        slabs = HostSlabs(pin=False) if offload else None
+        results[name] = (oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
+                         grads(model))
+    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
+    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 5], ids=["per-block", "one-group"])
+def test_gpu_cudnn_sparse_documents_bf16_error_within_twice_reference(group):
+    """The documents cases above at pages of 64 on cuDNN in bf16, within twice the sparse reference's own
+    bf16 error against float32 (the bound of tests/test_cudnn_paged.py)."""
+    from test_cudnn_paged import _assert_within_twice_reference
+
+    from oomb.attention import reference_sparse
+    from oomb.documents import resolve_documents
+
+    q, k_pool, v_pool, table, qs, selection, dout, docs = _documents_case(group, scale=8, D=64)
+    cuda_docs = resolve_documents(None, [[n * 8 for n in row] for row in DOCUMENT_ROWS], tuple(docs.start.shape),
+                                  torch.device("cuda"))
+
+    def run(impl, dtype, **kwargs):
+        qq, kk, vv, do = (t.cuda().to(dtype) for t in (q, k_pool, v_pool, dout))
+        args = (qq, kk, vv, table.cuda(), qs, 64 ** -0.5, selection.cuda())
+        out, lse = impl.sparse_attention_forward(*args, documents=cuda_docs, **kwargs)
+        dk = torch.zeros(kk.shape, dtype=torch.float32, device="cuda")
+        dv = torch.zeros_like(dk)
+        dq = impl.sparse_attention_backward(*args, out, do, lse, dk, dv, documents=cuda_docs, **kwargs)
+        return out, lse, dq, dk, dv
+
+    _assert_within_twice_reference(run(cudnn_sparse.SelectedPagesAttention(), torch.bfloat16, block_group=group),
+                                   run(reference_sparse, torch.bfloat16), run(reference_sparse, torch.float32))

@@ -381,18 +381,24 @@ def test_triton_step_with_documents_equals_torch_step():
     assert relative_error(got, want) <= GRAD_RTOL
 
 
-# --- modes that refuse documents -----------------------------------------------------------------
-def test_cudnn_runs_dense_documents_and_refuses_sparse_ones():
-    """Dense documents run on cudnn as per-document segments (tests/test_cudnn_paged.py on a stand-in
-    kernel, the GPU tests below on the H200); sparse ones cannot mask a selected page per query."""
-    sparse = replace(CONFIG, attention="sparse", sparse_budget=1)
+# --- which backend documents take ------------------------------------------------------------------
+def test_packed_documents_take_cudnn_unless_sliding_windows_bind(monkeypatch):
+    """"auto" on CUDA for a bf16 model: packed documents run on cudnn in both modes (per-document segments;
+    tests/test_cudnn_paged.py and tests/test_cudnn_sparse.py on a stand-in kernel, the GPU tests below);
+    only sliding windows inside documents, which cuDNN runs neither as segments nor as a band, take triton."""
+    asked = []
+    monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **kw: asked.append(kw["dtype"]))
+    model = build_tiny_model("llama", seed=2).to(torch.bfloat16)
+    cuda = torch.device("cuda")
+    for attention in ("dense", "sparse"):
+        oomb.engine._select_step_backend(model, replace(CONFIG, attention=attention), cuda, False)
+    oomb.engine._select_step_backend(model, CONFIG, cuda, True)
+    assert asked == [torch.bfloat16, torch.bfloat16, None]  # the dtype picks cudnn; None: triton
+    monkeypatch.undo()
     docs = resolve_documents(None, [0, 20, 40], (1, 40), CPU)
-    assert oomb.engine._check_documents(docs, CONFIG, "cudnn") is docs
-    with pytest.raises(NotImplementedError, match="sparse mode are not supported by the cudnn backend"):
-        oomb.engine._check_documents(docs, sparse, "cudnn")
-    assert oomb.engine._check_documents(docs, sparse, "triton") is docs
-    one = resolve_documents(None, [0, 40], (1, 40), CPU)  # one document: nothing to refuse
-    assert oomb.engine._check_documents(one, sparse, "cudnn") is None
+    one = resolve_documents(None, [0, 40], (1, 40), CPU)  # one document: plain causal attention
+    assert oomb.engine.attention_setup(model.float(), CONFIG, CPU, 40, docs)[1] is docs
+    assert oomb.engine.attention_setup(model, CONFIG, CPU, 40, one)[1] is None
 
 
 # --- GPU (H200) ------------------------------------------------------------------------------------
@@ -463,17 +469,8 @@ def test_packed_sequences_carry_document_boundaries(tmp_path, mode):
     assert masked == ([0, 7, 15] if mode == "loss_only" else [])  # separate: the step masks them itself
 
 
-@pytest.mark.parametrize("options", [{"attention": "sparse", "backend": "cudnn"}])
-def test_trainer_refuses_separate_documents_on_sparse_cudnn_and_contradictions(options):
-    from oomb import Trainer, TrainerConfig
-    from oomb.training.config import DataSection
+def test_the_data_sections_contradictions_are_refused():
+    from oomb.training.config import DataSection, _check_section
 
-    config = TrainerConfig()
-    for option, value in options.items():
-        setattr(config.oomb, option, value)
-    with pytest.raises(ValueError, match="data.documents"):
-        Trainer(config).setup()
     with pytest.raises(ValueError, match="contradicts"):
-        from oomb.training.config import _check_section
-
         _check_section(DataSection(documents="joined", mask_document_boundaries=True), "data")

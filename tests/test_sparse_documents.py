@@ -206,11 +206,3 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
     skipped = sum(len(selected) - len(history) for _, _, history, selected in staged)
     assert skipped > 0  # chunk 3 holds blocks of a document with too few history pages (and chunks 4-6)
     assert sum(len(history) for _, _, history, _ in staged) < sum(len(selected) for *_, selected in staged)
-
-
-def test_sparse_documents_run_on_torch_and_triton_not_cudnn():
-    docs = resolve_documents(None, [0, 20, 40], (1, 40), torch.device("cpu"))
-    assert oomb.engine._check_documents(docs, CONFIG, "torch") is docs
-    assert oomb.engine._check_documents(docs, CONFIG, "triton") is docs
-    with pytest.raises(NotImplementedError, match="cudnn"):
-        oomb.engine._check_documents(docs, CONFIG, "cudnn")

@@ -237,7 +237,7 @@ class WindowedAttention:
             return self.band.forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
                                      documents.window)
         if documents is not None:
-            return self._documents_forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
+            return self.documents_forward(q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype,
                                            documents)
         out = lse = None
         q_folded = _fold(q, Hkv) if windows[0][0] != query_start else None  # once for all history windows
@@ -272,7 +272,7 @@ class WindowedAttention:
                 self.band.backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                                    dv_pool, windows, dq, documents.window)
             else:
-                self._documents_backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse,
+                self.documents_backward(q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse,
                                          dk_pool, dv_pool, windows, dq, documents)
             return dq if dq_accumulator is not None else dq.to(q.dtype)
         if windows[0][0] != query_start:  # history windows share one folded copy of each operand
@@ -292,7 +292,9 @@ class WindowedAttention:
         return dq if dq_accumulator is not None else dq.to(q.dtype)
 
     # --- packed documents: segments of plain attention (module docstring) ---------------------------
-    def _documents_forward(self, q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype, documents):
+    def documents_forward(self, q, k_pool, v_pool, page_table, query_start, scale, windows, out_dtype, documents):
+        """(out, lse) over the key ``windows`` (history ones, and the chunk's own as (query_start, end)),
+        each query reading only its document's keys; ``q`` contiguous."""
         B, Hq, Lq, D = q.shape
         Hkv = k_pool.shape[1]
         out = lse = None
@@ -318,8 +320,8 @@ class WindowedAttention:
             out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
         return out.to(out_dtype or q.dtype), lse
 
-    def _documents_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
-                            dv_pool, windows, dq, documents) -> None:
+    def documents_backward(self, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
+                           dv_pool, windows, dq, documents) -> None:
         """Adds each window's share of dQ into ``dq`` (float32) and of dK, dV into the pages."""
         B, Hq, Lq, D = q.shape
         Hkv, P = k_pool.shape[1], k_pool.shape[2]

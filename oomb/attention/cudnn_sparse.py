@@ -12,15 +12,36 @@ step's ``sparse_query_block_pages``: runs of that many blocks share one selectio
 when the selection is one row expanded over the chunk's blocks (stride 0: oomb/sparse.py makes it so
 when one group covers the chunk). Otherwise finding them reads the selection on the host: one device
 synchronisation per call, which stalls the host's kernel launches behind the GPU.
+
+Packed documents (``documents=``) need no mask, given selections as oomb/sparse.py makes them (a block
+chooses among its first query's document's pages, that document's first page always among them, and
+pages before the document only when it has fewer history pages than the budget). Only the document the
+chunk starts in has history (cudnn_paged.py's segments). If it has at most the budget's pages of history,
+the selection holds all of them: its queries read the history from the document's start as one dense
+window. Otherwise every selected page is the document's, its first page first, and only that page may
+hold keys of an earlier document: the page is read densely from the document's start, the rest of the
+selection by the groups above. Queries of documents that start inside the chunk take no part in the
+groups (forward: discarded; backward: dO = O = 0 and an lse above every score).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-from .cudnn_paged import CUDNN_KERNEL, FusedKernel, check_inputs, local_backward, local_forward, merge_into
+from ..documents import Documents
+from .cudnn_paged import (
+    CUDNN_KERNEL,
+    FusedKernel,
+    WindowedAttention,
+    check_inputs,
+    document_segments,
+    local_backward,
+    local_forward,
+    merge_into,
+)
 from .reference import _check
 from .reference_sparse import _check_selection, shared_by_all_blocks
 
@@ -140,8 +161,9 @@ class _Layout:
 class SelectedPagesAttention:
     """reference_sparse.py's contract on a :class:`FusedKernel`."""
 
-    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL) -> None:
+    def __init__(self, kernel: FusedKernel = CUDNN_KERNEL, windowed: WindowedAttention | None = None) -> None:
         self.kernel = kernel
+        self.windowed = windowed or WindowedAttention(kernel)  # packed documents' dense windows
 
     def _check(self, q, k_pool, v_pool, page_table, query_start, selection) -> None:
         check_inputs(self.kernel, q, k_pool, v_pool)
@@ -202,17 +224,27 @@ class SelectedPagesAttention:
         return None
 
     def sparse_attention_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, *,
-                                 block_group: int | None = None):
+                                 block_group: int | None = None, documents: Documents | None = None):
         self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
             return torch.empty_like(q), q.new_empty((B, Hq, Lq), dtype=torch.float32)
         q = q.contiguous()  # once, for the chunk's own keys and the groups (a view of it for one group per chunk)
+        if documents is not None:
+            return self._documents_forward(q, k_pool, v_pool, page_table, query_start, scale, selection, block_group,
+                                           _no_window(documents))
         out, lse = local_forward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale)
         if selection.shape[3] == 0:
             return out, lse
+        out_h, lse_h = self._groups_forward(q, k_pool, v_pool, page_table, scale, selection, block_group)
+        return merge_into(out_h, lse_h, out, lse, q.dtype)
+
+    def _groups_forward(self, q, k_pool, v_pool, page_table, scale, selection, block_group):
+        """(out, lse) of every query over its group's selected pages alone."""
+        B, Hq = q.shape[:2]
         Hkv = k_pool.shape[1]
-        out_h, lse_h = torch.empty_like(out), torch.empty_like(lse)  # every query is in one group
+        out_h = torch.empty_like(q)  # every query is in one group
+        lse_h = q.new_empty(q.shape[:3], dtype=torch.float32)
         for layout, ids, heads in self._batches(q, k_pool, page_table, selection, block_group):
             o, s = self.kernel.forward(layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
                                        self._selected(v_pool, ids, heads), False, scale)
@@ -222,38 +254,152 @@ class SelectedPagesAttention:
             else:
                 out_h.index_copy_(2, layout.queries, o)
                 lse_h.index_copy_(2, layout.queries, s)
-        return merge_into(out_h, lse_h, out, lse, q.dtype)
+        return out_h, lse_h
 
     def sparse_attention_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
-                                  dk_pool, dv_pool, *, block_group: int | None = None):
+                                  dk_pool, dv_pool, *, block_group: int | None = None,
+                                  documents: Documents | None = None):
         self._check(q, k_pool, v_pool, page_table, query_start, selection)
         B, Hq, Lq, D = q.shape
         if B * Lq == 0:
             return torch.empty_like(q)
         # once each, for the chunk's own keys and the groups (views of them for one group per chunk)
         q, out, dout, lse = q.contiguous(), out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous(), lse.float()
+        if documents is not None:
+            return self._documents_backward(q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout,
+                                            lse, dk_pool, dv_pool, block_group, _no_window(documents))
         dq = local_backward(self.kernel, q, k_pool, v_pool, page_table, query_start, scale, out, dout, lse, dk_pool,
                             dv_pool)
         if selection.shape[3] == 0:
             return dq.to(q.dtype)
-        Hkv = k_pool.shape[1]
         batches = list(self._batches(q, k_pool, page_table, selection, block_group))
         total = None  # the float32 sum of dQ's partials, past the chunk's own
         for layout, ids, heads in batches:
-            dq_h, dk, dv = self.kernel.backward(
-                layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
-                self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False,
-                scale,
-            )
-            order = self._add_selected(dk_pool, ids, heads, dk)
-            self._add_selected(dv_pool, ids, heads, dv, order)
+            dq_h = self._batch_backward(layout, ids, heads, q, k_pool, v_pool, scale, out, dout, lse, dk_pool, dv_pool)
             if layout.in_order and len(batches) == 1 and dq.dtype == dq_h.dtype == q.dtype:
                 # every query in one batch: the two partials' float32 sum rounded once, which torch's add of
                 # two bf16 tensors is (the same bits as the float32 path below, without its copies)
-                return torch.add(dq, layout.from_groups(dq_h, B, Hq))
+                return torch.add(dq, dq_h)
             total = dq.float() if total is None else total
-            if layout.in_order:
-                total.add_(layout.from_groups(dq_h, B, Hq))  # float32 sums of the bf16 partials, as index_add_'s
-            else:
-                total.index_add_(2, layout.queries, layout.from_groups(dq_h, B, Hq).float())
+            _add_group_dq(total, layout, dq_h)
         return total.to(q.dtype)
+
+    def _batch_backward(self, layout, ids, heads, q, k_pool, v_pool, scale, out, dout, lse, dk_pool, dv_pool):
+        """One batch of groups' backward over their selected pages: adds dK, dV into the pages and returns
+        dQ in the groups' layout."""
+        Hkv = k_pool.shape[1]
+        dq_h, dk, dv = self.kernel.backward(
+            layout.to_groups(dout, Hkv), layout.to_groups(q, Hkv), self._selected(k_pool, ids, heads),
+            self._selected(v_pool, ids, heads), layout.to_groups(out, Hkv), layout.to_groups(lse, Hkv), False, scale,
+        )
+        order = self._add_selected(dk_pool, ids, heads, dk)
+        self._add_selected(dv_pool, ids, heads, dv, order)
+        return layout.from_groups(dq_h, q.shape[0], q.shape[1])
+
+    # --- packed documents (module docstring) ------------------------------------------------------
+    def _documents_forward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, block_group,
+                           documents):
+        outs, lses = [], []
+        for b, plan in enumerate(_document_plans(documents, query_start, q.shape[2], k_pool.shape[2],
+                                                 selection.shape[3])):
+            rows, row_docs = slice(b, b + 1), documents.row(b)
+            out, lse = self.windowed.documents_forward(q[rows], k_pool, v_pool, page_table[rows], query_start, scale,
+                                                       plan.windows, None, row_docs)
+            row_selection = plan.selected(selection[rows])
+            if row_selection is not None:
+                out_h, lse_h = self._groups_forward(q[rows], k_pool, v_pool, page_table[rows], scale, row_selection,
+                                                    block_group)
+                if plan.first_document_end < q.shape[2]:  # later documents' queries see no history
+                    lse_h[:, :, plan.first_document_end:] = float("-inf")
+                    out_h[:, :, plan.first_document_end:] = 0
+                out, lse = merge_into(out_h, lse_h, out, lse, q.dtype)
+            outs.append(out)
+            lses.append(lse)
+        return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+
+    def _documents_backward(self, q, k_pool, v_pool, page_table, query_start, scale, selection, out, dout, lse,
+                            dk_pool, dv_pool, block_group, documents):
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for b, plan in enumerate(_document_plans(documents, query_start, q.shape[2], k_pool.shape[2],
+                                                 selection.shape[3])):
+            rows, row_docs = slice(b, b + 1), documents.row(b)
+            q_b, out_b, dout_b, lse_b, dq_b = q[rows], out[rows], dout[rows], lse[rows], dq[rows]
+            self.windowed.documents_backward(q_b, k_pool, v_pool, page_table[rows], query_start, scale, out_b,
+                                             dout_b, lse_b, dk_pool, dv_pool, plan.windows, dq_b, row_docs)
+            row_selection = plan.selected(selection[rows])
+            if row_selection is None:
+                continue
+            e = plan.first_document_end
+            if e < q.shape[2]:
+                # Later documents' queries add nothing: with dO = O = 0 their dS is P * (0 - 0) = 0, and an
+                # lse above every score keeps P = 0 (an lse they have from their own keys could overflow it).
+                out_b, dout_b, lse_b = out_b.clone(), dout_b.clone(), lse_b.clone()
+                out_b[:, :, e:], dout_b[:, :, e:], lse_b[:, :, e:] = 0, 0, NO_HISTORY_LSE
+            for layout, ids, heads in self._batches(q_b, k_pool, page_table[rows], row_selection, block_group):
+                dq_h = self._batch_backward(layout, ids, heads, q_b, k_pool, v_pool, scale, out_b, dout_b, lse_b,
+                                            dk_pool, dv_pool)
+                _add_group_dq(dq_b, layout, dq_h)
+        return dq.to(q.dtype)
+
+
+NO_HISTORY_LSE = 1e30
+"""The log-sum-exp given to the selected pages' backward for queries of documents that start inside the
+chunk (they see no history): exp(score - 1e30) is 0 for every score, so they add nothing."""
+
+
+def _add_group_dq(total: torch.Tensor, layout: _Layout, dq_h: torch.Tensor) -> None:
+    """Add one batch of groups' dQ (already in (B, Hq, queries, D) order) into the float32 ``total``."""
+    if layout.in_order:
+        total.add_(dq_h)  # float32 sums of the bf16 partials, as index_add_'s
+    else:
+        total.index_add_(2, layout.queries, dq_h.float())
+
+
+def _no_window(documents: Documents) -> Documents:
+    if documents.window is not None:
+        raise NotImplementedError("sliding-window layers in sparse mode are not supported by the cudnn backend's "
+                                  "selected pages; use backend='triton' or 'torch'")
+    return documents
+
+
+@dataclass(frozen=True)
+class _DocumentPlan:
+    """How one row of a chunk with packed documents reads its history (module docstring)."""
+
+    windows: list[tuple[int, int]]
+    """Key windows read densely per document: the chunk's own keys, and the history as the case needs."""
+    first_document_end: int
+    """Queries [0, this) of the chunk are in the document it starts in, the only one with history."""
+    drop_first_page: bool | None
+    """None: no selected page is read (the windows hold all the history a query sees); True: the selection's
+    first page (the document's partial first page, in ``windows``) is left out; False: all of it is read."""
+
+    def selected(self, selection: torch.Tensor) -> torch.Tensor | None:
+        """The selected pages the fused kernel reads, or None."""
+        if self.drop_first_page is None:
+            return None
+        selection = selection[..., 1:] if self.drop_first_page else selection
+        return selection if selection.shape[3] else None
+
+
+def _document_plans(documents: Documents, query_start: int, num_queries: int, page_size: int,
+                    budget: int) -> list[_DocumentPlan]:
+    """Per row: the document the chunk starts in (the only one with history) either has at most
+    ``budget`` history pages, so the selection holds all of them and its history is one dense window
+    from the document's start; or more, so every page the selection holds is the document's, its first
+    page first (a sink), and only that page may start before the document: a dense window from the
+    document's start to the page's end, the rest of the selection on the fused kernel."""
+    own = (query_start, query_start + num_queries)
+    plans = []
+    for segments in document_segments(documents, query_start, num_queries):
+        _, first_end, start = segments[0]
+        P = page_size
+        history_pages = query_start // P - start // P
+        if history_pages <= budget:
+            plans.append(_DocumentPlan(([(0, query_start)] if history_pages > 0 else []) + [own], first_end, None))
+        elif start % P:
+            page = start // P * P
+            plans.append(_DocumentPlan([(page, page + P), own], first_end, True))
+        else:
+            plans.append(_DocumentPlan([own], first_end, False))
+    return plans

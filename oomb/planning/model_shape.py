@@ -148,8 +148,8 @@ class ModelShape:
     def cudnn_refuses(self) -> str | None:
         """What of this model's attention the cudnn backend cannot run (None: nothing), as the engine's
         backend check (oomb/attention/variants.py) refuses it: logit softcapping (cuDNN has no cap).
-        Sliding windows and sinks run on cudnn; windows inside packed documents do not, but the trainer
-        sends packed documents to triton anyway (oomb/training/trainer.py)."""
+        Sliding windows and sinks run on cudnn; windows inside packed documents do not, and the trainer
+        sends those to triton (oomb/training/trainer.py, chooser_fixed)."""
         return "attention logit softcapping" if self.logit_softcap else None
 
     def per_rank(self, tp: int) -> ModelShape:

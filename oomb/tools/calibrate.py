@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..cli_options import REAL_MODEL, add_option
 from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SparseConfig, SparseResearch
-from .gradcheck import GradcheckOptions, _load
+from .gradcheck import GradcheckOptions, load_sequence
 from .plan import parse_tokens
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
 
@@ -204,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     options = GradcheckOptions(model=args.model, text=args.text, seq_len=args.seq_len, chunk_size=args.chunk_size,
                                page_size=args.page_size, dtype=args.dtype, device=args.device, yarn=args.yarn)
-    model, ids, model_text, source = _load(options)
+    model, ids, model_text, source = load_sequence(options)
     model.set_attn_implementation("sdpa")
     base = SparseConfig(budget=0, sink_pages=args.sink_pages, score=args.score, leak_free=args.leak_free,
                         research=SparseResearch(pooling=args.pooling))

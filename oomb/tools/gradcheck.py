@@ -138,7 +138,7 @@ CHARS_PER_TOKEN = 5
 standard library; the rest is margin)."""
 
 
-def _load(options: GradcheckOptions):
+def load_sequence(options: GradcheckOptions):
     """(model, input_ids, description, source) from a preset name or a local directory, and a text file or
     random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
     first, then the warm-up's."""
@@ -300,7 +300,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
 
     ``progress``: a progress bar over each step's chunks. ``on_step(report, done)`` is called after each
     step with the report so far and what finished, so that a long run can show and save results as they come."""
-    model, rows, model_text, source = _load(options)
+    model, rows, model_text, source = load_sequence(options)
     ids = rows[:1]
     base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size)
     num_layers = model_layers(model)

@@ -83,11 +83,13 @@ MEMORY_HEADROOM = 0.95  # refuse when the prediction exceeds this fraction of fr
 ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
 
 
-def chooser_fixed(cfg: TrainerConfig, cuda: bool) -> dict:
+def chooser_fixed(cfg: TrainerConfig, cuda: bool, shape: ModelShape) -> dict:
     """The oomb options the chooser must keep: those the user set, plus the Triton backend for separate
-    documents on CUDA (as the engine's "auto" takes it)."""
+    documents in a model whose sliding windows bind on CUDA (windows inside documents: as the engine's
+    "auto" takes it)."""
     fixed = {k: v for k, v in cfg.oomb.options().items() if k not in cfg.oomb_auto}
-    if cuda and cfg.data.documents == "separate" and "backend" not in fixed:
+    windows = shape.sliding_window_layers and shape.sliding_window < cfg.data.seq_len
+    if cuda and cfg.data.documents == "separate" and windows and "backend" not in fixed:
         fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
     return fixed
 
@@ -113,7 +115,7 @@ def preview_choice(cfg: TrainerConfig) -> Choice | None:
     resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
                           int(MEMORY_HEADROOM * host_available_bytes()),
                           gpu_name=torch.cuda.get_device_name(device) if cuda else None)
-    return choose_config(workload, resources, chooser_fixed(cfg, cuda), cfg.oomb)
+    return choose_config(workload, resources, chooser_fixed(cfg, cuda, shape), cfg.oomb)
 
 
 class NotEnoughMemoryError(MemoryError):
@@ -197,11 +199,6 @@ class Trainer(Checkpointing):
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
-        if cfg.data.documents == "separate" and cfg.oomb.backend == "cudnn" and cfg.oomb.attention == "sparse":
-            raise ValueError("data.documents='separate' (attention inside each document) in sparse mode needs the "
-                             "torch or triton backend; cudnn masks documents in dense mode only: set data.documents "
-                             "to loss_only or joined, oomb.backend to auto, triton or torch, or oomb.attention to "
-                             "dense")
         if cfg.oomb.keep_attention_outputs and cfg.parallel.cp > 1:
             raise ValueError("oomb.keep_attention_outputs=true is not supported with context parallelism "
                              f"(parallel.cp={cfg.parallel.cp}): set one of them off")
@@ -415,10 +412,10 @@ class Trainer(Checkpointing):
         if not cfg.train.auto_config or not cfg.oomb_auto:
             return
         cuda = self.device.type == "cuda"
-        fixed = chooser_fixed(cfg, cuda)
         # Context parallel: the chooser plans every page on one GPU (safe: a rank holds 1/cp of them) and,
         # with offload, on the host, which the cp ranks of a machine share.
         shape = ModelShape.from_hf_config(causal_lm.config).per_rank(cfg.parallel.tp)
+        fixed = chooser_fixed(cfg, cuda, shape)
         gpu_free = machine.gpu_free_bytes(self.device) if cuda else 0
         host_free = host_available_bytes()
         if self.parallel.mesh is not None:  # every rank must run the same chunks and kernels
