@@ -133,9 +133,10 @@ def _documents_case(group: int, seed: int = 0, scale: int = 1, D: int = 16):
     """DOCUMENT_ROWS with every length (pages, chunk, documents) times ``scale``."""
     from test_cudnn_paged import _grouped
 
+    from oomb.config import SparseConfig
     from oomb.documents import resolve_documents
     from oomb.kv import ChunkSpan
-    from oomb.sparse import SparseOptions, block_first_pages, top_pages
+    from oomb.sparse import block_first_pages, top_pages
 
     g = torch.Generator().manual_seed(seed)
     B, Hq, Hkv, P, qs, Lq = len(DOCUMENT_ROWS), 4, 2, 8 * scale, 64 * scale, 40 * scale
@@ -148,7 +149,7 @@ def _documents_case(group: int, seed: int = 0, scale: int = 1, D: int = 16):
                              torch.device("cpu"))
     n_blocks = -(-Lq // P)
     scores = torch.randn(B, Hkv, n_blocks, qs // P, generator=g)
-    options = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    options = SparseConfig(budget=2, sink_pages=1, score="minmax").resolved()
     selection = top_pages(scores, options, first_pages=block_first_pages(docs, ChunkSpan(1, qs, qs + Lq), P))
     return q, k_pool, v_pool, table, qs, _grouped(selection, group), dout, docs
 
