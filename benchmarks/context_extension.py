@@ -137,7 +137,7 @@ def train_arm(arm: str, args, device: torch.device) -> dict:
         options = dict(chunk_size=args.chunk_size, page_size=args.page_size, backend=args.backend)
         if arm.startswith("sparse"):
             options.update(attention="sparse", **sparse_options(arm, args))
-        config = OOMBConfig(**options)
+        config = OOMBConfig.from_dict(options)  # dotted keys ("sparse.budget") or the flat ones of old records
     train = torch.from_numpy(np.load(args.data / "train.npy").astype(np.int64))
     model.train()
     losses, times = [], []

@@ -80,11 +80,14 @@ def oomb_config_from(args: argparse.Namespace) -> OOMBConfig:
         with open(args.oomb_from) as f:
             loaded = yaml.safe_load(f) or {}
         # "auto" (an option left to oomb train's chooser, which did not run): OOMBConfig's default
-        options = {k: v for k, v in loaded.get("oomb", loaded).items() if v != "auto"}
+        def known(section: dict) -> dict:
+            return {k: known(v) if isinstance(v, dict) else v for k, v in section.items() if v != "auto"}
+
+        options = known(loaded.get("oomb", loaded))
     flags = {"chunk_size": args.chunk_size, "page_size": args.page_size, "kv_grad_dtype": args.kv_grad_dtype,
              "offload": args.offload, "backend": args.backend, "checkpoint_layers": args.checkpoint_layers}
     options.update({k: v for k, v in flags.items() if v is not None})
-    return OOMBConfig(**options)
+    return OOMBConfig.from_dict(options)
 
 
 def load_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype, device: str):

@@ -20,15 +20,16 @@ Layers, each importing only those above it in this list (tests/test_layers.py; d
 
 from typing import Any
 
-from .config import OOMBConfig
+from .config import OOMBConfig, SparseConfig, SparseResearch
 from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
 from .version import __version__
 
-__all__ = ["HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "Trainer", "TrainerConfig",
-           "TrainResult", "forward_backward", "patch_trainer", "__version__"]
+__all__ = ["HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "SparseConfig",
+           "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "patch_trainer",
+           "__version__"]
 
 _HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
 

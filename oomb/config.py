@@ -1,11 +1,13 @@
-"""One dataclass of options for an oomb training step, validated on construction."""
+"""The options of an oomb training step: one dataclass of small typed sections, validated on construction."""
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass, field, fields
+import warnings
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -25,14 +27,14 @@ RERANK_CANDIDATES = ("minmax", "mean", "minmax_mean")
 SPARSE_SELECTIONS = ("kv_head", "shared")
 SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 CANDIDATE_POOLINGS = ("max", "softmax_max")
-NORMALISER_PAGES = 256  # sparse_normaliser_pages="auto"
+NORMALISER_PAGES = 256  # sparse.research.normaliser_pages="auto"
 READ_SHARE_STEP = 16
-"""sparse_read_share: the grown budget is a multiple of this many pages, so a long step runs a few dozen
+"""sparse.read_share: the grown budget is a multiple of this many pages, so a long step runs a few dozen
 distinct selection sizes rather than one per chunk."""
 
 
 def read_share_budget(budget: int, share: float | None, history_pages: int) -> int:
-    """The budget of a block with ``history_pages`` before its chunk under sparse_read_share: at least
+    """The budget of a block with ``history_pages`` before its chunk under sparse.read_share: at least
     ``share`` of them, rounded up to a multiple of READ_SHARE_STEP, never below ``budget``."""
     if share is None:
         return budget
@@ -51,87 +53,301 @@ def resolve_dtype(value: str | torch.dtype, field_name: str) -> torch.dtype:
     raise ValueError(f"{field_name}={value!r} is not supported; use one of: {allowed}")
 
 
+def _check_int(name: str, value: object, minimum: int, unit: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{unit}")
+
+
+def _check_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of: {choices}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+@dataclass(frozen=True)
+class SparseResearch:
+    """Sparse options kept for experiments (`oomb gradcheck`, `oomb bench`, `oomb calibrate` compare them); the
+    defaults are the measured choices (docs/sparse.md), and a training run has no reason to change them."""
+
+    selection: Literal["kv_head", "shared"] = "kv_head"
+    """"kv_head": each KV head picks its own pages (shared by its query heads); "shared": one choice per query
+    block for all heads (the best score of any head)."""
+    pooling: Literal["max", "softmax", "softmax_max"] = "max"
+    """How a block's score rows (its queries x the KV head's query heads) combine into one score per page
+    (scores minmax and mean). "max": the best row; "softmax": each row's softmax over the history pages,
+    summed (an estimate of the block's attention mass on the page); "softmax_max": each row's softmax over
+    every page it sees (history and own chunk), the best row's."""
+    rerank_factor: int = 4
+    """Score "rerank": candidate pages per query block, as a multiple of its budget."""
+    rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
+    """Score "rerank": the summary score that proposes the candidates: "minmax_mean" (half by minmax, the rest
+    by the mean key; keeps min, max and mean keys per page), "minmax" (Quest's bound) or "mean" (q . mean key).
+    On SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its gradients
+    are the closest to dense (docs/sparse.md, "Candidates")."""
+    candidate_pooling: Literal["auto", "max", "softmax_max"] = "auto"
+    """Score "rerank": how a block's rows pool the candidates' summary scores. "softmax_max": each row's scores
+    normalised first by their log-sum-exp over the pages it sees, the best row's; "max": the best raw score;
+    "auto": softmax_max with score rerank. On SmolLM2 with a quarter of the pages read softmax_max met the
+    near-dense mark at 8K to 32K where max missed two cases (docs/sparse.md, "Candidate pooling"). The
+    normaliser counts the sink pages and the last normaliser_pages history pages, and no logit softcap or
+    attention sink: an estimate for ranking candidates, not the attention's."""
+    normaliser_pages: int | Literal["auto"] | None = "auto"
+    """Pooling "softmax_max": the history pages each row's normaliser counts besides the sink pages and the
+    chunk's own pages: the last this many. "auto": NORMALISER_PAGES where a softmax_max normaliser runs.
+    None: every history page (a pass that grows with the square of the context); a number bounds it (linear
+    in the context). At 32K 256 gave the full normaliser's gradients (docs/sparse.md, "A bounded
+    normaliser")."""
+
+    def __post_init__(self) -> None:
+        _check_choice("sparse.research.selection", self.selection, SPARSE_SELECTIONS)
+        _check_choice("sparse.research.pooling", self.pooling, SPARSE_POOLINGS)
+        _check_int("sparse.research.rerank_factor", self.rerank_factor, 1)
+        _check_choice("sparse.research.rerank_candidates", self.rerank_candidates, RERANK_CANDIDATES)
+        _check_choice("sparse.research.candidate_pooling", self.candidate_pooling, ("auto", *CANDIDATE_POOLINGS))
+        if self.normaliser_pages not in ("auto", None):
+            if isinstance(self.normaliser_pages, bool) or not isinstance(self.normaliser_pages, int) \
+                    or self.normaliser_pages < 1:
+                raise ValueError(f"sparse.research.normaliser_pages must be a positive number of pages, 'auto' or "
+                                 f"None (every history page); got {self.normaliser_pages!r}")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse attention (docs/sparse.md): each query block reads the sink_pages first pages, its top budget
+    earlier pages by score and its own chunk. One type for the step, the planner and the chooser; in dense
+    mode it is ignored. Frozen and hashable: the step's state holds it; change it with dataclasses.replace."""
+
+    budget: int = 64
+    """Earlier pages (besides the sinks) each query block reads, per KV head, chosen by score. A budget
+    covering every earlier page is dense attention, bit for bit."""
+    read_share: float | None = None
+    """Read at least this share (0 < share <= 1) of each query block's history: the budget grows to
+    max(budget, share x history pages), rounded up to a multiple of READ_SHARE_STEP pages. None: the fixed
+    budget, which reads a shrinking share of a growing history (64 pages: 12.5 % at 128K, 1.6 % at 1M); on a
+    real model at 128K a quarter of the history kept a gradient cosine of 0.989-0.997 where the defaults gave
+    0.87-0.97 (docs/sparse.md, "Sparse at length")."""
+    sink_pages: int = 1
+    """The first pages of the sequence, always read by every query block (attention sinks)."""
+    query_block_pages: int = 1
+    """Consecutive query blocks (pages of queries) that share one selection. Larger groups read the same
+    compute budget but select fewer distinct pages per chunk, so with offload far fewer pages move."""
+    layer_budgets: tuple[int, ...] | None = None
+    """A budget per decoder layer (e.g. from `oomb calibrate`); None: budget everywhere."""
+    dense_layers: tuple[int, ...] = ()
+    """Decoder layers that read every earlier page (dense attention in a sparse step)."""
+    score: Literal["auto", "rerank", "minmax", "mean", "exact"] = "auto"
+    """How a query block chooses its pages. "rerank": page summaries propose research.rerank_factor x budget
+    candidates, then each query's true attention probability over them picks the budget (with offload the
+    candidates' keys move to the GPU in stage 1). "minmax": Quest's bound sum_d max(q_d min_d, q_d max_d)
+    from each page's min and max key; "mean": q . mean key; "exact": the true attention probabilities from
+    every history key (the oracle of `oomb gradcheck`: costs more than a dense forward; no offload, not
+    leak-free). "auto": "rerank", or "minmax" with a research.pooling other than "max" (on a real model
+    rerank keeps the loss within 0.35 % of dense at a quarter of the pages, minmax 2.8 %)."""
+    leak_free: bool = False
+    """Score a block's pages with the page of queries before it and its first query, so no query influences
+    which pages an earlier query reads. False: every query of the block votes (a later query may change
+    which past pages an earlier one of its block sees; docs/sparse.md)."""
+    research: SparseResearch = field(default_factory=SparseResearch)
+    """Options for experiments only."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.research, dict):  # from a YAML mapping
+            object.__setattr__(self, "research", _section(SparseResearch, self.research, "sparse.research"))
+        for name in ("budget", "sink_pages"):
+            _check_int(f"sparse.{name}", getattr(self, name), 0, " (a number of pages)")
+        _check_int("sparse.query_block_pages", self.query_block_pages, 1)
+        share = self.read_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ValueError(f"sparse.read_share={share!r} must be a share of the history in (0, 1], e.g. 0.25, "
+                             f"or None for the fixed sparse.budget")
+        budgets = self.layer_budgets
+        if budgets is not None:
+            if not isinstance(budgets, (list, tuple)) or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
+                raise ValueError(f"sparse.layer_budgets={budgets!r} must be a list of integers >= 0, one per layer")
+            object.__setattr__(self, "layer_budgets", tuple(budgets))
+        layers = self.dense_layers
+        if not isinstance(layers, (list, tuple, set, frozenset)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise ValueError(f"sparse.dense_layers={layers!r} must be a list of layer indices >= 0")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
+        _check_choice("sparse.score", self.score, SPARSE_SCORES)
+        _check_bool("sparse.leak_free", self.leak_free)
+        if not isinstance(self.research, SparseResearch):
+            raise TypeError(f"sparse.research must be a SparseResearch, got {type(self.research).__name__}")
+        pooling = self.research.pooling
+        if self.score == "rerank" and pooling != "max":
+            raise ValueError(f"sparse.score='rerank' pools a block's rows by the best row's probability: "
+                             f"sparse.research.pooling={pooling!r} does not apply (use 'max')")
+        if self.score == "exact" and self.leak_free:
+            raise ValueError("sparse.score='exact' scores a block with its own queries: it cannot be combined with "
+                             "sparse.leak_free=True (sparse.score='rerank' can)")
+        if self.research.candidate_pooling == "softmax_max" and self.resolved_score != "rerank":
+            raise ValueError(f"sparse.research.candidate_pooling='softmax_max' pools rerank's candidates: it does "
+                             f"not apply to sparse.score={self.resolved_score!r}")
+        if self.research.normaliser_pages not in ("auto", None) and not self._summary_normaliser_runs:
+            raise ValueError("sparse.research.normaliser_pages bounds the softmax_max pooling's normaliser of page "
+                             "summary scores: set sparse.research.candidate_pooling='softmax_max' (score rerank) or "
+                             f"sparse.research.pooling='softmax_max' (score minmax or mean) with it; got score "
+                             f"{self.resolved_score!r}, pooling={pooling!r}, "
+                             f"candidate_pooling={self.research.candidate_pooling!r}")
+
+    @property
+    def resolved_score(self) -> str:
+        """The score rule that runs: score, with "auto" resolved (rerank; minmax with a pooling other than max,
+        which rerank does not take)."""
+        if self.score != "auto":
+            return self.score
+        return "minmax" if self.research.pooling != "max" else "rerank"
+
+    @property
+    def resolved_candidate_pooling(self) -> str:
+        """How rerank's candidates are pooled, "auto" resolved (softmax_max with score rerank; "max", unused,
+        otherwise)."""
+        if self.research.candidate_pooling != "auto":
+            return self.research.candidate_pooling
+        return "softmax_max" if self.resolved_score == "rerank" else "max"
+
+    @property
+    def resolved_normaliser_pages(self) -> int | None:
+        """The softmax_max normaliser's history pages, "auto" resolved (NORMALISER_PAGES where the normaliser
+        runs, None where none does)."""
+        if self.research.normaliser_pages != "auto":
+            return self.research.normaliser_pages
+        return NORMALISER_PAGES if self._summary_normaliser_runs else None
+
+    @property
+    def _summary_normaliser_runs(self) -> bool:
+        """Whether a softmax_max pooling normalises page summary scores."""
+        score = self.resolved_score
+        return ((score == "rerank" and self.resolved_candidate_pooling == "softmax_max")
+                or (score in ("minmax", "mean") and self.research.pooling == "softmax_max"))
+
+    def resolved(self) -> SparseConfig:
+        """The same options with every "auto" replaced by what runs: what the selection reads."""
+        research = replace(self.research, candidate_pooling=self.resolved_candidate_pooling,
+                           normaliser_pages=self.resolved_normaliser_pages)
+        return replace(self, score=self.resolved_score, research=research)
+
+    def budget_of(self, layer: int = 0, history_pages: int = 0) -> int:
+        """Top-scored pages a block of ``layer`` reads besides the sinks, with ``history_pages`` before its chunk:
+        the layer's budget, grown to read_share of the history where set."""
+        if self.layer_budgets is not None and layer < len(self.layer_budgets):
+            budget = self.layer_budgets[layer]
+        else:
+            budget = self.budget
+        return read_share_budget(budget, self.read_share, history_pages)
+
+    def num_selected(self, history_pages: int, layer: int = 0) -> int:
+        """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""
+        if layer in self.dense_layers:
+            return history_pages
+        return min(history_pages, self.sink_pages + self.budget_of(layer, history_pages))
+
+
+SECTIONS = {"sparse": SparseConfig}
+"""OOMBConfig's sections: field name -> type (SparseConfig nests SparseResearch as "research")."""
+
+FLAT_KEYS = {
+    "sparse_budget": "sparse.budget",
+    "sparse_read_share": "sparse.read_share",
+    "sparse_sink_pages": "sparse.sink_pages",
+    "sparse_query_block_pages": "sparse.query_block_pages",
+    "sparse_layer_budgets": "sparse.layer_budgets",
+    "sparse_dense_layers": "sparse.dense_layers",
+    "sparse_score": "sparse.score",
+    "sparse_leak_free": "sparse.leak_free",
+    "sparse_selection": "sparse.research.selection",
+    "sparse_pooling": "sparse.research.pooling",
+    "sparse_rerank_factor": "sparse.research.rerank_factor",
+    "sparse_rerank_candidates": "sparse.research.rerank_candidates",
+    "sparse_candidate_pooling": "sparse.research.candidate_pooling",
+    "sparse_normaliser_pages": "sparse.research.normaliser_pages",
+}
+"""The flat sparse_* keys that earlier versions wrote (YAML files, checkpoints, keyword arguments) -> the
+dotted path of the same option now. Each is still read, with one DeprecatedConfigKey warning."""
+
+
+class DeprecatedConfigKey(FutureWarning):
+    """A flat OOMBConfig key of an earlier version was read; its dotted path is named in the message."""
+
+
+def _warn_flat(old: list[str], stacklevel: int = 4) -> None:
+    if old:
+        moved = ", ".join(f"{key} -> {FLAT_KEYS[key]}" for key in old)
+        warnings.warn(f"flat OOMBConfig keys are deprecated, use the sections: {moved}", DeprecatedConfigKey,
+                      stacklevel=stacklevel)
+
+
+def _section(cls: type, values: dict, where: str) -> Any:
+    """``cls(**values)``, rejecting unknown keys with the list of valid ones."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping of options, got {values!r}")
+    valid = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {[f'{where}.{k}' for k in unknown]}; valid options: {valid}")
+    return cls(**values)
+
+
+def nested_options(options: dict) -> dict:
+    """A mapping of OOMBConfig options with its flat keys (warned) and dotted keys moved into nested
+    section: {"sparse_budget": 32, "sparse.score": "minmax"} -> {"sparse": {"budget": 32, "score": "minmax"}}."""
+    out: dict = {}
+    old = [key for key, value in options.items()
+           if key in FLAT_KEYS]
+    _warn_flat(old, stacklevel=5)
+    for key, value in options.items():
+        if key in old:
+            key = FLAT_KEYS[key]
+        *path, name = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"OOMBConfig option {key!r}: {part!r} is given twice, as a value and a section")
+        if isinstance(value, dict) and isinstance(node.get(name), dict):
+            node[name] = {**node[name], **value}
+        else:
+            node[name] = value
+    return out
+
+
+def _merged(section: Any, values: Any, cls: type, where: str) -> Any:
+    """``section`` (a section object, or None for the defaults) updated with a mapping of its options."""
+    if not isinstance(values, dict):
+        return values
+    current = {f.name: getattr(section, f.name) for f in fields(cls)} if section is not None else {}
+    unknown = sorted(set(values) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"unknown option(s) {[f'{where}.{k}' for k in unknown]}; valid options: "
+                         f"{[f.name for f in fields(cls)]}")
+    if cls is SparseConfig and isinstance(values.get("research"), dict):
+        values = {**values, "research": _merged(current.get("research"), values["research"], SparseResearch,
+                                                f"{where}.research")}
+    return cls(**{**current, **values})
+
+
 @dataclass
 class OOMBConfig:
-    """Options of the chunk-recurrent step (docs/design.md)."""
+    """Options of the chunk-recurrent step (docs/design.md). Sparse attention's options are one section,
+    ``OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32))``; ``from_dict`` reads the nested mapping
+    of a YAML file. The flat sparse_* keywords of earlier versions (``sparse_budget=32``) are still accepted,
+    with a DeprecatedConfigKey warning naming the new path (FLAT_KEYS)."""
 
     chunk_size: int = 4096
     """Tokens per chunk: the unit of recomputation. A multiple of page_size."""
     page_size: int = 128
     """Tokens per KV page: the unit of allocation, of sparse selection and of offload transfers."""
     attention: Literal["dense", "sparse"] = "dense"
-    """Attention over the history: "dense" (exact) or "sparse" (each query block reads the
-    sparse_sink_pages first pages, its top sparse_budget earlier pages and its own chunk;
-    docs/sparse.md). The sparse_* options below only matter in sparse mode."""
-    sparse_budget: int = 64
-    """Sparse: earlier pages (besides the sinks) each query block reads, per KV head, chosen by score.
-    A budget covering every earlier page is dense attention, bit for bit."""
-    sparse_read_share: float | None = None
-    """Sparse: read at least this share (0 < share <= 1) of each query block's history: the budget grows with
-    the history to max(sparse_budget, share x history pages), rounded up to a multiple of READ_SHARE_STEP pages
-    (kernels then see few distinct shapes). None: the fixed sparse_budget. A fixed budget reads a shrinking
-    share of a growing history (64 pages: 12.5 % at 128K, 1.6 % at 1M), and on a real model the gradients
-    left the near-dense mark as the share fell: at 128K a quarter of the history kept a cosine of 0.989-0.997
-    where the defaults gave 0.87-0.97 (docs/sparse.md, "Sparse at length")."""
-    sparse_sink_pages: int = 1
-    """Sparse: the first pages of the sequence, always read by every query block (attention sinks)."""
-    sparse_score: Literal["auto", "rerank", "minmax", "mean", "exact"] = "auto"
-    """Sparse: how a query block chooses its pages. "rerank": page summaries (sparse_rerank_candidates)
-    pick sparse_rerank_factor x budget candidate pages, then each query's true attention probability over
-    the candidates picks the budget (keys read: the candidates'; with offload they move to the GPU in
-    stage 1). "minmax": Quest's upper bound sum_d max(q_d min_d, q_d max_d) from the
-    page's elementwise min and max key; "mean": q . mean key; "exact": the true attention probabilities
-    from every history key (the oracle: costs more than a dense forward; no offload, not leak-free).
-    "auto" (default): "rerank", or "minmax" with a sparse_pooling other than "max" (docs/sparse.md:
-    rerank keeps the loss within 0.35 % of dense on a real model at a quarter of the pages, minmax 2.8 %)."""
-    sparse_selection: Literal["kv_head", "shared"] = "kv_head"
-    """Sparse: "kv_head": each KV head picks its own pages (shared by its query heads); "shared": one
-    choice per query block for all heads (the best score of any head)."""
-    sparse_leak_free: bool = False
-    """Sparse: score a block's pages with the page of queries before it and its first query, so no query
-    influences which pages an earlier query reads. False (default): every query of the block votes (a
-    later query of a block may change which past pages an earlier one sees; docs/sparse.md)."""
-    sparse_query_block_pages: int = 1
-    """Sparse: consecutive query blocks (pages of queries) that share one selection. 1: every page of
-    queries chooses its own pages. Larger groups read the same compute budget but select fewer
-    distinct pages per chunk, so with offload far fewer pages move (a chunk's whole group: at most
-    Hkv x (sinks + budget) pages per chunk)."""
-    sparse_pooling: Literal["max", "softmax", "softmax_max"] = "max"
-    """Sparse: how a block's score rows (its queries x the KV head's query heads) combine into one score
-    per page. "max": the best row; "softmax": each row's softmax over the history pages, summed (an
-    estimate of the block's attention mass on the page); "softmax_max": each row's softmax over every
-    page it sees (history and own chunk), the best row's (an estimate of the largest probability any
-    query puts on the page)."""
-    sparse_rerank_factor: int = 4
-    """Sparse, score "rerank": candidate pages per query block, as a multiple of its budget."""
-    sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
-    """Sparse, score "rerank": the summary score that proposes the candidates: "minmax_mean" (default:
-    half the candidates by minmax, the rest by the mean key; keeps min, max and mean keys per page),
-    "minmax" (Quest's bound from each page's min and max key) or "mean" (q . the page's mean key). On
-    SmolLM2 minmax_mean's candidates hold the most of the oracle's pages at 8K and 32K, and its
-    gradients are the closest to dense (docs/sparse.md, "Candidates")."""
-    sparse_candidate_pooling: Literal["auto", "max", "softmax_max"] = "auto"
-    """Sparse, score "rerank": how a query block's rows (its queries x the KV head's query heads) pool the
-    candidates' summary scores. "softmax_max": each row's scores normalised first by their log-sum-exp over
-    the pages it sees (the history, and the chunk's own pages up to its block), the best row's; "max": the
-    best raw score; "auto" (default): softmax_max with score rerank. On SmolLM2 with a quarter of the pages
-    read softmax_max met the near-dense mark at 8K (three cases: max misses two), 16K and 32K, and at 128K
-    and 1M on the H200 its step takes what max's does (docs/sparse.md, "Candidate pooling"). The normaliser
-    counts the sequence's first sparse_sink_pages and the last sparse_normaliser_pages history pages (other
-    documents' too, in a packed sequence) and no logit softcap or attention sink: an estimate for ranking
-    candidates, not the attention's."""
-    sparse_normaliser_pages: int | Literal["auto"] | None = "auto"
-    """Sparse, pooling "softmax_max" (sparse_candidate_pooling or sparse_pooling): the history pages each
-    row's normaliser counts besides the sink pages and the chunk's own pages: the last this many. "auto"
-    (default): NORMALISER_PAGES (256) where a softmax_max normaliser runs. None: every history page, a pass
-    over the summaries that grows with the square of the context; a number bounds it (linear in the
-    context) and equals the full normaliser while the history holds at most this many pages besides the
-    sinks. At 32K (448 history pages) 256 gave the full normaliser's gradients (docs/sparse.md, "A bounded
-    normaliser")."""
-    sparse_layer_budgets: list[int] | None = None
-    """Sparse: a budget per decoder layer (e.g. from `oomb calibrate`); None: sparse_budget everywhere."""
-    sparse_dense_layers: list[int] = field(default_factory=list)
-    """Sparse: decoder layers that read every earlier page (dense attention in a sparse step)."""
+    """Attention over the history: "dense" (exact) or "sparse" (the sparse section; docs/sparse.md)."""
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    """Sparse attention's options; they only matter with attention="sparse"."""
     kv_grad_dtype: str | torch.dtype = "float32"
     """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
     backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
@@ -207,61 +423,16 @@ class OOMBConfig:
             )
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r} is not supported; use one of: {ATTENTION_MODES}")
+        if isinstance(self.sparse, dict):  # a mapping (YAML) becomes the section
+            self.sparse = _merged(None, self.sparse, SparseConfig, "sparse")
+        if not isinstance(self.sparse, SparseConfig):
+            raise TypeError(f"OOMBConfig.sparse must be a SparseConfig (or a mapping of its options), got "
+                            f"{self.sparse!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not supported; use one of: {BACKENDS}")
-        for name in ("sparse_budget", "sparse_sink_pages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an integer >= 0 (a number of pages)")
-        share = self.sparse_read_share
-        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
-                                  or not 0 < share <= 1):
-            raise ValueError(f"sparse_read_share={share!r} must be a share of the history in (0, 1], e.g. 0.25, "
-                             f"or None for the fixed sparse_budget")
-        if isinstance(self.sparse_rerank_factor, bool) or not isinstance(self.sparse_rerank_factor, int) \
-                or self.sparse_rerank_factor < 1:
-            raise ValueError(f"sparse_rerank_factor={self.sparse_rerank_factor!r} must be an integer >= 1")
-        if isinstance(self.sparse_query_block_pages, bool) or not isinstance(self.sparse_query_block_pages, int) \
-                or self.sparse_query_block_pages < 1:
-            raise ValueError(f"sparse_query_block_pages={self.sparse_query_block_pages!r} must be an integer >= 1")
-        if self.sparse_pooling not in SPARSE_POOLINGS:
-            raise ValueError(f"sparse_pooling={self.sparse_pooling!r} is not supported; use one of: {SPARSE_POOLINGS}")
-        self._check_layer_options()
-        if self.sparse_score not in SPARSE_SCORES:
-            raise ValueError(f"sparse_score={self.sparse_score!r} is not supported; use one of: {SPARSE_SCORES}")
-        if self.sparse_score == "exact" and self.offload:
-            raise ValueError("sparse_score='exact' reads every history key from the GPU pages: it cannot be "
-                             "combined with offload=True (sparse_score='rerank' reads only its candidates' keys)")
-        if self.sparse_score == "rerank" and self.sparse_pooling != "max":
-            raise ValueError(f"sparse_score='rerank' pools a block's rows by the best row's probability: "
-                             f"sparse_pooling={self.sparse_pooling!r} does not apply (use 'max')")
-        if self.sparse_score == "exact" and self.sparse_leak_free:
-            raise ValueError("sparse_score='exact' scores a block with its own queries: it cannot be combined with "
-                             "sparse_leak_free=True (sparse_score='rerank' can)")
-        if self.sparse_candidate_pooling not in ("auto", *CANDIDATE_POOLINGS):
-            raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} is not supported; use one "
-                             f"of: {('auto', *CANDIDATE_POOLINGS)}")
-        if self.sparse_candidate_pooling == "softmax_max" and self.resolved_sparse_score != "rerank":
-            raise ValueError(f"sparse_candidate_pooling={self.sparse_candidate_pooling!r} pools rerank's candidates: "
-                             f"it does not apply to sparse_score={self.resolved_sparse_score!r}")
-        if self.sparse_normaliser_pages not in ("auto", None):
-            if isinstance(self.sparse_normaliser_pages, bool) or not isinstance(self.sparse_normaliser_pages, int) \
-                    or self.sparse_normaliser_pages < 1:
-                raise ValueError(f"sparse_normaliser_pages must be a positive number of pages, 'auto' or None (every "
-                                 f"history page); got {self.sparse_normaliser_pages!r}")
-            if not self._summary_normaliser_runs:
-                raise ValueError("sparse_normaliser_pages bounds the softmax_max pooling's normaliser of page summary "
-                                 "scores: set sparse_candidate_pooling='softmax_max' (score rerank) or "
-                                 f"sparse_pooling='softmax_max' (score minmax or mean) with it; got score "
-                                 f"{self.resolved_sparse_score!r}, sparse_pooling={self.sparse_pooling!r}, "
-                                 f"sparse_candidate_pooling={self.sparse_candidate_pooling!r}")
-        if self.sparse_rerank_candidates not in RERANK_CANDIDATES:
-            raise ValueError(f"sparse_rerank_candidates={self.sparse_rerank_candidates!r} is not supported; use one "
-                             f"of: {RERANK_CANDIDATES}")
-        if self.sparse_selection not in SPARSE_SELECTIONS:
-            raise ValueError(
-                f"sparse_selection={self.sparse_selection!r} is not supported; use one of: {SPARSE_SELECTIONS}"
-            )
+        if self.sparse.score == "exact" and self.offload:
+            raise ValueError("sparse.score='exact' reads every history key from the GPU pages: it cannot be "
+                             "combined with offload=True (sparse.score='rerank' reads only its candidates' keys)")
         if isinstance(self.offload_resident_layers, bool) or not isinstance(self.offload_resident_layers, int) \
                 or self.offload_resident_layers < 0:
             raise ValueError(f"offload_resident_layers={self.offload_resident_layers!r} must be an integer >= 0")
@@ -270,7 +441,7 @@ class OOMBConfig:
         if self.deterministic is True and self.backend == "cudnn":
             raise ValueError("deterministic=True conflicts with backend='cudnn' (cuDNN's attention backward is not "
                              "bitwise deterministic): use backend='triton' or 'auto', or deterministic=False")
-        for name in ("checkpoint_layers", "recompute_logits", "fp32_grad_accumulation", "sparse_leak_free", "offload",
+        for name in ("checkpoint_layers", "recompute_logits", "fp32_grad_accumulation", "offload",
                      "deterministic", "keep_attention_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -285,67 +456,104 @@ class OOMBConfig:
                              "and the offloaded stage 2 stages its pages in the attention forward it would skip")
         resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
-    def _check_layer_options(self) -> None:
-        budgets = self.sparse_layer_budgets
-        if budgets is not None:
-            if not isinstance(budgets, (list, tuple)) or any(
-                    isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
-                raise ValueError(f"sparse_layer_budgets={budgets!r} must be a list of integers >= 0, one per layer")
-            self.sparse_layer_budgets = list(budgets)
-        layers = self.sparse_dense_layers
-        if not isinstance(layers, (list, tuple, set, frozenset)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
-            raise ValueError(f"sparse_dense_layers={layers!r} must be a list of layer indices >= 0")
-        self.sparse_dense_layers = sorted(set(layers))
-
-    @property
-    def resolved_sparse_score(self) -> str:
-        """The score rule sparse mode runs: sparse_score, with "auto" resolved (rerank; minmax with a pooling
-        other than max, which rerank does not take)."""
-        if self.sparse_score != "auto":
-            return self.sparse_score
-        return "minmax" if self.sparse_pooling != "max" else "rerank"
-
-    @property
-    def resolved_sparse_candidate_pooling(self) -> str:
-        """How rerank's candidates are pooled: sparse_candidate_pooling, with "auto" resolved (softmax_max with
-        score rerank; "max", unused, otherwise)."""
-        if self.sparse_candidate_pooling != "auto":
-            return self.sparse_candidate_pooling
-        return "softmax_max" if self.resolved_sparse_score == "rerank" else "max"
-
-    @property
-    def resolved_sparse_normaliser_pages(self) -> int | None:
-        """The softmax_max normaliser's history pages: sparse_normaliser_pages, with "auto" resolved
-        (NORMALISER_PAGES where the normaliser runs, None where none does)."""
-        if self.sparse_normaliser_pages != "auto":
-            return self.sparse_normaliser_pages
-        return NORMALISER_PAGES if self._summary_normaliser_runs else None
-
-    @property
-    def _summary_normaliser_runs(self) -> bool:
-        """Whether a softmax_max pooling normalises page summary scores."""
-        score = self.resolved_sparse_score
-        return ((score == "rerank" and self.resolved_sparse_candidate_pooling == "softmax_max")
-                or (score in ("minmax", "mean") and self.sparse_pooling == "softmax_max"))
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not attributes: the flat options of earlier versions, read-only.
+        if name in FLAT_KEYS:
+            _warn_flat([name], stacklevel=3)
+            return self.option(FLAT_KEYS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def grad_dtype(self) -> torch.dtype:
         return resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
+    def resolved_sparse(self) -> SparseConfig | None:
+        """The sparse options the step runs (SparseConfig.resolved); None in dense mode."""
+        return self.sparse.resolved() if self.attention == "sparse" else None
+
+    def option(self, path: str) -> Any:
+        """The value of a dotted option path: config.option("sparse.budget") is config.sparse.budget."""
+        value: Any = self
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+
+    def options(self) -> dict[str, Any]:
+        """Every option by dotted path: {"chunk_size": 4096, ..., "sparse.budget": 64, ...}."""
+        def leaves(obj: Any, prefix: str):
+            for f in fields(obj):
+                value = getattr(obj, f.name)
+                if is_dataclass(value):
+                    yield from leaves(value, f"{prefix}{f.name}.")
+                else:
+                    yield f"{prefix}{f.name}", value
+
+        return dict(leaves(self, ""))
+
+    def with_options(self, changes: dict[str, Any]) -> OOMBConfig:
+        """A copy with options changed, by dotted path: ``{"sparse.budget": 32, "offload": True}``
+        (flat keys of earlier versions are mapped, with a warning)."""
+        changes = nested_options(changes)
+        top = {k: v for k, v in changes.items() if k not in SECTIONS}
+        sections = {name: _merged(getattr(self, name), changes[name], cls, name)
+                    for name, cls in SECTIONS.items() if name in changes}
+        return replace(self, **top, **sections)
+
+    def to_dict(self) -> dict:
+        """A plain nested mapping (YAML/JSON-safe: tuples as lists, dtypes as names): from_dict's inverse."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, torch.dtype):
+                return str(value).removeprefix("torch.")
+            if isinstance(value, tuple):
+                return list(value)
+            return value
+
+        def section(obj: Any) -> dict:
+            return {f.name: section(getattr(obj, f.name)) if is_dataclass(getattr(obj, f.name))
+                    else plain(getattr(obj, f.name)) for f in fields(obj)}
+
+        return section(self)
+
     @classmethod
     def from_dict(cls, options: dict) -> OOMBConfig:
-        """Build from a plain dict (YAML, CLI), rejecting unknown keys with the list of valid ones.
+        """Build from a plain nested mapping (YAML, CLI), rejecting unknown keys with the list of valid ones.
+        Flat keys of earlier versions are mapped (FLAT_KEYS), with a DeprecatedConfigKey warning.
         ``sparse_plan``: the path of a plan written by `oomb calibrate`, whose options fill in those not given."""
-        if options.get("sparse_plan"):  # a plan file from `oomb calibrate`: its options, then the explicit ones
-            explicit = {k: v for k, v in options.items() if k != "sparse_plan"}
-            options = {**load_sparse_plan(options["sparse_plan"]), **explicit}
-        options = {k: v for k, v in options.items() if k != "sparse_plan"}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
+        options = dict(options)
+        plan = options.pop("sparse_plan", None)
+        nested = nested_options(options)
+        if plan:  # a plan file from `oomb calibrate`: its options, then the explicit ones
+            from_plan = nested_options(load_sparse_plan(plan))
+            nested = {**from_plan, **nested,
+                      **{k: {**from_plan[k], **nested[k]} for k in SECTIONS if k in from_plan and k in nested}}
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(nested) - set(known))
         if unknown:
-            raise ValueError(f"unknown OOMBConfig option(s) {unknown}; valid options: {sorted(known)}")
-        return cls(**options)
+            raise ValueError(f"unknown OOMBConfig option(s) {unknown}; valid options: {known} (sections: "
+                             f"{list(SECTIONS)})")
+        return cls(**nested)
+
+
+def _accept_flat_keywords(dataclass_init):
+    """OOMBConfig's __init__, also taking the flat keywords of earlier versions (FLAT_KEYS, warned), applied
+    over the sections given (as dataclasses.replace passes them)."""
+    @functools.wraps(dataclass_init)
+    def init(self, *args, **kwargs):
+        flat = {k: kwargs.pop(k) for k in list(kwargs)
+                if k in FLAT_KEYS}
+        if flat:
+            for name, values in nested_options(flat).items():
+                cls = SECTIONS[name]
+                base = kwargs.get(name)
+                if isinstance(base, dict):
+                    base = _merged(None, base, cls, name)
+                kwargs[name] = _merged(base, values, cls, name)
+        dataclass_init(self, *args, **kwargs)
+
+    return init
+
+
+OOMBConfig.__init__ = _accept_flat_keywords(OOMBConfig.__init__)
 
 
 def load_sparse_plan(path: str | Path) -> dict:

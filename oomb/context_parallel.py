@@ -173,11 +173,12 @@ class ContextShard:
 
 def check_context_parallel(config, causal_lm) -> None:
     """Refuse, before any allocation, what context parallelism does not support yet (with why)."""
-    if config.attention == "sparse" and config.resolved_sparse_score == "exact" and config.sparse_pooling == "softmax":
+    sparse = config.sparse
+    if config.attention == "sparse" and sparse.resolved_score == "exact" and sparse.research.pooling == "softmax":
         raise NotImplementedError(
-            "context parallelism (parallel cp > 1) with sparse_score='exact' and sparse_pooling='softmax' is not "
-            "supported: under cp the exact score runs rerank's code over every history page, which keeps the best "
-            "row's probability; use sparse_pooling='max' (or 'softmax_max', the same for the exact score)")
+            "context parallelism (parallel cp > 1) with sparse.score='exact' and sparse.research.pooling='softmax' is "
+            "not supported: under cp the exact score runs rerank's code over every history page, which keeps the best "
+            "row's probability; use sparse.research.pooling='max' (or 'softmax_max', the same for the exact score)")
     if causal_lm.config.model_type == "gpt_oss":
         raise NotImplementedError(
             "context parallelism (parallel cp > 1) with attention sinks (gpt-oss) is not supported yet: the sink "

@@ -36,7 +36,7 @@ from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
 from .carried_gradients import carried_weight_gradients
 from .compiled_layers import compiled_layers, resolve_compile_layers
-from .config import OOMBConfig
+from .config import OOMBConfig, SparseConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients, in_place_weight_gradients
 from .grads import Fp32GradAccumulator
@@ -60,7 +60,7 @@ from .models import (
 )
 from .moe import ROUTER_LOSS_FACTOR, RouterBalanceLoss
 from .parallel import ParallelSetup, check_setup
-from .sparse import SparseOptions
+from .sparse import page_summaries
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def forward_backward(
     if num_targets == 0:
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
     chunks = split_into_chunks(num_tokens, config.chunk_size)
-    sparse = SparseOptions.from_config(config)  # None in dense mode
+    sparse = config.resolved_sparse()  # None in dense mode
     context_parallel = parallel.context_shard(config.chunk_size) is not None  # cp > 1, or a group of one
     if config.keep_attention_outputs and context_parallel:  # before any page is allocated
         raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
@@ -352,7 +352,7 @@ def _validated_inputs(
 
 
 def _make_store(
-    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseOptions | None,
+    causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseConfig | None,
     host_slabs: HostSlabs | None = None,
     parallel: ParallelSetup | None = None,
 ) -> PagedKVStore:
@@ -371,7 +371,7 @@ def _make_store(
 
 
 def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device,
-                  sparse: SparseOptions | None = None, parallel: ParallelSetup | None = None) -> dict:
+                  sparse: SparseConfig | None = None, parallel: ParallelSetup | None = None) -> dict:
     """The PagedKVStore arguments of a step of ``causal_lm`` (also used to reserve host slabs ahead)."""
     cfg = causal_lm.config
     parallel = parallel or ParallelSetup()
@@ -385,7 +385,7 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
         grad_dtype=config.grad_dtype,
         device=device,
-        summaries=sparse.summaries if sparse is not None else (),
+        summaries=page_summaries(sparse) if sparse is not None else (),
         stream_block_pages=config.stream_block_pages,
         context=parallel.context_shard(config.chunk_size),  # context parallel: this rank's chunks only
     )

@@ -39,7 +39,6 @@ from .models import (
     step_window_bounds,
     unwrap_causal_lm,
 )
-from .sparse import SparseOptions
 
 ChunkCallback = Callable[[ChunkSpan, torch.Tensor], None]
 """Called with each chunk's span and its final hidden states (B, chunk length, hidden), in order."""
@@ -65,7 +64,7 @@ def run_stage_one(model: torch.nn.Module, input_ids: torch.Tensor, on_chunk: Chu
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, _ = _validated_inputs(causal_lm, input_ids, None, device)
     batch, num_tokens = input_ids.shape
-    sparse = SparseOptions.from_config(config)
+    sparse = config.resolved_sparse()
     backend, _, windows = attention_setup(causal_lm, config, device, num_tokens, None)
     store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
     chunks = split_into_chunks(num_tokens, config.chunk_size)

@@ -28,10 +28,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from .attention.backend import AttentionBackend
 from .attention.function import KeptOutputs, PagedAttentionCall, fill_and_attend, paged_attention
 from .attention.variants import SinkGradient, attach_sinks, layer_backend
+from .config import SparseConfig
 from .documents import Documents, window_bounds
 from .kv import ChunkSpan, PagedKVStore
 from .loss import SoftcappedHead, fused_head
-from .sparse import SparseOptions
 
 ATTENTION_NAME = "oomb"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
@@ -71,7 +71,7 @@ class StepState:
     stage: Stage
     backend: AttentionBackend
     recompute_cache: dict | None = None  # stage 2 with layer checkpointing: layer -> (out, lse)
-    sparse: SparseOptions | None = None  # sparse mode's options; None: dense
+    sparse: SparseConfig | None = None  # sparse mode's options; None: dense
     documents: Documents | None = None  # packed documents (oomb/documents.py); None: plain causal
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window planned from the config (None: global)
     window_bounds: Mapping[int, Documents] = field(default_factory=dict)

@@ -57,12 +57,12 @@ pages, which the backend masks (keys before each query's document start get no a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from .config import NORMALISER_PAGES, OOMBConfig, read_share_budget
+from .config import SparseConfig
 from .documents import Documents
 from .fp32_linear import matmul_float32, tensor_cores_give_float32
 from .kv import ChunkSpan, PagedKVStore
@@ -75,65 +75,16 @@ SCORE_TILE_ELEMENTS = 1 << 24
 """At most this many float32 scores (64 MiB) exist at a time while scoring a chunk's blocks."""
 
 
-@dataclass(frozen=True)
-class SparseOptions:
-    """The sparse options of OOMBConfig, as the attention function sees them."""
-
-    budget: int
-    sink_pages: int
-    score: str  # "minmax" | "mean" | "exact" | "rerank" (OOMBConfig's "auto" resolved)
-    selection: str  # "kv_head" | "shared"
-    leak_free: bool
-    query_block_pages: int = 1  # consecutive query blocks sharing one selection
-    pooling: str = "max"  # how a block's rows (queries x query heads) combine: "max" | "softmax" | "softmax_max"
-    layer_budgets: tuple[int, ...] | None = None  # per-layer budget; None: ``budget`` everywhere
-    dense_layers: frozenset[int] = frozenset()  # layers that read every history page
-    rerank_factor: int = 4  # score "rerank": candidates per block = rerank_factor x budget
-    rerank_candidates: str = "minmax_mean"  # score "rerank": who proposes the candidates (OOMBConfig's)
-    candidate_pooling: str = "softmax_max"  # score "rerank": how the candidates' summary scores pool a block's rows
-    normaliser_pages: int | None = NORMALISER_PAGES  # softmax_max: history pages a row's normaliser counts besides
-    # the sinks (None: every one)
-    read_share: float | None = None  # the budget grows to this share of the history (OOMBConfig.sparse_read_share)
-
-    @classmethod
-    def from_config(cls, config: OOMBConfig) -> SparseOptions | None:
-        """The options of a sparse config; None in dense mode."""
-        if config.attention != "sparse":
-            return None
-        budgets = config.sparse_layer_budgets
-        return cls(config.sparse_budget, config.sparse_sink_pages, config.resolved_sparse_score,
-                   config.sparse_selection, config.sparse_leak_free, config.sparse_query_block_pages,
-                   config.sparse_pooling, tuple(budgets) if budgets is not None else None,
-                   frozenset(config.sparse_dense_layers), config.sparse_rerank_factor,
-                   config.sparse_rerank_candidates, config.resolved_sparse_candidate_pooling,
-                   config.resolved_sparse_normaliser_pages, config.sparse_read_share)
-
-    @property
-    def summaries(self) -> tuple[str, ...]:
-        """The page summaries the score reads (oomb/kv/summaries.py)."""
-        return summaries_of(self.score, self.rerank_candidates)
-
-    def budget_of(self, layer: int, history_pages: int = 0) -> int:
-        """Top-scored pages a block of ``layer`` reads besides the sinks, with ``history_pages`` before its chunk:
-        the layer's budget, grown to read_share of the history (a multiple of READ_SHARE_STEP) where set."""
-        if self.layer_budgets is not None and layer < len(self.layer_budgets):
-            budget = self.layer_budgets[layer]
-        else:
-            budget = self.budget
-        return read_share_budget(budget, self.read_share, history_pages)
-
-    def num_selected(self, history_pages: int, layer: int = 0) -> int:
-        """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""
-        if layer in self.dense_layers:
-            return history_pages
-        return min(history_pages, self.sink_pages + self.budget_of(layer, history_pages))
+def page_summaries(options: SparseConfig) -> tuple[str, ...]:
+    """The page summaries a resolved sparse config's score reads (oomb/kv/summaries.py)."""
+    return summaries_of(options.score, options.research.rerank_candidates)
 
 
-def normaliser_span(n_hist: int, options: SparseOptions) -> tuple[int, int]:
+def normaliser_span(n_hist: int, options: SparseConfig) -> tuple[int, int]:
     """(head, start): a softmax_max row's normaliser counts the history pages before ``head`` (the sinks)
     and from ``start`` on (the last ``normaliser_pages``), then the chunk's own pages; (0, 0): every
     history page (no bound set, or the history no longer than the sinks and the bound)."""
-    bound = options.normaliser_pages
+    bound = options.research.normaliser_pages
     if bound is None or n_hist <= options.sink_pages + bound:
         return 0, 0
     start = n_hist - bound
@@ -148,12 +99,12 @@ def _score_vectors(summaries: dict[str, torch.Tensor], score: str) -> torch.Tens
     return summaries["key_mean"]
 
 
-def _share_over_heads(out: torch.Tensor, options: SparseOptions) -> torch.Tensor:
+def _share_over_heads(out: torch.Tensor, options: SparseConfig) -> torch.Tensor:
     """selection="shared": every KV head gets the pooled score of all heads (summed for softmax pooling,
     the best otherwise); "kv_head": ``out`` unchanged."""
-    if options.selection != "shared":
+    if options.research.selection != "shared":
         return out
-    pooled = out.sum(dim=1, keepdim=True) if options.pooling == "softmax" else out.amax(dim=1, keepdim=True)
+    pooled = out.sum(dim=1, keepdim=True) if options.research.pooling == "softmax" else out.amax(dim=1, keepdim=True)
     return pooled.expand_as(out)
 
 
@@ -176,7 +127,7 @@ def leak_free_rows(q: torch.Tensor, page_size: int, previous: torch.Tensor | Non
 
 
 def block_scores(
-    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions,
+    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseConfig,
     scale: float | None = None, previous: torch.Tensor | None = None,
     own: dict[str, torch.Tensor] | None = None, kernel: bool | None = None,
 ) -> torch.Tensor:
@@ -204,8 +155,8 @@ def block_scores(
     B, Hq, Lq, D = q.shape
     first = next(iter(summaries.values()))
     n_hist, Hkv = first.shape[1], first.shape[2]
-    normalised = options.pooling == "softmax_max"
-    kernel_scores = ((options.pooling == "max" or normalised) and not options.leak_free
+    normalised = options.research.pooling == "softmax_max"
+    kernel_scores = ((options.research.pooling == "max" or normalised) and not options.leak_free
                      and options.score in ("minmax", "mean"))
     if kernel is None:
         kernel = (kernel_scores and q.is_cuda and first.dtype == q.dtype
@@ -214,7 +165,7 @@ def block_scores(
         if not kernel_scores:
             raise ValueError("the block-score kernel takes the minmax and mean scores with pooling 'max' or "
                              "'softmax_max', not leak-free; got "
-                             f"{options.score!r}, {options.pooling!r}, leak_free={options.leak_free}")
+                             f"{options.score!r}, {options.research.pooling!r}, leak_free={options.leak_free}")
         from .attention.triton_block_scores import summary_block_scores  # local: Triton is optional
 
         normaliser = (scale if scale is not None else D ** -0.5) if normalised else None
@@ -241,7 +192,7 @@ def block_scores(
         rows = qf.reshape(B, Hkv, G, n_blocks, P, D)
     keys = _score_vectors(summaries, options.score)  # (B, n_hist, Hkv, D or 2D)
     n_own = 0
-    if options.pooling == "softmax_max" and own is not None:
+    if options.research.pooling == "softmax_max" and own is not None:
         own_keys = _score_vectors(own, options.score)
         n_own = own_keys.shape[1]
         keys = torch.cat([keys, own_keys], dim=1)
@@ -259,12 +210,12 @@ def block_scores(
         r = r.reshape(B * Hkv, -1, r.shape[-1])
         s = matmul_float32(r, keys_t, "scoring")
         s = s.reshape(B, Hkv, b1 - b0, rows_per_block, n_hist + n_own)
-        if options.pooling == "softmax":
+        if options.research.pooling == "softmax":
             # Each row's estimated share of its attention over the history, summed over the block's rows
             # (InfLLM-v2 pools softmaxed scores over a GQA group): a page many rows want beats one that a
             # single row scores high, and heads with large logits no longer outvote the others.
             out[:, :, b0:b1] = torch.softmax(s * scale, dim=-1).sum(dim=3)
-        elif options.pooling == "softmax_max":
+        elif options.research.pooling == "softmax_max":
             # Each row's estimated log-probability of the page (its scores normalised over every page it
             # sees: the history, or its sinks and last pages (normaliser_pages), and its own chunk's pages up
             # to its block), the best row's per page.
@@ -283,7 +234,7 @@ def block_scores(
 
 
 def exact_block_scores(
-    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseConfig,
     scale: float | None = None, row_stride: int = 1, kernel: bool | None = None,
 ) -> torch.Tensor:
     """The "exact" score (the oracle of a summary score): every query row's true attention probability
@@ -301,9 +252,9 @@ def exact_block_scores(
     B, Hq, Lq, D = q.shape
     P = store.page_size
     if kernel is None:
-        kernel = q.is_cuda and P % 16 == 0 and options.pooling != "softmax"
+        kernel = q.is_cuda and P % 16 == 0 and options.research.pooling != "softmax"
     if kernel:
-        if options.pooling == "softmax":
+        if options.research.pooling == "softmax":
             raise ValueError("the exact-score kernel pools by the best row (max); pooling 'softmax' runs in torch")
         from .attention.triton_scores import exact_page_scores  # local: Triton is optional
 
@@ -341,20 +292,20 @@ def exact_block_scores(
         mass = torch.nn.functional.pad(mass, (0, 0, 0, pad)).reshape(B, Hkv, G, b1 - b0, P, n_hist)
         mass = mass[:, :, :, :, row_stride - 1::row_stride]
         # "max" and "softmax_max" are the same here: the exact masses are already each row's probabilities.
-        pooled = mass.sum(dim=(2, 4)) if options.pooling == "softmax" else mass.amax(dim=(2, 4))
+        pooled = mass.sum(dim=(2, 4)) if options.research.pooling == "softmax" else mass.amax(dim=(2, 4))
         out[:, :, b0:b1] = pooled
     return _share_over_heads(out, options)
 
 
-def candidate_options(options: SparseOptions, layer: int, history_pages: int = 0) -> SparseOptions:
+def candidate_options(options: SparseConfig, layer: int, history_pages: int = 0) -> SparseConfig:
     """The options whose top_pages are the "rerank" score's candidates: ``rerank_factor`` x the layer's
     budget at this history (the sinks besides), chosen by the minmax bound."""
-    return replace(options, budget=options.rerank_factor * options.budget_of(layer, history_pages),
-                   layer_budgets=None, dense_layers=frozenset(), read_share=None)
+    return replace(options, budget=options.research.rerank_factor * options.budget_of(layer, history_pages),
+                   layer_budgets=None, dense_layers=(), read_share=None)
 
 
 def propose_candidates(
-    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseOptions, layer: int,
+    q: torch.Tensor, summaries: dict[str, torch.Tensor], page_size: int, options: SparseConfig, layer: int,
     scale: float | None = None, first_pages: torch.Tensor | None = None, previous: torch.Tensor | None = None,
     own: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -368,11 +319,13 @@ def propose_candidates(
     wanted = candidate_options(options, layer, next(iter(summaries.values())).shape[1])
 
     def scores(rule: str) -> torch.Tensor:
-        return block_scores(q, summaries, page_size, replace(options, score=rule, pooling=options.candidate_pooling),
-                            scale, previous, own if options.candidate_pooling == "softmax_max" else None)
+        # The summary score ``rule`` pooled as the candidates are (its own candidate pooling is then unused).
+        research = replace(options.research, pooling=options.research.candidate_pooling, candidate_pooling="max")
+        return block_scores(q, summaries, page_size, replace(options, score=rule, research=research),
+                            scale, previous, own if options.research.candidate_pooling == "softmax_max" else None)
 
-    if options.rerank_candidates != "minmax_mean":
-        return selection_from_scores(scores(options.rerank_candidates), wanted, layer, first_pages)
+    if options.research.rerank_candidates != "minmax_mean":
+        return selection_from_scores(scores(options.research.rerank_candidates), wanted, layer, first_pages)
     half = selection_from_scores(scores("minmax"), replace(wanted, budget=wanted.budget // 2), layer, first_pages)
     forced = scores("mean").scatter(-1, half.long(), float("inf"))  # minmax's half first, whatever the mean says
     return selection_from_scores(forced, wanted, layer, first_pages)
@@ -380,7 +333,7 @@ def propose_candidates(
 
 def rerank_block_scores(
     q: torch.Tensor, k_pool: torch.Tensor, page_table: torch.Tensor, chunk: ChunkSpan, candidates: torch.Tensor,
-    options: SparseOptions, scale: float | None = None, kernel: bool | None = None,
+    options: SparseConfig, scale: float | None = None, kernel: bool | None = None,
     context: ContextShard | None = None, previous: torch.Tensor | None = None, key_pages: torch.Tensor | None = None,
     row_stride: int = 1,
 ) -> torch.Tensor:
@@ -485,7 +438,7 @@ def rerank_block_scores(
     return _share_over_heads(out, options)
 
 
-def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
+def top_pages(scores: torch.Tensor, options: SparseConfig, layer: int = 0,
               first_pages: torch.Tensor | None = None) -> torch.Tensor:
     """The selection from block scores: sinks + top-budget, sorted ascending.
 
@@ -508,7 +461,7 @@ def top_pages(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
     return selection.to(torch.int32)
 
 
-def _top_pages_in_documents(scores: torch.Tensor, options: SparseOptions, layer: int,
+def _top_pages_in_documents(scores: torch.Tensor, options: SparseConfig, layer: int,
                             first_pages: torch.Tensor) -> torch.Tensor:
     """top_pages with per-block documents: the sinks are the document's first pages (always chosen),
     pages before the document rank below every page of it (chosen only when it has too few)."""
@@ -529,7 +482,7 @@ def block_first_pages(documents: Documents, chunk: ChunkSpan, page_size: int) ->
 
 @torch.no_grad()
 def select_pages(
-    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseOptions,
+    q: torch.Tensor, store: PagedKVStore, layer: int, chunk: ChunkSpan, options: SparseConfig,
     scale: float | None = None, documents: Documents | None = None,
 ) -> torch.Tensor | None:
     """The history pages each query block of ``chunk`` reads in ``layer`` (stage 1, after its pages
@@ -561,7 +514,7 @@ def select_pages(
         # Candidates per group of query_block_pages blocks (the group shares its selection): with
         # offload, stage 1 then moves at most one candidate set per group and KV head.
         own = None
-        if options.candidate_pooling == "softmax_max":  # the chunk's own pages count in each row's normaliser
+        if options.research.candidate_pooling == "softmax_max":  # the chunk's own pages count in each row's normaliser
             pages = store.history_summaries(layer, n_hist + -(-chunk.length // P))  # the history, then own pages
             history = {name: summary[:, :n_hist] for name, summary in pages.items()}
             own = {name: summary[:, n_hist:] for name, summary in pages.items()}
@@ -572,7 +525,7 @@ def select_pages(
         with store.scoring_keys(layer, chunk, candidates, by_head=not options.leak_free) as (k_pool, table, keys_at):
             scores = rerank_block_scores(q, k_pool, table, chunk, candidates, options, scale, context=store.context,
                                          previous=previous, key_pages=keys_at)
-    elif options.pooling == "softmax_max":
+    elif options.research.pooling == "softmax_max":
         n_own = -(-chunk.length // P)
         pages = store.history_summaries(layer, n_hist + n_own)
         history = {name: summary[:, :n_hist] for name, summary in pages.items()}
@@ -583,7 +536,7 @@ def select_pages(
     return selection_from_scores(scores, options, layer, first_pages)
 
 
-def selection_from_scores(scores: torch.Tensor, options: SparseOptions, layer: int = 0,
+def selection_from_scores(scores: torch.Tensor, options: SparseConfig, layer: int = 0,
                           first_pages: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Hkv, n_blocks, K) selection from block scores, one per group of query_block_pages blocks
     (``first_pages``: packed documents, see top_pages; a group takes its first block's)."""
@@ -592,7 +545,7 @@ def selection_from_scores(scores: torch.Tensor, options: SparseOptions, layer: i
         return top_pages(scores, options, layer, first_pages)
     n_blocks = scores.shape[2]
     grouped_first = first_pages[:, ::group] if first_pages is not None else None
-    selection = top_pages(group_scores(scores, group, options.leak_free, options.pooling), options, layer,
+    selection = top_pages(group_scores(scores, group, options.leak_free, options.research.pooling), options, layer,
                           grouped_first)
     if selection.shape[2] == 1:
         # One group covers the chunk: a view with stride 0 over the blocks says so without reading

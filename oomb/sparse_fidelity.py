@@ -12,14 +12,13 @@ import math
 from dataclasses import dataclass, replace
 
 from .config import OOMBConfig
-from .sparse import SparseOptions
 from .units import format_tokens
 
 
 def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> float:
     """Fraction of (layer, query block, earlier page) triples a sparse step reads, dense layers
     included: 1.0 is dense. A chunk's own pages are not history and not counted."""
-    sparse = SparseOptions.from_config(config)
+    sparse = config.resolved_sparse()
     P, C = config.page_size, config.chunk_size
     read = total = 0
     for layer in range(num_layers):
@@ -35,7 +34,7 @@ def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers
     low, high = 0, max(1, -(-num_tokens // config.page_size))
     while low < high:
         middle = (low + high) // 2
-        if history_read(num_tokens, replace(config, sparse_budget=middle), num_layers) >= read:
+        if history_read(num_tokens, replace(config, sparse=replace(config.sparse, budget=middle)), num_layers) >= read:
             high = middle
         else:
             low = middle + 1

@@ -51,7 +51,7 @@ def format_tokens(tokens: int) -> str:
 
 def parse_normaliser_pages(text: str) -> int | str | None:
     """--normaliser-pages / --sparse-normaliser-pages: 'all' (None: every history page), 'auto' or a
-    positive number of pages (OOMBConfig.sparse_normaliser_pages)."""
+    positive number of pages (OOMBConfig.sparse.research.normaliser_pages)."""
     if text in ("all", "auto"):
         return None if text == "all" else text
     if not text.isdigit() or int(text) < 1:

@@ -30,6 +30,8 @@ import os
 import sys
 from pathlib import Path
 
+from oomb.config import SparseConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -97,7 +99,7 @@ def capture(out: str) -> None:
     ids = random_ids(1, 256, seed=1)
     for config in (oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton"),
                    oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton", attention="sparse",
-                                   sparse_budget=1)):
+                                   sparse=SparseConfig(budget=1))):
         oomb.forward_backward(model, ids, None, config)
     Path(out).write_text(json.dumps(list(launches.values()), default=str))
 

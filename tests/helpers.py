@@ -185,3 +185,16 @@ def run_benchmark(name: str, argv: list[str], monkeypatch) -> None:
     spec.loader.exec_module(module)
     monkeypatch.setattr(sys, "argv", [path.name, *argv])
     module.main()
+
+
+def sparse_replace(options, **changes):
+    """``dataclasses.replace`` of a SparseConfig, taking its research options (pooling, selection, ...) by name too."""
+    import dataclasses
+
+    from oomb.config import SparseResearch
+
+    names = {f.name for f in dataclasses.fields(SparseResearch)}
+    research = {k: changes.pop(k) for k in list(changes) if k in names}
+    if research:
+        changes["research"] = dataclasses.replace(changes.get("research", options.research), **research)
+    return dataclasses.replace(options, **changes)

@@ -127,18 +127,18 @@ def test_sparse_offload_selects_once_per_chunk_unless_set():
     union: per block, most of the history); without offload, or when the user set it, it is kept."""
     workload = Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16)
     choice = choose_config(workload, H200, {"attention": "sparse"})
-    assert choice.config.offload and choice.config.sparse_query_block_pages == 4096 // 128
+    assert choice.config.offload and choice.config.sparse.query_block_pages == 4096 // 128
     assert "one sparse selection per chunk" in choice.reason
     assert "one sparse selection per 32 query blocks" in choice.describe()
-    kept = choose_config(workload, H200, {"attention": "sparse", "sparse_query_block_pages": 1})
-    assert kept.config.offload and kept.config.sparse_query_block_pages == 1
+    kept = choose_config(workload, H200, {"attention": "sparse", "sparse.query_block_pages": 1})
+    assert kept.config.offload and kept.config.sparse.query_block_pages == 1
     assert "one sparse selection" not in kept.reason
     on_gpu = choose_config(Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16), H200, {"attention": "sparse"})
-    assert not on_gpu.config.offload and on_gpu.config.sparse_query_block_pages == 1
+    assert not on_gpu.config.offload and on_gpu.config.sparse.query_block_pages == 1
     # The trainer leaves it to the chooser unless the config file sets it.
-    assert "sparse_query_block_pages" in TrainerConfig().oomb_auto
-    given = TrainerConfig.from_dict({"oomb": {"attention": "sparse", "sparse_query_block_pages": 1}})
-    assert "sparse_query_block_pages" not in given.oomb_auto
+    assert "sparse.query_block_pages" in TrainerConfig().oomb_auto
+    given = TrainerConfig.from_dict({"oomb": {"attention": "sparse", "sparse": {"query_block_pages": 1}}})
+    assert "sparse.query_block_pages" not in given.oomb_auto
 
 
 @pytest.mark.parametrize("attention", ["sparse", "dense"])

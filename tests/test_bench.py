@@ -213,19 +213,17 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
     default = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick"]))
     assert options.progress and not default.progress
     config = options.oomb_config()
-    assert (config.sparse_budget, config.sparse_query_block_pages) == (5, 4)
-    assumptions = options.sparse_assumptions()
-    assert (assumptions.top_k_pages, assumptions.query_block_pages) == (5, 4)
-    with pytest.raises(ValueError, match="sparse_budget=-1"):
+    assert (config.sparse.budget, config.sparse.query_block_pages) == (5, 4)
+    with pytest.raises(ValueError, match="sparse.budget=-1"):
         bench.BenchOptions(sparse_budget=-1)
     pooled = bench.options_from_args(cli.build_parser().parse_args(
         ["bench", "--quick", "--sparse-candidate-pooling", "softmax_max", "--sparse-normaliser-pages", "256"]))
     config = pooled.oomb_config()
-    assert (config.sparse_candidate_pooling, config.sparse_normaliser_pages) == ("softmax_max", 256)
-    assert default.oomb_config().sparse_normaliser_pages == "auto"
+    assert (config.sparse.research.candidate_pooling, config.sparse.research.normaliser_pages) == ("softmax_max", 256)
+    assert default.oomb_config().sparse.research.normaliser_pages == "auto"
     every_page = bench.options_from_args(cli.build_parser().parse_args(
         ["bench", "--quick", "--sparse-normaliser-pages", "all"]))
-    assert every_page.oomb_config().sparse_normaliser_pages is None
+    assert every_page.oomb_config().sparse.research.normaliser_pages is None
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "--sparse-normaliser-pages", "0"])
 
@@ -322,7 +320,7 @@ def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
     want = choose_config(Workload(shape, 2048, 1, options.dtype, optimizer="none"),
                          Resources("cpu", None, int(0.95 * (20 << 30)), weights_loaded=True),
                          {"chunk_size": 512, "attention": "sparse", "offload": False, "deterministic": False}, base)
-    assert changes == {**{n: getattr(want.config, n) for n in CHOSEN_FIELDS}, "kv_grad_dtype": "float32"}
+    assert changes == {**{n: want.config.option(p) for n, p in CHOSEN_FIELDS.items()}, "kv_grad_dtype": "float32"}
     assert changes["recompute_logits"] is False and "log-probabilities kept" in plan
     replay = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen",
                                                                      "--checkpoint-layers", "--recompute-logits"]))
@@ -377,9 +375,9 @@ def test_sparse_warmup_reaches_rerank_candidates():
         return (-(-pages * page // chunk) + 1) * chunk
 
     config = bench.OOMBConfig()
-    rerank_pages = config.sparse_sink_pages + config.sparse_rerank_factor * config.sparse_budget + 1
+    rerank_pages = config.sparse.sink_pages + config.sparse.research.rerank_factor * config.sparse.budget + 1
     assert bench.warmup_tokens("sparse", options) == covering(rerank_pages) == 40960
-    budget_pages = covering(config.sparse_sink_pages + config.sparse_budget + 1)
+    budget_pages = covering(config.sparse.sink_pages + config.sparse.budget + 1)
     minmax = bench.dataclasses.replace(options, sparse_score="minmax")
     assert bench.warmup_tokens("sparse", minmax) == budget_pages == 16384
     assert bench.warmup_tokens("sparse", bench.dataclasses.replace(options, contexts=[32768])) == budget_pages

@@ -7,7 +7,7 @@ from helpers import build_tiny_model, random_ids
 
 import oomb
 from oomb.config import OOMBConfig, load_sparse_plan
-from oomb.sparse import SparseOptions
+from oomb.sparse import SparseConfig
 from oomb.tools.calibrate import DENSE, LayerCurve, allocate, make_plan, recall_curves
 from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
 
@@ -49,7 +49,7 @@ def test_a_dense_layer_changes_only_what_that_layer_reads():
 
 
 def test_per_layer_budgets_read_what_they_say():
-    options = SparseOptions(4, 1, "minmax", "kv_head", False, layer_budgets=(2, 8), dense_layers=frozenset({2}))
+    options = SparseConfig(budget=4, sink_pages=1, score="minmax", layer_budgets=(2, 8), dense_layers=(2,)).resolved()
     assert [options.num_selected(20, layer) for layer in range(3)] == [3, 9, 20]
     assert options.num_selected(5, 1) == 5
 
@@ -88,12 +88,12 @@ def test_oracle_recall_bounds_the_score_and_a_full_budget_keeps_everything(leak_
     for layer, inputs in recorded.items():
         mass = page_mass(inputs, PAGE)
         for budget in (1, 3):
-            options = SparseOptions(budget, 1, "minmax", "kv_head", leak_free)
+            options = SparseConfig(budget=budget, sink_pages=1, score="minmax", leak_free=leak_free).resolved()
             rule = layer_recall(inputs, mass, CHUNK, PAGE, options, "score", layer)
             best = layer_recall(inputs, mass, CHUNK, PAGE, options, "oracle", layer)
             assert (best >= rule - 1e-6).all() and (best <= 1 + 1e-6).all() and (rule > 0).all()
-        full = layer_recall(inputs, mass, CHUNK, PAGE, SparseOptions(TOKENS, 1, "minmax", "kv_head", leak_free),
-                            "score", layer)
+        every = SparseConfig(budget=TOKENS, sink_pages=1, score="minmax", leak_free=leak_free).resolved()
+        full = layer_recall(inputs, mass, CHUNK, PAGE, every, "score", layer)
         torch.testing.assert_close(full, torch.ones_like(full))
 
 
@@ -111,7 +111,7 @@ def test_allocate_spends_pages_where_they_buy_the_most_recall():
 
 def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     model, ids, _ = _recorded(seed=6)
-    base = SparseOptions(0, 1, "minmax", "kv_head", False)
+    base = SparseConfig(budget=0, sink_pages=1, score="minmax").resolved()
     curves = recall_curves(model, ids, CHUNK, PAGE, base, grid=(1, 2, 4), progress=False)
     assert len(curves) == model.config.num_hidden_layers
     assert all(c.budgets[-1] == DENSE and c.recall[-1] == 1.0 for c in curves)
@@ -123,7 +123,7 @@ def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     assert load_sparse_plan(path) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
     config = OOMBConfig.from_dict({"sparse_plan": str(path), "chunk_size": CHUNK, "page_size": PAGE,
                                    "backend": "torch"})
-    assert config.attention == "sparse" and config.sparse_layer_budgets == plan["oomb"]["sparse_layer_budgets"]
+    assert config.attention == "sparse" and list(config.sparse.layer_budgets) == plan["oomb"]["sparse"]["layer_budgets"]
     model.train()
     loss = oomb.forward_backward(model, ids, config=config)
     assert torch.isfinite(loss)

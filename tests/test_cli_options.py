@@ -84,5 +84,5 @@ def test_train_takes_smollm2_lr_and_device(monkeypatch, tmp_path):
                                            "--sparse-budget", "16"])
     overrides = shortcut_overrides(args)
     assert f'model.path="{tmp_path / "smollm2"}"' in overrides
-    assert {"optim.lr=0.0001", 'train.device="cpu"', "oomb.sparse_budget=16"} <= set(overrides)
+    assert {"optim.lr=0.0001", 'train.device="cpu"', "oomb.sparse.budget=16"} <= set(overrides)
     assert oomb.cli_options.resolve_model("my/model") == "my/model"

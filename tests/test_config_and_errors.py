@@ -26,8 +26,8 @@ def test_default_config_is_valid():
 def test_sparse_config():
     config = OOMBConfig.from_dict({"attention": "sparse", "sparse_budget": 0, "sparse_sink_pages": 0,
                                    "sparse_score": "mean", "sparse_selection": "shared", "sparse_leak_free": True})
-    assert (config.attention, config.sparse_budget, config.sparse_sink_pages) == ("sparse", 0, 0)
-    assert (config.sparse_score, config.sparse_selection, config.sparse_leak_free) == ("mean", "shared", True)
+    assert (config.attention, config.sparse.budget, config.sparse.sink_pages) == ("sparse", 0, 0)
+    assert (config.sparse.score, config.sparse.research.selection, config.sparse.leak_free) == ("mean", "shared", True)
 
 
 def test_chunk_size_must_be_a_multiple_of_page_size():
@@ -51,16 +51,16 @@ def test_sizes_must_be_positive_integers(field, value):
     [
         ({"backend": "cuda"}, r"backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton', 'cudnn'\)"),
         ({"attention": "flash"}, r"attention='flash' is not supported; use one of: \('dense', 'sparse'\)"),
-        ({"sparse_budget": -1}, r"sparse_budget=-1 must be an integer >= 0 \(a number of pages\)"),
-        ({"sparse_budget": 4.0}, r"sparse_budget=4\.0 must be an integer >= 0"),
-        ({"sparse_query_block_pages": 0}, r"sparse_query_block_pages=0 must be an integer >= 1"),
-        ({"sparse_query_block_pages": True}, r"sparse_query_block_pages=True must be an integer >= 1"),
-        ({"sparse_sink_pages": True}, r"sparse_sink_pages=True must be an integer >= 0"),
+        ({"sparse_budget": -1}, r"sparse.budget=-1 must be an integer >= 0 \(a number of pages\)"),
+        ({"sparse_budget": 4.0}, r"sparse.budget=4\.0 must be an integer >= 0"),
+        ({"sparse_query_block_pages": 0}, r"sparse.query_block_pages=0 must be an integer >= 1"),
+        ({"sparse_query_block_pages": True}, r"sparse.query_block_pages=True must be an integer >= 1"),
+        ({"sparse_sink_pages": True}, r"sparse.sink_pages=True must be an integer >= 0"),
         ({"sparse_score": "max"},
-         r"sparse_score='max' is not supported; use one of: \('auto', 'rerank', 'minmax', 'mean', 'exact'\)"),
+         r"sparse.score='max' is not supported; use one of: \('auto', 'rerank', 'minmax', 'mean', 'exact'\)"),
         ({"sparse_selection": "head"},
-         r"sparse_selection='head' is not supported; use one of: \('kv_head', 'shared'\)"),
-        ({"sparse_leak_free": 1}, r"sparse_leak_free=1 must be True or False"),
+         r"sparse.research.selection='head' is not supported; use one of: \('kv_head', 'shared'\)"),
+        ({"sparse_leak_free": 1}, r"sparse.leak_free=1 must be True or False"),
         ({"kv_grad_dtype": "float8"}, r"kv_grad_dtype='float8' is not supported; use one of: .*bf16"),
         ({"kv_grad_dtype": torch.int8}, r"kv_grad_dtype=torch\.int8 is not supported"),
         ({"checkpoint_layers": "yes"}, r"checkpoint_layers='yes' must be True or False"),

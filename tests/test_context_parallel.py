@@ -127,7 +127,8 @@ def test_unsupported_combinations_are_refused(world_results):
         pytest.skip("refusals run in the 2-rank group")
     for rank in ranks:
         messages = rank["refusals"]
-        assert "sparse_score='exact' and sparse_pooling='softmax' is not supported" in messages["exact_softmax"]
+        assert "sparse.score='exact' and sparse.research.pooling='softmax' is not supported" in \
+            messages["exact_softmax"]
 
 
 def test_offload_keeps_each_ranks_pages_in_its_host_memory(world_results):

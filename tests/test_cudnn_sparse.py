@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oomb.attention import cudnn_sparse
+from oomb.config import SparseConfig
 
 
 @pytest.mark.parametrize("n_blocks, group, want", [
@@ -55,8 +56,8 @@ def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch)
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
-                                 sparse_query_block_pages=2)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(budget=2,
+                                                                                                     query_block_pages=2))
         results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
     assert seen and set(seen) == {2}
     torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
@@ -132,9 +133,10 @@ def _documents_case(group: int, seed: int = 0, scale: int = 1, D: int = 16):
     """DOCUMENT_ROWS with every length (pages, chunk, documents) times ``scale``."""
     from test_cudnn_paged import _grouped
 
+    from oomb.config import SparseConfig
     from oomb.documents import resolve_documents
     from oomb.kv import ChunkSpan
-    from oomb.sparse import SparseOptions, block_first_pages, top_pages
+    from oomb.sparse import block_first_pages, top_pages
 
     g = torch.Generator().manual_seed(seed)
     B, Hq, Hkv, P, qs, Lq = len(DOCUMENT_ROWS), 4, 2, 8 * scale, 64 * scale, 40 * scale
@@ -147,7 +149,7 @@ def _documents_case(group: int, seed: int = 0, scale: int = 1, D: int = 16):
                              torch.device("cpu"))
     n_blocks = -(-Lq // P)
     scores = torch.randn(B, Hkv, n_blocks, qs // P, generator=g)
-    options = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    options = SparseConfig(budget=2, sink_pages=1, score="minmax").resolved()
     selection = top_pages(scores, options, first_pages=block_first_pages(docs, ChunkSpan(1, qs, qs + Lq), P))
     return q, k_pool, v_pool, table, qs, _grouped(selection, group), dout, docs
 

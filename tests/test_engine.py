@@ -23,6 +23,7 @@ import oomb
 import oomb.engine
 import oomb.models
 from oomb import OOMBConfig
+from oomb.config import SparseConfig
 from oomb.kv import PagedKVStore
 
 GRAD_RTOL = 1e-5
@@ -312,8 +313,9 @@ def test_kept_attention_outputs_give_the_recomputed_gradients_bitwise(monkeypatc
     monkeypatch.setattr(function, "_attention_forward",
                         lambda q, call: forwards.append(call.chunk.index) or real(q, call))
     for keep in (False, True):
-        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", attention=attention, sparse_budget=1,
-                            checkpoint_layers=checkpoint_layers, keep_attention_outputs=keep)
+        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", attention=attention,
+                            checkpoint_layers=checkpoint_layers, keep_attention_outputs=keep,
+                            sparse=SparseConfig(budget=1))
         forwards.clear()
         model.zero_grad(set_to_none=True)
         results[keep] = (oomb.forward_backward(model, ids, None, config), grads(model))

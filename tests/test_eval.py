@@ -10,7 +10,7 @@ import torch
 from helpers import build_tiny_model, save_tiny_model
 
 from oomb import cli
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig
 from oomb.evaluate import token_logprobs
 from oomb.passkey import ANSWER, NEEDLE, QUESTION, judge_passkey, passkey_prompts
 from oomb.perplexity import PerplexityByPosition, bucket_name, position_buckets
@@ -55,8 +55,10 @@ def test_logprobs_equal_a_full_hf_forward(model_and_reference, offload):
 def test_full_budget_sparse_is_dense_and_small_budget_is_not(model_and_reference):
     model, ids, _, _ = model_and_reference
     dense = token_logprobs(model, ids, config=OOMBConfig(**CONFIG)).logprobs
-    full = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse", sparse_budget=100)).logprobs
-    small = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse", sparse_budget=1)).logprobs
+    full = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse",
+                                                        sparse=SparseConfig(budget=100))).logprobs
+    small = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse",
+                                                         sparse=SparseConfig(budget=1))).logprobs
     assert torch.equal(full.isnan(), dense.isnan()) and torch.equal(full.nan_to_num(), dense.nan_to_num())
     assert torch.equal(small[:, :257].nan_to_num(), dense[:, :257].nan_to_num())  # chunk 0 has no history
     assert not torch.equal(small.nan_to_num(), dense.nan_to_num())

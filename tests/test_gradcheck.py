@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oomb import cli
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig
 from oomb.tools.gradcheck import GradcheckOptions, compare, history_read, is_default_sparse, run_gradcheck
 
 SMALL = ["--seq-len", "1024", "--chunk-size", "256", "--page-size", "32"]
@@ -45,7 +45,7 @@ def test_gradcheck_arms_of_candidate_pooling(tmp_path, monkeypatch):
     seen, propose = set(), oomb.sparse.propose_candidates
 
     def spy(*args, **kwargs):
-        seen.add((args[3].candidate_pooling, args[8] is not None))  # (options, own)
+        seen.add((args[3].research.candidate_pooling, args[8] is not None))  # (options, own)
         return propose(*args, **kwargs)
 
     monkeypatch.setattr(oomb.sparse, "propose_candidates", spy)
@@ -66,7 +66,7 @@ def test_gradcheck_arms_of_the_normaliser_bound(tmp_path, monkeypatch):
     seen, propose = set(), oomb.sparse.propose_candidates
 
     def spy(*args, **kwargs):
-        seen.add((args[3].candidate_pooling, args[3].normaliser_pages))
+        seen.add((args[3].research.candidate_pooling, args[3].research.normaliser_pages))
         return propose(*args, **kwargs)
 
     monkeypatch.setattr(oomb.sparse, "propose_candidates", spy)
@@ -174,7 +174,7 @@ def test_compare_groups_by_layer():
 
 
 def test_history_read():
-    config = OOMBConfig(chunk_size=64, page_size=16, attention="sparse", sparse_budget=1, sparse_sink_pages=1)
+    config = OOMBConfig(chunk_size=64, page_size=16, attention="sparse", sparse=SparseConfig(budget=1, sink_pages=1))
     # Chunks of 4 blocks with 0, 4, 8 history pages: read 0, 2, 2 of them per block.
     assert history_read(192, config) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
     assert history_read(64, config) == 1.0
@@ -194,12 +194,13 @@ def test_gradcheck_reads_curve_marks_the_defaults_and_repeats_after_a_warm_up():
     curve = [r for r in rows if r["target_read"] == 0.25]
     assert curve and all(r["history_read"] >= 0.25 for r in curve)
     # the budget one page smaller reads less than asked: the smallest budget that reaches the share
-    probe = OOMBConfig(attention="sparse", chunk_size=128, page_size=32, sparse_budget=curve[0]["budget"] - 1)
+    probe = OOMBConfig(attention="sparse", chunk_size=128, page_size=32,
+                       sparse=SparseConfig(budget=curve[0]["budget"] - 1))
     assert history_read(512, probe, 2) < 0.25
     # page 32 is not the default page size, so no row runs the defaults; at page 128 the default arm does
     assert not any(r["defaults"] for r in rows)
     assert is_default_sparse(OOMBConfig(attention="sparse", chunk_size=1024))
-    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse_budget=32))
+    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32)))
     shipped = [r["cosine"] for r in rows if r["model_state"] == "as shipped"]
     warmed = [r["cosine"] for r in rows if r["model_state"] != "as shipped"]
     assert shipped != warmed  # the warm-up changed the model the second comparison sees
@@ -219,5 +220,5 @@ def test_default_scores_are_the_default_configs():
     from oomb.cli import build_parser
     from oomb.config import OOMBConfig
 
-    assert GradcheckOptions().scores == [OOMBConfig().resolved_sparse_score]
+    assert GradcheckOptions().scores == [OOMBConfig().sparse.resolved_score]
     assert build_parser().parse_args(["gradcheck"]).scores == GradcheckOptions().scores

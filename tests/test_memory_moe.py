@@ -10,7 +10,7 @@ import transformers as tr
 from torch import nn
 
 from oomb import cli
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig
 from oomb.planning.activations import chunk_activation_bytes, mlp_activation_bytes_per_token
 from oomb.planning.memory import GIB, TrainingSetup, predict
 from oomb.planning.model_shape import ModelShape
@@ -216,13 +216,13 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     block."""
     from dataclasses import replace
 
-    from oomb.planning.memory import OffloadAssumptions, SparseAssumptions, _page_bytes
+    from oomb.planning.memory import OffloadAssumptions, _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
     tokens = 1 << 20
-    no_selection = SparseAssumptions(store_selection=False)  # the summaries alone
-    mixed, plain = (predict("sparse+offload", shape, tokens, sparse=no_selection) for shape in (gemma, all_global))
+    minmax = OOMBConfig(sparse=SparseConfig(score="minmax"))  # two summary vectors per page
+    mixed, plain = (predict("sparse+offload", shape, tokens, minmax) for shape in (gemma, all_global))
     assert mixed.host["KV pages"] < plain.host["KV pages"] and mixed.gpu["KV working set"] == plain.gpu[
         "KV working set"]
     assert mixed.gpu["page summaries"] * 48 == plain.gpu["page summaries"] * 8 > 0  # the 8 global layers'

@@ -13,6 +13,7 @@ from helpers import build_tiny_model, grads, page_locked, random_ids
 import oomb
 import oomb.engine
 import oomb.kv.host_slabs
+from oomb.config import SparseConfig, SparseResearch
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.capacity import PagesDoNotFitError, PageShape, check_pages_fit, page_footprint
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
@@ -249,9 +250,10 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2,
-                           sparse_selection=selection, sparse_query_block_pages=group, sparse_pooling=pooling,
-                           sparse_score=score, sparse_rerank_factor=2, **SPARSE)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2, **SPARSE,
+                           sparse=SparseConfig(query_block_pages=group, score=score,
+                                               research=SparseResearch(selection=selection, pooling=pooling,
+                                                                       rerank_factor=2)))
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
     offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
@@ -298,8 +300,9 @@ def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, o
     scored = _record_calls(monkeypatch, head_rows.HeadRowStaging, "scoring_head_rows", 3)  # candidates
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 200, seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
-                           sparse_score=score, sparse_rerank_factor=2, offload_resident_layers=resident, **SPARSE)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload_resident_layers=resident, **SPARSE,
+                           sparse=SparseConfig(query_block_pages=4, score=score,
+                                               research=SparseResearch(rerank_factor=2)))
     _assert_offload_is_bitwise_the_same(model, ids, base)
     assert True in calls and False in calls  # backward and forward calls staged by head rows
     assert bool(scored) == (score == "rerank")  # rerank's candidate keys too
@@ -317,8 +320,9 @@ def test_leak_free_candidates_move_in_place_by_default(batch, offload_stores, mo
     in_place = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)
     rows = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)
     model = build_tiny_model("qwen2", seed=4)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=4,
-                           sparse_score="rerank", sparse_rerank_factor=2, sparse_leak_free=True, **SPARSE)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", **SPARSE,
+                           sparse=SparseConfig(query_block_pages=4, score="rerank", leak_free=True,
+                                               research=SparseResearch(rerank_factor=2)))
     _assert_offload_is_bitwise_the_same(model, random_ids(batch, 200, seed=3), base)
     assert in_place and all(pages.shape[0] == batch for pages in in_place)  # the candidates' keys
     assert rows  # the selections themselves: (page, head) rows
@@ -337,7 +341,8 @@ def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, m
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", sparse_query_block_pages=group, **SPARSE)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", **SPARSE,
+                           sparse=SparseConfig(query_block_pages=group))
     _assert_offload_is_bitwise_the_same(model, ids, base)
 
 
@@ -346,8 +351,8 @@ def test_query_groups_stage_fewer_pages(offload_stores):
     model = build_tiny_model("qwen2", seed=4)
     staged = {}
     for group in (1, 4):  # 4 query blocks per chunk: one selection per chunk
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True,
-                                 sparse_query_block_pages=group, **SPARSE)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, **SPARSE,
+                                 sparse=SparseConfig(query_block_pages=group))
         offload_stores.clear()
         oomb.forward_backward(model, random_ids(1, 200, seed=12), None, config, host_slabs=HostSlabs(pin=False))
         staged[group] = sum(store.staged_history_pages for store in offload_stores)
@@ -571,8 +576,8 @@ def test_gpu_sparse_offload_by_head_rows_equals_no_offload_bitwise(offload_store
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=3).to("cuda", torch.bfloat16)
-    sparse = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, sparse_query_block_pages=4,
-                             backend="triton", **SPARSE)
+    sparse = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, backend="triton", **SPARSE,
+                             sparse=SparseConfig(query_block_pages=4))
     lengths = (1500, 2100)
     want = _steps(model, sparse, lengths)
     got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, HostSlabs())

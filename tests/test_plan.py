@@ -8,11 +8,10 @@ import torch
 from transformers import Qwen2Config
 
 from oomb import cli
-from oomb.config import ATTENTION_MODES, OOMBConfig
+from oomb.config import ATTENTION_MODES, OOMBConfig, SparseConfig
 from oomb.planning.memory import (
     GIB,
     MODES,
-    SparseAssumptions,
     TrainingSetup,
     estimate_step_memory,
     predict,
@@ -33,6 +32,8 @@ KIB = 1024
 QWEN7B = load_model_shape("qwen2.5-7b")
 BENCH = TrainingSetup(torch.bfloat16, 1, "none")  # the standard workload: no optimizer
 BENCH_CONFIG = OOMBConfig(fp32_grad_accumulation=False)
+MINMAX_CONFIG = OOMBConfig(fp32_grad_accumulation=False, sparse=SparseConfig(score="minmax"))
+"""Sparse modes sized for minmax's two summary vectors per page (the default rerank keeps three)."""
 
 
 def test_presets_have_the_documented_shapes():
@@ -126,9 +127,10 @@ def test_terms_follow_the_options():
     lora = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(lora_rank=16))
     assert lora.gpu["param grads"] == 4 * QWEN7B.lora_params(16) < base.gpu["param grads"] / 50
     assert lora.gpu["fp32 grad sums"] == 0  # LoRA adapters are fp32 already
-    sparse = predict("sparse", QWEN7B, 65536, BENCH_CONFIG, BENCH, sparse=SparseAssumptions(store_selection=False))
+    sparse = predict("sparse", QWEN7B, 65536, MINMAX_CONFIG, BENCH)
     pages = 65536 // 128
-    assert sparse.gpu["page summaries"] == 28 * pages * 2 * 4 * 128 * 2  # min/max key per page, head, layer
+    selections = 28 * pages * 4 * 65 * 4  # int32 page ids per query block (page), layer and KV head
+    assert sparse.gpu["page summaries"] == 28 * pages * 2 * 4 * 128 * 2 + selections  # min/max key, head, layer
 
 
 def test_offload_keeps_gpu_memory_flat():
@@ -137,7 +139,8 @@ def test_offload_keeps_gpu_memory_flat():
     assert large.host_total > 30 * small.host_total - 30 * 2 * GIB
     # Sparse + offload stages the union of a chunk's selections: at most 32 blocks x 4 KV heads x 65
     # pages, reached by about 1.04M tokens; beyond, only the summaries grow.
-    sparse_small, sparse_large = (predict("sparse+offload", QWEN7B, t, BENCH_CONFIG, BENCH) for t in (1 << 21, 1 << 22))
+    sparse_small, sparse_large = (predict("sparse+offload", QWEN7B, t, MINMAX_CONFIG, BENCH)
+                                  for t in (1 << 21, 1 << 22))
     growth_per_10k = (sparse_large.gpu_total - sparse_small.gpu_total) / ((1 << 22) - (1 << 21)) * 10_000
     # Only the page summaries: 28 layers x 2 vectors x 4 KV heads x 128 x 2 bytes per 128-token page
     # (the selections wait on the host), under issue 5's 5 MB per 10K tokens.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import pytest
 import torch
-from helpers import build_tiny_model, grads, random_ids, relative_error, visible_from_selections
+from helpers import build_tiny_model, grads, random_ids, relative_error, sparse_replace, visible_from_selections
 from transformers import AttentionInterface
 
 import oomb
@@ -17,18 +17,20 @@ import oomb.engine
 import oomb.models
 from oomb import OOMBConfig
 from oomb.attention import reference, reference_sparse
+from oomb.config import SparseConfig, SparseResearch
 from oomb.evaluate import forward_hidden
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.summaries import summarize_pages
-from oomb.sparse import SparseOptions, block_scores, exact_block_scores, group_scores, select_pages, top_pages
+from oomb.sparse import block_scores, exact_block_scores, group_scores, page_summaries, select_pages, top_pages
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_RTOL = 1e-5
 
 
-def _options(**changes) -> SparseOptions:
-    base = dict(budget=3, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
-    return SparseOptions(**{**base, **changes})
+def _options(**changes) -> SparseConfig:
+    research = {k: changes.pop(k) for k in list(changes) if k in {f.name for f in fields(SparseResearch)}}
+    base = dict(budget=3, sink_pages=1, score="minmax", leak_free=False)
+    return SparseConfig(**{**base, **changes}, research=SparseResearch(**research)).resolved()
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ def _scoring(seed=0, B=2, Hkv=2, G=3, Lq=10, D=8, P=4, n_hist=9) -> Scoring:
     return Scoring(torch.randn(B, Hkv * G, Lq, D, generator=g), keys, summaries, P)
 
 
-def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
+def _brute_force_scores(s: Scoring, options: SparseConfig) -> torch.Tensor:
     """(B, Hkv, n_blocks, n_hist) by the definitions, one (block, page) pair at a time."""
     B, Hq, Lq, D = s.q.shape
     n_hist, Hkv = s.keys.shape[1], s.keys.shape[2]
@@ -102,7 +104,7 @@ def _brute_force_scores(s: Scoring, options: SparseOptions) -> torch.Tensor:
                     else:
                         per_row = rows @ s.summaries["key_mean"][b, p, h]
                     out[b, h, j, p] = per_row.max()
-    if options.selection == "shared":
+    if options.research.selection == "shared":
         out = out.amax(1, keepdim=True).expand_as(out)
     return out
 
@@ -160,7 +162,7 @@ def test_gpu_low_precision_scores_equal_float32_scores_up_to_summation_order(sco
     s = _scoring(B=1, Hkv=4, G=7, Lq=300, D=128, P=128, n_hist=50)
     q = s.q.to("cuda", torch.bfloat16)
     summaries = {name: t.to("cuda", torch.bfloat16) for name, t in s.summaries.items()}
-    options = SparseOptions(4, 1, score, "kv_head", False)
+    options = SparseConfig(budget=4, sink_pages=1, score=score).resolved()
     fast = block_scores(q, summaries, s.page, options)
     exact = block_scores(q.float(), {name: t.float() for name, t in summaries.items()}, s.page, options)
     torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-4)
@@ -382,21 +384,21 @@ def test_exact_scores_refuse_offload_and_leak_free():
     """exact scores a block with its own queries (no leak-free variant) and reads every history key from
     the GPU (no offload); rerank takes both (its candidates' keys are staged with offload)."""
     for bad in (dict(offload=True), dict(sparse_leak_free=True)):
-        with pytest.raises(ValueError, match="sparse_score='exact'"):
-            OOMBConfig(attention="sparse", sparse_score="exact", **bad)
-    OOMBConfig(attention="sparse", sparse_score="rerank", offload=True, sparse_leak_free=True)
-    with pytest.raises(ValueError, match="sparse_rerank_factor"):
-        OOMBConfig(attention="sparse", sparse_score="rerank", sparse_rerank_factor=0)
-    with pytest.raises(ValueError, match="sparse_pooling='softmax' does not apply"):
-        OOMBConfig(attention="sparse", sparse_score="rerank", sparse_pooling="softmax")
+        with pytest.raises(ValueError, match="sparse.score='exact'"):
+            OOMBConfig(attention="sparse", **bad, sparse=SparseConfig(score="exact"))
+    OOMBConfig(attention="sparse", offload=True, sparse=SparseConfig(score="rerank", leak_free=True))
+    with pytest.raises(ValueError, match="sparse.research.rerank_factor"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(score="rerank", research=SparseResearch(rerank_factor=0)))
+    with pytest.raises(ValueError, match="sparse.research.pooling='softmax' does not apply"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(score="rerank", research=SparseResearch(pooling="softmax")))
 
 
 def test_auto_score_is_rerank_unless_another_pooling():
-    assert OOMBConfig(attention="sparse").resolved_sparse_score == "rerank"
-    assert OOMBConfig(attention="sparse", sparse_leak_free=True).resolved_sparse_score == "rerank"
-    assert OOMBConfig(attention="sparse", sparse_pooling="softmax_max").resolved_sparse_score == "minmax"
-    assert OOMBConfig(attention="sparse", sparse_score="mean").resolved_sparse_score == "mean"
-    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).score == "rerank"
+    assert OOMBConfig(attention="sparse").sparse.resolved_score == "rerank"
+    assert OOMBConfig(attention="sparse", sparse=SparseConfig(leak_free=True)).sparse.resolved_score == "rerank"
+    assert SparseConfig(research=SparseResearch(pooling="softmax_max")).resolved_score == "minmax"
+    assert OOMBConfig(attention="sparse", sparse=SparseConfig(score="mean")).sparse.resolved_score == "mean"
+    assert (OOMBConfig(attention="sparse")).resolved_sparse().score == "rerank"
 
 
 def _filled_store(B, Hkv, D, P, spans, seed, summaries=("key_min", "key_max")):
@@ -515,15 +517,15 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
     store, gen = _filled_store(B, Hkv, D, P, spans, seed=9, summaries=("key_mean",))
     q = torch.randn(B, Hkv * G, length, D, generator=gen)
     options = _options(score="rerank", budget=1, rerank_factor=2, rerank_candidates="mean", candidate_pooling="max")
-    assert options.summaries == ("key_mean",)
+    assert page_summaries(options) == ("key_mean",)
     mean = block_scores(q, store.history_summaries(0, n_hist), P, _options(score="mean"))
     candidates = top_pages(mean, oomb.sparse.candidate_options(options, 0))
     scores = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, spans[1], candidates, options)
     assert torch.equal(select_pages(q, store, 0, spans[1], options), top_pages(scores, options))
-    config = OOMBConfig(attention="sparse", sparse_rerank_candidates="mean")
-    assert SparseOptions.from_config(config).summaries == ("key_mean",)
-    with pytest.raises(ValueError, match="sparse_rerank_candidates='median'"):
-        OOMBConfig(attention="sparse", sparse_rerank_candidates="median")
+    config = OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(rerank_candidates="mean")))
+    assert page_summaries(config.resolved_sparse()) == ("key_mean",)
+    with pytest.raises(ValueError, match="sparse.research.rerank_candidates='median'"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(rerank_candidates="median")))
     store.free_all()
 
 
@@ -557,26 +559,29 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     q[:, 0, 0] *= 30  # one loud row
     summaries = store.history_summaries(0, n_hist)
     options = _options(score="rerank", budget=2, rerank_factor=2, rerank_candidates="minmax", candidate_pooling="max")
-    pooled = replace(options, candidate_pooling="softmax_max")
+    pooled = replace(options, research=replace(options.research, candidate_pooling="softmax_max"))
     scale = D ** -0.5
     rows = q.reshape(B, Hkv, G, length, D)
     keys = torch.cat([summaries["key_max"], summaries["key_min"]], dim=-1)[:, :, 0]  # (B, n_hist, 2D)
     s = torch.cat([rows.clamp(min=0), rows.clamp(max=0)], dim=-1) @ keys.transpose(-1, -2)[:, None, None] * scale
     want = (s - s.logsumexp(dim=-1, keepdim=True)).amax(dim=(2, 3))[:, :, None]  # (B, Hkv, 1 block, n_hist)
-    torch.testing.assert_close(block_scores(q, summaries, P, replace(_options(), pooling="softmax_max"), scale), want)
+    softmax_max = sparse_replace(_options(), pooling="softmax_max")
+    torch.testing.assert_close(block_scores(q, summaries, P, softmax_max, scale), want)
     got = oomb.sparse.propose_candidates(q, summaries, P, pooled, 0, scale)
     assert torch.equal(got, top_pages(want, oomb.sparse.candidate_options(options, 0)))
     assert not torch.equal(got, oomb.sparse.propose_candidates(q, summaries, P, options, 0, scale))
-    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max")
-    assert SparseOptions.from_config(config).candidate_pooling == "softmax_max"
-    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).candidate_pooling == "softmax_max"  # "auto"
-    assert OOMBConfig(attention="sparse", sparse_score="minmax").resolved_sparse_candidate_pooling == "max"
-    assert SparseOptions.from_config(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")).candidate_pooling \
-        == "max"
-    with pytest.raises(ValueError, match="sparse_candidate_pooling='softmax'"):
-        OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax")
-    with pytest.raises(ValueError, match="does not apply to sparse_score='minmax'"):
-        OOMBConfig(attention="sparse", sparse_score="minmax", sparse_candidate_pooling="softmax_max")
+    config = OOMBConfig(attention="sparse",
+                        sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max")))
+    assert (config).resolved_sparse().research.candidate_pooling == "softmax_max"
+    assert (OOMBConfig(attention="sparse")).resolved_sparse().research.candidate_pooling == "softmax_max"  # "auto"
+    assert OOMBConfig(attention="sparse",
+                      sparse=SparseConfig(score="minmax")).sparse.resolved_candidate_pooling == "max"
+    assert SparseConfig(research=SparseResearch(candidate_pooling="max")).resolved().research.candidate_pooling == "max"
+    with pytest.raises(ValueError, match="sparse.research.candidate_pooling='softmax'"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax")))
+    with pytest.raises(ValueError, match="does not apply to sparse.score='minmax'"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(score="minmax",
+                                                           research=SparseResearch(candidate_pooling="softmax_max")))
     store.free_all()
 
 
@@ -601,7 +606,7 @@ def test_bounded_normaliser_counts_the_sinks_the_last_pages_and_the_own_pages(n_
         seen = counted + [n_hist + i for i in range(j + 1)]
         lse = s[..., seen].logsumexp(dim=-1, keepdim=True)
         want[:, 0, j] = (s[..., :n_hist] - lse).amax(dim=(1, 2))
-    bounded = replace(options, normaliser_pages=bound)
+    bounded = replace(options, research=replace(options.research, normaliser_pages=bound))
     got = block_scores(q, history, P, bounded, scale, own=own)
     torch.testing.assert_close(got, want)
     full = block_scores(q, history, P, options, scale, own=own)
@@ -611,26 +616,34 @@ def test_bounded_normaliser_counts_the_sinks_the_last_pages_and_the_own_pages(n_
 
 
 def test_bounded_normaliser_config():
-    """OOMBConfig.sparse_normaliser_pages reaches SparseOptions; "auto" (the default) is 256 where a
+    """OOMBConfig.sparse_normaliser_pages reaches SparseConfig; "auto" (the default) is 256 where a
     softmax_max normaliser runs and None elsewhere; a number needs a softmax_max pooling and is positive."""
-    config = OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=100)
-    assert SparseOptions.from_config(config).normaliser_pages == 100
-    assert SparseOptions.from_config(OOMBConfig(attention="sparse")).normaliser_pages == 256
-    full = OOMBConfig(attention="sparse", sparse_normaliser_pages=None)  # every history page
-    assert SparseOptions.from_config(full).normaliser_pages is None
+    config = OOMBConfig(attention="sparse",
+                        sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max",
+                                                                    normaliser_pages=100)))
+    assert (config).resolved_sparse().research.normaliser_pages == 100
+    assert (OOMBConfig(attention="sparse")).resolved_sparse().research.normaliser_pages == 256
+    full = OOMBConfig(attention="sparse",
+                      sparse=SparseConfig(research=SparseResearch(normaliser_pages=None)))  # every history page
+    assert (full).resolved_sparse().research.normaliser_pages is None
     for no_normaliser in (dict(sparse_candidate_pooling="max"), dict(sparse_score="minmax"),
                           dict(sparse_score="exact", sparse_pooling="softmax_max")):
-        assert SparseOptions.from_config(OOMBConfig(attention="sparse", **no_normaliser)).normaliser_pages is None
+        assert (OOMBConfig(attention="sparse", **no_normaliser)).resolved_sparse().research.normaliser_pages is None
     with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
-        OOMBConfig(attention="sparse", sparse_candidate_pooling="max", sparse_normaliser_pages=256)
+        OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="max",
+                                                                                   normaliser_pages=256)))
     with pytest.raises(ValueError, match="got score 'exact'"):  # the exact score reads no summaries
-        OOMBConfig(attention="sparse", sparse_score="exact", sparse_pooling="softmax_max", sparse_normaliser_pages=4)
-    minmax = OOMBConfig(attention="sparse", sparse_score="minmax", sparse_pooling="softmax_max",
-                        sparse_normaliser_pages=4)
-    assert SparseOptions.from_config(minmax).normaliser_pages == 4
+        OOMBConfig(attention="sparse", sparse=SparseConfig(score="exact",
+                                                           research=SparseResearch(pooling="softmax_max",
+                                                                                   normaliser_pages=4)))
+    minmax = OOMBConfig(attention="sparse", sparse=SparseConfig(score="minmax",
+                                                                research=SparseResearch(pooling="softmax_max",
+                                                                                        normaliser_pages=4)))
+    assert (minmax).resolved_sparse().research.normaliser_pages == 4
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="positive number of pages"):
-            OOMBConfig(attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=bad)
+            OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max",
+                                                                                       normaliser_pages=bad)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1002,8 +1015,8 @@ def test_read_share_grows_the_budget_with_the_history_in_steps():
     assert _options(budget=4).budget_of(0, 1000) == 4
     wanted = oomb.sparse.candidate_options(_options(budget=4, read_share=0.25, rerank_factor=4), 0, 1000)
     assert wanted.budget == 4 * 256 and wanted.read_share is None
-    with pytest.raises(ValueError, match="sparse_read_share=1.5 must be a share"):
-        OOMBConfig(attention="sparse", sparse_read_share=1.5)
+    with pytest.raises(ValueError, match="sparse.read_share=1.5 must be a share"):
+        OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=1.5))
 
 
 def test_a_full_read_share_is_dense_and_a_partial_one_reads_more_than_its_floor():

@@ -17,10 +17,11 @@ from transformers import AttentionInterface
 
 import oomb
 from oomb import OOMBConfig
+from oomb.config import SparseConfig
 from oomb.documents import resolve_documents
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
-from oomb.sparse import SparseOptions, block_first_pages, top_pages
+from oomb.sparse import block_first_pages, top_pages
 
 TOKENS, CHUNK, PAGE = 200, 32, 8
 # Documents start mid-page and mid-chunk; one spans four chunks; a one-token document.
@@ -28,8 +29,8 @@ LENGTHS = [13, 1, 70, 44, 72]
 LENGTHS_2 = [100, 9, 91]
 GRAD_RTOL = 1e-5
 ORACLE = "oomb_test_sparse_documents_oracle"
-CONFIG = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse", sparse_budget=2,
-                    sparse_sink_pages=1)
+CONFIG = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse",
+                    sparse=SparseConfig(budget=2, sink_pages=1))
 
 
 def _cu(lengths):
@@ -114,7 +115,7 @@ def test_blocks_select_within_their_document_and_sink_at_its_first_page():
     scores[..., :5] = 100.0  # earlier documents' pages score best
     scores[..., 9] = 50.0
     first_pages = torch.tensor([[6, 6, 11]])  # blocks 0, 1 in a document from page 6; block 2 from page 11
-    options = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+    options = SparseConfig(budget=2, sink_pages=1, score="minmax").resolved()
     selection = top_pages(scores, options, first_pages=first_pages)
     assert selection.shape == (B, Hkv, n_blocks, 3)
     for h in range(Hkv):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig
 from oomb.sparse_fidelity import FidelityPoint, budget_for_read, describe, history_read, nearest
 
 
@@ -19,8 +19,8 @@ def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
 def test_budget_for_read_is_the_smallest_budget_reaching_the_share():
     config = OOMBConfig(attention="sparse")
     budget = budget_for_read(131072, config, 0.25)
-    assert history_read(131072, OOMBConfig(attention="sparse", sparse_budget=budget), 1) >= 0.25
-    assert history_read(131072, OOMBConfig(attention="sparse", sparse_budget=budget - 1), 1) < 0.25
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget)), 1) >= 0.25
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget - 1)), 1) < 0.25
     assert budget_for_read(8192, config, 1.0) <= 8192 // 128
 
 
@@ -39,12 +39,11 @@ def test_describe_states_the_share_and_the_measurement():
 
 
 def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
-    from oomb.planning.memory import SparseAssumptions
+    from oomb.planning.memory import sparse_pages_read
 
-    fixed = SparseAssumptions.from_config(OOMBConfig(attention="sparse"))
-    grown = SparseAssumptions.from_config(OOMBConfig(attention="sparse", sparse_read_share=0.25))
-    assert fixed.pages_read(1 << 20, 128) == 65
-    assert grown.pages_read(1 << 20, 128) == 1 + 2048  # a quarter of 8,192 pages
-    assert grown.pages_read(8192, 128) == 65  # the budget is the floor while the history is short
-    read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse_read_share=0.25))
+    fixed, grown = SparseConfig(), SparseConfig(read_share=0.25)
+    assert sparse_pages_read(fixed, 1 << 20, 128) == 65
+    assert sparse_pages_read(grown, 1 << 20, 128) == 1 + 2048  # a quarter of 8,192 pages
+    assert sparse_pages_read(grown, 8192, 128) == 65  # the budget is the floor while the history is short
+    read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=0.25)))
     assert 0.25 <= read < 0.27

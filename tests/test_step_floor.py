@@ -13,7 +13,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig, SparseResearch
 from oomb.planning.model_shape import ModelShape
 from oomb.planning.step_work import (
     H200,
@@ -100,11 +100,13 @@ def test_scoring_by_hand():
     # a bounded normaliser (sparse_normaliser_pages): the sink and the last page of the 4
     bounded = dataclasses.replace(pooled, sparse_normaliser_pages=1)
     assert scoring_work(bounded).matmul_flops == 2 * 256 * 12 * (4 + 2 + 4)
-    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
-        attention="sparse", sparse_candidate_pooling="softmax_max", sparse_normaliser_pages=7)
-    ).sparse_normaliser_pages == 7
-    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(
-        attention="sparse", sparse_candidate_pooling="softmax_max")).sparse_candidate_pooling == "softmax_max"
+    softmax_max = SparseResearch(candidate_pooling="softmax_max")
+    pooled = SparseConfig(research=softmax_max)
+    bounded = dataclasses.replace(softmax_max, normaliser_pages=7)
+    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse", sparse=SparseConfig(research=bounded))
+                                ).sparse_normaliser_pages == 7
+    assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse", sparse=pooled)
+                                ).sparse_candidate_pooling == "softmax_max"
     default = StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse"))  # "auto": softmax_max, 256
     assert (default.sparse_candidate_pooling, default.sparse_normaliser_pages) == ("softmax_max", 256)
     assert scoring_work(default) == scoring_work(dataclasses.replace(default, sparse_normaliser_pages=None))
@@ -150,10 +152,11 @@ def test_issue_estimate_for_the_7b_shape_at_1m():
 
 def test_spec_from_config():
     shape = load_model_shape("qwen2.5-7b")
-    config = OOMBConfig(attention="sparse", sparse_budget=32, checkpoint_layers=False, kv_grad_dtype="bfloat16")
+    config = OOMBConfig(attention="sparse", checkpoint_layers=False, kv_grad_dtype="bfloat16",
+                        sparse=SparseConfig(budget=32))
     spec = StepSpec.from_config(shape, 65536, config)
     assert (spec.mode, spec.sparse_budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
-    assert spec.sparse_score == config.resolved_sparse_score
+    assert spec.sparse_score == config.sparse.resolved_score
     assert StepSpec.from_config(shape, 65536, None).mode == "hf"
     assert StepSpec.from_config(shape, 65536, dataclasses.replace(config, keep_attention_outputs=True)) \
         .keep_attention_outputs and not spec.keep_attention_outputs
@@ -272,7 +275,7 @@ def _tiny_config():
 
 
 def _quick_config() -> OOMBConfig:
-    return OOMBConfig(attention="sparse", chunk_size=256, page_size=64, sparse_budget=1)
+    return OOMBConfig(attention="sparse", chunk_size=256, page_size=64, sparse=SparseConfig(budget=1))
 
 
 def test_profile_of_the_first_layers_only(tmp_path, monkeypatch):

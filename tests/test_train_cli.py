@@ -14,7 +14,7 @@ from helpers import build_tiny_model
 import oomb
 import oomb.training.trainer
 from oomb.cli import main as cli_main
-from oomb.config import OOMBConfig
+from oomb.config import OOMBConfig, SparseConfig, SparseResearch
 from oomb.training.config import SECTIONS, TrainerConfig
 from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
 
@@ -114,9 +114,10 @@ def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
     assert yaml.safe_load(out) == config.to_dict()
     oomb_lines = out.split("\noomb:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     annotated = {line.split(":")[0].strip(): line.split("# here: ")[1] for line in oomb_lines if "# here: " in line}
-    assert set(config.oomb_auto) <= set(annotated) and "chunk_size" not in annotated  # set by the flag: as given
+    leaves = {key.rsplit(".", 1)[-1] for key in config.oomb_auto}
+    assert leaves <= set(annotated) and "chunk_size" not in annotated  # set by the flag: as given
     assert annotated["backend"] == "torch" and annotated["offload"] == "false"  # a CPU
-    assert annotated["sparse_score"] == config.oomb.resolved_sparse_score
+    assert annotated["score"] == config.oomb.sparse.resolved_score
     assert "# configuration: pages in host memory" in out and "chunk 2048" in out and "#   why: " in out
 
     assert cli_main([*args, "--no-auto-config"]) == 0  # nothing left to the chooser: no plan
@@ -233,10 +234,12 @@ def test_header_names_how_rerank_ranks_its_candidates():
     from oomb.training.cli import _candidates
 
     assert _candidates(OOMBConfig(attention="sparse")) == " with softmax_max candidates (normaliser: last 256 pages)"
-    assert _candidates(OOMBConfig(attention="sparse", sparse_normaliser_pages=None)) == \
+    assert _candidates(OOMBConfig(attention="sparse",
+                                  sparse=SparseConfig(research=SparseResearch(normaliser_pages=None)))) == \
         " with softmax_max candidates (normaliser: every page)"
-    assert _candidates(OOMBConfig(attention="sparse", sparse_candidate_pooling="max")) == " with max candidates"
-    assert _candidates(OOMBConfig(attention="sparse", sparse_score="minmax")) == ""
+    max_pooled = SparseConfig(research=SparseResearch(candidate_pooling="max"))
+    assert _candidates(OOMBConfig(attention="sparse", sparse=max_pooled)) == " with max candidates"
+    assert _candidates(OOMBConfig(attention="sparse", sparse=SparseConfig(score="minmax"))) == ""
 
 
 @pytest.mark.parametrize(("first", "steady", "words"), [

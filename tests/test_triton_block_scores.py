@@ -7,15 +7,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import sparse_replace
 
 from oomb.kv.summaries import summarize_pages
-from oomb.sparse import SparseOptions, block_scores
+from oomb.sparse import SparseConfig, block_scores
 
 triton_block_scores = pytest.importorskip("oomb.attention.triton_block_scores")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OPTIONS = SparseOptions(budget=2, sink_pages=1, score="minmax", selection="kv_head", leak_free=False)
+OPTIONS = SparseConfig(budget=2, sink_pages=1, score="minmax").resolved()
 
 
 def _queries_and_summaries(B, Hkv, G, D, P, n_hist, length, dtype, seed=0):
@@ -47,7 +48,7 @@ def test_kernel_in_bf16_and_shared_selection(score):
     CPU the interpreter upcasts the tiles: tests/test_compile_for_hopper.py compiles the bf16 kernel.)"""
     B, Hkv, G, D, P = 1, 2, 2, 32, 16
     q, summaries = _queries_and_summaries(B, Hkv, G, D, P, 7, 40, torch.bfloat16, seed=1)
-    options = replace(OPTIONS, selection="shared", score=score)
+    options = sparse_replace(OPTIONS, selection="shared", score=score)
     want = block_scores(q, summaries, P, options, kernel=False)
     got = block_scores(q, summaries, P, options, kernel=True)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
@@ -68,7 +69,7 @@ def test_kernel_normalised_over_the_history_matches_the_reference(score, length,
     q, pages = _queries_and_summaries(B, Hkv, G, D, P, n_hist + n_own, length, dtype, seed=3)
     summaries = {name: s[:, :n_hist] for name, s in pages.items()}
     own = {name: s[:, n_hist:] for name, s in pages.items()}
-    options = replace(OPTIONS, score=score, pooling="softmax_max")
+    options = sparse_replace(OPTIONS, score=score, pooling="softmax_max")
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     for chunk_pages in (None, own):  # the history alone; with the chunk's own pages up to each block
         want = block_scores(q, summaries, P, options, scale=0.3, own=chunk_pages, kernel=False)
@@ -91,11 +92,12 @@ def test_kernel_bounded_normaliser_matches_the_reference(score, n_hist, bound, s
     q, pages = _queries_and_summaries(B, Hkv, G, D, P, n_hist + n_own, length, torch.float32, seed=5)
     summaries = {name: s[:, :n_hist] for name, s in pages.items()}
     own = {name: s[:, n_hist:] for name, s in pages.items()}
-    options = replace(OPTIONS, score=score, pooling="softmax_max", sink_pages=sinks, normaliser_pages=bound)
+    options = sparse_replace(OPTIONS, score=score, pooling="softmax_max", sink_pages=sinks, normaliser_pages=bound)
     want = block_scores(q, summaries, P, options, scale=0.3, own=own, kernel=False)
     got = block_scores(q, summaries, P, options, scale=0.3, own=own, kernel=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    full = block_scores(q, summaries, P, replace(options, normaliser_pages=None), scale=0.3, own=own, kernel=True)
+    every_page = sparse_replace(options, normaliser_pages=None)
+    full = block_scores(q, summaries, P, every_page, scale=0.3, own=own, kernel=True)
     assert torch.equal(got, full) == (n_hist <= sinks + bound)
     with pytest.raises(ValueError, match="normaliser_span"):
         triton_block_scores.summary_block_scores(q, pages, P, score, 0.3, n_own, (3, 3))
@@ -103,7 +105,7 @@ def test_kernel_bounded_normaliser_matches_the_reference(score, n_hist, bound, s
 
 def test_kernel_refuses_what_it_does_not_score():
     q, summaries = _queries_and_summaries(1, 1, 2, 16, 16, 3, 16, torch.float32)
-    for options in (replace(OPTIONS, pooling="softmax"), replace(OPTIONS, leak_free=True)):
+    for options in (sparse_replace(OPTIONS, pooling="softmax"), replace(OPTIONS, leak_free=True)):
         with pytest.raises(ValueError, match="block-score kernel"):
             block_scores(q, summaries, 16, options, kernel=True)
     with pytest.raises(ValueError, match="'minmax' or 'mean'"):

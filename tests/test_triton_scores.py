@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from oomb.kv import ChunkSpan, PagedKVStore
-from oomb.sparse import SparseOptions, exact_block_scores
+from oomb.sparse import SparseConfig, exact_block_scores
 
 triton_scores = pytest.importorskip("oomb.attention.triton_scores")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OPTIONS = SparseOptions(budget=2, sink_pages=1, score="exact", selection="kv_head", leak_free=False)
+OPTIONS = SparseConfig(budget=2, sink_pages=1, score="exact").resolved()
 
 
 def _store_and_queries(B, Hkv, G, D, P, history, length, dtype, seed=0):
@@ -83,7 +83,7 @@ def test_listed_pages_kernel_matches_the_rerank_reference(length, P, row_stride)
     candidates = torch.stack([torch.randperm(5, generator=gen)[:3].sort().values
                               for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 3)
     candidates = candidates.to(DEVICE, torch.int32)
-    options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=False)
+    options = SparseConfig(budget=1, sink_pages=1, score="rerank").resolved()
     from oomb.sparse import rerank_block_scores
 
     args = (q, store.layers[0].k, store.page_table, chunk, candidates, options)
@@ -113,7 +113,7 @@ def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, m
                               for _ in range(B * Hkv * n_blocks)]).reshape(B, Hkv, n_blocks, 3)
     candidates = candidates.to(DEVICE, torch.int32)
     previous = torch.randn(B, Hkv * G, P, D, generator=gen).to(DEVICE) if with_previous else None
-    options = SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head", leak_free=True)
+    options = SparseConfig(budget=1, sink_pages=1, score="rerank", leak_free=True).resolved()
     from oomb.sparse import rerank_block_scores
 
     args = (q, store.layers[0].k, store.page_table, chunk, candidates, options)
@@ -124,8 +124,7 @@ def test_leak_free_listed_pages_kernel_matches_the_reference(with_previous, P, m
     monkeypatch.setattr(triton_scores, "SCRATCH_ELEMENTS", B * Hkv * 3 * 128)  # one block per launch
     assert torch.equal(rerank_block_scores(*args, kernel=True, previous=previous), got)
     leaky = rerank_block_scores(q, store.layers[0].k, store.page_table, chunk, candidates,
-                                SparseOptions(budget=1, sink_pages=1, score="rerank", selection="kv_head",
-                                              leak_free=False), kernel=True)
+                                SparseConfig(budget=1, sink_pages=1, score="rerank").resolved(), kernel=True)
     assert not torch.equal(got, leaky)
     with pytest.raises(ValueError, match="row_stride must be 1"):
         rerank_block_scores(*args, kernel=False, previous=previous, row_stride=2)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from oomb.attention import reference_sparse
+from oomb.config import SparseConfig
 
 triton_sparse = pytest.importorskip("oomb.attention.triton_sparse")
 
@@ -228,8 +229,9 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(query_block_pa
     results = {}
     for backend in ("torch", "triton"):
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=24, page_size=8, backend=backend, attention="sparse", sparse_budget=1,
-                                 checkpoint_layers=False, sparse_query_block_pages=query_block_pages)
+        config = oomb.OOMBConfig(chunk_size=24, page_size=8, backend=backend, attention="sparse",
+                                 checkpoint_layers=False, sparse=SparseConfig(budget=1,
+                                                                              query_block_pages=query_block_pages))
         results[backend] = (oomb.forward_backward(model, ids, None, config), grads(model))
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["triton"][1], results["torch"][1]) <= 1e-5

@@ -36,9 +36,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
+from ..config import SparseConfig
 from ..documents import Documents
 from ..kv import ChunkSpan, PagedKVStore
-from ..sparse import SparseOptions, select_pages
+from ..sparse import select_pages
 from .backend import AttentionBackend
 from .context_sparse import KeyShare
 from .reference import merge_window
@@ -56,7 +57,7 @@ class PagedAttentionCall:
     chunk: ChunkSpan
     backend: AttentionBackend
     scale: float
-    sparse: SparseOptions | None = None
+    sparse: SparseConfig | None = None
     """Sparse mode's options (None: dense). Stage 1 uses them to select pages."""
     selection: torch.Tensor | None = None
     """(B, Hkv, n_blocks, K) int32 history pages per query block (reference_sparse.py); None: all."""

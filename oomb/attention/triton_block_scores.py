@@ -13,8 +13,8 @@ minmax: ``sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min`` (t
 mean: ``q . mean``. Rows past the chunk's end score as copies of its last query (they cannot change a
 maximum), as the reference pads them. All query rows (not leak-free). Max pooling of the raw scores (the
 default sparse settings and rerank's candidates), or with ``scale`` the "softmax_max" pooling
-(OOMBConfig.sparse_candidate_pooling, sparse_pooling): each row's scaled scores minus their log-sum-exp
-over every history page (or the sinks and the last pages: OOMBConfig.sparse_normaliser_pages) and the
+(OOMBConfig.sparse.research.candidate_pooling, sparse_pooling): each row's scaled scores minus their log-sum-exp
+over every history page (or the sinks and the last pages: OOMBConfig.sparse.research.normaliser_pages) and the
 chunk's own pages up to its block, the best row's. The log-sum-exps come
 from a first kernel (one program per tile of one head's rows, an online log-sum-exp over the pages), which
 the block kernel subtracts per row.

@@ -40,7 +40,6 @@ from .memory import (
     MODES,
     MemoryPrediction,
     OffloadAssumptions,
-    SparseAssumptions,
     TrainingSetup,
     predict,
 )
@@ -48,8 +47,8 @@ from .model_shape import ModelShape
 from .step_time import StepTime, predict_step_time
 
 AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
-               "sparse_query_block_pages", "recompute_logits", "keep_attention_outputs")
-"""OOMBConfig options the chooser decides unless the user fixed them."""
+               "sparse.query_block_pages", "recompute_logits", "keep_attention_outputs")
+"""OOMBConfig options (dotted paths) the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_VALUES_PER_HIDDEN = 10
 """Without layer replay PEFT's LoRA layers keep more per token than oomb.planning.memory counts: measured on the
@@ -254,8 +253,8 @@ class Candidate:
             where = f"offload ({c.offload_resident_layers} of {num_layers} layers resident on the GPU)"
         else:
             where = "pages on the GPU" if self.device == "cuda" else "pages in host memory"
-        grouping = (f", one sparse selection per {c.sparse_query_block_pages} query blocks"
-                    if c.attention == "sparse" and c.sparse_query_block_pages > 1 else "")
+        grouping = (f", one sparse selection per {c.sparse.query_block_pages} query blocks"
+                    if c.attention == "sparse" and c.sparse.query_block_pages > 1 else "")
         kept = ", attention outputs kept" if c.keep_attention_outputs else ""
         return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
                 f"{self.loss_words()}{kept}, chunk {c.chunk_size}, "
@@ -347,12 +346,11 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     relative step time of ``config``."""
     mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
     offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
-    sparse = SparseAssumptions.from_config(config)
     fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
     compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
                 and (config.compile_layers is True or workload.may_compile) and not fp32_linear)
     setup = dataclasses.replace(workload.setup(), compiled_layers=compiled, fused_loss=workload.may_fuse_loss)
-    p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload, sparse=sparse)
+    p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload)
     gpu = dict(p.gpu)
     if workload.trainable_params is not None:
         gpu["param grads"], gpu["fp32 grad sums"] = _grad_bytes(workload, config)
@@ -511,9 +509,10 @@ def _sparse_grouping(config: OOMBConfig, fixed: dict) -> OOMBConfig:
     that is up to 32 x Hkv x (budget + 1) pages of a 4096-token chunk (most of the history below about
     1M tokens; about 2 GiB of K and V per call on the 7B shape), one per chunk at most Hkv x (budget +
     1). The offload_sparse speed fact was measured so (one selection per 32 blocks)."""
-    if config.attention != "sparse" or not config.offload or "sparse_query_block_pages" in fixed:
+    if config.attention != "sparse" or not config.offload or "sparse.query_block_pages" in fixed:
         return config
-    return dataclasses.replace(config, sparse_query_block_pages=max(1, config.chunk_size // config.page_size))
+    one_per_chunk = max(1, config.chunk_size // config.page_size)
+    return dataclasses.replace(config, sparse=dataclasses.replace(config.sparse, query_block_pages=one_per_chunk))
 
 
 def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
@@ -564,12 +563,12 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
             the longest context that fits with it.
     """
     fixed = dict(fixed or {})
-    unknown = sorted(set(fixed) - {f.name for f in dataclasses.fields(OOMBConfig)})
+    unknown = sorted(set(fixed) - set(OOMBConfig().options()))
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
     if fixed.get("compile_layers", getattr(base, "compile_layers", None)) is True:
         fixed["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig.compile_layers)
-    base = dataclasses.replace(base or OOMBConfig(), **fixed)
+    base = (base or OOMBConfig()).with_options(fixed)
     if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
         base = dataclasses.replace(base, recompute_logits=True)
     if "keep_attention_outputs" not in fixed:  # decided last too (_keep_attention)
@@ -639,8 +638,8 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
                          "the rest (fewer transfers)")
     else:
         parts.append("all pages on the GPU (no transfers)" if resources.device == "cuda" else "no offload on a CPU")
-    if cfg.attention == "sparse" and cfg.offload and "sparse_query_block_pages" not in fixed:
-        parts.append(f"one sparse selection per chunk (sparse_query_block_pages={cfg.sparse_query_block_pages}): "
+    if cfg.attention == "sparse" and cfg.offload and "sparse.query_block_pages" not in fixed:
+        parts.append(f"one sparse selection per chunk (sparse.query_block_pages={cfg.sparse.query_block_pages}): "
                      "offloaded calls then stage at most one selection's pages, not every query block's")
     if "kv_grad_dtype" in fixed:
         parts.append(f"kv_grad_dtype={_dtype_name(cfg.grad_dtype)} as set")
@@ -718,7 +717,7 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
         if free:
             try:
                 other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in free},
-                                      dataclasses.replace(base, **{k: getattr(OOMBConfig(), k) for k in free}))
+                                      base.with_options({k: OOMBConfig().option(k) for k in free}))
                 lines.append(f"  without the options you set ({', '.join(f'{k}={v!r}' for k, v in free.items())}) "
                              f"it fits: {other.chosen.summary(workload.shape.num_layers)} (GPU "
                              f"{other.gpu_bytes / GIB:.1f} GiB, host {other.host_bytes / GIB:.1f} GiB)")

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from ..config import OOMBConfig, read_share_budget
+from ..config import OOMBConfig, SparseConfig, read_share_budget
 from ..context_parallel import ContextShard
 from ..kv import PagedKVStore, capacity
 from ..kv.store import window_pages_per_sequence
@@ -57,7 +57,7 @@ from .model_shape import GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE, MOE_ROUTED_ROW_S
 __all__ = [
     # defined here
     "ADAMW_STATE_BYTES", "GIB", "GPU_TERMS", "HOST_PROCESS_BYTES", "HOST_TERMS", "INT32_BYTES", "LORA_PARAM_BYTES",
-    "MASTER_WEIGHT_BYTES", "MIB", "MODES", "MemoryPrediction", "Mode", "OffloadAssumptions", "SparseAssumptions",
+    "MASTER_WEIGHT_BYTES", "MIB", "MODES", "MemoryPrediction", "Mode", "OffloadAssumptions",
     "StepMemory", "TrainingSetup", "context_parallel_tokens", "estimate_step_memory", "predict",
     # re-exported from model_shape
     "GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE", "MOE_ROUTED_ROW_SAVED_INTERMEDIATE", "ModelShape",
@@ -245,35 +245,15 @@ class OffloadAssumptions:
     """GPU staging buffers of one block each (OOMBConfig.stream_buffers)."""
 
 
-@dataclass(frozen=True)
-class SparseAssumptions:
-    """Sparse attention's budget and bookkeeping (docs/sparse.md)."""
+def sparse_pages_read(sparse: SparseConfig, tokens: int, page_size: int) -> int:
+    """Pages a query block reads besides its chunk (sinks + budget) at the longest history of ``tokens``:
+    with a read share the budget grows with the history, and memory is sized for its largest."""
+    return read_share_budget(sparse.budget, sparse.read_share, -(-tokens // page_size)) + sparse.sink_pages
 
-    top_k_pages: int = 64
-    """Earlier pages each query block attends to, chosen by score against the page summaries."""
-    sink_pages: int = 1
-    """First pages of the sequence every query block attends to, besides the top-k."""
-    query_block_pages: int = 1
-    """Consecutive query blocks sharing one selection (OOMBConfig.sparse_query_block_pages)."""
-    summary_vectors: int = 2
-    """Vectors summarising a page per KV head and layer: 2 for a Quest-style min/max key bound."""
-    store_selection: bool = True
-    """Keep stage 1's selection (int32 page ids per query block, layer and KV head) for stage 2;
-    False: recompute it deterministically in stage 2 (no memory)."""
-    read_share: float | None = None
-    """OOMBConfig.sparse_read_share: the budget grows with the history to this share of it."""
 
-    def pages_read(self, tokens: int, page_size: int) -> int:
-        """Pages a query block reads besides its chunk (sinks + budget) at the longest history of ``tokens``:
-        with a read share the budget grows with the history, and memory is sized for its largest."""
-        return read_share_budget(self.top_k_pages, self.read_share, -(-tokens // page_size)) + self.sink_pages
-
-    @classmethod
-    def from_config(cls, config) -> SparseAssumptions:
-        """The assumptions of an OOMBConfig's sparse options (its score decides the summaries kept)."""
-        return cls(top_k_pages=config.sparse_budget, sink_pages=config.sparse_sink_pages,
-                   query_block_pages=config.sparse_query_block_pages, read_share=config.sparse_read_share,
-                   summary_vectors=len(summaries_of(config.resolved_sparse_score, config.sparse_rerank_candidates)))
+def summary_vectors(sparse: SparseConfig) -> int:
+    """Vectors summarising a page per KV head and layer for ``sparse``'s score (2 for Quest's min/max key)."""
+    return len(summaries_of(sparse.resolved_score, sparse.research.rerank_candidates))
 
 
 @dataclass(frozen=True)
@@ -370,7 +350,6 @@ def predict(
     setup: TrainingSetup | None = None,
     *,
     offload: OffloadAssumptions | None = None,
-    sparse: SparseAssumptions | None = None,
 ) -> MemoryPrediction:
     """Predicted peak GPU bytes and host bytes of one step of ``mode`` on ``tokens`` tokens per sequence.
 
@@ -378,9 +357,10 @@ def predict(
         mode: a name of MODES ("hf", "dense", "dense+offload", "sparse", "sparse+offload").
         shape: the model's dimensions.
         tokens: context length T (tokens per sequence).
-        config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice).
+        config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice, and the
+            sparse section the sparse modes are sized by).
         setup: dtype, batch, optimizer, LoRA.
-        offload, sparse: assumptions of the planned modes (offload: by default ``config``'s resident layers
+        offload: assumptions of the offloaded modes (by default ``config``'s resident layers
             and stream buffers).
     Returns:
         A MemoryPrediction with the GPU_TERMS and HOST_TERMS in bytes.
@@ -407,7 +387,7 @@ def predict(
     setup = setup or TrainingSetup()
     offload = offload or OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages,
                                             config.stream_buffers)
-    sparse = sparse or SparseAssumptions()
+    sparse = config.sparse
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")
     if setup.context_parallel > 1 and mode.attention == "hf":
@@ -491,7 +471,7 @@ def predict(
         else:  # the union of every block's and KV head's selection, staged at once (an upper bound),
             # for this call and, in stage 2, the next one (prefetched); plus the chunk's own gradients
             selections = -(-(chunk_pages // B) // sparse.query_block_pages)  # distinct selections per chunk
-            union = selections * shape.num_kv_heads * sparse.pages_read(tokens, P)
+            union = selections * shape.num_kv_heads * sparse_pages_read(sparse, tokens, P)
             staged = B * min(own_pages // B, union) + chunk_pages
             slots = _staging_slot_pages(chunk_pages, B, offload, history) if resident < L else 0
             gpu["KV working set"] = (resident * own_pages + 2 * staged + chunk_pages + slots) * page_bytes
@@ -513,10 +493,9 @@ def predict(
     if mode.attention == "sparse":
         # Every page's, on every context-parallel rank too (each scores the whole history, kv/store.py).
         # Window layers keep none (they read their window densely), with or without offload.
-        summaries = (L - window_layers) * pages * sparse.summary_vectors * shape.kv_dim * b
-        selection = 0
-        if sparse.store_selection:  # one selection per query block (page) per layer and KV head
-            selection = L * pages * shape.num_kv_heads * sparse.pages_read(tokens, P) * INT32_BYTES
+        summaries = (L - window_layers) * pages * summary_vectors(sparse) * shape.kv_dim * b
+        # Stage 1's selections, kept for stage 2: one per query block (page) per layer and KV head.
+        selection = L * pages * shape.num_kv_heads * sparse_pages_read(sparse, tokens, P) * INT32_BYTES
         if mode.offload:  # offloaded layers keep their selections in host memory until stage 2
             host["selections"] = selection * (L - resident) // L
             selection -= host["selections"]

@@ -149,7 +149,7 @@ class StepSpec:
     sparse_normaliser_pages: int | None = NORMALISER_PAGES
     sparse_leak_free: bool = False
     sparse_read_share: float | None = None
-    """OOMBConfig.sparse_read_share: the budget grows to this share of the history."""
+    """OOMBConfig.sparse.read_share: the budget grows to this share of the history."""
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
     keep_attention_outputs: bool = False
@@ -175,13 +175,14 @@ class StepSpec:
         return cls(shape, tokens, config.attention, batch_size, chunk_size=config.chunk_size,
                    page_size=config.page_size, checkpoint_layers=config.checkpoint_layers, lora_rank=lora_rank,
                    offload=config.offload, resident_layers=config.offload_resident_layers, kv_bytes=dtype.itemsize,
-                   grad_bytes=config.grad_dtype.itemsize, sparse_budget=config.sparse_budget,
-                   sparse_sink_pages=config.sparse_sink_pages, sparse_score=config.resolved_sparse_score,
-                   sparse_rerank_factor=config.sparse_rerank_factor,
-                   sparse_rerank_candidates=config.sparse_rerank_candidates, sparse_pooling=config.sparse_pooling,
-                   sparse_candidate_pooling=config.resolved_sparse_candidate_pooling,
-                   sparse_normaliser_pages=config.resolved_sparse_normaliser_pages,
-                   sparse_leak_free=config.sparse_leak_free, sparse_read_share=config.sparse_read_share,
+                   grad_bytes=config.grad_dtype.itemsize, sparse_budget=config.sparse.budget,
+                   sparse_sink_pages=config.sparse.sink_pages, sparse_score=config.sparse.resolved_score,
+                   sparse_rerank_factor=config.sparse.research.rerank_factor,
+                   sparse_rerank_candidates=config.sparse.research.rerank_candidates,
+                   sparse_pooling=config.sparse.research.pooling,
+                   sparse_candidate_pooling=config.sparse.resolved_candidate_pooling,
+                   sparse_normaliser_pages=config.sparse.resolved_normaliser_pages,
+                   sparse_leak_free=config.sparse.leak_free, sparse_read_share=config.sparse.read_share,
                    recompute_logits=config.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
 

@@ -49,13 +49,15 @@ from ..config import (
     SPARSE_POOLINGS,
     SPARSE_SCORES,
     OOMBConfig,
+    SparseConfig,
+    SparseResearch,
     resolve_dtype,
 )
 from ..engine import forward_backward, store_options, window_store_options
 from ..kv.offload import HostSlabs, reserve_host_slabs
 from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
-from ..planning.memory import GIB, MODES, SparseAssumptions, TrainingSetup, predict
+from ..planning.memory import GIB, MODES, TrainingSetup, predict
 from ..planning.model_shape import ModelShape
 from ..planning.step_work import StepSpec, step_work
 from ..training import presets
@@ -106,21 +108,21 @@ class BenchOptions:
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
     loss_chunk_tokens: int = 1024
     sparse_query_block_pages: int = 1
-    """Sparse modes: query blocks sharing one selection (OOMBConfig.sparse_query_block_pages)."""
-    sparse_budget: int = OOMBConfig.sparse_budget
-    """Sparse modes: history pages each query block reads besides the sinks (OOMBConfig.sparse_budget)."""
-    sparse_pooling: str = OOMBConfig.sparse_pooling
-    """Sparse modes: how a block's score rows combine (OOMBConfig.sparse_pooling)."""
-    sparse_score: str = OOMBConfig.sparse_score
-    """Sparse modes: how a block scores a page (OOMBConfig.sparse_score)."""
-    sparse_rerank_factor: int = OOMBConfig.sparse_rerank_factor
-    """Sparse modes, score "rerank": candidates per block / budget (OOMBConfig.sparse_rerank_factor)."""
-    sparse_rerank_candidates: str = OOMBConfig.sparse_rerank_candidates
-    """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse_rerank_candidates)."""
-    sparse_candidate_pooling: str = OOMBConfig.sparse_candidate_pooling
-    """Sparse modes, score "rerank": how a block's rows pool them (OOMBConfig.sparse_candidate_pooling)."""
-    sparse_normaliser_pages: int | str | None = OOMBConfig.sparse_normaliser_pages
-    """Sparse modes, pooling softmax_max: its normaliser's bound (OOMBConfig.sparse_normaliser_pages)."""
+    """Sparse modes: query blocks sharing one selection (OOMBConfig.sparse.query_block_pages)."""
+    sparse_budget: int = SparseConfig.budget
+    """Sparse modes: history pages each query block reads besides the sinks (OOMBConfig.sparse.budget)."""
+    sparse_pooling: str = SparseResearch.pooling
+    """Sparse modes: how a block's score rows combine (OOMBConfig.sparse.research.pooling)."""
+    sparse_score: str = SparseConfig.score
+    """Sparse modes: how a block scores a page (OOMBConfig.sparse.score)."""
+    sparse_rerank_factor: int = SparseResearch.rerank_factor
+    """Sparse modes, score "rerank": candidates per block / budget (OOMBConfig.sparse.research.rerank_factor)."""
+    sparse_rerank_candidates: str = SparseResearch.rerank_candidates
+    """Sparse modes, score "rerank": who proposes the candidates (OOMBConfig.sparse.research.rerank_candidates)."""
+    sparse_candidate_pooling: str = SparseResearch.candidate_pooling
+    """Sparse modes, score "rerank": how a block's rows pool them (OOMBConfig.sparse.research.candidate_pooling)."""
+    sparse_normaliser_pages: int | str | None = SparseResearch.normaliser_pages
+    """Sparse modes, pooling softmax_max: its normaliser's bound (OOMBConfig.sparse.research.normaliser_pages)."""
     warmup_tokens: int = 8192
     progress: bool = False
     """Show each oomb step's progress over its chunks (on stderr): a step stopped at the time limit
@@ -171,23 +173,19 @@ class BenchOptions:
         return fused_loss_possible_for_config(preset_config(self.preset), self.dtype)
 
     def oomb_config(self) -> OOMBConfig:
+        research = SparseResearch(pooling=self.sparse_pooling, rerank_factor=self.sparse_rerank_factor,
+                                  rerank_candidates=self.sparse_rerank_candidates,
+                                  candidate_pooling=self.sparse_candidate_pooling,
+                                  normaliser_pages=self.sparse_normaliser_pages)
+        sparse = SparseConfig(budget=self.sparse_budget, score=self.sparse_score,
+                              query_block_pages=self.sparse_query_block_pages, research=research)
         return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
                           backend=self.backend, deterministic=self.deterministic,
                           checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
                           compile_layers=self.compile_layers, offload_resident_layers=self.offload_resident_layers,
                           loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
-                          sparse_query_block_pages=self.sparse_query_block_pages, sparse_budget=self.sparse_budget,
-                          sparse_pooling=self.sparse_pooling, sparse_score=self.sparse_score,
-                          sparse_rerank_factor=self.sparse_rerank_factor,
-                          sparse_rerank_candidates=self.sparse_rerank_candidates,
-                          sparse_candidate_pooling=self.sparse_candidate_pooling,
-                          sparse_normaliser_pages=self.sparse_normaliser_pages,
-                          keep_attention_outputs=self.keep_attention_outputs)
+                          keep_attention_outputs=self.keep_attention_outputs, sparse=sparse)
 
-    def sparse_assumptions(self) -> SparseAssumptions:
-        """The planner's view of the sparse options (for the predicted column)."""
-        config = self.oomb_config()
-        return SparseAssumptions.from_config(config)
 
 
 QUICK = dict(preset=presets.TINY_PRESET, contexts=[1024, 2048], device="cpu", chunk_size=512, warmup_tokens=512,
@@ -281,10 +279,10 @@ def warmup_tokens(mode: str, options: BenchOptions) -> int:
     config = oomb_config_for(mode, options.oomb_config()) if mode.startswith("sparse") else None
     if config is None or torch.device(options.device).type != "cuda":
         return options.warmup_tokens
-    budget = max([config.sparse_budget, *(config.sparse_layer_budgets or [])])
-    factor = config.sparse_rerank_factor if config.resolved_sparse_score == "rerank" else 1
+    budget = max([config.sparse.budget, *(config.sparse.layer_budgets or [])])
+    factor = config.sparse.research.rerank_factor if config.sparse.resolved_score == "rerank" else 1
     for pages in dict.fromkeys((factor * budget, budget)):  # rerank's candidates if the contexts reach them
-        selecting = (config.sparse_sink_pages + pages + 1) * config.page_size  # history that selects
+        selecting = (config.sparse.sink_pages + pages + 1) * config.page_size  # history that selects
         tokens = (-(-selecting // config.chunk_size) + 1) * config.chunk_size
         if max(options.contexts) >= tokens:
             return max(options.warmup_tokens, tokens)
@@ -435,7 +433,7 @@ def _prediction(mode: str, tokens: int, shape: ModelShape, options: BenchOptions
     oomb = MODES[mode].attention != "hf"
     setup = TrainingSetup(options.dtype, 1, "none", compiled_layers=oomb and options.compiled_layers_for(shape),
                           fused_loss=oomb and options.fused_loss_for())
-    p = predict(mode, shape, tokens, options.oomb_config(), setup, sparse=options.sparse_assumptions())
+    p = predict(mode, shape, tokens, options.oomb_config(), setup)
     return {"predicted_gpu_above_weights_gib": round(p.gpu_above_weights / GIB, 3),
             "predicted_host_gib": round(p.host_total / GIB, 3)}
 
@@ -478,7 +476,7 @@ def _record_gpu(report: dict, event: dict, shape: ModelShape, options: BenchOpti
     setup = TrainingSetup(options.dtype, 1, "none", fused_loss=options.fused_loss_for())  # (hf: not read there)
 
     def fits(mode: str, tokens: int) -> bool:
-        p = predict(mode, shape, tokens, options.oomb_config(), setup, sparse=options.sparse_assumptions())
+        p = predict(mode, shape, tokens, options.oomb_config(), setup)
         return p.gpu_total <= budget.gpu_limit and p.host_total <= budget.host_limit
 
     report["planner"] = {

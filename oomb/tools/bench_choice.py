@@ -26,9 +26,11 @@ from .plan import oomb_config_for
 MEMORY_HEADROOM = 0.95
 """Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
 
-CHOSEN_FIELDS = ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers", "recompute_logits",
-                 "keep_attention_outputs", "offload_resident_layers", "sparse_query_block_pages")
-"""The chooser's OOMBConfig fields that BenchOptions carries under the same names (offload is the mode's)."""
+CHOSEN_FIELDS = {name: name for name in ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers",
+                                         "recompute_logits", "keep_attention_outputs", "offload_resident_layers")}
+CHOSEN_FIELDS["sparse_query_block_pages"] = "sparse.query_block_pages"
+"""The chooser's OOMBConfig options (dotted paths) by the BenchOptions field that carries each (offload is the
+mode's)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     CPU), made for the longest context some configuration fits; no changes when none fits.
     ``compile_possible``: Workload.may_compile; ``fuse_possible``: Workload.may_fuse_loss."""
     base = oomb_config_for(mode, options.oomb_config())
-    fixed = {name: getattr(base, name) for name in CHOSEN_FIELDS if name in options.given}
+    fixed = {path: base.option(path) for name, path in CHOSEN_FIELDS.items() if name in options.given}
     fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
     cuda = torch.device(options.device).type == "cuda"
     if cuda and gpu_free is None:
@@ -68,7 +70,7 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
             why = why or lines[0].rstrip(":") + (f" ({lines[1]})" if len(lines) > 1 else "")
             continue
         config = choice.config
-        changes = {name: getattr(config, name) for name in CHOSEN_FIELDS}
+        changes = {name: config.option(path) for name, path in CHOSEN_FIELDS.items()}
         changes["kv_grad_dtype"] = str(config.grad_dtype).removeprefix("torch.")
         gpu = f"GPU {gpu_free / GIB:.1f} GiB and " if cuda else ""
         plan = (f"{choice.describe()}\n  planned at {tokens:,} tokens for {gpu}host {host_free / GIB:.1f} GiB free"

@@ -23,7 +23,7 @@ import heapq
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,8 +31,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..cli_options import REAL_MODEL, add_option
-from ..config import SPARSE_POOLINGS, SPARSE_SCORES
-from ..sparse import SparseOptions
+from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SparseConfig, SparseResearch
 from .gradcheck import GradcheckOptions, load_sequence
 from .plan import parse_tokens
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
@@ -54,7 +53,7 @@ class LayerCurve:
     pages_read: list[int]
 
 
-def pages_read(num_tokens: int, chunk: int, page: int, options: SparseOptions, layer: int) -> int:
+def pages_read(num_tokens: int, chunk: int, page: int, options: SparseConfig, layer: int) -> int:
     """(query block, history page) pairs one layer reads over a sequence of num_tokens."""
     read = 0
     for start in range(0, num_tokens, chunk):
@@ -64,7 +63,7 @@ def pages_read(num_tokens: int, chunk: int, page: int, options: SparseOptions, l
 
 
 def recall_curves(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int, page_size: int,
-                  base: SparseOptions, grid: tuple[int, ...] = DEFAULT_GRID, progress: bool = True
+                  base: SparseConfig, grid: tuple[int, ...] = DEFAULT_GRID, progress: bool = True
                   ) -> list[LayerCurve]:
     """Every layer's recall at every budget of ``grid`` (and dense) on one sequence (batch 1)."""
     T = input_ids.shape[1]
@@ -81,14 +80,14 @@ def recall_curves(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: i
         for budget in grid:
             if budget >= history_pages:
                 break
-            options = SparseOptions(budget, base.sink_pages, base.score, base.selection, base.leak_free,
-                                    base.query_block_pages, base.pooling)
+            options = replace(base, budget=budget)
             per_head = layer_recall(inputs, mass, chunk_size, page_size, options, "score")
             budgets.append(budget)
             recall.append(float(per_head.mean()))
             worst.append(float(per_head.min()))
             read.append(pages_read(T, chunk_size, page_size, options, 0))
-        dense = SparseOptions(0, 0, base.score, base.selection, False, dense_layers=frozenset({0}))
+        dense = SparseConfig(budget=0, sink_pages=0, score=base.score, dense_layers=(0,),
+                             research=SparseResearch(selection=base.research.selection))
         budgets.append(DENSE)
         recall.append(1.0)
         worst.append(1.0)
@@ -142,7 +141,7 @@ def allocate(curves: list[LayerCurve], max_read: float) -> list[int]:
     return choice
 
 
-def make_plan(curves: list[LayerCurve], choice: list[int], base: SparseOptions, meta: dict) -> dict:
+def make_plan(curves: list[LayerCurve], choice: list[int], base: SparseConfig, meta: dict) -> dict:
     """The YAML-able plan: OOMBConfig's sparse options plus the measurements behind them."""
     budgets = [c.budgets[j] for c, j in zip(curves, choice, strict=True)]
     dense_layers = [i for i, b in enumerate(budgets) if b == DENSE]
@@ -152,11 +151,11 @@ def make_plan(curves: list[LayerCurve], choice: list[int], base: SparseOptions, 
     read = sum(c.pages_read[j] for c, j in zip(curves, choice, strict=True)) / sum(c.pages_read[-1] for c in curves)
     recall = sum(c.recall[j] for c, j in zip(curves, choice, strict=True)) / len(curves)
     return {
-        "oomb": {"attention": "sparse", "sparse_budget": max(layer_budgets), "sparse_layer_budgets": layer_budgets,
-                 "sparse_dense_layers": dense_layers, "sparse_sink_pages": base.sink_pages,
-                 "sparse_score": base.score, "sparse_pooling": base.pooling,
-                 "sparse_leak_free": base.leak_free,
-                 "sparse_query_block_pages": base.query_block_pages},
+        "oomb": {"attention": "sparse",
+                 "sparse": {"budget": max(layer_budgets), "layer_budgets": layer_budgets, "dense_layers": dense_layers,
+                            "sink_pages": base.sink_pages, "score": base.score, "leak_free": base.leak_free,
+                            "query_block_pages": base.query_block_pages,
+                            "research": {"pooling": base.research.pooling}}},
         "measured": {**meta, "history_read": read, "mean_recall": recall,
                      "layers": [{"layer": i, "budget": "dense" if b == DENSE else b, "recall": c.recall[j],
                                  "worst_head": c.worst_head[j],
@@ -207,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
                                page_size=args.page_size, dtype=args.dtype, device=args.device, yarn=args.yarn)
     model, ids, model_text, source = load_sequence(options)
     model.set_attn_implementation("sdpa")
-    base = SparseOptions(0, args.sink_pages, args.score, "kv_head", args.leak_free, 1, args.pooling)
+    base = SparseConfig(budget=0, sink_pages=args.sink_pages, score=args.score, leak_free=args.leak_free,
+                        research=SparseResearch(pooling=args.pooling))
     curves = recall_curves(model, ids, args.chunk_size, args.page_size, base, tuple(sorted(set(args.grid))))
     choice = allocate(curves, args.max_read)
     meta = {"model": model_text, "sequence": source, "tokens": ids.shape[1], "chunk_size": args.chunk_size,

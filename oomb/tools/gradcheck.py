@@ -44,11 +44,11 @@ from ..config import (
     SPARSE_SELECTIONS,
     OOMBConfig,
     load_sparse_plan,
+    nested_options,
     resolve_dtype,
 )
 from ..engine import forward_backward
 from ..real_model import english_text, stdlib_source, with_yarn
-from ..sparse import SparseOptions
 from ..sparse_fidelity import budget_for_read, history_read
 from ..training import presets
 from ..training.config import ModelSection
@@ -70,9 +70,9 @@ class GradcheckOptions:
     ids: str | None = None
     seq_len: int = 2048
     budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
-    # The score a default config runs (OOMBConfig().sparse_score resolved): what a user's run would check; others,
+    # The score a default config runs (OOMBConfig().sparse.score resolved): what a user's run would check; others,
     # and "exact" (the oracle), on request.
-    scores: list[str] = field(default_factory=lambda: [OOMBConfig().resolved_sparse_score])
+    scores: list[str] = field(default_factory=lambda: [OOMBConfig().sparse.resolved_score])
     poolings: list[str] = field(default_factory=lambda: ["max"])
     layer_budgets: list[int] | None = None
     dense_layers: list[int] = field(default_factory=list)
@@ -199,7 +199,7 @@ def is_default_sparse(config: OOMBConfig) -> bool:
     """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs."""
     default = OOMBConfig(attention="sparse", chunk_size=config.chunk_size)
     return (config.page_size == default.page_size
-            and SparseOptions.from_config(config) == SparseOptions.from_config(default))
+            and config.resolved_sparse() == default.resolved_sparse())
 
 
 def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progress: bool) -> tuple[dict, dict]:
@@ -222,13 +222,14 @@ def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progres
 
 def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_layers: int) -> list[dict]:
     """One OOMBConfig override dict per sparse arm (score x pooling x budget x rerank options), named."""
-    plan = load_sparse_plan(options.sparse_plan) if options.sparse_plan else {}
-    layer_budgets = plan.get("sparse_layer_budgets", options.layer_budgets)
-    dense_layers = plan.get("sparse_dense_layers", options.dense_layers)
-    common = {"attention": "sparse", "sparse_sink_pages": options.sink_pages, "sparse_selection": options.selection,
-              "sparse_leak_free": options.leak_free, "sparse_query_block_pages": options.query_block_pages,
-              "sparse_layer_budgets": layer_budgets, "sparse_dense_layers": dense_layers}
-    probe = OOMBConfig(**{**asdict(base), **common})
+    plan = nested_options(load_sparse_plan(options.sparse_plan)).get("sparse", {}) if options.sparse_plan else {}
+    layer_budgets = plan.get("layer_budgets", options.layer_budgets)
+    dense_layers = plan.get("dense_layers", options.dense_layers)
+    common = {"attention": "sparse", "sparse.sink_pages": options.sink_pages,
+              "sparse.research.selection": options.selection, "sparse.leak_free": options.leak_free,
+              "sparse.query_block_pages": options.query_block_pages, "sparse.layer_budgets": layer_budgets,
+              "sparse.dense_layers": dense_layers}
+    probe = base.with_options(common)
     reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
     # (budget label, the fixed budget, read share, target read): the budgets asked and found for --reads, then
     # the --read-shares arms (budget 0: the share alone decides)
@@ -250,8 +251,8 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
             else:
                 bounds = [None]
             for bound in bounds:
-                extra = ({"sparse_rerank_factor": factor, "sparse_rerank_candidates": proposer,
-                          "sparse_candidate_pooling": pooled} if factor is not None else {})
+                extra = ({"sparse.research.rerank_factor": factor, "sparse.research.rerank_candidates": proposer,
+                          "sparse.research.candidate_pooling": pooled} if factor is not None else {})
                 if score == "auto":
                     name = "defaults"
                 elif factor is None:
@@ -259,9 +260,9 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
                 else:
                     name = _rerank_name(factor, proposer, pooled, bound)
                 arms.append({"name": name, "pooling": pooling, "budget": label, "target_read": target,
-                             "config": {**common, **extra, "sparse_score": score, "sparse_pooling": pooling,
-                                        "sparse_normaliser_pages": bound, "sparse_budget": budget,
-                                        "sparse_read_share": share}})
+                             "config": {**common, **extra, "sparse.score": score, "sparse.research.pooling": pooling,
+                                        "sparse.research.normaliser_pages": bound, "sparse.budget": budget,
+                                        "sparse.read_share": share}})
     return arms
 
 
@@ -308,7 +309,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
                          f"transformers {transformers.__version__}, Python {platform.python_version()}"
                          + (f", {torch.cuda.get_device_name()}" if ids.device.type == "cuda" else ""),
               "model": model_text, "sequence": source, "tokens": ids.shape[1], "options": asdict(options),
-              "config": {k: v for k, v in asdict(base).items() if not k.startswith("sparse_")},
+              "config": {k: v for k, v in base.to_dict().items() if k != "sparse"},
               "sparse": []}
     notify = (lambda done: on_step(report, done)) if on_step is not None else (lambda done: None)
     arms = _arms(options, base, ids.shape[1], num_layers)
@@ -335,7 +336,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
             except torch.OutOfMemoryError:
                 report["hf"] = {"error": "out of memory"}
         for number, arm in enumerate(arms, 1):
-            config = OOMBConfig(**{**asdict(base), **arm["config"]})
+            config = base.with_options(arm["config"])
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             loss = float(forward_backward(model, ids, config=config, progress=progress))
@@ -345,7 +346,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
                    "target_read": arm["target_read"], "history_read": history_read(ids.shape[1], config, num_layers),
                    "defaults": is_default_sparse(config), "cosine": groups["total"]["cosine"],
                    "loss": loss, "dense_loss": dense_loss, "loss_gap": (loss - dense_loss) / dense_loss,
-                   "normaliser_pages": config.resolved_sparse_normaliser_pages,
+                   "normaliser_pages": config.sparse.resolved_normaliser_pages,
                    "seconds": time.perf_counter() - start, "groups": groups}
             report["sparse"].append(run)
             notify(f"sparse {run['score']}/{run['pooling']} k={run['budget']} ({number} of {len(arms)}{tag}): "

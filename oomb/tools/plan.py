@@ -27,7 +27,7 @@ import torch
 
 from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem
-from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
+from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, SparseConfig, resolve_dtype
 from ..models import fused_loss_possible_for_config
 from ..planning.choose import (
     Choice,
@@ -47,9 +47,9 @@ from ..planning.memory import (
     MemoryPrediction,
     Mode,
     OffloadAssumptions,
-    SparseAssumptions,
     TrainingSetup,
     predict,
+    summary_vectors,
 )
 from ..planning.model_shape import ModelShape
 from ..training import presets
@@ -172,7 +172,6 @@ class Plan:
     config: OOMBConfig
     setup: TrainingSetup
     offload: OffloadAssumptions
-    sparse: SparseAssumptions
     budget: Budget
     reports: list[ModeReport]
     hints: list[str]
@@ -196,7 +195,6 @@ def make_plan(
     config: OOMBConfig | None = None,
     setup: TrainingSetup | None = None,
     offload: OffloadAssumptions | None = None,
-    sparse: SparseAssumptions | None = None,
     modes: list[str] | None = None,
     fixed: dict | None = None,
     gpu: str | None = None,
@@ -208,7 +206,6 @@ def make_plan(
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
     offload = offload or OffloadAssumptions()
-    sparse = sparse or SparseAssumptions()
     modes = modes or list(MODES)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -217,7 +214,7 @@ def make_plan(
     def run(mode: str, t: int, cfg: OOMBConfig = config, st: TrainingSetup = setup) -> MemoryPrediction:
         if cfg.keep_attention_outputs and (MODES[mode].offload or st.context_parallel > 1):
             cfg = dataclasses.replace(cfg, keep_attention_outputs=False)  # refused there: those modes run without
-        return predict(mode, shape, t, cfg, st, offload=offload, sparse=sparse)
+        return predict(mode, shape, t, cfg, st, offload=offload)
 
     reports = []
     for name in modes:
@@ -255,7 +252,7 @@ def make_plan(
             choice_error = str(err)
         longest = {mode: longest_context(workload, resources, {**fixed, "attention": mode}, config)
                    for mode in ATTENTION_MODES}
-    return Plan(model, shape, tokens, config, setup, offload, sparse, budget, reports, hints, choice, choice_error,
+    return Plan(model, shape, tokens, config, setup, offload, budget, reports, hints, choice, choice_error,
                 longest if fixed is not None else None)
 
 
@@ -367,11 +364,11 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"does not fit with the options above: {r.mode.name}: {'; '.join(why)}")
     lines.extend(f"hint: {h}" for h in plan.hints)
     if any(r.status == "planned" for r in reports):
-        o, sp = plan.offload, plan.sparse
+        o, sp = plan.offload, plan.config.sparse
         lines.append("planned = not in this version of oomb: predicted from the design, not measured")
         lines.append(
             f"  (offload: {o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page "
-            f"streamed blocks; sparse: top-{sp.top_k_pages} + {sp.sink_pages} sink pages, {sp.summary_vectors} "
+            f"streamed blocks; sparse: top-{sp.budget} + {sp.sink_pages} sink pages, {summary_vectors(sp)} "
             f"summary vectors per page and KV head)")
     if plan.longest:
         lines.append("longest context oomb train fits here, by its chooser: " + ", ".join(
@@ -397,7 +394,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "config": {**clean(plan.config), "kv_grad_dtype": _dtype(plan.config.grad_dtype)},
         "setup": clean(plan.setup),
         "offload_assumptions": clean(plan.offload),
-        "sparse_assumptions": clean(plan.sparse),
+        "sparse": clean(plan.config.sparse),
         "budget": {**clean(plan.budget), "gpu_limit": plan.budget.gpu_limit, "host_limit": plan.budget.host_limit,
                    "cuda_context_bytes": CUDA_CONTEXT_BYTES},
         "modes": [
@@ -432,7 +429,7 @@ def _choice_to_dict(choice: Choice) -> dict:
                 "kv_grad_dtype": _dtype(cfg.grad_dtype), "checkpoint_layers": cfg.checkpoint_layers,
                 "chunk_size": cfg.chunk_size, "backend": cfg.backend, "attention": cfg.attention,
                 "recompute_logits": cfg.recompute_logits, "keep_attention_outputs": cfg.keep_attention_outputs,
-                "sparse_query_block_pages": cfg.sparse_query_block_pages,
+                "sparse_query_block_pages": cfg.sparse.query_block_pages,
                 "gpu_bytes": c.gpu_bytes, "host_bytes": c.host_bytes, "relative_step_time": round(c.relative_time, 4),
                 "speed_factors": list(c.factors)}
 
@@ -447,7 +444,7 @@ def _choice_to_dict(choice: Choice) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb plan`."""
     defaults, setup = OOMBConfig(), TrainingSetup()
-    offload, sparse = OffloadAssumptions(), SparseAssumptions()
+    offload, sparse = OffloadAssumptions(), SparseConfig()
     parser.add_argument("--model", "--preset", dest="model", required=True,
                         help=f"a local model directory or a preset: {', '.join(presets.PRESETS)}")
     parser.add_argument("--context", "--seq-len", dest="context", type=parse_tokens, default=DEFAULT_CONTEXT,
@@ -494,7 +491,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=defaults.fp32_grad_accumulation,
                        help="sum low-precision parameters' chunk gradients in float32 (default on)")
     group = parser.add_argument_group("planned modes (assumptions)")
-    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.top_k_pages,
+    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.budget,
                help="sparse: history pages each query block reads besides the sinks")
     add_option(group, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
     add_option(group, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
@@ -511,22 +508,22 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
     given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
              "offload": args.offload, "offload_resident_layers": args.resident_layers,
-             "checkpoint_layers": args.checkpoint_layers, "sparse_query_block_pages": args.query_block_pages,
+             "checkpoint_layers": args.checkpoint_layers, "sparse.query_block_pages": args.query_block_pages,
              "recompute_logits": args.recompute_logits, "keep_attention_outputs": args.keep_attention_outputs}
     fixed = {k: v for k, v in given.items() if v is not None}
     fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
                  loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=args.fp32_grad_accumulation,
-                 sparse_budget=args.top_k_pages, sparse_sink_pages=args.sink_pages)
+                 **{"sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
     fixed = fixed_from_options(fixed)
-    query_block_pages = args.query_block_pages or defaults.sparse_query_block_pages
+    query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
+    sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages)
     config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
-                        kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
+                        attention=args.attention, kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
                         checkpoint_layers=args.checkpoint_layers is not False,
                         recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
                         keep_attention_outputs=bool(args.keep_attention_outputs),
-                        fp32_grad_accumulation=args.fp32_grad_accumulation, attention=args.attention,
-                        deterministic=args.deterministic, sparse_budget=args.top_k_pages,
-                        sparse_sink_pages=args.sink_pages, sparse_query_block_pages=query_block_pages)
+                        fp32_grad_accumulation=args.fp32_grad_accumulation, deterministic=args.deterministic,
+                        sparse=sparse)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank, context_parallel=args.cp)
     modes = args.modes
@@ -536,11 +533,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                              f"--modes {' '.join(args.modes)}")
         modes, fixed = [m for m in args.modes if m != "hf"], None
     offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
-    sparse = SparseAssumptions(top_k_pages=args.top_k_pages, sink_pages=args.sink_pages,
-                               query_block_pages=query_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
-    return make_plan(args.model, shape, args.context, budget, config, setup, offload, sparse,
+    return make_plan(args.model, shape, args.context, budget, config, setup, offload,
                      modes, fixed, args.gpu)
 
 

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..kv.summaries import SUMMARY_KINDS, summarize_pages
-from ..sparse import SparseOptions, block_scores, selection_from_scores
+from ..sparse import SparseConfig, block_scores, selection_from_scores
 
 CAPTURE_NAME = "oomb_capture"
 
@@ -88,7 +88,7 @@ def history_summaries(k: torch.Tensor, page_size: int, n_hist: int) -> dict[str,
 
 
 def oracle_selection(mass: torch.Tensor, chunk_start: int, chunk_len: int, page_size: int, Hkv: int,
-                     options: SparseOptions, layer: int = 0) -> torch.Tensor:
+                     options: SparseConfig, layer: int = 0) -> torch.Tensor:
     """(1, Hkv, n_blocks, K): per block, the sinks and the history pages of highest true mass."""
     n_hist = chunk_start // page_size
     Hq = mass.shape[0]
@@ -99,10 +99,11 @@ def oracle_selection(mass: torch.Tensor, chunk_start: int, chunk_len: int, page_
     if pad:
         block_mass = torch.cat([block_mass, block_mass.new_zeros(Hq, pad, n_hist)], dim=1)
     scores = block_mass.reshape(Hkv, G, n_blocks, page_size, n_hist).sum(dim=(1, 3))[None]
-    if options.selection == "shared":
+    if options.research.selection == "shared":
         scores = scores.sum(dim=1, keepdim=True).expand(1, Hkv, n_blocks, n_hist)
     # True masses add up over a group's blocks: the summing ("softmax") grouping of oomb/sparse.py.
-    return selection_from_scores(scores, replace(options, pooling="softmax", leak_free=False), layer)
+    summed = replace(options, leak_free=False, research=replace(options.research, pooling="softmax"))
+    return selection_from_scores(scores, summed, layer)
 
 
 def kept_mass(mass: torch.Tensor, selection: torch.Tensor | None, chunk_start: int, chunk_len: int,
@@ -123,7 +124,7 @@ def kept_mass(mass: torch.Tensor, selection: torch.Tensor | None, chunk_start: i
 
 
 def layer_recall(inputs: LayerInputs, mass: torch.Tensor, chunk_size: int, page_size: int,
-                 options: SparseOptions, rule: str, layer: int = 0) -> torch.Tensor:
+                 options: SparseConfig, rule: str, layer: int = 0) -> torch.Tensor:
     """(Hkv,) mean kept mass per KV head over the queries of chunks >= 1, for ``rule`` ("score":
     oomb/sparse.py's selection with ``options``; "oracle": true top mass)."""
     q, k = inputs.q, inputs.k

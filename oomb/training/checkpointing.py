@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from ..config import nested_options
 from .checkpoint import (
     Checkpoint,
     capture_rng,
@@ -142,6 +143,8 @@ class Checkpointing:
         state = checkpoint.state
         cfg = self.config
         old = yaml.safe_load(checkpoint.config_yaml or "{}") or {}
+        if isinstance(old.get("oomb"), dict):  # a checkpoint of an earlier version: its flat sparse keys, mapped
+            old["oomb"] = nested_options(old["oomb"])
         changed = _changed_keys(old, cfg.to_dict())
         saved = state.get("parallel", {"tp": 1, "dp": 1})
         # Sequences per step: dp x grad_accum; the same sum over other ranks or accumulation steps is the same step.

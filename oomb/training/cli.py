@@ -18,6 +18,7 @@ from ..config import (
     ATTENTION_MODES,
     BACKENDS,
     CANDIDATE_POOLINGS,
+    FLAT_KEYS,
     SPARSE_POOLINGS,
     SPARSE_SCORES,
     OOMBConfig,
@@ -29,7 +30,8 @@ from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
 
 SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_pooling", "sparse_candidate_pooling",
                 "sparse_query_block_pages")
-"""OOMBConfig's sparse options with a --sparse-* flag of the same name."""
+"""The --sparse-* flags of `oomb train`, named after the flat keys they set (FLAT_KEYS: their place in the sparse
+section)."""
 
 FIRST_STEP_NOISE = 0.05
 FIRST_STEP_NOISE_S = 0.05
@@ -90,13 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
                        help="oomb.keep_attention_outputs")
     sparse = parser.add_argument_group("sparse attention (with --attention sparse; docs/sparse.md)")
-    sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse_budget: history pages per query block")
-    sparse.add_argument("--sparse-sink-pages", type=int, help="oomb.sparse_sink_pages")
-    sparse.add_argument("--sparse-score", choices=SPARSE_SCORES, help="oomb.sparse_score")
-    sparse.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help="oomb.sparse_pooling")
+    sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse.budget: history pages per query block")
+    sparse.add_argument("--sparse-sink-pages", type=int, help="oomb.sparse.sink_pages")
+    sparse.add_argument("--sparse-score", choices=SPARSE_SCORES, help="oomb.sparse.score")
+    sparse.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help="oomb.sparse.research.pooling")
     sparse.add_argument("--sparse-candidate-pooling", choices=("auto", *CANDIDATE_POOLINGS),
-                        help="oomb.sparse_candidate_pooling")
-    sparse.add_argument("--sparse-query-block-pages", type=int, help="oomb.sparse_query_block_pages")
+                        help="oomb.sparse.research.candidate_pooling")
+    sparse.add_argument("--sparse-query-block-pages", type=int, help="oomb.sparse.query_block_pages")
     group.add_argument("--no-auto-config", action="store_true",
                        help="use the oomb options as given, defaults where unset (train.auto_config=false)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
@@ -122,7 +124,7 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.fp32_grad_accumulation", args.fp32_grad_accumulation),
              ("oomb.recompute_logits", args.recompute_logits),
              ("oomb.keep_attention_outputs", args.keep_attention_outputs),
-             *((f"oomb.{name}", getattr(args, name)) for name in SPARSE_FLAGS)]
+             *((f"oomb.{FLAT_KEYS[name]}", getattr(args, name)) for name in SPARSE_FLAGS)]
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
@@ -142,16 +144,21 @@ def annotated_config(config: TrainerConfig) -> str:
     except NoConfigFitsError as err:
         choice, failure = None, str(err)
     o = choice.config if choice is not None else config.oomb
-    resolved = {key: _yaml_value(getattr(o, key)) for key in config.oomb_auto} if choice is not None else {}
-    resolved.update(sparse_score=o.resolved_sparse_score, sparse_candidate_pooling=o.resolved_sparse_candidate_pooling,
-                    sparse_normaliser_pages=_yaml_value(o.resolved_sparse_normaliser_pages))
-    lines, in_oomb = [], False
+    resolved = {key: _yaml_value(o.option(key)) for key in config.oomb_auto} if choice is not None else {}
+    resolved.update({"sparse.score": o.sparse.resolved_score,
+                     "sparse.research.candidate_pooling": o.sparse.resolved_candidate_pooling,
+                     "sparse.research.normaliser_pages": _yaml_value(o.sparse.resolved_normaliser_pages)})
+    lines, path = [], []  # path: (indent, key) of the mappings the line is in
     for line in text.splitlines():
-        if not line.startswith(" "):
-            in_oomb = line == "oomb:"
-        key, _, value = line.strip().partition(": ")
-        if in_oomb and value == "auto" and key in resolved:
-            line += f"  # here: {resolved[key]}"
+        indent = len(line) - len(line.lstrip())
+        key, _, value = line.strip().partition(":")
+        value = value.strip()
+        path = [(i, k) for i, k in path if i < indent]
+        dotted = ".".join([k for _, k in path][1:] + [key])
+        if path and path[0][1] == "oomb" and value == "auto" and dotted in resolved:
+            line += f"  # here: {resolved[dotted]}"
+        if not value:
+            path.append((indent, key))
         lines.append(line)
     if choice is not None:
         lines += ["", "# the plan for the options left auto on this machine (oomb train prints its own, from the "
@@ -214,8 +221,8 @@ def _header(trainer: Trainer) -> str:
     ranks = (f" x {p.tp * p.dp * p.cp} processes (tp={p.tp}, dp={p.dp}{f', cp={p.cp}' if p.cp > 1 else ''})"
              if p.mesh is not None else "")
     o = cfg.oomb
-    attention = (f", sparse attention ({o.sparse_budget} + {o.sparse_sink_pages} sink pages per block, "
-                 f"{o.resolved_sparse_score}{_candidates(o)}{', leak-free' if o.sparse_leak_free else ''})"
+    attention = (f", sparse attention ({o.sparse.budget} + {o.sparse.sink_pages} sink pages per block, "
+                 f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
     if o.offload:
         attention += f", KV pages in pinned host memory ({o.offload_resident_layers} layers resident on the GPU)"
@@ -276,9 +283,9 @@ def _quiet_transformers() -> None:
 def _candidates(config: OOMBConfig) -> str:
     """How rerank's candidates are ranked, for the header: ' with softmax_max candidates (normaliser: last 256
     pages)'."""
-    if config.resolved_sparse_score != "rerank":
+    if config.sparse.resolved_score != "rerank":
         return ""
-    pooling, bound = config.resolved_sparse_candidate_pooling, config.resolved_sparse_normaliser_pages
+    pooling, bound = config.sparse.resolved_candidate_pooling, config.sparse.resolved_normaliser_pages
     normaliser = "" if pooling != "softmax_max" else (
         " (normaliser: every page)" if bound is None else f" (normaliser: last {bound} pages)")
     return f" with {pooling} candidates{normaliser}"

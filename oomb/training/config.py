@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import yaml
 
-from ..config import OOMBConfig
+from ..config import OOMBConfig, nested_options
 from ..planning.choose import AUTO_FIELDS
 from ..units import coerce_tokens
 
@@ -254,7 +253,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.oomb_auto is None:
             defaults = OOMBConfig()
-            self.oomb_auto = tuple(f for f in AUTO_FIELDS if getattr(self.oomb, f) == getattr(defaults, f))
+            self.oomb_auto = tuple(f for f in AUTO_FIELDS if self.oomb.option(f) == defaults.option(f))
         unknown = sorted(set(self.oomb_auto) - set(AUTO_FIELDS))
         if unknown:
             raise ValueError(f"oomb_auto={unknown} are not options the chooser decides; those are {AUTO_FIELDS}")
@@ -284,10 +283,12 @@ class TrainerConfig:
             values = {k: _tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
                       for k, v in values.items()}
             if section_cls is OOMBConfig:
+                values = nested_options(values)  # flat keys of earlier versions (files, checkpoints) mapped
                 if values.get("compile_layers") is True and values.get("checkpoint_layers", "auto") == "auto":
                     values["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig)
-                auto = tuple(f for f in AUTO_FIELDS if values.get(f, "auto") == "auto")
-                values = {k: v for k, v in values.items() if not (k in AUTO_FIELDS and v == "auto")}
+                auto = tuple(f for f in AUTO_FIELDS if _get(values, f, "auto") == "auto")
+                for f in auto:
+                    _pop(values, f)
                 sections[name] = OOMBConfig.from_dict(values)
             else:
                 sections[name] = _section_from_dict(section_cls, values, name)
@@ -311,13 +312,15 @@ class TrainerConfig:
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML/JSON-safe): the inverse of from_dict."""
-        out = {name: asdict(getattr(self, name)) for name in SECTIONS}
-        grad_dtype = out["oomb"]["kv_grad_dtype"]
-        if isinstance(grad_dtype, torch.dtype):
-            out["oomb"]["kv_grad_dtype"] = str(grad_dtype).removeprefix("torch.")
+        out = {name: asdict(getattr(self, name)) for name in SECTIONS if name != "oomb"}
+        out["oomb"] = self.oomb.to_dict()
         if self.train.auto_config:
             for key in self.oomb_auto:  # left to the chooser: "auto" reads back the same way
-                out["oomb"][key] = "auto"
+                *sections, leaf = key.split(".")
+                node = out["oomb"]
+                for section in sections:
+                    node = node[section]
+                node[leaf] = "auto"
         return out
 
     def to_yaml(self) -> str:
@@ -338,6 +341,25 @@ def apply_override(options: dict, override: str) -> None:
             raise ValueError(f"override {override!r}: {part!r} is not a section (it holds {child!r})")
         node = child
     node[parts[-1]] = value
+
+
+def _get(values: dict, path: str, default: Any) -> Any:
+    """The value at a dotted ``path`` of a nested mapping, or ``default``."""
+    for part in path.split("."):
+        if not isinstance(values, dict) or part not in values:
+            return default
+        values = values[part]
+    return values
+
+
+def _pop(values: dict, path: str) -> None:
+    """Remove the value at a dotted ``path`` of a nested mapping, if there."""
+    *sections, leaf = path.split(".")
+    for part in sections:
+        values = values.get(part)
+        if not isinstance(values, dict):
+            return
+    values.pop(leaf, None)
 
 
 # ---- generic typed-section checks -----------------------------------------------------------------

@@ -20,7 +20,6 @@ writes files), and are resumed by any number of processes, any tp x dp layout
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -88,7 +87,7 @@ def chooser_fixed(cfg: TrainerConfig, cuda: bool, shape: ModelShape) -> dict:
     """The oomb options the chooser must keep: those the user set, plus the Triton backend for separate
     documents in a model whose sliding windows bind on CUDA (windows inside documents: as the engine's
     "auto" takes it)."""
-    fixed = {f.name: getattr(cfg.oomb, f.name) for f in dataclasses.fields(cfg.oomb) if f.name not in cfg.oomb_auto}
+    fixed = {k: v for k, v in cfg.oomb.options().items() if k not in cfg.oomb_auto}
     windows = shape.sliding_window_layers and shape.sliding_window < cfg.data.seq_len
     if cuda and cfg.data.documents == "separate" and windows and "backend" not in fixed:
         fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
