@@ -265,7 +265,7 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
     binding_windows = any(w is not None and w < num_tokens for w in windows)
     split_documents = None if documents is None or not documents.split else documents
     # cudnn's sparse documents rest on every block reading its document's first page (attention/cudnn_sparse.py)
-    unsinked = config.attention == "sparse" and config.sparse_sink_pages == 0
+    unsinked = config.attention == "sparse" and config.sparse.sink_pages == 0
     backend = _select_step_backend(causal_lm, config, device,
                                    split_documents is not None and (binding_windows or unsinked))
     softcap, sinks = attention_variants(causal_lm)
@@ -273,9 +273,9 @@ def attention_setup(causal_lm, config: OOMBConfig, device: torch.device, num_tok
                            family=causal_lm.config.model_type, sparse=config.attention == "sparse",
                            documents=split_documents is not None)
     if backend.name == "cudnn" and split_documents is not None and unsinked:
-        raise NotImplementedError("packed documents in sparse mode with sparse_sink_pages=0 are not supported by the "
+        raise NotImplementedError("packed documents in sparse mode with sparse.sink_pages=0 are not supported by the "
                                   "cudnn backend (it reads each document's first page as its sink): set "
-                                  "sparse_sink_pages >= 1, or backend='auto' or 'triton'")
+                                  "sparse.sink_pages >= 1, or backend='auto' or 'triton'")
     if context_parallel and config.attention == "sparse":
         backend = share_backend(backend)
     return backend, split_documents, windows

@@ -214,8 +214,8 @@ def test_sparse_documents_step_on_the_stand_in_matches_the_torch_backend(monkeyp
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse_budget=2,
-                                 sparse_query_block_pages=query_block_pages, offload=offload)
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", offload=offload,
+                                 sparse=oomb.SparseConfig(budget=2, query_block_pages=query_block_pages))
         slabs = HostSlabs(pin=False) if offload else None
         results[name] = (oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
                          grads(model))
@@ -264,20 +264,20 @@ def test_a_selection_without_the_documents_first_page_fails_loudly():
 
 
 def test_sparse_documents_without_sinks_stay_off_cudnn(monkeypatch):
-    """sparse_sink_pages=0 breaks that invariant: "auto" takes triton, and cudnn asked for is refused."""
+    """sparse.sink_pages=0 breaks that invariant: "auto" takes triton, and cudnn asked for is refused."""
     from helpers import build_tiny_model
 
     import oomb.engine
-    from oomb import OOMBConfig
+    from oomb import OOMBConfig, SparseConfig
     from oomb.attention.backend import AttentionBackend
     from oomb.documents import resolve_documents
 
     model = build_tiny_model("llama", seed=2).to(torch.bfloat16)
     docs = resolve_documents(None, [0, 20, 40], (1, 40), torch.device("cpu"))
-    config = OOMBConfig(chunk_size=16, page_size=8, attention="sparse", sparse_sink_pages=0)
+    config = OOMBConfig(chunk_size=16, page_size=8, attention="sparse", sparse=SparseConfig(sink_pages=0))
     asked = []
     fake = AttentionBackend("cudnn", None, None, None)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **kw: asked.append(kw["dtype"]) or fake)
-    with pytest.raises(NotImplementedError, match="sparse_sink_pages >= 1"):
+    with pytest.raises(NotImplementedError, match="sparse.sink_pages >= 1"):
         oomb.engine.attention_setup(model, config, torch.device("cuda"), 40, docs)
     assert asked == [None]  # "auto" would have resolved to triton
