@@ -7,6 +7,8 @@ passes (a summed loss), and TRL's DPO and GRPO loss formulas on the same log-pro
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,16 +330,18 @@ def test_sparse_with_every_page_is_dense():
              lambda: hf_batch_step(model, context, conts))
 
 
-def test_packed_documents_in_the_context():
-    """Three documents in the context (one boundary mid-page, one at a chunk boundary): attention stays inside
+@pytest.mark.parametrize("given", ["position_ids", "cu_seqlens"])
+def test_packed_documents_in_the_context(given):
+    """Three documents in the context (boundaries mid-page and at a chunk boundary): attention stays inside
     each, the continuations continue the last one; as HF with position_ids on each row."""
     model = build_tiny_model("llama", seed=18)
     context, conts = _inputs()
-    lengths = (19, CHUNK + 13 - 19 + CHUNK - 32, CONTEXT - (19 + CHUNK + 13 - 19 + CHUNK - 32))
+    lengths = (19, 2 * CHUNK - 19, CONTEXT - 2 * CHUNK)
     position_ids = torch.cat([torch.arange(n) for n in lengths])
+    documents = {"position_ids": position_ids} if given == "position_ids" else {"cu_seqlens": [0, 19, 64, CONTEXT]}
     context_labels = context.clone()
     _compare(model, lambda: oomb.shared_context_backward(model, context, conts, context_labels=context_labels,
-                                                         config=_config(), position_ids=position_ids),
+                                                         config=_config(), **documents),
              lambda: hf_batch_step(model, context, conts, context_labels=context_labels, position_ids=position_ids))
 
 
@@ -375,3 +379,16 @@ def test_refusals():
     windowed = build_tiny_model("mistral", seed=20, sliding_window=16)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         oomb.shared_context_backward(windowed, context, conts, config=config)
+
+
+def test_example_script_runs():
+    """examples/shared_context_dpo.py: DPO steps on a tiny random model, the first loss log(2) (policy = reference)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "shared_context_dpo.py"
+    spec = importlib.util.spec_from_file_location("shared_context_dpo", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(["--context", "300", "--answer", "20", "--chunk", "128", "--page", "32", "--steps", "2"])
+    assert abs(losses[0] - math.log(2)) < 1e-5 and all(math.isfinite(x) for x in losses)
