@@ -8,7 +8,8 @@ Layers, each importing only those above it in this list (tests/test_layers.py; d
     sparse.py    page selection
     the step     attention/function.py, models.py, loss.py, loss_gradient.py, moe.py, compiled_layers.py,
                  carried_gradients.py, parallel.py
-    engine.py    forward_backward; evaluate.py (stage 1 alone: per-token log-probabilities) with
+    engine.py    forward_backward; shared_context.py (many continuations of one context, the context once);
+                 evaluate.py (stage 1 alone: per-token log-probabilities) with
                  perplexity.py and passkey.py; sparse_fidelity.py (the share of the history a sparse step reads)
     planning/    the memory model, whether a step fits, the chooser of the fastest OOMBConfig that fits
     training/    the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
@@ -23,13 +24,14 @@ from typing import Any
 from .config import OOMBConfig, SparseConfig, SparseResearch
 from .engine import forward_backward
 from .kv.offload import HostSlabs
+from .shared_context import ContinuationLogProbs, shared_context_backward, shared_context_logprobs
 from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
 from .version import __version__
 
-__all__ = ["HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "SparseConfig",
-           "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "patch_trainer",
-           "__version__"]
+__all__ = ["ContinuationLogProbs", "HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin",
+           "SparseConfig", "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward",
+           "patch_trainer", "shared_context_backward", "shared_context_logprobs", "__version__"]
 
 _HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
 

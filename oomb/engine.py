@@ -25,7 +25,8 @@ sparse model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -175,7 +176,6 @@ def forward_backward(
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
     rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
-    accumulator = None
     try:
         with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers):
             # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
@@ -192,19 +192,8 @@ def forward_backward(
                     chunk_done()
             rng_after_step = _rng_state(device)
 
-            # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients. Without
-            # float32 sums, linear weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the
-            # head's always, the decoder's where layers run eager (a routed linear breaks a compiled graph);
-            # compiled layers' linears carry .grad through the chunk's graph into their products
-            # (carried_gradients.py).
-            # Under FSDP the chunks' gradients are summed (in fp32) by FSDP until the last backward.
-            params = [] if parallel.fsdp else model.parameters()
-            accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
-            in_place = parallel.tp == 1 and not parallel.fsdp
-            with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
-                    float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
-                    in_place_weight_gradients(lm_head if compile_layers else model, accumulator, enabled=in_place), \
-                    carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
+            # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
+            with gradient_routing(model, config, parallel, compile_layers, grad_targets) as routing:
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
@@ -219,24 +208,13 @@ def forward_backward(
                     )
                     if router_loss is not None:
                         loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)
-                    carried.release()  # the graph holds each carried .grad: autograd stores the sums
-                    if loss.requires_grad:  # False when the chunk has no counted label
-                        loss.backward()
-                    else:
-                        # Still push the page gradients of later chunks through this chunk.
-                        _backward_without_loss(hidden)
-                    carried.restore()
-                    accumulator.collect()
+                    routing.backward(loss, hidden)
                     store.free(chunk)
                     total_loss += loss.detach()
                     chunk_done()
-            accumulator.finish()
-            accumulator = None
     finally:
         if kept_outputs is not None:
             kept_outputs.clear()  # after an error, stage 1's outputs stage 2 did not reach
-        if accumulator is not None:
-            accumulator.abort()
         _set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
@@ -244,6 +222,56 @@ def forward_backward(
         parallel.finish_step(model)
     assert store.is_empty, "page store not empty after the step"
     return total_loss
+
+
+class GradientRouting:
+    """Stage 2's gradient routing, entered once around the reverse pass (``gradient_routing``): the backward
+    of one chunk's loss with its parameter gradients collected."""
+
+    def __init__(self, accumulator: Fp32GradAccumulator, carried) -> None:
+        self.accumulator, self.carried = accumulator, carried
+
+    def backward(self, loss: torch.Tensor, hidden: torch.Tensor) -> None:
+        """``loss.backward()`` of one chunk (or, when the chunk has no counted label, a backward that still
+        pushes later chunks' page gradients through it), then its parameter gradients collected."""
+        self.carried.release()  # the graph holds each carried .grad: autograd stores the sums
+        if loss.requires_grad:  # False when the chunk has no counted label
+            loss.backward()
+        else:
+            # Still push the page gradients of later chunks through this chunk.
+            _backward_without_loss(hidden)
+        self.carried.restore()
+        self.accumulator.collect()
+
+
+@contextmanager
+def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: ParallelSetup, compile_layers,
+                     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+                     ) -> Iterator[GradientRouting]:
+    """Where stage 2's chunk backward passes put the parameter gradients. Without float32 sums, linear
+    weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the head's always, the decoder's
+    where layers run eager (a routed linear breaks a compiled graph); compiled layers' linears carry .grad
+    through the chunk's graph into their products (carried_gradients.py). Under FSDP the chunks' gradients
+    are summed (in fp32) by FSDP until the last backward. Layer checkpointing and the tensor-parallel loss
+    context are entered here too. The float32 sums are written out on a normal exit, dropped on an error."""
+    causal_lm = unwrap_causal_lm(model)
+    decoder = causal_lm.get_decoder()
+    params = [] if parallel.fsdp else model.parameters()
+    accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
+    in_place = parallel.tp == 1 and not parallel.fsdp
+    finished = False
+    try:
+        with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
+                float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
+                in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, accumulator,
+                                          enabled=in_place), \
+                carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
+            yield GradientRouting(accumulator, carried)
+        accumulator.finish()
+        finished = True
+    finally:
+        if not finished:
+            accumulator.abort()
 
 
 def _router_term(term: torch.Tensor, causal_lm, lm_head) -> torch.Tensor:

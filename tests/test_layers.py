@@ -9,7 +9,8 @@ still an arrow). The order, lowest first (docs/design.md, "Layout"):
     sparse     sparse (page selection), sparse_fidelity (the share of the history a selection reads)
     step       attention/function.py (the autograd Function that selects pages and calls a backend),
                models, loss, loss_gradient, moe, compiled_layers, carried_gradients, parallel
-    engine     engine (forward_backward), evaluate (stage 1 alone) with perplexity and passkey
+    engine     engine (forward_backward), shared_context (continuations of one context), evaluate (stage 1
+               alone) with perplexity and passkey
     planning   planning/ (memory model, fit, the chooser)
     training   training/ (Trainer, `oomb train`, checkpoints, data, presets, the HF Trainer integration),
                real_model (a small real model, `--model smollm2`), cli_options (the commands' shared option names)
@@ -32,7 +33,7 @@ LAYERS = [
     ("sparse", ["oomb.sparse", "oomb.sparse_fidelity"]),
     ("step", ["oomb.attention.function", "oomb.models", "oomb.loss", "oomb.loss_gradient", "oomb.moe",
               "oomb.compiled_layers", "oomb.carried_gradients", "oomb.parallel"]),
-    ("engine", ["oomb.engine", "oomb.evaluate", "oomb.passkey", "oomb.perplexity"]),
+    ("engine", ["oomb.engine", "oomb.shared_context", "oomb.evaluate", "oomb.passkey", "oomb.perplexity"]),
     ("planning", ["oomb.planning"]),
     ("training", ["oomb.training", "oomb.real_model", "oomb.cli_options"]),
     ("tools", ["oomb.tools"]),

@@ -142,6 +142,9 @@ class OffloadedKVStore(SparseStaging, PagedKVStore):
         self._tables: dict[tuple[int, int, int], torch.Tensor] = {}  # window page tables, made once per step
         self.chunk_size, self.num_tokens = chunk_size, store_options["num_tokens"]
         self._prefetched = None  # ((layer, chunk index, grads), window loads or staged selection) started ahead
+        self.prefetch_across_chunks = True
+        """Whether a chunk's last call predicts the next chunk's first (the two-stage order); False where the
+        step runs its chunks in another order (oomb/shared_context.py): only the next layer is predicted."""
         self._selection_copied: dict[tuple[int, int], torch.cuda.Event] = {}  # (chunk, layer) -> D2H done
         self.prefetch_hits = 0
         """Attention calls whose first windows (sparse: selected pages) were loaded during the previous
@@ -339,12 +342,14 @@ class OffloadedKVStore(SparseStaging, PagedKVStore):
                 return layer + 1, chunk, False
             if not stage_one:
                 return layer, chunk, True
+            if not self.prefetch_across_chunks:
+                return None
             if chunk.end >= self.num_tokens:
                 return None  # the first call of stage 2 is not predicted
             return 0, ChunkSpan(chunk.index + 1, chunk.end, min(chunk.end + self.chunk_size, self.num_tokens)), False
         if layer > 0:
             return layer - 1, chunk, True
-        if chunk.index == 0:
+        if chunk.index == 0 or not self.prefetch_across_chunks:
             return None
         return 0, ChunkSpan(chunk.index - 1, chunk.start - self.chunk_size, chunk.start), False
 

@@ -385,6 +385,18 @@ class PagedKVStore:
         kept = self._scoring_queries.get(layer)
         return kept[1] if kept is not None and kept[0] == chunk.index - 1 else None
 
+    @contextmanager
+    def branch(self) -> Iterator[None]:
+        """A branch of the sequence after the chunks allocated so far (a shared context's continuation,
+        oomb/shared_context.py): chunks allocated inside take the page positions after the trunk's and must
+        be freed inside; on exit the trunk reads on as before the branch (stage 1's leak-free scoring queries,
+        which the branch's chunks replaced, are the trunk's last chunk's again)."""
+        kept = dict(self._scoring_queries)
+        try:
+            yield
+        finally:
+            self._scoring_queries = kept
+
     def owns(self, chunk: ChunkSpan) -> bool:
         """Whether this store holds the chunk's pages (always, without context parallelism)."""
         return self.context is None or self.context.owns(chunk.index)
