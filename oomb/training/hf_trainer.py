@@ -134,6 +134,16 @@ def check_trainer(trainer: Trainer) -> None:
         refuse(f"label_smoothing_factor={args.label_smoothing_factor}", "set it to 0")
     if getattr(args, "loss_type", "nll") not in ("nll", None):
         refuse(f"loss_type={args.loss_type!r}", "use loss_type='nll'")
+    check_runtime(trainer)
+
+
+def check_runtime(trainer: Trainer) -> None:
+    """Refuse the runtime setups no oomb step supports inside a Trainer (every oomb trainer switch checks these)."""
+    args = trainer.args
+
+    def refuse(what: str, fix: str) -> None:
+        raise ValueError(f"oomb's training step does not support {what}: {fix}")
+
     if getattr(args, "activation_offloading", False):
         refuse("activation_offloading=True", "oomb keeps almost no activations; use OOMBConfig(offload=True) for "
                "the KV pages")
@@ -323,7 +333,7 @@ def oomb_training_step(trainer: Trainer, model: nn.Module, inputs: dict[str, Any
     unwrapped = trainer.accelerator.unwrap_model(model)
     num_counted = counted_targets(kwargs["labels"])
     scale = loss_scale(trainer, num_counted, num_items_in_batch)
-    _warn_mixed_precision(trainer, unwrapped)
+    warn_mixed_precision(trainer, unwrapped)
     if num_counted == 0:
         if num_items_in_batch is None:
             raise ValueError("a micro-batch has no counted label (all -100 after shifting): its mean loss is "
@@ -342,7 +352,7 @@ def oomb_training_step(trainer: Trainer, model: nn.Module, inputs: dict[str, Any
     return loss.detach()
 
 
-def _warn_mixed_precision(trainer: Trainer, model: nn.Module) -> None:
+def warn_mixed_precision(trainer: Trainer, model: nn.Module) -> None:
     if trainer._oomb_warned_precision or trainer.accelerator.mixed_precision in (None, "no"):
         return
     dtype = unwrap_causal_lm(model).get_input_embeddings().weight.dtype
@@ -354,13 +364,18 @@ def _warn_mixed_precision(trainer: Trainer, model: nn.Module) -> None:
     trainer._oomb_warned_precision = True
 
 
-def _setup(trainer: Trainer, oomb_config: OOMBConfig | None) -> None:
+def attach_config(trainer: Trainer, oomb_config: OOMBConfig | None) -> None:
+    """Give ``trainer`` oomb's options and the state its steps keep (host slabs for offload, warnings given)."""
     if oomb_config is not None and not isinstance(oomb_config, OOMBConfig):
         raise TypeError(f"oomb_config must be an oomb.OOMBConfig, got {type(oomb_config).__name__}")
     trainer.oomb_config = oomb_config or OOMBConfig()
     trainer._oomb_host_slabs = HostSlabs() if trainer.oomb_config.offload else None
     trainer._oomb_warned_precision = False
     unwrap_causal_lm(trainer.model)  # refuse an unsupported model now, not at the first step
+
+
+def _setup(trainer: Trainer, oomb_config: OOMBConfig | None) -> None:
+    attach_config(trainer, oomb_config)
     check_trainer(trainer)
     disable_hf_checkpointing(trainer)
 
