@@ -29,18 +29,24 @@ from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
 from .version import __version__
 
-__all__ = ["ContinuationLogProbs", "HostSlabs", "OOMBConfig", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin",
-           "SparseConfig", "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward",
-           "patch_trainer", "shared_context_backward", "shared_context_logprobs", "__version__"]
+__all__ = ["ContinuationLogProbs", "HostSlabs", "OOMBConfig", "OOMBDPOTrainer", "OOMBGRPOTrainer", "OOMBSFTTrainer",
+           "OOMBTrainer", "OOMBTrainerMixin", "SparseConfig", "SparseResearch", "Trainer", "TrainerConfig",
+           "TrainResult", "forward_backward", "patch_trainer", "shared_context_backward", "shared_context_logprobs",
+           "__version__"]
 
 _HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
+_TRL_TRAINER_NAMES = ("OOMBDPOTrainer", "OOMBGRPOTrainer")
 
 
 def __getattr__(name: str) -> Any:
     """The Hugging Face Trainer integration loads on first use (a local import: transformers' Trainer, and TRL
-    for OOMBSFTTrainer, are heavy imports that ``oomb train`` does not need)."""
+    for OOMBSFTTrainer, OOMBDPOTrainer and OOMBGRPOTrainer, are heavy imports that ``oomb train`` does not need)."""
     if name in _HF_TRAINER_NAMES:
         from .training import hf_trainer
 
         return getattr(hf_trainer, name)
+    if name in _TRL_TRAINER_NAMES:
+        from .training import trl_trainers
+
+        return getattr(trl_trainers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
