@@ -13,8 +13,9 @@ Layers, each importing only those above it in this list (tests/test_layers.py; d
                  perplexity.py and passkey.py; sparse_fidelity.py (the share of the history a sparse step reads)
     planning/    the memory model, whether a step fits, the chooser of the fastest OOMBConfig that fits
     training/    the training run around the step: Trainer, TrainerConfig, `oomb train`, optimizer,
-                 checkpoints, data, presets, the Hugging Face Trainer/TRL integration; real_model.py (the small
-                 real model) and cli_options.py (the commands' shared option names) sit with it
+                 checkpoints, data, presets, the Hugging Face Trainer/TRL integration (SFT, DPO, GRPO);
+                 real_model.py (the small real model) and cli_options.py (the commands' shared option names) sit
+                 with it
     tools/       `oomb bench`, `oomb plan`, `oomb gradcheck`, `oomb eval`, `oomb demo`, `oomb calibrate`
     cli.py       the `oomb` command: dispatches to each command's module
 """

@@ -12,7 +12,7 @@ still an arrow). The order, lowest first (docs/design.md, "Layout"):
     engine     engine (forward_backward), shared_context (continuations of one context), evaluate (stage 1
                alone) with perplexity and passkey
     planning   planning/ (memory model, fit, the chooser)
-    training   training/ (Trainer, `oomb train`, checkpoints, data, presets, the HF Trainer integration),
+    training   training/ (Trainer, `oomb train`, checkpoints, data, presets, the HF Trainer and TRL integration),
                real_model (a small real model, `--model smollm2`), cli_options (the commands' shared option names)
     tools      tools/ (bench, plan, gradcheck, eval, demo, calibrate)
     cli        cli, __main__, and the package root (its public API)
