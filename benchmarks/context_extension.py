@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oomb.config import PerformanceConfig
+
 PASSKEY_LENGTHS = (8192, 16384, 32768)
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 PASSKEY_SEEDS = 2  # prompts per (length, depth): 10 per length
@@ -170,7 +172,8 @@ def eval_config(args):
     """Every arm is evaluated alike: dense (exact) attention, the run's chunk, page and backend."""
     from oomb import OOMBConfig
 
-    return OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, backend=args.backend)
+    return OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size,
+                      performance=PerformanceConfig(backend=args.backend))
 
 
 def sparse_options(arm: str, args) -> dict:

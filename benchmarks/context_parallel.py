@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from parallel import base_report, time_contexts  # noqa: E402  (benchmarks/parallel.py, this script's folder)
 
 import oomb.engine  # noqa: E402
-from oomb.config import OOMBConfig, SparseConfig  # noqa: E402
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, PrecisionConfig, SparseConfig  # noqa: E402
 from oomb.context_parallel import ContextShard  # noqa: E402
 from oomb.engine import forward_backward  # noqa: E402
 from oomb.kv.offload import HostSlabs  # noqa: E402
@@ -72,9 +72,11 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.preset, max(args.contexts + [args.warmup_tokens]), device, dtype, args.seed)
     cp = world // args.tp
-    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, kv_grad_dtype=args.kv_grad_dtype,
-                        backend=args.backend, attention=args.attention, offload=args.offload,
-                        sparse=SparseConfig(budget=args.sparse_budget, score=args.sparse_score))
+    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention=args.attention,
+                        sparse=SparseConfig(budget=args.sparse_budget, score=args.sparse_score),
+                        precision=PrecisionConfig(kv_grad_dtype=args.kv_grad_dtype),
+                        performance=PerformanceConfig(backend=args.backend),
+                        offload=OffloadConfig(enabled=args.offload))
     slabs = HostSlabs() if args.offload else None  # pinned once, reused by every step
     if args.cp_one_path:
         if world != 1:

@@ -113,8 +113,8 @@ def main() -> None:
     warm_ids = token_ids(vocab, warm, args.seed, device)
     # The standard workload's OOMBConfig, backend "auto" resolved for the model and device (as its step would).
     shape = ModelShape.from_hf_config(model.config)
-    base = dataclasses.replace(options.oomb_config(), backend=options.backend_for(shape))
-    base = dataclasses.replace(base, offload=args.offload)
+    base = options.oomb_config().with_options({"performance.backend": options.backend_for(shape)})
+    base = base.with_options({"offload.enabled": args.offload})
     slabs = HostSlabs()  # with --offload: pinned once per size, reused by every step
     gpu = machine.detect_gpu(device) if device.type == "cuda" else None
     report = {
@@ -165,7 +165,7 @@ def main() -> None:
         record(name, row)
 
     def oomb_step(config, boundaries):
-        if not config.offload:
+        if not config.offload.enabled:
             return lambda m, x: float(forward_backward(m, x, config=config, **boundaries))
 
         def offload_step(m, x):
@@ -174,12 +174,12 @@ def main() -> None:
 
     def pin_host(config) -> None:
         """Pin the host memory of the full-length step before it is timed (as `oomb bench` does)."""
-        if config.offload:
-            reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers,
+        if config.offload.enabled:
+            reserve_host_slabs(slabs, resident_layers=config.offload.resident_layers,
                                **store_options(unwrap_causal_lm(model), 1, args.context, config, device))
 
     def documents(backend: str) -> None:
-        config = dataclasses.replace(base, backend=backend)
+        config = base.with_options({"performance.backend": backend})
         step, warm_step = oomb_step(config, {"cu_seqlens": cu}), oomb_step(config, {"cu_seqlens": warm_cu})
         run(f"oomb_documents[{backend}]", lambda: measure(step, model, ids, device),
             lambda: (warm_step(model, warm_ids), pin_host(config)))
@@ -190,7 +190,7 @@ def main() -> None:
         documents(backends[0])
     if "cross" not in args.skip:
         step = oomb_step(base, {})
-        run(f"oomb_cross_documents[{base.backend}]", lambda: measure(step, model, ids, device),
+        run(f"oomb_cross_documents[{base.performance.backend}]", lambda: measure(step, model, ids, device),
             lambda: (step(model, warm_ids), pin_host(base)))
     if "hf" not in args.skip:
         def per_document() -> dict:

@@ -1,4 +1,4 @@
-"""Which dtype the dK/dV page buffers should have (OOMBConfig.kv_grad_dtype): bf16 vs float32, measured.
+"""Which dtype the dK/dV page buffers should have (OOMBConfig.precision.kv_grad_dtype): bf16 vs float32, measured.
 
     # one H100: SmolLM2-135M on the Python standard library's source, 64 and 256 chunks (3-4 minutes,
     # estimated: the float32 reference at 128K, plain torch attention, is the longest arm)
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from oomb.attention.backend import resolve_backend_name
-from oomb.config import OOMBConfig, resolve_dtype
+from oomb.config import OOMBConfig, PerformanceConfig, PrecisionConfig, resolve_dtype
 from oomb.engine import forward_backward
 from oomb.kv import split_into_chunks
 from oomb.machine import detect_gpu, machine_info, versions
@@ -124,7 +124,7 @@ def _hf_full_step(model, ids) -> Callable[[], float]:
 
 def _hf_chunked_step(model, ids) -> Callable[[], float]:
     """HF's model body and attention, oomb's chunked LM-head loss (never the full-vocabulary logits)."""
-    return lambda: hf_step(model, ids, OOMBConfig().loss_chunk_tokens)
+    return lambda: hf_step(model, ids, OOMBConfig().performance.loss_chunk_tokens)
 
 
 def _run_hf(model, ids, hf_loss: str, device: torch.device) -> tuple[dict | None, str | None, str | None]:
@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
     }
 
     def configs(kv_grad: str, backend: str) -> OOMBConfig:
-        return OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, kv_grad_dtype=kv_grad, backend=backend)
+        return OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size,
+                          precision=PrecisionConfig(kv_grad_dtype=kv_grad),
+                          performance=PerformanceConfig(backend=backend))
 
     reference_config = configs("float32", "auto")
     arm_configs = {"kv_float32": configs("float32", args.backend), "kv_bfloat16": configs("bfloat16", args.backend)}
@@ -242,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
 
         arms = entry["arms"] = {}
         for name, config in arm_configs.items():
-            kv_grad = str(config.grad_dtype).removeprefix("torch.")
+            kv_grad = str(config.precision.grad_dtype).removeprefix("torch.")
             _log(f"{where}: oomb dense, {report['dtype']} model, {kv_grad} page gradients, {oomb_backend}")
             try:
                 timing = _timed(_oomb_step(model, tokens, config, progress), model, device)

@@ -29,7 +29,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from oomb.config import OOMBConfig  # noqa: E402
+from oomb.config import (
+    OOMBConfig,  # noqa: E402
+    PrecisionConfig,
+)
 from oomb.engine import forward_backward  # noqa: E402
 from oomb.parallel import init_distributed, setup_parallel  # noqa: E402
 from oomb.planning.memory import GIB  # noqa: E402
@@ -56,7 +59,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.preset, max(args.contexts + [args.warmup_tokens]), device, dtype, args.seed)
     setup = setup_parallel(model, tp=tp, device_type=device.type)
-    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, kv_grad_dtype=args.kv_grad_dtype)
+    config = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size,
+                        precision=PrecisionConfig(kv_grad_dtype=args.kv_grad_dtype))
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     def step(m, ids):

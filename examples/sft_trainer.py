@@ -84,8 +84,9 @@ def oomb_config_from(args: argparse.Namespace) -> OOMBConfig:
             return {k: known(v) if isinstance(v, dict) else v for k, v in section.items() if v != "auto"}
 
         options = known(loaded.get("oomb", loaded))
-    flags = {"chunk_size": args.chunk_size, "page_size": args.page_size, "kv_grad_dtype": args.kv_grad_dtype,
-             "offload": args.offload, "backend": args.backend, "checkpoint_layers": args.checkpoint_layers}
+    flags = {"chunk_size": args.chunk_size, "page_size": args.page_size, "precision.kv_grad_dtype": args.kv_grad_dtype,
+             "offload.enabled": args.offload, "performance.backend": args.backend,
+             "performance.checkpoint_layers": args.checkpoint_layers}
     options.update({k: v for k, v in flags.items() if v is not None})
     return OOMBConfig.from_dict(options)
 

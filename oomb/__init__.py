@@ -22,7 +22,7 @@ Layers, each importing only those above it in this list (tests/test_layers.py; d
 
 from typing import Any
 
-from .config import OOMBConfig, SparseConfig, SparseResearch
+from .config import OffloadConfig, OOMBConfig, PerformanceConfig, PrecisionConfig, SparseConfig, SparseResearch
 from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .shared_context import ContinuationLogProbs, shared_context_backward, shared_context_logprobs
@@ -30,10 +30,10 @@ from .training.config import TrainerConfig
 from .training.trainer import Trainer, TrainResult
 from .version import __version__
 
-__all__ = ["ContinuationLogProbs", "HostSlabs", "OOMBConfig", "OOMBDPOTrainer", "OOMBGRPOTrainer", "OOMBSFTTrainer",
-           "OOMBTrainer", "OOMBTrainerMixin", "SparseConfig", "SparseResearch", "Trainer", "TrainerConfig",
-           "TrainResult", "forward_backward", "patch_trainer", "shared_context_backward", "shared_context_logprobs",
-           "__version__"]
+__all__ = ["ContinuationLogProbs", "HostSlabs", "OffloadConfig", "OOMBConfig", "OOMBDPOTrainer", "OOMBGRPOTrainer",
+           "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "PerformanceConfig", "PrecisionConfig", "SparseConfig",
+           "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "patch_trainer",
+           "shared_context_backward", "shared_context_logprobs", "__version__"]
 
 _HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
 _TRL_TRAINER_NAMES = ("OOMBDPOTrainer", "OOMBGRPOTrainer")

@@ -1,11 +1,13 @@
 """One vocabulary for the `oomb` commands' options: the same thing has the same flag everywhere.
 
-An option of the step is named after its ``OOMBConfig`` path, dashes for dots and underscores (``--sparse-budget``
-for ``sparse.budget``, ``--sparse-score``, ``--kv-grad-dtype``,
-``--fp32-grad-accumulation/--no-fp32-grad-accumulation``); input text is ``--data``, the device ``--device``, the
-learning rate ``--lr``, the model ``--model`` (a local directory, a preset, or ``smollm2``). Spellings the commands
-had before stay accepted as hidden aliases, because recorded commands (benchmarks/results/INDEX.yaml, docs) use
-them; ``--help`` shows only the names above.
+An option of the step is named after its ``OOMBConfig`` path, dashes for dots and underscores, without the
+performance/precision section (``--sparse-budget`` for ``sparse.budget``, ``--kv-grad-dtype`` for
+``precision.kv_grad_dtype``, ``--no-checkpoint-layers`` for ``performance.checkpoint_layers``,
+``--fp32-grad-accumulation/--no-fp32-grad-accumulation``) and, for offload, as before (``--offload`` for
+``offload.enabled``, ``--resident-layers`` for ``offload.resident_layers``); input text is ``--data``, the device
+``--device``, the learning rate ``--lr``, the model ``--model`` (a local directory, a preset, or ``smollm2``).
+Spellings the commands had before stay accepted as hidden aliases, because recorded commands
+(benchmarks/results/INDEX.yaml, docs) use them; ``--help`` shows only the names above.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ instead."""
 
 
 def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
-    """OOMBConfig.compile_layers resolved for this step: ``compiles(...)``; the automatic choice also needs
+    """OOMBConfig.performance.compile_layers resolved for this step: ``compiles(...)``; the automatic choice also needs
     no active dropout and a machine where torch can compile (``can_compile``). Raises for True where the
     step cannot keep both stages' code the same."""
     experts = getattr(causal_lm.config, "num_experts", None) or getattr(causal_lm.config, "num_local_experts", None)
@@ -49,7 +49,7 @@ def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn
         and torch.distributed.get_world_size() > 1
     if not compiles(config, device.type == "cuda", bool(experts), parallel.mesh is None and not distributed):
         return False
-    if config.compile_layers is None:
+    if config.performance.compile_layers is None:
         return may_compile(causal_lm)
     dropout = active_dropout(causal_lm)
     problem = compile_problem()
@@ -63,12 +63,13 @@ def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn
 
 
 def compiles(config, cuda: bool, experts: bool, single_process: bool = True) -> bool:
-    """The rule of OOMBConfig.compile_layers without the model's and the machine's checks: the user's
+    """The rule of OOMBConfig.performance.compile_layers without the model's and the machine's checks: the user's
     choice (True needs checkpoint_layers=False: the config refuses the pair), else on for a single-process
     CUDA step without layer replay of a model without experts, unless bitwise determinism is asked for."""
-    if config.compile_layers is not None:
-        return config.compile_layers
-    return cuda and single_process and not experts and not config.checkpoint_layers and not config.deterministic
+    if config.performance.compile_layers is not None:
+        return config.performance.compile_layers
+    return (cuda and single_process and not experts and not config.performance.checkpoint_layers
+            and not config.precision.deterministic)
 
 
 def may_compile(causal_lm: nn.Module, single_process: bool = True) -> bool:

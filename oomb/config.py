@@ -58,6 +58,11 @@ def _check_int(name: str, value: object, minimum: int, unit: str = "") -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{unit}")
 
 
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
 def _check_choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; use one of: {choices}")
@@ -250,7 +255,126 @@ class SparseConfig:
         return min(history_pages, self.sink_pages + self.budget_of(layer, history_pages))
 
 
-SECTIONS = {"sparse": SparseConfig}
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the KV pages live and how a chunk's history streams through the GPU. Has no truth value: read
+    ``offload.enabled`` (``if config.offload:`` of earlier versions raises a TypeError rather than being always
+    true)."""
+
+    enabled: bool = False
+    """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode): GPU memory
+    stops growing with context; gradients are bit-identical to enabled=False (torch and triton backends; cudnn
+    is not bitwise deterministic)."""
+    resident_layers: int = 0
+    """With offload, the first this many layers keep their pages on the GPU (no transfers for them)."""
+    stream_block_pages: int = 256
+    """Dense attention reads a chunk's history in blocks of this many pages (per sequence), merged exactly;
+    with offload each block is one transfer. Used with and without offload alike, so that both compute the
+    same float operations."""
+    stream_buffers: int = 3
+    """With offload, GPU staging buffers of one block each: one computes while the next loads and the
+    previous one's gradients are written back."""
+
+    def __post_init__(self) -> None:
+        _check_bool("offload.enabled", self.enabled)
+        _check_int("offload.resident_layers", self.resident_layers, 0)
+        _check_positive("offload.stream_block_pages", self.stream_block_pages)
+        if isinstance(self.stream_buffers, bool) or not isinstance(self.stream_buffers, int) \
+                or self.stream_buffers < 2:
+            raise ValueError(f"offload.stream_buffers={self.stream_buffers!r} must be an integer >= 2 (one "
+                             f"computes, one loads)")
+
+    def __bool__(self) -> bool:
+        raise TypeError("OffloadConfig has no truth value: read offload.enabled (e.g. config.offload.enabled)")
+
+
+@dataclass(frozen=True)
+class PerformanceConfig:
+    """Speed against memory: which kernels run, what is recomputed and what is kept. None of these changes
+    what is computed beyond float rounding (compile_layers, backend "cudnn") and dropout masks."""
+
+    backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
+    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (CUDA: cudnn for
+    bf16/fp16 weights, torch for float32, triton with precision.deterministic=True, logit softcapping or
+    sliding windows inside packed documents; torch off CUDA),
+    "cudnn" (CUDA, bf16/fp16: cuDNN's fused attention, which HF's SDPA runs on Hopper; faster there,
+    not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
+    checkpoint_layers: bool = True
+    """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
+    loss_chunk_tokens: int = 1024
+    """The LM-head loss runs over slices of this many tokens: their full-vocabulary logits are computed
+    (and, with recompute_logits, the only ones that exist) at a time."""
+    recompute_logits: bool = True
+    """Recompute each loss slice's logits in backward (at most loss_chunk_tokens tokens' logits alive).
+    False: autograd keeps the chunk's log-probabilities (chunk_size x vocabulary x 4 bytes per sequence,
+    2.3 GiB for Qwen2.5-7B at chunk 4096) until the chunk's backward, and the LM head's forward GEMM and
+    log-softmax run once per slice instead of twice; gradients are bitwise the same. The fused loss (a plain
+    linear head: docs/design.md) recomputes nothing and keeps nothing of the vocabulary's size either way: the
+    engine makes a trained head's weight gradient in the loss's forward."""
+    compile_layers: bool | None = None
+    """Compile each decoder layer with torch.compile for the step (oomb's attention stays outside the
+    graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
+    memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
+    instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
+    rounding, not bit for bit. Needs checkpoint_layers=False (with replay, stage 2 would run eager: other
+    rounding, other dropout masks than stage 1), and is refused while a dropout is active. None: on for a
+    single-process CUDA step without layer replay or active dropout of a model without experts, with
+    Triton installed, unless precision.deterministic=True; off on a CPU, where compiling costs more than it
+    saves. True/False fix it."""
+    keep_attention_outputs: bool = False
+    """Stage 1 keeps every layer's attention output and log-sum-exp for stage 2, which then skips recomputing
+    the attention forward (for sparse attention also its page gathers): (head dim x dtype bytes + 4) bytes
+    per token, query head and layer on the GPU, 24.9 GiB for the 7B shape at 128K, counted by oomb plan.
+    The 7B shape's 128K sparse step took 0.941x the time without it (kept-attention-outputs-128k), so oomb
+    train's chooser turns it on for steps with every page on the GPU where it fits (dense at 128K: 0.858x,
+    kept-attention-outputs-dense-128k). Not with offload or context parallelism. With compiled layers
+    stage 2's queries can differ from stage 1's by float rounding (compiled-layers-stage-consistency), and
+    the backward then pairs stage 2's queries with stage 1's output (bf16 gradient error still HF's own:
+    bf16-gradient-error-kept-attention)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("performance.backend", self.backend, BACKENDS)
+        _check_positive("performance.loss_chunk_tokens", self.loss_chunk_tokens)
+        for name in ("checkpoint_layers", "recompute_logits", "keep_attention_outputs"):
+            _check_bool(f"performance.{name}", getattr(self, name))
+        if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
+            raise ValueError(f"performance.compile_layers={self.compile_layers!r} must be True, False or None "
+                             f"(automatic)")
+        if self.compile_layers and self.checkpoint_layers:
+            raise ValueError("performance.compile_layers=True needs performance.checkpoint_layers=False: a replayed "
+                             "layer runs inside torch.utils.checkpoint, which does not compile, so stage 2 would "
+                             "recompute keys, values and dropout masks differently from the compiled stage 1")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """What is rounded, and whether the kernels are bitwise reproducible."""
+
+    kv_grad_dtype: str | torch.dtype = "float32"
+    """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
+    fp32_grad_accumulation: bool = True
+    """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
+    parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
+    linear layers' gradients are computed with float32 results, so no chunk's is rounded either
+    (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
+    deterministic: bool = False
+    """True: bitwise-reproducible attention kernels (performance.backend "auto" resolves to triton on CUDA;
+    "cudnn" is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
+    deterministic (docs/kernels.md)."""
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.kv_grad_dtype, "precision.kv_grad_dtype")
+        _check_bool("precision.fp32_grad_accumulation", self.fp32_grad_accumulation)
+        _check_bool("precision.deterministic", self.deterministic)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """kv_grad_dtype as a torch.dtype."""
+        return resolve_dtype(self.kv_grad_dtype, "precision.kv_grad_dtype")
+
+
+SECTIONS = {"sparse": SparseConfig, "offload": OffloadConfig, "performance": PerformanceConfig,
+            "precision": PrecisionConfig}
 """OOMBConfig's sections: field name -> type (SparseConfig nests SparseResearch as "research")."""
 
 FLAT_KEYS = {
@@ -268,9 +392,28 @@ FLAT_KEYS = {
     "sparse_rerank_candidates": "sparse.research.rerank_candidates",
     "sparse_candidate_pooling": "sparse.research.candidate_pooling",
     "sparse_normaliser_pages": "sparse.research.normaliser_pages",
+    "offload": "offload.enabled",
+    "offload_resident_layers": "offload.resident_layers",
+    "stream_block_pages": "offload.stream_block_pages",
+    "stream_buffers": "offload.stream_buffers",
+    "backend": "performance.backend",
+    "checkpoint_layers": "performance.checkpoint_layers",
+    "loss_chunk_tokens": "performance.loss_chunk_tokens",
+    "recompute_logits": "performance.recompute_logits",
+    "compile_layers": "performance.compile_layers",
+    "keep_attention_outputs": "performance.keep_attention_outputs",
+    "kv_grad_dtype": "precision.kv_grad_dtype",
+    "fp32_grad_accumulation": "precision.fp32_grad_accumulation",
+    "deterministic": "precision.deterministic",
 }
-"""The flat sparse_* keys that earlier versions wrote (YAML files, checkpoints, keyword arguments) -> the
-dotted path of the same option now. Each is still read, with one DeprecatedConfigKey warning."""
+"""The flat keys that earlier versions wrote (YAML files, checkpoints, keyword arguments) -> the dotted path
+of the same option now. Each is still read, with one DeprecatedConfigKey warning. "offload" is both: a
+mapping (or an OffloadConfig) is the section, any other value the old flag, offload.enabled."""
+
+
+def is_flat_key(key: str, value: Any) -> bool:
+    """Whether ``key: value`` is an option of an earlier version's flat config (FLAT_KEYS), not a section."""
+    return key in FLAT_KEYS and not (key in SECTIONS and isinstance(value, (dict, SECTIONS[key])))
 
 
 class DeprecatedConfigKey(FutureWarning):
@@ -299,8 +442,7 @@ def nested_options(options: dict) -> dict:
     """A mapping of OOMBConfig options with its flat keys (warned) and dotted keys moved into nested
     section: {"sparse_budget": 32, "sparse.score": "minmax"} -> {"sparse": {"budget": 32, "score": "minmax"}}."""
     out: dict = {}
-    old = [key for key, value in options.items()
-           if key in FLAT_KEYS]
+    old = [key for key, value in options.items() if is_flat_key(key, value)]
     _warn_flat(old, stacklevel=5)
     for key, value in options.items():
         if key in old:
@@ -311,11 +453,30 @@ def nested_options(options: dict) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"OOMBConfig option {key!r}: {part!r} is given twice, as a value and a section")
+        if isinstance(value, dict):  # a copy: later dotted keys go into it, never into the caller's mapping
+            value = _copied(value)
         if isinstance(value, dict) and isinstance(node.get(name), dict):
             node[name] = {**node[name], **value}
         else:
             node[name] = value
     return out
+
+
+def _copied(mapping: dict) -> dict:
+    return {k: _copied(v) if isinstance(v, dict) else v for k, v in mapping.items()}
+
+
+def dotted_options(options: dict) -> dict:
+    """A mapping of OOMBConfig options by dotted path, with its flat keys (warned) mapped and nested sections
+    flattened: {"offload": True, "sparse": {"budget": 32}} -> {"offload.enabled": True, "sparse.budget": 32}."""
+    def leaves(node: dict, prefix: str):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(leaves(nested_options(options), ""))
 
 
 def _merged(section: Any, values: Any, cls: type, where: str) -> Any:
@@ -335,10 +496,12 @@ def _merged(section: Any, values: Any, cls: type, where: str) -> Any:
 
 @dataclass
 class OOMBConfig:
-    """Options of the chunk-recurrent step (docs/design.md). Sparse attention's options are one section,
-    ``OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32))``; ``from_dict`` reads the nested mapping
-    of a YAML file. The flat sparse_* keywords of earlier versions (``sparse_budget=32``) are still accepted,
-    with a DeprecatedConfigKey warning naming the new path (FLAT_KEYS)."""
+    """Options of the chunk-recurrent step (docs/design.md): chunking and pages at the top, then one small
+    section each for sparse attention, offload, performance and precision,
+    ``OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32), offload=OffloadConfig(enabled=True))``;
+    ``from_dict`` reads the nested mapping of a YAML file. The flat keywords of earlier versions
+    (``sparse_budget=32``, ``offload=True``, ``kv_grad_dtype="bf16"``) are still accepted, with a
+    DeprecatedConfigKey warning naming the new path (FLAT_KEYS)."""
 
     chunk_size: int = 4096
     """Tokens per chunk: the unit of recomputation. A multiple of page_size."""
@@ -348,74 +511,16 @@ class OOMBConfig:
     """Attention over the history: "dense" (exact) or "sparse" (the sparse section; docs/sparse.md)."""
     sparse: SparseConfig = field(default_factory=SparseConfig)
     """Sparse attention's options; they only matter with attention="sparse"."""
-    kv_grad_dtype: str | torch.dtype = "float32"
-    """Dtype of the in-place dK/dV page buffers. float32 keeps gradients exact; bf16 halves them."""
-    backend: Literal["auto", "torch", "triton", "cudnn"] = "auto"
-    """Attention kernels: "torch" (reference, any device), "triton" (CUDA), "auto" (CUDA: cudnn for
-    bf16/fp16 weights, torch for float32, triton with deterministic=True, logit softcapping or sliding
-    windows inside packed documents; torch off CUDA),
-    "cudnn" (CUDA, bf16/fp16: cuDNN's fused attention, which HF's SDPA runs on Hopper; faster there,
-    not bitwise deterministic, and each window's gradients are rounded to bf16; docs/kernels.md)."""
-    offload: bool = False
-    """Keep K, V, dK, dV pages in pinned host memory and stream them through the GPU (dense mode):
-    GPU memory stops growing with context; gradients are bit-identical to offload=False (torch and
-    triton backends; cudnn is not bitwise deterministic)."""
-    offload_resident_layers: int = 0
-    """Offload: the first this many layers keep their pages on the GPU (no transfers for them)."""
-    stream_block_pages: int = 256
-    """Dense attention reads a chunk's history in blocks of this many pages (per sequence), merged
-    exactly; with offload each block is one transfer. Used with and without offload alike, so that
-    both compute the same float operations."""
-    stream_buffers: int = 3
-    """Offload: GPU staging buffers of one block each: one computes while the next loads and the
-    previous one's gradients are written back."""
-    checkpoint_layers: bool = True
-    """Recompute each decoder layer inside a chunk during its backward (activation checkpointing)."""
-    loss_chunk_tokens: int = 1024
-    """The LM-head loss runs over slices of this many tokens: their full-vocabulary logits are computed
-    (and, with recompute_logits, the only ones that exist) at a time."""
-    recompute_logits: bool = True
-    """Recompute each loss slice's logits in backward (at most loss_chunk_tokens tokens' logits alive).
-    False: autograd keeps the chunk's log-probabilities (chunk_size x vocabulary x 4 bytes per sequence,
-    2.3 GiB for Qwen2.5-7B at chunk 4096) until the chunk's backward, and the LM head's forward GEMM and
-    log-softmax run once per slice instead of twice; gradients are bitwise the same. The fused loss (a plain
-    linear head: docs/design.md) recomputes nothing and keeps nothing of the vocabulary's size either way: the
-    engine makes a trained head's weight gradient in the loss's forward."""
-    fp32_grad_accumulation: bool = True
-    """Sum the chunks' gradients of bf16/fp16 trainable parameters in float32 (4 bytes per such
-    parameter, held during stage 2) and round once at the end, as a full-sequence backward does;
-    linear layers' gradients are computed with float32 results, so no chunk's is rounded either
-    (oomb/fp32_linear.py). Off: each chunk adds into the low-precision .grad, one rounding per chunk."""
-    compile_layers: bool | None = None
-    """Compile each decoder layer with torch.compile for the step (oomb's attention stays outside the
-    graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
-    memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
-    instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
-    rounding, not bit for bit. Needs checkpoint_layers=False (with replay, stage 2 would run eager: other
-    rounding, other dropout masks than stage 1), and is refused while a dropout is active. None: on for a
-    single-process CUDA step without layer replay or active dropout of a model without experts, with
-    Triton installed, unless deterministic=True; off on a CPU, where compiling costs more than it saves.
-    True/False fix it."""
-    keep_attention_outputs: bool = False
-    """Stage 1 keeps every layer's attention output and log-sum-exp for stage 2, which then skips recomputing
-    the attention forward (for sparse attention also its page gathers): (head dim x dtype bytes + 4) bytes
-    per token, query head and layer on the GPU, 24.9 GiB for the 7B shape at 128K, counted by oomb plan.
-    The 7B shape's 128K sparse step took 0.941x the time without it (kept-attention-outputs-128k), so oomb
-    train's chooser turns it on for steps with every page on the GPU where it fits (dense at 128K: 0.858x,
-    kept-attention-outputs-dense-128k). Not with offload or context parallelism. With compiled layers
-    stage 2's queries can differ from stage 1's by float rounding (compiled-layers-stage-consistency), and
-    the backward then pairs stage 2's queries with stage 1's output (bf16 gradient error still HF's own:
-    bf16-gradient-error-kept-attention)."""
-    deterministic: bool = False
-    """True: bitwise-reproducible attention kernels (backend "auto" resolves to triton on CUDA; "cudnn"
-    is refused). False: backend "auto" gives bf16/fp16 weights on CUDA cudnn, faster but not bitwise
-    deterministic (docs/kernels.md)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Where the KV pages live (offload.enabled: pinned host memory) and how a chunk's history streams."""
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
+    """Kernels, recomputation and what is kept: speed against memory."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """dK/dV dtype, float32 gradient sums, bitwise-reproducible kernels."""
 
     def __post_init__(self) -> None:
-        for name in ("chunk_size", "page_size", "loss_chunk_tokens", "stream_block_pages", "stream_buffers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("chunk_size", "page_size"):
+            _check_positive(name, getattr(self, name))
         if self.chunk_size % self.page_size:
             raise ValueError(
                 f"chunk_size={self.chunk_size} must be a multiple of page_size={self.page_size} "
@@ -423,38 +528,24 @@ class OOMBConfig:
             )
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r} is not supported; use one of: {ATTENTION_MODES}")
-        if isinstance(self.sparse, dict):  # a mapping (YAML) becomes the section
-            self.sparse = _merged(None, self.sparse, SparseConfig, "sparse")
-        if not isinstance(self.sparse, SparseConfig):
-            raise TypeError(f"OOMBConfig.sparse must be a SparseConfig (or a mapping of its options), got "
-                            f"{self.sparse!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not supported; use one of: {BACKENDS}")
-        if self.sparse.score == "exact" and self.offload:
+        for name, cls in SECTIONS.items():
+            if isinstance(getattr(self, name), dict):  # a mapping (YAML) becomes the section
+                setattr(self, name, _merged(None, getattr(self, name), cls, name))
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"OOMBConfig.{name} must be a {cls.__name__} (or a mapping of its options), got "
+                                f"{getattr(self, name)!r}")
+        if self.sparse.score == "exact" and self.offload.enabled:
             raise ValueError("sparse.score='exact' reads every history key from the GPU pages: it cannot be "
-                             "combined with offload=True (sparse.score='rerank' reads only its candidates' keys)")
-        if isinstance(self.offload_resident_layers, bool) or not isinstance(self.offload_resident_layers, int) \
-                or self.offload_resident_layers < 0:
-            raise ValueError(f"offload_resident_layers={self.offload_resident_layers!r} must be an integer >= 0")
-        if self.stream_buffers < 2:
-            raise ValueError(f"stream_buffers={self.stream_buffers} must be at least 2 (one computes, one loads)")
-        if self.deterministic is True and self.backend == "cudnn":
-            raise ValueError("deterministic=True conflicts with backend='cudnn' (cuDNN's attention backward is not "
-                             "bitwise deterministic): use backend='triton' or 'auto', or deterministic=False")
-        for name in ("checkpoint_layers", "recompute_logits", "fp32_grad_accumulation", "offload",
-                     "deterministic", "keep_attention_outputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
-            raise ValueError(f"compile_layers={self.compile_layers!r} must be True, False or None (automatic)")
-        if self.compile_layers and self.checkpoint_layers:
-            raise ValueError("compile_layers=True needs checkpoint_layers=False: a replayed layer runs inside "
-                             "torch.utils.checkpoint, which does not compile, so stage 2 would recompute keys, "
-                             "values and dropout masks differently from the compiled stage 1")
-        if self.keep_attention_outputs and self.offload:
-            raise ValueError("keep_attention_outputs=True needs offload=False: the kept outputs live on the GPU, "
-                             "and the offloaded stage 2 stages its pages in the attention forward it would skip")
-        resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
+                             "combined with offload.enabled=True (sparse.score='rerank' reads only its candidates' "
+                             "keys)")
+        if self.precision.deterministic and self.performance.backend == "cudnn":
+            raise ValueError("precision.deterministic=True conflicts with performance.backend='cudnn' (cuDNN's "
+                             "attention backward is not bitwise deterministic): use backend 'triton' or 'auto', or "
+                             "precision.deterministic=False")
+        if self.performance.keep_attention_outputs and self.offload.enabled:
+            raise ValueError("performance.keep_attention_outputs=True needs offload.enabled=False: the kept outputs "
+                             "live on the GPU, and the offloaded stage 2 stages its pages in the attention forward "
+                             "it would skip")
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not attributes: the flat options of earlier versions, read-only.
@@ -462,10 +553,6 @@ class OOMBConfig:
             _warn_flat([name], stacklevel=3)
             return self.option(FLAT_KEYS[name])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.kv_grad_dtype, "kv_grad_dtype")
 
     def resolved_sparse(self) -> SparseConfig | None:
         """The sparse options the step runs (SparseConfig.resolved); None in dense mode."""
@@ -491,7 +578,7 @@ class OOMBConfig:
         return dict(leaves(self, ""))
 
     def with_options(self, changes: dict[str, Any]) -> OOMBConfig:
-        """A copy with options changed, by dotted path: ``{"sparse.budget": 32, "offload": True}``
+        """A copy with options changed, by dotted path: ``{"sparse.budget": 32, "offload.enabled": True}``
         (flat keys of earlier versions are mapped, with a warning)."""
         changes = nested_options(changes)
         top = {k: v for k, v in changes.items() if k not in SECTIONS}
@@ -539,8 +626,7 @@ def _accept_flat_keywords(dataclass_init):
     over the sections given (as dataclasses.replace passes them)."""
     @functools.wraps(dataclass_init)
     def init(self, *args, **kwargs):
-        flat = {k: kwargs.pop(k) for k in list(kwargs)
-                if k in FLAT_KEYS}
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if is_flat_key(k, kwargs[k])}
         if flat:
             for name, values in nested_options(flat).items():
                 cls = SECTIONS[name]

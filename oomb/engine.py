@@ -97,7 +97,7 @@ def forward_backward(
         grad_targets: parameter -> fp32 tensor of its shape; the step's gradient of such a parameter
             is added into the tensor chunk by chunk (the sum is never rounded) instead of into ``.grad``.
             A trainer with fp32 master weights passes the masters' gradient buffers.
-        host_slabs: with ``config.offload``, the pinned host memory to keep the pages in; pass the
+        host_slabs: with ``config.offload.enabled``, the pinned host memory to keep the pages in; pass the
             same object every step to reuse it (pinning tens of GiB takes seconds). None: a new one.
         parallel: the ``oomb.parallel.setup_parallel`` result of a tensor/data/context-parallel model (each
             rank calls this with its own sequences; the gradients are reduced over data-parallel ranks
@@ -134,7 +134,7 @@ def forward_backward(
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     sparse = config.resolved_sparse()  # None in dense mode
     context_parallel = parallel.context_shard(config.chunk_size) is not None  # cp > 1, or a group of one
-    if config.keep_attention_outputs and context_parallel:  # before any page is allocated
+    if config.performance.keep_attention_outputs and context_parallel:  # before any page is allocated
         raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
     backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents,
                                                         context_parallel=context_parallel)
@@ -153,8 +153,8 @@ def forward_backward(
         if callable(progress):
             progress(done_chunks, 2 * len(chunks))
 
-    # OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
-    kept_outputs = KeptOutputs() if config.keep_attention_outputs else None
+    # OOMBConfig.performance.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2
+    kept_outputs = KeptOutputs() if config.performance.keep_attention_outputs else None
     router_loss = RouterBalanceLoss.of(causal_lm)  # MoE with output_router_logits: HF adds it to the loss
     router_kwargs = {} if router_loss is None else {"output_router_logits": True}
 
@@ -163,7 +163,7 @@ def forward_backward(
             positions = torch.arange(chunk.start, chunk.end, device=device).expand(batch, -1)
         else:
             positions = documents.positions[:, chunk.start:chunk.end]
-        recompute_cache = {} if stage is Stage.GRAD and config.checkpoint_layers else None
+        recompute_cache = {} if stage is Stage.GRAD and config.performance.checkpoint_layers else None
         out = parallel.decoder_entry(decoder)(
             input_ids=input_ids[:, chunk.start:chunk.end],
             position_ids=positions,
@@ -203,8 +203,9 @@ def forward_backward(
                     # The loss's own backward follows at once, unscaled: a trained head's weight gradient can be
                     # made in its forward (nothing of the vocabulary's size kept or recomputed).
                     loss = chunked_cross_entropy(
-                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, config.loss_chunk_tokens,
-                        config.recompute_logits, weight_gradient_now=True,
+                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets,
+                        config.performance.loss_chunk_tokens, config.performance.recompute_logits,
+                        weight_gradient_now=True,
                     )
                     if router_loss is not None:
                         loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)
@@ -257,11 +258,11 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
     causal_lm = unwrap_causal_lm(model)
     decoder = causal_lm.get_decoder()
     params = [] if parallel.fsdp else model.parameters()
-    accumulator = Fp32GradAccumulator(params, config.fp32_grad_accumulation, grad_targets)
+    accumulator = Fp32GradAccumulator(params, config.precision.fp32_grad_accumulation, grad_targets)
     in_place = parallel.tp == 1 and not parallel.fsdp
     finished = False
     try:
-        with layer_checkpointing(decoder, config.checkpoint_layers), parallel.loss_context(), \
+        with layer_checkpointing(decoder, config.performance.checkpoint_layers), parallel.loss_context(), \
                 float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
                 in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, accumulator,
                                           enabled=in_place), \
@@ -337,7 +338,8 @@ def _select_step_backend(causal_lm, config: OOMBConfig, device: torch.device, no
     weights_dtype = causal_lm.get_input_embeddings().weight.dtype
     if (softcap or not_on_cudnn) and weights_dtype != torch.float32:
         weights_dtype = None  # "auto" on CUDA without a dtype: triton
-    return select_backend(config.backend, device, dtype=weights_dtype, deterministic=config.deterministic)
+    return select_backend(config.performance.backend, device, dtype=weights_dtype,
+                          deterministic=config.precision.deterministic)
 
 
 def _backward_without_loss(hidden: torch.Tensor) -> None:
@@ -391,10 +393,11 @@ def _make_store(
     shape = PageShape(options["num_layers"], batch, own_tokens, options["num_kv_heads"], options["head_dim"],
                       options["kv_dtype"], windows.get("window_layers", ()), windows.get("window", 0))
     _check_pages(shape, config, device, host_slabs)
-    if not config.offload:
+    if not config.offload.enabled:
         return PagedKVStore(**options, **windows, chunk_size=config.chunk_size)
     return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
-                            resident_layers=config.offload_resident_layers, stream_buffers=config.stream_buffers,
+                            resident_layers=config.offload.resident_layers,
+                            stream_buffers=config.offload.stream_buffers,
                             chunk_size=config.chunk_size, **options, **windows)
 
 
@@ -411,10 +414,10 @@ def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, de
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         page_size=config.page_size,
         kv_dtype=causal_lm.get_input_embeddings().weight.dtype,
-        grad_dtype=config.grad_dtype,
+        grad_dtype=config.precision.grad_dtype,
         device=device,
         summaries=page_summaries(sparse) if sparse is not None else (),
-        stream_block_pages=config.stream_block_pages,
+        stream_block_pages=config.offload.stream_block_pages,
         context=parallel.context_shard(config.chunk_size),  # context parallel: this rank's chunks only
     )
 
@@ -436,7 +439,7 @@ def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, hos
     if device.type != "cuda":
         return
     gpu_free = gpu_free_bytes(device)
-    host_free = host_available_bytes() if config.offload else None
+    host_free = host_available_bytes() if config.offload.enabled else None
     if host_free is not None and host_slabs is not None:
         host_free += host_slabs.nbytes  # slabs kept from earlier steps are reused
     check_pages_fit(shape, config, gpu_free, host_free)

@@ -10,7 +10,7 @@ length is kept but what the caller keeps:
                      prediction at asked positions: the LM head and its softmax run on slices of
                      loss_chunk_tokens tokens of one chunk, the only full-vocabulary logits that exist
 
-With ``OOMBConfig(offload=True)`` the pages live in host memory as in training, so a model evaluates
+With ``offload.enabled`` the pages live in host memory as in training, so a model evaluates
 at any length its step trains at. The store is a training step's (it holds page gradient buffers that
 stage 1 never writes), so evaluation needs the memory of the step's pages, no more.
 """
@@ -57,7 +57,7 @@ def run_stage_one(model: torch.nn.Module, input_ids: torch.Tensor, on_chunk: Chu
         on_chunk: receives (chunk span, hidden states) per chunk.
         config: attention mode, chunk and page size, backend, offload; defaults to OOMBConfig() (dense).
         progress: a progress bar over the chunks.
-        host_slabs: with ``config.offload``, pinned host memory to reuse (None: a new one).
+        host_slabs: with ``config.offload.enabled``, pinned host memory to reuse (None: a new one).
     """
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
@@ -130,7 +130,7 @@ def token_logprobs(
 
     Equal to ``model(input_ids).logits.float().log_softmax(-1)`` gathered at the next tokens, up to
     float rounding (dense attention; sparse reads what the step reads), without ever holding more than
-    ``config.loss_chunk_tokens`` positions' full-vocabulary logits: each chunk's hidden states go
+    ``config.performance.loss_chunk_tokens`` positions' full-vocabulary logits: each chunk's hidden states go
     through the LM head (softcapped where the family softcaps its logits, as the loss sees them) slice
     by slice as they come out, and only the labelled tokens' log-probabilities are kept. Slices with no
     label and no asked position skip the head.
@@ -144,7 +144,7 @@ def token_logprobs(
         predict_at: (K,) or (B, K) positions t in [1, T): the argmax token for t from the tokens before it
             (passkeys: the answer's positions).
         progress: a progress bar over the chunks.
-        host_slabs: with ``config.offload``, pinned host memory to reuse.
+        host_slabs: with ``config.offload.enabled``, pinned host memory to reuse.
     Returns:
         TokenLogprobs, on the model's device.
     """
@@ -160,7 +160,7 @@ def token_logprobs(
         sources = _prediction_sources(predict_at, batch, num_tokens).to(device)  # (B, K): positions that predict
         scored[sources.flatten().cpu()] = True
     head = loss_head(causal_lm)
-    slice_tokens = config.loss_chunk_tokens
+    slice_tokens = config.performance.loss_chunk_tokens
     by_position = torch.full((batch, num_tokens), math.nan, dtype=torch.float32, device=device)
     predictions = None if sources is None else torch.zeros(sources.shape, dtype=torch.long, device=device)
 

@@ -77,7 +77,7 @@ class StepState:
     window_bounds: Mapping[int, Documents] = field(default_factory=dict)
     """window -> key bounds (documents.window_bounds), for the windows shorter than the step."""
     kept_outputs: KeptOutputs | None = None
-    """OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per layer and chunk, which stage 2 takes."""
+    """OOMBConfig.performance.keep_attention_outputs: stage 1's (out, lse) per layer and chunk, which stage 2 takes."""
 
     def layer_bounds(self, layer: int, sliding_window: int | None) -> Documents | None:
         """The key bounds of ``layer``'s attention: its window's (a window layer), else the documents."""

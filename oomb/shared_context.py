@@ -144,7 +144,7 @@ def shared_context_backward(
         position_ids: (T,) packed documents inside the context, as forward_backward takes them (positions
             restart at 0 at each document); every continuation continues the context's last document.
         cu_seqlens: the context's document boundaries as cumulative lengths instead (or as well).
-        host_slabs: with ``config.offload``, pinned host memory to reuse across calls.
+        host_slabs: with ``config.offload.enabled``, pinned host memory to reuse across calls.
         parallel: must be None: a shared-context step runs on one process.
     Returns:
         The detached loss (float32 scalar): the mean cross-entropy, or ``loss_fn``'s value.
@@ -203,7 +203,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
         store.prefetch_across_chunks = False
     decoder = causal_lm.get_decoder()
     lm_head = loss_head(causal_lm)
-    kept_outputs = KeptOutputs() if config.keep_attention_outputs else None
+    kept_outputs = KeptOutputs() if config.performance.keep_attention_outputs else None
     trunk_documents = _split(context_documents)
 
     def run(chunk: ChunkSpan, stage: Stage, ids: torch.Tensor, documents: Documents | None,
@@ -212,7 +212,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
             positions = torch.arange(chunk.start, chunk.end, device=device)[None]
         else:
             positions = documents.positions[:, chunk.start:chunk.end]
-        recompute_cache = {} if stage is Stage.GRAD and config.checkpoint_layers else None
+        recompute_cache = {} if stage is Stage.GRAD and config.performance.checkpoint_layers else None
         out = decoder(input_ids=ids[:, chunk.start:chunk.end], position_ids=positions, use_cache=False,
                       oomb_step=StepState(store, chunk, stage, backend, recompute_cache, sparse, _split(documents),
                                           windows, {}, kept))
@@ -255,7 +255,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                 logprobs = []
                 for row in rows:
                     set_row(row)
-                    keep = _LogProbKeeper(row, lm_head, config.loss_chunk_tokens)
+                    keep = _LogProbKeeper(row, lm_head, config.performance.loss_chunk_tokens)
                     with store.branch():
                         row.rng_states = fill(row.chunks, row.ids, row.documents, None, on_hidden=keep)
                         for chunk in row.chunks:
@@ -277,12 +277,13 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                             targets = row.targets[:, chunk.start:chunk.end]
                             if loss_fn is None:
                                 loss = chunked_cross_entropy(hidden, targets, lm_head, num_targets,
-                                                             config.loss_chunk_tokens, config.recompute_logits,
+                                                             config.performance.loss_chunk_tokens,
+                                                             config.performance.recompute_logits,
                                                              weight_gradient_now=True)
                                 total_loss += loss.detach()
                             else:
                                 loss = _weighted_logprob_sum(hidden, targets, row.weights[:, chunk.start:chunk.end],
-                                                             lm_head, config.loss_chunk_tokens)
+                                                             lm_head, config.performance.loss_chunk_tokens)
                             routing.backward(loss, hidden)
                             store.free(chunk)
             # The trunk's labels belong to every row: their loss counts once per continuation.
@@ -295,8 +296,8 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                     loss = hidden.new_zeros((), dtype=torch.float32)  # loss_fn: no context label
                     if loss_fn is None:
                         loss = chunked_cross_entropy(hidden, trunk_targets[:, chunk.start:chunk.end], lm_head,
-                                                     num_targets / len(rows), config.loss_chunk_tokens,
-                                                     config.recompute_logits, weight_gradient_now=True)
+                                                     num_targets / len(rows), config.performance.loss_chunk_tokens,
+                                                     config.performance.recompute_logits, weight_gradient_now=True)
                         total_loss += loss.detach()
                     routing.backward(loss, hidden)
                     store.free(chunk)

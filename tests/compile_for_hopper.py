@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from oomb.config import SparseConfig
+from oomb.config import PerformanceConfig, SparseConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -97,9 +97,9 @@ def capture(out: str) -> None:
     Autotuner.run = recording_run
     model = build_tiny_model("qwen2", seed=1).to(torch.bfloat16)
     ids = random_ids(1, 256, seed=1)
-    for config in (oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton"),
-                   oomb.OOMBConfig(chunk_size=128, page_size=32, backend="triton", attention="sparse",
-                                   sparse=SparseConfig(budget=1))):
+    for config in (oomb.OOMBConfig(chunk_size=128, page_size=32, performance=PerformanceConfig(backend="triton")),
+                   oomb.OOMBConfig(chunk_size=128, page_size=32, attention="sparse", sparse=SparseConfig(budget=1),
+                                   performance=PerformanceConfig(backend="triton"))):
         oomb.forward_backward(model, ids, None, config)
     Path(out).write_text(json.dumps(list(launches.values()), default=str))
 

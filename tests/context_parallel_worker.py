@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,12 +24,14 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import oomb.engine
 from oomb import OOMBConfig, forward_backward
+from oomb.config import PerformanceConfig
 from oomb.kv import PagedKVStore
 from oomb.kv.offload import HostSlabs
 from oomb.parallel import full_tensor, setup_parallel
 
-CONFIG = OOMBConfig(chunk_size=16, page_size=8, backend="torch")
-STREAMED = replace(CONFIG, stream_block_pages=1)  # history windows of one page: cut at chunk boundaries
+CONFIG = OOMBConfig(chunk_size=16, page_size=8, performance=PerformanceConfig(backend="torch"))
+# history windows of one page: cut at chunk boundaries
+STREAMED = CONFIG.with_options({"offload.stream_block_pages": 1})
 TOKENS = 75  # 5 chunks of 16, the last one 11 tokens: a partial chunk and a partial page
 
 
@@ -159,7 +160,8 @@ def variants(rank: int, world: int, device: torch.device, family: str, reference
     return results
 
 
-SPARSE = replace(STREAMED, attention="sparse", sparse_budget=2, sparse_sink_pages=1, sparse_rerank_factor=2)
+SPARSE = STREAMED.with_options({"attention": "sparse", "sparse.budget": 2, "sparse.sink_pages": 1,
+                                "sparse.research.rerank_factor": 2})
 """Rerank (the default score): 5 candidates of up to 8 history pages, 3 pages read per query block."""
 
 
@@ -210,7 +212,8 @@ def refusals(rank: int, world: int, device: torch.device) -> dict:
     setup = setup_parallel(model, cp=world)
     ids = random_ids(1, 40, seed=1).to(device)
     messages = {}
-    exact_softmax = replace(CONFIG, attention="sparse", sparse_budget=2, sparse_score="exact", sparse_pooling="softmax")
+    exact_softmax = CONFIG.with_options({"attention": "sparse", "sparse.budget": 2, "sparse.score": "exact",
+                                         "sparse.research.pooling": "softmax"})
     for name, config in {"exact_softmax": exact_softmax}.items():
         try:
             forward_backward(model, ids, config=config, parallel=setup)
@@ -229,7 +232,8 @@ SCENARIOS = {
                                                        tie_word_embeddings=True),
     # Packed documents (masks by position inside every rank's windows) without layer checkpointing.
     "llama_documents": lambda rank, world, device: context_parallel(
-        rank, world, device, "llama", batch=1, documents=True, config=replace(STREAMED, checkpoint_layers=False)),
+        rank, world, device, "llama", batch=1, documents=True,
+        config=STREAMED.with_options({"performance.checkpoint_layers": False})),
     # Sliding-window layers: the windows start at each chunk's first visible page.
     "mistral_window": lambda rank, world, device: context_parallel(rank, world, device, "mistral", sliding_window=20),
     # One chunk only: every rank but the owner holds no page of the step.
@@ -239,12 +243,12 @@ SCENARIOS = {
     # and bit for bit against cp without offload; each rank's host slabs hold its own chunks only.
     "llama_offload": lambda rank, world, device: variants(
         rank, world, device, "llama", STREAMED,
-        {"cp": STREAMED, "cp_offload": replace(STREAMED, offload=True, offload_resident_layers=1)},
+        {"cp": STREAMED, "cp_offload": STREAMED.with_options({"offload.enabled": True, "offload.resident_layers": 1})},
         copy_runs=world == 3),
     # Sparse (rerank) under cp: the selections of one process, with and without offload (bit for bit).
     "llama_sparse": lambda rank, world, device: variants(
         rank, world, device, "llama", SPARSE,
-        {"cp": SPARSE, "cp_offload": replace(SPARSE, offload=True, offload_resident_layers=1)},
+        {"cp": SPARSE, "cp_offload": SPARSE.with_options({"offload.enabled": True, "offload.resident_layers": 1})},
         copy_runs=world == 3),
     # Sparse with attention logit softcapping (gemma2): the cap in every rank's share of the keys.
     "gemma2_sparse": lambda rank, world, device: variants(rank, world, device, "gemma2", SPARSE, {"cp": SPARSE}),
@@ -253,22 +257,25 @@ SCENARIOS = {
     # against one dense process).
     "sparse_options": lambda rank, world, device: {
         **{f"minmax_{k}": v for k, v in variants(
-            rank, world, device, "llama", replace(SPARSE, sparse_score="minmax", sparse_leak_free=True,
-                                                  sparse_query_block_pages=2, sparse_selection="shared"),
-            {"cp": replace(SPARSE, sparse_score="minmax", sparse_leak_free=True, sparse_query_block_pages=2,
-                           sparse_selection="shared", offload=True)}, batch=1, documents=True).items()},
+            rank, world, device, "llama", SPARSE.with_options({"sparse.score": "minmax", "sparse.leak_free": True,
+                                                               "sparse.query_block_pages": 2,
+                                                               "sparse.research.selection": "shared"}),
+            {"cp": SPARSE.with_options({"sparse.score": "minmax", "sparse.leak_free": True,
+                                        "sparse.query_block_pages": 2, "sparse.research.selection": "shared",
+                                        "offload.enabled": True})}, batch=1, documents=True).items()},
         **{f"rerank_{k}": v for k, v in variants(
-            rank, world, device, "llama", replace(SPARSE, sparse_leak_free=True),
-            {"cp": replace(SPARSE, sparse_leak_free=True, offload=True)}, batch=1).items()},
+            rank, world, device, "llama", SPARSE.with_options({"sparse.leak_free": True}),
+            {"cp": SPARSE.with_options({"sparse.leak_free": True, "offload.enabled": True})}, batch=1).items()},
         **{f"exact_{k}": v for k, v in variants(
-            rank, world, device, "llama", replace(SPARSE, sparse_score="exact"),
-            {"cp": replace(SPARSE, sparse_score="exact")}, batch=1).items()},
+            rank, world, device, "llama", SPARSE.with_options({"sparse.score": "exact"}),
+            {"cp": SPARSE.with_options({"sparse.score": "exact"})}, batch=1).items()},
         **{f"full_{k}": v for k, v in variants(
-            rank, world, device, "llama", STREAMED, {"cp": replace(SPARSE, sparse_budget=8)}, batch=1).items()},
+            rank, world, device, "llama", STREAMED, {"cp": SPARSE.with_options({"sparse.budget": 8})},
+            batch=1).items()},
     },
     # The Triton kernels (GPU; interpreted on the CPU is too slow for a 2-process test).
     "llama_batch2_triton": lambda rank, world, device: context_parallel(
-        rank, world, device, "llama", config=replace(STREAMED, backend="triton")),
+        rank, world, device, "llama", config=STREAMED.with_options({"performance.backend": "triton"})),
     # A 2 x 2 grid: tensor parallel inside each context-parallel rank (4 processes).
     "tp2_llama": lambda rank, world, device: context_parallel(rank, world, device, "llama", tp=2),
     # FSDP2 over 2 data-parallel groups of 2 context-parallel ranks, one sequence per group.

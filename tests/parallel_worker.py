@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,11 +18,12 @@ import torch.distributed as dist
 from helpers import build_tiny_model, end_distributed_worker, grads, hf_step, random_ids, relative_error
 
 from oomb import OOMBConfig, forward_backward
+from oomb.config import PerformanceConfig
 from oomb.parallel import full_tensor, setup_parallel
 
 TOKENS = 80  # 3 chunks of 32 (the last one partial), pages of 16
-CONFIG = OOMBConfig(chunk_size=32, page_size=16, backend="torch")
-OFFLOAD = replace(CONFIG, offload=True, stream_block_pages=1)
+CONFIG = OOMBConfig(chunk_size=32, page_size=16, performance=PerformanceConfig(backend="torch"))
+OFFLOAD = CONFIG.with_options({"offload.enabled": True, "offload.stream_block_pages": 1})
 
 
 def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:

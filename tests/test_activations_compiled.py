@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
 import oomb
+from oomb.config import PerformanceConfig, PrecisionConfig
 from oomb.fp32_linear import float32_weight_gradients
 from oomb.grads import Fp32GradAccumulator
 from oomb.planning.activations import chunk_activation_bytes, compiled_saving_bytes_per_token
@@ -84,7 +85,8 @@ def test_float32_linear_gradients_are_not_counted():
     model counts nothing of it there (never less memory than the step takes)."""
     saving, shape = _saving_per_token(fp32_linear_grads=True)
     assert 0 < saving < compiled_saving_bytes_per_token(shape, torch.bfloat16)
-    config = oomb.OOMBConfig(checkpoint_layers=False, fp32_grad_accumulation=True)
+    config = oomb.OOMBConfig(performance=PerformanceConfig(checkpoint_layers=False),
+                             precision=PrecisionConfig(fp32_grad_accumulation=True))
     setup = TrainingSetup(optimizer="none")
     eager = predict("dense", shape, 4096, config, setup).gpu["activations"]
     assert predict("dense", shape, 4096, config, dataclasses.replace(setup, compiled_layers=True)).gpu[
@@ -95,7 +97,7 @@ def test_float32_linear_gradients_are_not_counted():
 def test_chunk_activations_count_compiled_layers_without_replay(replay):
     """Compiled layers run without layer replay only: there they keep the saving per dense layer and token."""
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
-    config = oomb.OOMBConfig(checkpoint_layers=replay)
+    config = oomb.OOMBConfig(performance=PerformanceConfig(checkpoint_layers=replay))
     eager = chunk_activation_bytes(shape, 4096, config, torch.bfloat16)
     compiled = chunk_activation_bytes(shape, 4096, config, torch.bfloat16, compiled=True)
     saving = 0 if replay else shape.num_layers * 4096 * compiled_saving_bytes_per_token(shape, torch.bfloat16)
@@ -111,7 +113,8 @@ def test_predict_and_planner_follow_compiled_layers():
     from oomb.planning.choose import Resources, Workload, predict_candidate
 
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
-    config = oomb.OOMBConfig(attention="sparse", checkpoint_layers=False, fp32_grad_accumulation=False)
+    config = oomb.OOMBConfig(attention="sparse", performance=PerformanceConfig(checkpoint_layers=False),
+                             precision=PrecisionConfig(fp32_grad_accumulation=False))
     setup = TrainingSetup(optimizer="none")
     eager = predict("sparse", shape, 131072, config, setup).gpu["activations"]
     compiled = predict("sparse", shape, 131072, config, dataclasses.replace(setup, compiled_layers=True))
@@ -121,7 +124,7 @@ def test_predict_and_planner_follow_compiled_layers():
     workload = Workload(shape, 131072, optimizer="none")
     may = dataclasses.replace(workload, may_compile=True)
     assert predict_candidate(may, gpu, config).gpu_bytes < predict_candidate(workload, gpu, config).gpu_bytes
-    replay = dataclasses.replace(config, checkpoint_layers=True)  # no compile with replay
+    replay = config.with_options({"performance.checkpoint_layers": True})  # no compile with replay
     assert predict_candidate(may, gpu, replay).gpu_bytes == predict_candidate(workload, gpu, replay).gpu_bytes
     cpu = Resources("cpu", host_limit=200 * 1024**3)  # compiled layers are a CUDA default
     assert predict_candidate(may, cpu, config).gpu_bytes == predict_candidate(workload, cpu, config).gpu_bytes

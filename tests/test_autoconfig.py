@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oomb.attention.backend import resolve_backend_name
-from oomb.config import OOMBConfig
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, PrecisionConfig
 from oomb.planning.choose import (
     CPU_MEMORY_SAVING,
     CPU_SLOWER_ALLOWED,
@@ -66,15 +66,15 @@ CASES = [
     ("qwen2.5-7b", M, 0, H200, {},
      (True, 9, "float32", True, 4096, "cudnn", "9 layers resident")),
     # What the user set is kept, and the rest is chosen around it.
-    ("qwen2.5-7b", M, 16, H200, {"offload": False},
-     (False, 0, "bfloat16", True, 4096, "cudnn", "offload=False as set")),
-    ("qwen2.5-7b", M, 16, H200, {"kv_grad_dtype": "bfloat16", "checkpoint_layers": True},
-     (False, 0, "bfloat16", True, 4096, "cudnn", "kv_grad_dtype=bfloat16 as set")),
-    ("qwen2.5-7b", M, 16, H200, {"offload_resident_layers": 4},
+    ("qwen2.5-7b", M, 16, H200, {"offload.enabled": False},
+     (False, 0, "bfloat16", True, 4096, "cudnn", "offload.enabled=False as set")),
+    ("qwen2.5-7b", M, 16, H200, {"precision.kv_grad_dtype": "bfloat16", "performance.checkpoint_layers": True},
+     (False, 0, "bfloat16", True, 4096, "cudnn", "precision.kv_grad_dtype=bfloat16 as set")),
+    ("qwen2.5-7b", M, 16, H200, {"offload.resident_layers": 4},
      (True, 4, "bfloat16", False, 4096, "cudnn", "bf16 dK/dV")),
-    ("qwen2.5-7b", M, 16, H200, {"backend": "triton"},
-     (True, 13, "float32", False, 4096, "triton", "backend='triton' as set")),
-    ("qwen2.5-7b", M, 16, H200, {"deterministic": True},
+    ("qwen2.5-7b", M, 16, H200, {"performance.backend": "triton"},
+     (True, 13, "float32", False, 4096, "triton", "performance.backend='triton' as set")),
+    ("qwen2.5-7b", M, 16, H200, {"precision.deterministic": True},
      (True, 13, "float32", False, 4096, "triton", "deterministic=True")),
     ("qwen2.5-7b", 128 * 1024, 16, H200, {"chunk_size": 8192},
      (False, 0, "float32", False, 8192, "cudnn", "no layer replay")),
@@ -86,12 +86,13 @@ def test_choice_table(model, tokens, lora, machine, fixed, expected):
     dtype = torch.float32 if machine.device == "cpu" else torch.bfloat16
     choice = choose_config(Workload(SHAPES[model], tokens, dtype=dtype, lora_rank=lora), machine, fixed)
     c = choice.config
-    got = (c.offload, c.offload_resident_layers if c.offload else 0, str(c.grad_dtype).removeprefix("torch."),
-           c.checkpoint_layers, c.chunk_size, c.backend)
+    got = (c.offload.enabled, c.offload.resident_layers if c.offload.enabled else 0,
+           str(c.precision.grad_dtype).removeprefix("torch."),
+           c.performance.checkpoint_layers, c.chunk_size, c.performance.backend)
     assert got == expected[:6], choice.reason
     assert expected[6] in choice.reason
     for key, value in fixed.items():
-        assert getattr(c, key) == value
+        assert c.option(key) == value
     limit = machine.gpu_limit if machine.device == "cuda" else machine.host_limit
     assert choice.chosen.gpu_counted <= limit
     assert machine.host_limit is None or choice.host_bytes <= machine.host_limit
@@ -102,9 +103,10 @@ def test_choice_table(model, tokens, lora, machine, fixed, expected):
         assert f"host {choice.chosen.host_counted / GIB:.1f} GiB" in text and "GPU" not in text
     if choice.runner_up is not None:  # a real alternative: it fits, and ranks behind
         r = choice.runner_up
-        assert r.gpu_counted <= limit and (r.config.grad_dtype, r.relative_time) != (c.grad_dtype, 0)
-        searched = (r.config.grad_dtype != torch.float32, r.relative_time) >= (
-            c.grad_dtype != torch.float32, choice.chosen.relative_time)
+        assert r.gpu_counted <= limit and (r.config.precision.grad_dtype, r.relative_time) != (c.precision.grad_dtype,
+                                                                                               0)
+        searched = (r.config.precision.grad_dtype != torch.float32, r.relative_time) >= (
+            c.precision.grad_dtype != torch.float32, choice.chosen.relative_time)
         # it ranks behind, or only its last decisions (kept outputs or logits) put it ahead, and it says so
         assert searched or "not measured" in text
 
@@ -119,7 +121,7 @@ def test_attention_mode_is_never_changed():
 
 def test_sparse_offload_uses_its_own_speed_fact():
     choice = choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200, {"attention": "sparse"})
-    assert choice.config.offload and "offload_sparse" in choice.chosen.factors
+    assert choice.config.offload.enabled and "offload_sparse" in choice.chosen.factors
 
 
 def test_sparse_offload_selects_once_per_chunk_unless_set():
@@ -127,14 +129,14 @@ def test_sparse_offload_selects_once_per_chunk_unless_set():
     union: per block, most of the history); without offload, or when the user set it, it is kept."""
     workload = Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16)
     choice = choose_config(workload, H200, {"attention": "sparse"})
-    assert choice.config.offload and choice.config.sparse.query_block_pages == 4096 // 128
+    assert choice.config.offload.enabled and choice.config.sparse.query_block_pages == 4096 // 128
     assert "one sparse selection per chunk" in choice.reason
     assert "one sparse selection per 32 query blocks" in choice.describe()
     kept = choose_config(workload, H200, {"attention": "sparse", "sparse.query_block_pages": 1})
-    assert kept.config.offload and kept.config.sparse.query_block_pages == 1
+    assert kept.config.offload.enabled and kept.config.sparse.query_block_pages == 1
     assert "one sparse selection" not in kept.reason
     on_gpu = choose_config(Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16), H200, {"attention": "sparse"})
-    assert not on_gpu.config.offload and on_gpu.config.sparse.query_block_pages == 1
+    assert not on_gpu.config.offload.enabled and on_gpu.config.sparse.query_block_pages == 1
     # The trainer leaves it to the chooser unless the config file sets it.
     assert "sparse.query_block_pages" in TrainerConfig().oomb_auto
     given = TrainerConfig.from_dict({"oomb": {"attention": "sparse", "sparse": {"query_block_pages": 1}}})
@@ -150,21 +152,22 @@ def test_steps_keep_their_attention_outputs_where_they_fit(attention):
 
     workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
     choice = choose_config(workload, H200, {"attention": attention})
-    plain = choose_config(workload, H200, {"attention": attention, "keep_attention_outputs": False})
+    plain = choose_config(workload, H200, {"attention": attention, "performance.keep_attention_outputs": False})
     fact = f"kept_attention_{attention}"
-    assert choice.config.keep_attention_outputs and fact in choice.chosen.factors
-    assert choice.config == dataclasses.replace(plain.config, keep_attention_outputs=True)  # nothing else moved
+    assert choice.config.performance.keep_attention_outputs and fact in choice.chosen.factors
+    # nothing else moved
+    assert choice.config == plain.config.with_options({"performance.keep_attention_outputs": True})
     assert choice.chosen.relative_time == pytest.approx(plain.chosen.relative_time * SPEED_FACTS[fact].factor)
     assert choice.chosen.prediction.gpu["kept attention"] == 128 * 1024 * 28 * 28 * (128 * 2 + 4)
     assert f"{attention} attention outputs kept for stage 2: they fit" in choice.reason
     assert "attention outputs kept" in choice.describe()
-    assert "keep_attention_outputs=False as set" in plain.reason
+    assert "performance.keep_attention_outputs=False as set" in plain.reason
     # Not with offload (1M), not on a CPU.
     assert not choose_config(Workload(SHAPES["qwen2.5-7b"], M, lora_rank=16), H200,
-                             {"attention": attention}).config.keep_attention_outputs
+                             {"attention": attention}).config.performance.keep_attention_outputs
     cpu = Resources("cpu", None, 1 << 42)
     assert not choose_config(Workload(SHAPES["tiny-qwen2"], 8192, dtype=torch.float32), cpu,
-                             {"attention": attention}).config.keep_attention_outputs
+                             {"attention": attention}).config.performance.keep_attention_outputs
     # A GPU where the step fits without them but not with them: recomputed, the rest as on the larger GPU.
     kept_bytes = choice.chosen.gpu_counted - plain.chosen.gpu_counted
     tight = Resources("cuda", plain.chosen.gpu_counted + kept_bytes // 2, H200.host_limit)
@@ -176,9 +179,9 @@ def test_steps_keep_their_attention_outputs_where_they_fit(attention):
     assert shared.config == plain.config
     assert "context parallelism refuses keeping them" in shared.reason and "as set" not in shared.reason
     # The trainer leaves it to the chooser unless the config file sets it.
-    assert "keep_attention_outputs" in TrainerConfig().oomb_auto
-    assert "keep_attention_outputs" not in TrainerConfig.from_dict(
-        {"oomb": {"keep_attention_outputs": False}}).oomb_auto
+    assert "performance.keep_attention_outputs" in TrainerConfig().oomb_auto
+    assert "performance.keep_attention_outputs" not in TrainerConfig.from_dict(
+        {"oomb": {"performance.keep_attention_outputs": False}}).oomb_auto
 
 
 def test_refusal_names_numbers_and_what_fits():
@@ -191,8 +194,9 @@ def test_refusal_names_numbers_and_what_fits():
 
 
 def test_refusal_says_which_fixed_option_blocks():
-    with pytest.raises(NoConfigFitsError, match=r"without the options you set \(offload=False\) it fits: offload"):
-        choose_config(Workload(SHAPES["qwen2.5-7b"], 2 * M, lora_rank=16), H200, {"offload": False})
+    with pytest.raises(NoConfigFitsError,
+                       match=r"without the options you set \(offload.enabled=False\) it fits: offload"):
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 2 * M, lora_rank=16), H200, {"offload.enabled": False})
 
 
 def test_refusal_when_the_weights_alone_do_not_fit():
@@ -207,7 +211,7 @@ def test_more_memory_never_picks_a_slower_plan():
     ranks = []
     for gpu_gib in (60, 79, 100, 139, 192):
         chosen = choose_config(workload, gpu(gpu_gib, 125)).chosen
-        ranks.append((chosen.config.grad_dtype != torch.float32, round(chosen.relative_time, 6)))
+        ranks.append((chosen.config.precision.grad_dtype != torch.float32, round(chosen.relative_time, 6)))
     assert ranks == sorted(ranks, reverse=True)
 
 
@@ -226,7 +230,8 @@ def test_models_with_layers_cudnn_cannot_run_get_triton():
     assert choose_backend("cuda", torch.float32, False, refuses["gemma-2-9b"])[0] == "torch"
     for name, backend in (("gemma-3-12b", "cudnn"), ("gemma-2-9b", "triton")):
         shape = ModelShape.from_hf_config(preset_config(name))
-        assert choose_config(Workload(shape, 32 * 1024, lora_rank=16), H200).chosen.config.backend == backend
+        assert choose_config(Workload(shape, 32 * 1024, lora_rank=16),
+                             H200).chosen.config.performance.backend == backend
 
 
 def test_backend_choice_and_resolution():
@@ -244,8 +249,8 @@ def test_backend_choice_and_resolution():
     assert resolve_backend_name("triton", cuda, torch.bfloat16) == "triton"
     with pytest.raises(ValueError, match="not bitwise deterministic"):
         resolve_backend_name("cudnn", cuda, torch.bfloat16, deterministic=True)
-    with pytest.raises(ValueError, match="deterministic=True conflicts with backend='cudnn'"):
-        OOMBConfig(backend="cudnn", deterministic=True)
+    with pytest.raises(ValueError, match="precision.deterministic=True conflicts with performance.backend='cudnn'"):
+        OOMBConfig(performance=PerformanceConfig(backend="cudnn"), precision=PrecisionConfig(deterministic=True))
     assert SPEED_FACTS["triton_vs_cudnn_dense"].factor > 1  # the measurement cudnn-by-default rests on
 
 
@@ -263,12 +268,12 @@ def test_speed_facts_name_their_source_files():
 def test_plan_prints_the_choice_and_runner_up():
     plan = make_plan("qwen2.5-7b", SHAPES["qwen2.5-7b"], M, Budget(139 * GIB, 125 * GIB), OOMBConfig(),
                      fixed={})
-    assert plan.choice is not None and plan.choice.config.offload
+    assert plan.choice is not None and plan.choice.config.offload.enabled
     from oomb.tools.plan import format_plan, plan_to_dict
 
     text = format_plan(plan)
     assert "oomb train would run (dense attention" in text and "runner-up:" in text
-    assert plan_to_dict(plan)["choice"]["offload_resident_layers"] == plan.choice.config.offload_resident_layers
+    assert plan_to_dict(plan)["choice"]["offload.resident_layers"] == plan.choice.config.offload.resident_layers
 
 
 def test_plan_cli_aliases_and_token_counts(capsys):
@@ -286,22 +291,25 @@ def test_token_counts():
     for bad in ("1.3", "0", "one", True):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_tokens(bad)
-    config = TrainerConfig.load(None, ["data.seq_len=1M", "oomb.chunk_size=2K", "oomb.loss_chunk_tokens=1K"])
-    assert (config.data.seq_len, config.oomb.chunk_size, config.oomb.loss_chunk_tokens) == (M, 2048, 1024)
+    config = TrainerConfig.load(None, ["data.seq_len=1M", "oomb.chunk_size=2K",
+                                       "oomb.performance.loss_chunk_tokens=1K"])
+    assert (config.data.seq_len, config.oomb.chunk_size, config.oomb.performance.loss_chunk_tokens) == (M, 2048, 1024)
     with pytest.raises(ValueError, match="data.seq_len='1Q'"):
         TrainerConfig.load(None, ["data.seq_len=1Q"])
 
 
 def test_trainer_config_knows_what_is_left_to_the_chooser():
-    config = TrainerConfig.load(None, ["oomb.offload=true", "oomb.kv_grad_dtype=auto"])
-    assert "offload" not in config.oomb_auto and "kv_grad_dtype" in config.oomb_auto
+    config = TrainerConfig.load(None, ["oomb.offload.enabled=true", "oomb.precision.kv_grad_dtype=auto"])
+    assert "offload.enabled" not in config.oomb_auto and "precision.kv_grad_dtype" in config.oomb_auto
     printed = config.to_dict()["oomb"]
-    assert printed["offload"] is True and printed["kv_grad_dtype"] == "auto" and printed["backend"] == "auto"
+    assert printed["offload"]["enabled"] is True and printed["precision"]["kv_grad_dtype"] == "auto"
+    assert printed["performance"]["backend"] == "auto"
     assert TrainerConfig.from_dict(config.to_dict()).oomb_auto == config.oomb_auto  # round trip
     # Built in Python: the options still at their defaults are left to the chooser.
-    assert "offload" not in TrainerConfig(oomb=OOMBConfig(offload=True)).oomb_auto
+    assert "offload.enabled" not in TrainerConfig(oomb=OOMBConfig(offload=OffloadConfig(enabled=True))).oomb_auto
     assert TrainerConfig(oomb_auto=()).oomb_auto == ()
-    assert fixed_from_options({"backend": "auto", "kv_grad_dtype": "bf16"}) == {"kv_grad_dtype": "bfloat16"}
+    assert fixed_from_options({"performance.backend": "auto", "precision.kv_grad_dtype": "bf16"}) == {
+        "precision.kv_grad_dtype": "bfloat16"}
 
 
 def test_python_dash_m_oomb(monkeypatch, capsys):
@@ -347,12 +355,13 @@ def test_oomb_train_prints_the_plan_and_first_step_apart(tmp_path, tiny_model_di
     assert "step time: first" in printed
     assert "first step's overhead" in printed or "the first step took no longer than the others" in printed
     ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["oomb"]
-    assert ran["checkpoint_layers"] is False and ran["backend"] == "torch" and ran["chunk_size"] == 128
+    assert ran["performance"]["checkpoint_layers"] is False and ran["performance"]["backend"] == "torch"
+    assert ran["chunk_size"] == 128
 
     assert main([*args(tmp_path / "out2"), "--no-auto-config"]) == 0
     assert "configuration:" not in capsys.readouterr().out
     ran = yaml.safe_load((tmp_path / "out2" / "config.yaml").read_text())["oomb"]
-    assert ran["checkpoint_layers"] is True and ran["backend"] == "auto"
+    assert ran["performance"]["checkpoint_layers"] is True and ran["performance"]["backend"] == "auto"
 
 
 def test_float32_documents_on_cuda_take_the_torch_kernels():
@@ -374,22 +383,24 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
     offloaded plan stays as without the option), and never against the user's setting."""
     workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
     kept = choose_config(workload, H200)
-    assert kept.config.recompute_logits is False and "log-probabilities kept" in kept.reason
+    assert kept.config.performance.recompute_logits is False and "log-probabilities kept" in kept.reason
     assert kept.chosen.relative_time < SPEED_FACTS["recompute_logits_dense"].factor
-    recomputed = choose_config(workload, H200, {"recompute_logits": True})
-    assert recomputed.config.recompute_logits is True and "recompute_logits=True as set" in recomputed.reason
+    recomputed = choose_config(workload, H200, {"performance.recompute_logits": True})
+    assert recomputed.config.performance.recompute_logits is True
+    assert "performance.recompute_logits=True as set" in recomputed.reason
     assert kept.gpu_bytes > recomputed.gpu_bytes  # the kept log-probabilities are counted
     between = (recomputed.chosen.gpu_counted + kept.chosen.gpu_counted) // 2
     tight = choose_config(workload, Resources("cuda", between, H200.host_limit))
-    assert tight.config.recompute_logits is True and "keeping them does not fit" in tight.reason
+    assert tight.config.performance.recompute_logits is True and "keeping them does not fit" in tight.reason
     long = choose_config(dataclasses.replace(workload, seq_len=M), H200)
-    plain = choose_config(dataclasses.replace(workload, seq_len=M), H200, {"recompute_logits": True})
-    assert dataclasses.replace(long.config, recompute_logits=True) == plain.config
+    plain = choose_config(dataclasses.replace(workload, seq_len=M), H200, {"performance.recompute_logits": True})
+    assert long.config.with_options({"performance.recompute_logits": True}) == plain.config
     # A base that keeps them, not fixed, does not steer the search: the same plan as the default base.
-    steered = choose_config(dataclasses.replace(workload, seq_len=M), H200, base=OOMBConfig(recompute_logits=False))
+    steered = choose_config(dataclasses.replace(workload, seq_len=M), H200,
+                            base=OOMBConfig(performance=PerformanceConfig(recompute_logits=False)))
     assert steered.config == long.config
     # The runner-up is compared after the same last decision.
-    assert kept.runner_up is not None and kept.runner_up.config.recompute_logits is False
+    assert kept.runner_up is not None and kept.runner_up.config.performance.recompute_logits is False
 
 
 def test_the_trainer_fixes_what_the_run_decides():
@@ -402,12 +413,12 @@ def test_the_trainer_fixes_what_the_run_decides():
     windowed = dataclasses.replace(plain, sliding_window=128, sliding_window_layers=1)
     config = TrainerConfig.load(None, ["oomb.attention=sparse"])
     assert chooser_fixed(config, True, plain)["attention"] == "sparse"
-    assert "keep_attention_outputs" not in chooser_fixed(config, True, plain)
+    assert "performance.keep_attention_outputs" not in chooser_fixed(config, True, plain)
     documents = TrainerConfig.load(None, ["data.documents=separate", "data.seq_len=1024"])
-    assert "backend" not in chooser_fixed(documents, True, plain)
-    assert chooser_fixed(documents, True, windowed)["backend"] == "triton"
-    assert "backend" not in chooser_fixed(documents, False, windowed)
-    assert "backend" not in chooser_fixed(dataclasses.replace(documents), True,
+    assert "performance.backend" not in chooser_fixed(documents, True, plain)
+    assert chooser_fixed(documents, True, windowed)["performance.backend"] == "triton"
+    assert "performance.backend" not in chooser_fixed(documents, False, windowed)
+    assert "performance.backend" not in chooser_fixed(dataclasses.replace(documents), True,
                                           dataclasses.replace(windowed, sliding_window=4096))
 
 
@@ -424,11 +435,11 @@ def test_cpu_prediction_counts_every_term_as_host_memory_and_prefers_replay():
     small = Resources("cpu", None, 16 * GIB, weights_loaded=True)  # a 16 GiB laptop's free memory
     choice = choose_config(workload, small)
     chosen = choice.chosen
-    assert choice.config.checkpoint_layers and choice.config.chunk_size == 4096, choice.reason
+    assert choice.config.performance.checkpoint_layers and choice.config.chunk_size == 4096, choice.reason
     terms = chosen.prediction.gpu
     assert chosen.host_counted == sum(terms.values()) - terms["weights"] + chosen.host_bytes
     assert chosen.host_counted > 2 * chosen.prediction.host["process"]  # activations, logits, pages counted
-    without = choose_config(workload, small, {"checkpoint_layers": False, "chunk_size": 4096}).chosen
+    without = choose_config(workload, small, {"performance.checkpoint_layers": False, "chunk_size": 4096}).chosen
     assert without.host_counted > (1 / (1 - CPU_MEMORY_SAVING)) * chosen.host_counted
     assert chosen.relative_time <= without.relative_time * CPU_SLOWER_ALLOWED
     # No replay keeps PEFT's inputs in the model's dtype: twice the bf16 bytes in float32.
@@ -439,4 +450,4 @@ def test_cpu_prediction_counts_every_term_as_host_memory_and_prefers_replay():
     assert f"instead of {without.host_counted / GIB:.1f} GiB" in choice.reason
     # On a GPU the same step keeps the faster plan: the GPU's memory is the step's alone.
     on_gpu = choose_config(dataclasses.replace(workload, dtype=torch.bfloat16), gpu(79, 125))
-    assert not on_gpu.config.checkpoint_layers
+    assert not on_gpu.config.performance.checkpoint_layers

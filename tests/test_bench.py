@@ -237,12 +237,12 @@ def test_resident_layers_reach_the_step_config_and_the_prediction():
 
     args = cli.build_parser().parse_args(["bench", "--quick", "--resident-layers", "2", "--modes", "dense+offload"])
     options = bench.options_from_args(args)
-    assert options.oomb_config().offload_resident_layers == 2
+    assert options.oomb_config().offload.resident_layers == 2
     config = bench.oomb_config_for("dense+offload", options.oomb_config())
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b", 131072))
     setup = TrainingSetup(torch.bfloat16, 1, "none")
     resident, offloaded = (predict("dense+offload", shape, 131072, c, setup)
-                           for c in (config, bench.dataclasses.replace(config, offload_resident_layers=0)))
+                           for c in (config, config.with_options({"offload.resident_layers": 0})))
     assert resident.gpu_total > offloaded.gpu_total
 
 
@@ -287,7 +287,7 @@ def test_reported_backend_follows_the_model_as_the_step_resolves_it():
 
     gemma2, qwen = (ModelShape.from_hf_config(preset_config(p, 8192)) for p in ("gemma-2-9b", "qwen2.5-7b"))
     auto = bench.BenchOptions(device="cuda", backend="auto")
-    assert auto.oomb_config().backend == "auto"
+    assert auto.oomb_config().performance.backend == "auto"
     assert (auto.backend_for(qwen), auto.backend_for(gemma2)) == ("cudnn", "triton")
     assert bench.BenchOptions(device="cuda", backend="cudnn").backend_for(gemma2) == "cudnn"  # as set: refused later
     assert bench.BenchOptions(device="cpu").backend_for(gemma2) == "torch"
@@ -319,7 +319,8 @@ def test_chosen_runs_the_choosers_plan_and_keeps_what_was_given(tmp_path):
     base = bench.oomb_config_for("sparse", options.oomb_config())
     want = choose_config(Workload(shape, 2048, 1, options.dtype, optimizer="none"),
                          Resources("cpu", None, int(0.95 * (20 << 30)), weights_loaded=True),
-                         {"chunk_size": 512, "attention": "sparse", "offload": False, "deterministic": False}, base)
+                         {"chunk_size": 512, "attention": "sparse", "offload.enabled": False,
+                          "precision.deterministic": False}, base)
     assert changes == {**{n: want.config.option(p) for n, p in CHOSEN_FIELDS.items()}, "kv_grad_dtype": "float32"}
     assert changes["recompute_logits"] is False and "log-probabilities kept" in plan
     replay = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen",

@@ -6,7 +6,7 @@ import yaml
 from helpers import build_tiny_model, random_ids
 
 import oomb
-from oomb.config import OOMBConfig, load_sparse_plan
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, load_sparse_plan
 from oomb.sparse import SparseConfig
 from oomb.tools.calibrate import DENSE, LayerCurve, allocate, make_plan, recall_curves
 from oomb.tools.sparse_recall import layer_recall, page_mass, record_attention_inputs
@@ -20,8 +20,8 @@ def _grads(model):
 
 def _step(model, ids, **options):
     model.zero_grad(set_to_none=True)
-    loss = oomb.forward_backward(model, ids, config=OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch",
-                                                               **options))
+    loss = oomb.forward_backward(model, ids, config=OOMBConfig(chunk_size=CHUNK, page_size=PAGE, **options,
+                                                               performance=PerformanceConfig(backend="torch")))
     return loss, _grads(model)
 
 
@@ -29,9 +29,8 @@ def test_dense_layers_and_full_layer_budgets_are_dense_attention_bit_for_bit():
     model = build_tiny_model("llama", seed=3)
     ids = random_ids(1, TOKENS, seed=3)
     dense_loss, dense = _step(model, ids)
-    for options in (dict(sparse_budget=1, sparse_dense_layers=[0, 1]),
-                    dict(sparse_budget=1, sparse_layer_budgets=[64, 64])):
-        loss, grads = _step(model, ids, attention="sparse", **options)
+    for sparse in (SparseConfig(budget=1, dense_layers=[0, 1]), SparseConfig(budget=1, layer_budgets=[64, 64])):
+        loss, grads = _step(model, ids, attention="sparse", sparse=sparse)
         assert torch.equal(loss, dense_loss)
         assert all(torch.equal(grads[n], dense[n]) for n in dense)
 
@@ -42,8 +41,8 @@ def test_a_dense_layer_changes_only_what_that_layer_reads():
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(1, TOKENS, seed=4)
     _, dense = _step(model, ids)
-    _, sparse = _step(model, ids, attention="sparse", sparse_budget=1)
-    _, mixed = _step(model, ids, attention="sparse", sparse_budget=1, sparse_dense_layers=[1])
+    _, sparse = _step(model, ids, attention="sparse", sparse=SparseConfig(budget=1))
+    _, mixed = _step(model, ids, attention="sparse", sparse=SparseConfig(budget=1, dense_layers=[1]))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(mixed[name], dense[name]) and not torch.equal(mixed[name], sparse[name])
 
@@ -54,11 +53,11 @@ def test_per_layer_budgets_read_what_they_say():
     assert options.num_selected(5, 1) == 5
 
 
-@pytest.mark.parametrize("bad", [dict(sparse_layer_budgets=[1, -1]), dict(sparse_layer_budgets=3),
-                                 dict(sparse_dense_layers=[0, "1"]), dict(sparse_pooling="mean")])
+@pytest.mark.parametrize("bad", [{"layer_budgets": [1, -1]}, {"layer_budgets": 3}, {"dense_layers": [0, "1"]},
+                                 {"research": {"pooling": "mean"}}])
 def test_bad_layer_options_are_refused(bad):
     with pytest.raises(ValueError):
-        OOMBConfig(attention="sparse", **bad)
+        OOMBConfig.from_dict({"attention": "sparse", "sparse": bad})
 
 
 def _recorded(seed=5):
@@ -122,7 +121,7 @@ def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     path.write_text(yaml.safe_dump(plan))
     assert load_sparse_plan(path) == plan["oomb"]  # gradcheck --sparse-plan reads the same options
     config = OOMBConfig.from_dict({"sparse_plan": str(path), "chunk_size": CHUNK, "page_size": PAGE,
-                                   "backend": "torch"})
+                                   "performance": {"backend": "torch"}})
     assert config.attention == "sparse" and list(config.sparse.layer_budgets) == plan["oomb"]["sparse"]["layer_budgets"]
     model.train()
     loss = oomb.forward_backward(model, ids, config=config)
@@ -141,18 +140,18 @@ def test_gpu_per_layer_budgets_and_dense_layers(backend):
 
     def step(**options):
         model.zero_grad(set_to_none=True)
-        config = OOMBConfig(chunk_size=256, page_size=64, backend=backend, **options)
+        config = OOMBConfig(chunk_size=256, page_size=64, **options, performance=PerformanceConfig(backend=backend))
         return oomb.forward_backward(model, ids, config=config), _grads(model)
 
     dense_loss, dense = step()
-    loss, grads = step(attention="sparse", sparse_budget=1, sparse_dense_layers=[0, 1])
+    loss, grads = step(attention="sparse", sparse=SparseConfig(budget=1, dense_layers=[0, 1]))
     if backend == "triton":
         assert torch.equal(loss, dense_loss) and all(torch.equal(grads[n], dense[n]) for n in dense)
     else:
         torch.testing.assert_close(loss, dense_loss, rtol=2e-3, atol=0)
-    per_layer = dict(attention="sparse", sparse_budget=2, sparse_layer_budgets=[1, 2], sparse_dense_layers=[1])
+    per_layer = dict(attention="sparse", sparse=SparseConfig(budget=2, layer_budgets=[1, 2], dense_layers=[1]))
     loss, grads = step(**per_layer)
-    off_loss, off_grads = step(offload=True, **per_layer)
+    off_loss, off_grads = step(offload=OffloadConfig(enabled=True), **per_layer)
     assert torch.isfinite(loss)
     if backend == "triton":
         assert torch.equal(loss, off_loss) and all(torch.equal(grads[n], off_grads[n]) for n in grads)

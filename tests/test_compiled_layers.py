@@ -1,7 +1,6 @@
-"""OOMBConfig.compile_layers: decoder layers compiled for the step give the eager step's gradients (to float
+"""OOMBConfig.performance.compile_layers: decoder layers compiled for the step give the eager step's gradients (to float
 rounding: fused kernels sum in another order), are restored afterwards, and the automatic choice."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import oomb
 import oomb.carried_gradients
 from oomb.attention.function import KeptOutputs
 from oomb.compiled_layers import COMPILED_CALL, resolve_compile_layers
+from oomb.config import PerformanceConfig
 from oomb.models import decoder_layers
 from oomb.parallel import ParallelSetup
 
@@ -22,9 +22,11 @@ rounding of sums taken in another order is ~1e-7 relative; a wrong graph (a miss
 norm weight) is O(1)."""
 
 
-def _step(model, ids, **options):
+def _step(model, ids, compile_layers: bool, options: dict | None = None):
+    """One step without layer replay, its layers compiled or not; ``options``: other options by dotted path."""
     model.zero_grad(set_to_none=True)
-    config = oomb.OOMBConfig(chunk_size=128, page_size=32, checkpoint_layers=False, **options)
+    performance = PerformanceConfig(checkpoint_layers=False, compile_layers=compile_layers)
+    config = oomb.OOMBConfig(chunk_size=128, page_size=32, performance=performance).with_options(options or {})
     loss = oomb.forward_backward(model, ids, config=config)
     return float(loss), grads(model)
 
@@ -37,14 +39,14 @@ def _assert_close(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("options", [pytest.param({}, marks=pytest.mark.slow),
-                                     {"attention": "sparse", "sparse_budget": 2}], ids=["dense", "sparse"])
+                                     {"attention": "sparse", "sparse.budget": 2}], ids=["dense", "sparse"])
 def test_compiled_layers_give_the_eager_gradients(options):
     model = build_tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(0))
-    eager_loss, eager = _step(model, ids, compile_layers=False, **options)
+    eager_loss, eager = _step(model, ids, False, options)
     torch._dynamo.reset()  # compile afresh, so that the counter shows it
     captured = counters["stats"]["calls_captured"]
-    loss, compiled = _step(model, ids, compile_layers=True, **options)
+    loss, compiled = _step(model, ids, True, options)
     assert counters["stats"]["calls_captured"] > captured  # the layers ran as compiled graphs
     assert loss == pytest.approx(eager_loss, rel=1e-6)
     _assert_close(compiled, eager)
@@ -75,28 +77,29 @@ def test_a_layer_the_user_compiled_stays_compiled():
 def test_automatic_choice(monkeypatch):
     monkeypatch.setattr("oomb.compiled_layers.can_compile", lambda: True)  # as on a CUDA machine with Triton
     model = build_tiny_model("qwen2")
-    auto = oomb.OOMBConfig(checkpoint_layers=False)
+    auto = oomb.OOMBConfig(performance=PerformanceConfig(checkpoint_layers=False))
     single = ParallelSetup()
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_compile_layers(auto, cuda, single, model) is True
     assert resolve_compile_layers(auto, cpu, single, model) is False  # compiling costs more than it saves there
-    replay = dataclasses.replace(auto, checkpoint_layers=True)  # stage 2 would run eager inside the checkpoint
+    replay = auto.with_options({"performance.checkpoint_layers": True})  # stage 2 would run eager inside the checkpoint
     assert resolve_compile_layers(replay, cuda, single, model) is False
-    assert resolve_compile_layers(dataclasses.replace(auto, deterministic=True), cuda, single, model) is False
-    assert resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cpu, single, model) is True
-    assert resolve_compile_layers(dataclasses.replace(auto, compile_layers=False), cuda, single, model) is False
+    assert resolve_compile_layers(auto.with_options({"precision.deterministic": True}), cuda, single, model) is False
+    assert resolve_compile_layers(auto.with_options({"performance.compile_layers": True}), cpu, single, model) is True
+    assert resolve_compile_layers(auto.with_options({"performance.compile_layers": False}), cuda, single,
+                                  model) is False
     assert resolve_compile_layers(auto, cuda, ParallelSetup(mesh=object()), model) is False
     dropping = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, lora_dropout=0.1, target_modules=["v_proj"]))
     dropping.train()
     assert resolve_compile_layers(auto, cuda, single, dropping) is False  # both stages must draw one mask
     with pytest.raises(ValueError, match="active dropout"):
-        resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cuda, single, dropping)
+        resolve_compile_layers(auto.with_options({"performance.compile_layers": True}), cuda, single, dropping)
     dropping.eval()
     assert resolve_compile_layers(auto, cuda, single, dropping) is True
     monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)  # a failed frame would run eager
     assert resolve_compile_layers(auto, cuda, single, model) is False
     with pytest.raises(ValueError, match="suppress_errors"):
-        resolve_compile_layers(dataclasses.replace(auto, compile_layers=True), cuda, single, model)
+        resolve_compile_layers(auto.with_options({"performance.compile_layers": True}), cuda, single, model)
     monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
     for experts in ("num_experts", "num_local_experts"):  # qwen3_moe, gpt_oss
         moe = build_tiny_model("qwen2")
@@ -108,9 +111,9 @@ def test_automatic_choice(monkeypatch):
 
 def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():
     with pytest.raises(ValueError, match="compile_layers='yes' must be True, False or None"):
-        oomb.OOMBConfig(compile_layers="yes")
-    with pytest.raises(ValueError, match="compile_layers=True needs checkpoint_layers=False"):
-        oomb.OOMBConfig(compile_layers=True)
+        oomb.OOMBConfig(performance=PerformanceConfig(compile_layers="yes"))
+    with pytest.raises(ValueError, match="compile_layers=True needs performance.checkpoint_layers=False"):
+        oomb.OOMBConfig(performance=PerformanceConfig(compile_layers=True))
 
 
 def test_the_chooser_keeps_replay_off_for_compiled_layers():
@@ -120,8 +123,8 @@ def test_the_chooser_keeps_replay_off_for_compiled_layers():
     shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
     tight = Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True)
     choice = choose_config(Workload(shape, 4096, 1, torch.bfloat16, optimizer="none"), tight,
-                           {"compile_layers": True})
-    assert choice.config.compile_layers is True and choice.config.checkpoint_layers is False
+                           {"performance.compile_layers": True})
+    assert choice.config.performance.compile_layers is True and choice.config.performance.checkpoint_layers is False
 
 
 @pytest.mark.slow
@@ -158,9 +161,9 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients():
     """The same on CUDA (Triton kernels from inductor), float32, dense and sparse."""
     model = build_tiny_model("qwen2").cuda()
     ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(0)).cuda()
-    for options in ({}, {"attention": "sparse", "sparse_budget": 2}):
-        _, eager = _step(model, ids, compile_layers=False, **options)
-        _, compiled = _step(model, ids, compile_layers=True, **options)
+    for options in ({}, {"attention": "sparse", "sparse.budget": 2}):
+        _, eager = _step(model, ids, False, options)
+        _, compiled = _step(model, ids, True, options)
         _assert_close(compiled, eager)
 
 
@@ -171,17 +174,17 @@ def test_the_plan_says_when_layers_compile():
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.bfloat16,
                         optimizer="none")
     roomy = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True))
-    assert not roomy.config.checkpoint_layers and roomy.compiled_layers
+    assert not roomy.config.performance.checkpoint_layers and roomy.compiled_layers
     assert "layers: compiled for the step" in roomy.describe()
     replay = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True),
-                           {"checkpoint_layers": True})
+                           {"performance.checkpoint_layers": True})
     assert not replay.compiled_layers and "layers: compiled" not in replay.describe()
     on_cpu = choose_config(workload, Resources("cpu", None, 1 << 40))
     assert not on_cpu.compiled_layers
 
 
 def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defaults(tmp_path):
-    """`oomb train --compile-layers` / `oomb.compile_layers: true` and `oomb bench --compile-layers` fix
+    """`oomb train --compile-layers` / `oomb.performance.compile_layers: true` and `oomb bench --compile-layers` fix
     checkpoint_layers=False (not refused for the replay default); the chooser does not put replay back,
     not even when nothing fits."""
     from oomb import cli
@@ -190,15 +193,15 @@ def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defau
     from oomb.tools import bench
     from oomb.training.config import TrainerConfig
 
-    config = TrainerConfig.load(overrides=["oomb.compile_layers=true"])
-    assert config.oomb.compile_layers is True and config.oomb.checkpoint_layers is False
-    assert "checkpoint_layers" not in config.oomb_auto
+    config = TrainerConfig.load(overrides=["oomb.performance.compile_layers=true"])
+    assert config.oomb.performance.compile_layers is True and config.oomb.performance.checkpoint_layers is False
+    assert "performance.checkpoint_layers" not in config.oomb_auto
     options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--compile-layers"]))
     assert options.compile_layers is True and options.checkpoint_layers is False
     shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
     with pytest.raises(NoConfigFitsError):
         choose_config(Workload(shape, 1 << 20, 1, torch.bfloat16, optimizer="none"),
-                      Resources("cuda", 1 << 20, 1 << 20, weights_loaded=True), {"compile_layers": True})
+                      Resources("cuda", 1 << 20, 1 << 20, weights_loaded=True), {"performance.compile_layers": True})
 
 
 @pytest.mark.slow
@@ -215,8 +218,8 @@ def test_kept_attention_outputs_compile_no_more_graphs():
     for keep in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        results[keep] = _step(model, ids, compile_layers=True, attention="sparse", sparse_budget=2,
-                              keep_attention_outputs=keep)
+        results[keep] = _step(model, ids, True, {"attention": "sparse", "sparse.budget": 2,
+                                                 "performance.keep_attention_outputs": keep})
         graphs[keep] = counters["stats"]["unique_graphs"]
     assert graphs[False] > 0 and graphs[True] == graphs[False]
     assert not issubclass(KeptOutputs, dict)
@@ -321,9 +324,9 @@ def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
     for carry in (False, True):
         _carry(monkeypatch, carry)
         torch._dynamo.reset()
-        _step(model, ids, compile_layers=True, fp32_grad_accumulation=False)  # compiles
+        _step(model, ids, True, {"precision.fp32_grad_accumulation": False})  # compiles
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _, results[carry] = _step(model, ids, compile_layers=True, fp32_grad_accumulation=False)
+            _, results[carry] = _step(model, ids, True, {"precision.fp32_grad_accumulation": False})
         events = prof.key_averages()
         adds[carry] = sum(e.count for e in events if "CUDAFunctor_add<c10::BFloat16>" in e.key)
         fused_adds[carry] = sum(e.count for e in events if e.key.startswith("triton") and "add" in e.key)

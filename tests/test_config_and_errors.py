@@ -11,21 +11,23 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaModel, O
 import oomb
 from oomb import OOMBConfig
 from oomb.attention.backend import TORCH_BACKEND, select_backend
+from oomb.config import PerformanceConfig, PrecisionConfig
 
-SMALL = dict(chunk_size=32, page_size=16, backend="torch")
+SMALL = OOMBConfig(chunk_size=32, page_size=16, performance=PerformanceConfig(backend="torch"))
 
 
 def test_default_config_is_valid():
     config = OOMBConfig()
     assert config.chunk_size % config.page_size == 0
-    assert config.grad_dtype == torch.float32
-    assert config.checkpoint_layers is True
+    assert config.precision.grad_dtype == torch.float32
+    assert config.performance.checkpoint_layers is True
     assert config.attention == "dense"
 
 
 def test_sparse_config():
-    config = OOMBConfig.from_dict({"attention": "sparse", "sparse_budget": 0, "sparse_sink_pages": 0,
-                                   "sparse_score": "mean", "sparse_selection": "shared", "sparse_leak_free": True})
+    config = OOMBConfig.from_dict({"attention": "sparse", "sparse": {"budget": 0, "sink_pages": 0, "score": "mean",
+                                                                     "research": {"selection": "shared"},
+                                                                     "leak_free": True}})
     assert (config.attention, config.sparse.budget, config.sparse.sink_pages) == ("sparse", 0, 0)
     assert (config.sparse.score, config.sparse.research.selection, config.sparse.leak_free) == ("mean", "shared", True)
 
@@ -39,37 +41,42 @@ def test_chunk_size_must_be_a_multiple_of_page_size():
 @pytest.mark.parametrize(
     ("field", "value"),
     [("chunk_size", 0), ("chunk_size", -128), ("page_size", 0), ("page_size", -16),
-     ("loss_chunk_tokens", 0), ("chunk_size", 256.0), ("page_size", True), ("loss_chunk_tokens", "64")],
+     ("performance.loss_chunk_tokens", 0), ("chunk_size", 256.0), ("page_size", True),
+     ("performance.loss_chunk_tokens", "64"), ("offload.stream_block_pages", 0)],
 )
 def test_sizes_must_be_positive_integers(field, value):
     with pytest.raises(ValueError, match=rf"{field}={value!r} must be a positive integer"):
-        OOMBConfig(**{field: value})
+        OOMBConfig.from_dict({field: value})
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"backend": "cuda"}, r"backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton', 'cudnn'\)"),
+        ({"performance.backend": "cuda"},
+         r"performance.backend='cuda' is not supported; use one of: \('auto', 'torch', 'triton', 'cudnn'\)"),
         ({"attention": "flash"}, r"attention='flash' is not supported; use one of: \('dense', 'sparse'\)"),
-        ({"sparse_budget": -1}, r"sparse.budget=-1 must be an integer >= 0 \(a number of pages\)"),
-        ({"sparse_budget": 4.0}, r"sparse.budget=4\.0 must be an integer >= 0"),
-        ({"sparse_query_block_pages": 0}, r"sparse.query_block_pages=0 must be an integer >= 1"),
-        ({"sparse_query_block_pages": True}, r"sparse.query_block_pages=True must be an integer >= 1"),
-        ({"sparse_sink_pages": True}, r"sparse.sink_pages=True must be an integer >= 0"),
-        ({"sparse_score": "max"},
+        ({"sparse.budget": -1}, r"sparse.budget=-1 must be an integer >= 0 \(a number of pages\)"),
+        ({"sparse.budget": 4.0}, r"sparse.budget=4\.0 must be an integer >= 0"),
+        ({"sparse.query_block_pages": 0}, r"sparse.query_block_pages=0 must be an integer >= 1"),
+        ({"sparse.query_block_pages": True}, r"sparse.query_block_pages=True must be an integer >= 1"),
+        ({"sparse.sink_pages": True}, r"sparse.sink_pages=True must be an integer >= 0"),
+        ({"sparse.score": "max"},
          r"sparse.score='max' is not supported; use one of: \('auto', 'rerank', 'minmax', 'mean', 'exact'\)"),
-        ({"sparse_selection": "head"},
+        ({"sparse.research.selection": "head"},
          r"sparse.research.selection='head' is not supported; use one of: \('kv_head', 'shared'\)"),
-        ({"sparse_leak_free": 1}, r"sparse.leak_free=1 must be True or False"),
-        ({"kv_grad_dtype": "float8"}, r"kv_grad_dtype='float8' is not supported; use one of: .*bf16"),
-        ({"kv_grad_dtype": torch.int8}, r"kv_grad_dtype=torch\.int8 is not supported"),
-        ({"checkpoint_layers": "yes"}, r"checkpoint_layers='yes' must be True or False"),
-        ({"recompute_logits": "no"}, r"recompute_logits='no' must be True or False"),
+        ({"sparse.leak_free": 1}, r"sparse.leak_free=1 must be True or False"),
+        ({"precision.kv_grad_dtype": "float8"},
+         r"precision.kv_grad_dtype='float8' is not supported; use one of: .*bf16"),
+        ({"precision.kv_grad_dtype": torch.int8}, r"precision.kv_grad_dtype=torch\.int8 is not supported"),
+        ({"performance.checkpoint_layers": "yes"}, r"performance.checkpoint_layers='yes' must be True or False"),
+        ({"performance.recompute_logits": "no"}, r"performance.recompute_logits='no' must be True or False"),
+        ({"offload.enabled": 1}, r"offload.enabled=1 must be True or False"),
+        ({"offload.stream_buffers": 1}, r"offload.stream_buffers=1 must be an integer >= 2"),
     ],
 )
 def test_bad_option_names(options, message):
     with pytest.raises(ValueError, match=message):
-        OOMBConfig(**options)
+        OOMBConfig.from_dict(options)
 
 
 @pytest.mark.parametrize(
@@ -78,12 +85,12 @@ def test_bad_option_names(options, message):
      ("bfloat16", torch.bfloat16), ("fp16", torch.float16), (torch.bfloat16, torch.bfloat16)],
 )
 def test_kv_grad_dtype_names(value, dtype):
-    assert OOMBConfig(kv_grad_dtype=value).grad_dtype == dtype
+    assert OOMBConfig(precision=PrecisionConfig(kv_grad_dtype=value)).precision.grad_dtype == dtype
 
 
 def test_from_dict():
-    config = OOMBConfig.from_dict({"chunk_size": 512, "page_size": 64, "checkpoint_layers": False})
-    assert config == OOMBConfig(chunk_size=512, page_size=64, checkpoint_layers=False)
+    config = OOMBConfig.from_dict({"chunk_size": 512, "page_size": 64, "performance": {"checkpoint_layers": False}})
+    assert config == OOMBConfig(chunk_size=512, page_size=64, performance=PerformanceConfig(checkpoint_layers=False))
     message = r"unknown OOMBConfig option\(s\) \['chunk', 'pages'\]; valid options: .*'chunk_size'"
     with pytest.raises(ValueError, match=message):
         OOMBConfig.from_dict({"chunk": 512, "pages": 64, "page_size": 64})
@@ -105,7 +112,7 @@ def model():
 
 
 def _step(model, input_ids, labels=None, config=None):
-    return oomb.forward_backward(model, input_ids, labels, config or OOMBConfig(**SMALL))
+    return oomb.forward_backward(model, input_ids, labels, config or SMALL)
 
 
 def _assert_untouched(model):

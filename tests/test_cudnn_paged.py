@@ -14,7 +14,7 @@ import torch
 from test_triton_paged import GPU_CASES, _max_err, make_case
 
 from oomb.attention import cudnn_paged, cudnn_sparse, reference, reference_sparse
-from oomb.config import SparseConfig
+from oomb.config import OffloadConfig, SparseConfig
 
 
 def _scores(q, k, causal, scale):
@@ -295,8 +295,9 @@ def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, qu
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", offload=offload,
-                                 sparse=SparseConfig(budget=2, query_block_pages=query_block_pages))
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                                 sparse=SparseConfig(budget=2, query_block_pages=query_block_pages),
+                                 offload=OffloadConfig(enabled=offload))
         results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
     torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
@@ -391,7 +392,7 @@ def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch,
     cu = [[0, 13, 14, 15, 75, 115, 150], [0, 70, 75, 76, 142, 150]]
     stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
                                 cudnn_paged.no_delta, whole_history=True)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, stream_block_pages=2, offload=offload)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, offload=OffloadConfig(stream_block_pages=2, enabled=offload))
     results = {}
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oomb.attention import cudnn_sparse
-from oomb.config import SparseConfig
+from oomb.config import OffloadConfig, SparseConfig
 
 
 @pytest.mark.parametrize("n_blocks, group, want", [
@@ -214,8 +214,9 @@ def test_sparse_documents_step_on_the_stand_in_matches_the_torch_backend(monkeyp
     for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", offload=offload,
-                                 sparse=oomb.SparseConfig(budget=2, query_block_pages=query_block_pages))
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                                 sparse=oomb.SparseConfig(budget=2, query_block_pages=query_block_pages),
+                                 offload=OffloadConfig(enabled=offload))
         slabs = HostSlabs(pin=False) if offload else None
         results[name] = (oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
                          grads(model))

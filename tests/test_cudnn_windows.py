@@ -16,8 +16,6 @@ H200).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from test_cudnn_paged import MATH, _assert_within_twice_reference
@@ -197,10 +195,11 @@ def _stand_in(name: str = "cudnn"):
 
 @pytest.mark.parametrize(("family", "window", "options"), [
     ("gemma3_text", 17, {}),
-    ("gpt_oss", 40, dict(checkpoint_layers=True)),  # sinks
-    ("mistral", 6, dict(stream_block_pages=2, offload=True)),  # every layer slides, streamed history blocks
-    ("gemma3_text", 63, dict(attention="sparse", sparse_budget=3)),  # windows dense, global layers sparse
-    ("gpt_oss", 17, dict(attention="sparse", sparse_budget=3, offload=True)),
+    ("gpt_oss", 40, {"performance.checkpoint_layers": True}),  # sinks
+    # every layer slides, streamed history blocks
+    ("mistral", 6, {"offload.stream_block_pages": 2, "offload.enabled": True}),
+    ("gemma3_text", 63, {"attention": "sparse", "sparse.budget": 3}),  # windows dense, global layers sparse
+    ("gpt_oss", 17, {"attention": "sparse", "sparse.budget": 3, "offload.enabled": True}),
 ])
 def test_window_families_on_the_cudnn_code_equal_the_torch_backend(monkeypatch, family, window, options):
     """A whole step of a window family with the cudnn backend's code (named "cudnn": the engine's checks
@@ -215,12 +214,12 @@ def test_window_families_on_the_cudnn_code_equal_the_torch_backend(monkeypatch, 
 
     model = build(family, seed=21, sliding_window=window)
     ids = random_ids(2, 150, seed=21)
-    config = replace(CONFIG, **options)
+    config = CONFIG.with_options(options)
     results = {}
     for backend in (TORCH_BACKEND, _stand_in()):
         monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
         model.zero_grad(set_to_none=True)
-        slabs = HostSlabs(pin=False) if config.offload else None
+        slabs = HostSlabs(pin=False) if config.offload.enabled else None
         results[backend.name] = oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)
     torch.testing.assert_close(results["cudnn"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["cudnn"][1], results["torch"][1]) <= 1e-5
@@ -287,7 +286,7 @@ def test_gpu_window_family_on_cudnn_within_twice_torch_backend_error(family, att
 
     model = build(family, seed=23, sliding_window=window, head_dim=64).cuda()
     ids = random_ids(2, GPU_TOKENS, seed=23).cuda()
-    config = replace(GPU_CONFIG, attention=attention, sparse_budget=4)
+    config = GPU_CONFIG.with_options({"attention": attention, "sparse.budget": 4})
     exact_loss, exact = oomb_step(model, ids, config)
     if attention == "dense":
         hf_loss, hf = hf_step(model, ids)
@@ -295,7 +294,7 @@ def test_gpu_window_family_on_cudnn_within_twice_torch_backend_error(family, att
         assert relative_error(exact, hf) <= 1e-4
     model.to(torch.bfloat16)
     ref_loss, ref = oomb_step(model, ids, config)
-    got_loss, got = oomb_step(model, ids, replace(config, backend="cudnn"))
+    got_loss, got = oomb_step(model, ids, config.with_options({"performance.backend": "cudnn"}))
     ours, theirs = relative_error(got, exact), relative_error(ref, exact)
     print(f"{family} W={window} bf16 {attention} gradient error: cudnn {ours:.3e}, torch backend {theirs:.3e}")
     assert ours <= 2 * theirs

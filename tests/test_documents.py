@@ -19,6 +19,7 @@ import oomb
 import oomb.engine
 from oomb import OOMBConfig
 from oomb.attention import reference
+from oomb.config import OffloadConfig, PerformanceConfig
 from oomb.documents import (
     ends_from_starts,
     resolve_documents,
@@ -38,7 +39,8 @@ CPU = torch.device("cpu")
 LENGTHS = [13, 1, 1, 60, 40, 35]
 # A second row with other boundaries (batch 2).
 LENGTHS_2 = [70, 5, 1, 66, 8]
-CONFIG = OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=1, loss_chunk_tokens=50)
+CONFIG = OOMBConfig(chunk_size=32, page_size=8, performance=PerformanceConfig(backend="torch", loss_chunk_tokens=50),
+                    offload=OffloadConfig(stream_block_pages=1))
 
 
 def _cu(lengths: list[int]) -> list[int]:
@@ -166,7 +168,7 @@ def test_batch_of_two_with_different_boundaries_and_cu_seqlens():
     docs = resolve_documents(positions, None, (2, 150), CPU)
     want_loss, want = _hf_padding_free(model, ids, positions, docs.mask_labels(ids))
     per_doc_loss, per_doc = _per_document(model, ids, [LENGTHS, LENGTHS_2])
-    config = replace(CONFIG, stream_block_pages=2, checkpoint_layers=False)
+    config = CONFIG.with_options({"offload.stream_block_pages": 2, "performance.checkpoint_layers": False})
     got_loss, got = _oomb(model, ids, config, cu_seqlens=[_cu(LENGTHS), _cu(LENGTHS_2)])
     torch.testing.assert_close(got_loss, want_loss, rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(got_loss, per_doc_loss, rtol=LOSS_RTOL, atol=0)
@@ -258,7 +260,7 @@ def test_offload_equals_no_offload_bitwise_and_stages_only_the_documents(residen
     ids = random_ids(2, 150, seed=10)
     cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
     want_loss, want = _oomb(model, ids, cu_seqlens=cu)
-    offload = replace(CONFIG, offload=True, offload_resident_layers=resident)
+    offload = CONFIG.with_options({"offload.enabled": True, "offload.resident_layers": resident})
     model.zero_grad(set_to_none=True)
     got_loss = oomb.forward_backward(model, ids, None, offload, host_slabs=HostSlabs(pin=False), cu_seqlens=cu)
     got = grads(model)
@@ -286,7 +288,7 @@ def test_dense_offload_stages_history_from_the_chunks_first_document(monkeypatch
     monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
     model = build_tiny_model("llama", seed=1)
     ids = random_ids(1, 150, seed=9)
-    offload = replace(CONFIG, offload=True)
+    offload = CONFIG.with_options({"offload.enabled": True})
     for boundaries in ({"cu_seqlens": _cu(LENGTHS)}, {}):
         oomb.forward_backward(model, ids, None, offload, host_slabs=HostSlabs(pin=False), **boundaries)
     first_keys = {0: 0, 32: 8, 64: 8, 96: 72, 128: 112}  # as test_history_before_the_chunks_documents...
@@ -374,9 +376,10 @@ def test_triton_step_with_documents_equals_torch_step():
     model = build_tiny_model("llama", seed=1)
     ids = random_ids(2, 40, seed=2)
     cu = [[0, 5, 6, 23, 40], [0, 17, 40]]
-    config = OOMBConfig(chunk_size=16, page_size=8, backend="torch", stream_block_pages=1)
+    config = OOMBConfig(chunk_size=16, page_size=8, performance=PerformanceConfig(backend="torch"),
+                        offload=OffloadConfig(stream_block_pages=1))
     want_loss, want = _oomb(model, ids, config, cu_seqlens=cu)
-    got_loss, got = _oomb(model, ids, replace(config, backend="triton"), cu_seqlens=cu)
+    got_loss, got = _oomb(model, ids, config.with_options({"performance.backend": "triton"}), cu_seqlens=cu)
     torch.testing.assert_close(got_loss, want_loss, rtol=LOSS_RTOL, atol=0)
     assert relative_error(got, want) <= GRAD_RTOL
 
@@ -417,9 +420,10 @@ def test_gpu_triton_step_with_documents_equals_torch_backend_and_hf(offload):
     ids = random_ids(2, 1000, seed=11).cuda()
     rows = [[100, 1, 300, 77, 1, 521], [640, 3, 357]]
     positions = torch.stack([_positions(r) for r in rows]).cuda()
-    base = OOMBConfig(chunk_size=256, page_size=64, backend="torch", stream_block_pages=2)
+    base = OOMBConfig(chunk_size=256, page_size=64, performance=PerformanceConfig(backend="torch"),
+                      offload=OffloadConfig(stream_block_pages=2))
     want_loss, want = _oomb(model, ids, base, position_ids=positions)
-    config = replace(base, backend="triton", offload=offload)
+    config = base.with_options({"performance.backend": "triton", "offload.enabled": offload})
     got_loss, got = _oomb(model, ids, config, position_ids=positions)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
     assert relative_error(got, want) <= 1e-5
@@ -441,11 +445,12 @@ def test_gpu_cudnn_step_with_documents_within_twice_triton_bf16_error(offload):
     ids = random_ids(2, 1000, seed=12).cuda()
     rows = [[100, 1, 300, 77, 1, 521], [640, 3, 357]]
     positions = torch.stack([_positions(r) for r in rows]).cuda()
-    base = OOMBConfig(chunk_size=256, page_size=64, backend="triton")
+    base = OOMBConfig(chunk_size=256, page_size=64, performance=PerformanceConfig(backend="triton"))
     _, want = _oomb(model, ids, base, position_ids=positions)
     model.to(torch.bfloat16)
     _, triton = _oomb(model, ids, base, position_ids=positions)
-    _, cudnn = _oomb(model, ids, replace(base, backend="cudnn", offload=offload), position_ids=positions)
+    _, cudnn = _oomb(model, ids, base.with_options({"performance.backend": "cudnn",
+                                                    "offload.enabled": offload}), position_ids=positions)
     ours, theirs = relative_error(cudnn, want), relative_error(triton, want)
     print(f"bf16 gradient error with documents: cudnn {ours:.3e}, triton {theirs:.3e}")
     assert ours <= 2 * theirs

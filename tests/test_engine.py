@@ -23,7 +23,7 @@ import oomb
 import oomb.engine
 import oomb.models
 from oomb import OOMBConfig
-from oomb.config import SparseConfig
+from oomb.config import OffloadConfig, PerformanceConfig, PrecisionConfig, SparseConfig
 from oomb.kv import PagedKVStore
 
 GRAD_RTOL = 1e-5
@@ -81,8 +81,9 @@ class Case:
     """Pass 1-D input_ids and labels (batch must be 1)."""
 
     def config(self) -> OOMBConfig:
-        return OOMBConfig(chunk_size=self.chunk, page_size=self.page, backend="torch",
-                          checkpoint_layers=self.checkpoint, loss_chunk_tokens=self.loss_slice)
+        return OOMBConfig(chunk_size=self.chunk, page_size=self.page,
+                          performance=PerformanceConfig(backend="torch", checkpoint_layers=self.checkpoint,
+                                                        loss_chunk_tokens=self.loss_slice))
 
     def inputs(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = random_ids(self.batch, self.tokens, seed)
@@ -206,8 +207,9 @@ def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoi
     monkeypatch.setattr(PagedKVStore, "write", recording_write)
     monkeypatch.setattr(oomb.models, "paged_attention", comparing_attention)
     case = CASES["ragged"]
-    config = OOMBConfig(chunk_size=case.chunk, page_size=case.page, backend="torch",
-                        checkpoint_layers=checkpoint_layers, compile_layers=compile_layers)
+    config = OOMBConfig(chunk_size=case.chunk, page_size=case.page,
+                        performance=PerformanceConfig(backend="torch", checkpoint_layers=checkpoint_layers,
+                                                      compile_layers=compile_layers))
     ids, _ = case.inputs(seed=15)
     if compile_layers:  # refused: with bf16 adapters compiled stage 2 drew other masks
         with pytest.raises(ValueError, match=r"compile_layers=True with an active dropout \(.*lora_dropout"):
@@ -248,7 +250,8 @@ def test_two_steps_accumulate_exactly_twice(models, family):
 @pytest.mark.parametrize("checkpoint_layers", [True, False])
 def test_repeated_steps_are_bitwise_identical(models, checkpoint_layers):
     model = models["qwen2"]
-    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", checkpoint_layers=checkpoint_layers)
+    config = OOMBConfig(chunk_size=64, page_size=16,
+                        performance=PerformanceConfig(backend="torch", checkpoint_layers=checkpoint_layers))
     ids = random_ids(2, 260, seed=4)
     results = []
     for seed in range(2):  # the global RNG state does not matter
@@ -269,8 +272,9 @@ def test_kept_logits_give_the_recomputed_gradients_bitwise(dtype):
     ids = random_ids(2, 200, seed=6)
     results = {}
     for recompute in (True, False):
-        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", loss_chunk_tokens=24,
-                            recompute_logits=recompute)
+        config = OOMBConfig(chunk_size=64, page_size=16,
+                            performance=PerformanceConfig(backend="torch", loss_chunk_tokens=24,
+                                                          recompute_logits=recompute))
         model.zero_grad(set_to_none=True)
         results[recompute] = (oomb.forward_backward(model, ids, None, config), grads(model))
     (loss_a, grads_a), (loss_b, grads_b) = results[True], results[False]
@@ -291,8 +295,9 @@ def test_the_engine_makes_a_trained_heads_gradient_in_the_loss_forward(monkeypat
     real = loss_module._HeadCrossEntropy.apply
     monkeypatch.setattr(loss_module._HeadCrossEntropy, "apply",
                         lambda *a: calls.append((a[6] is not None, a[7])) or real(*a))
-    _assert_matches_hf(model, ids, ids.clone(), OOMBConfig(chunk_size=64, page_size=16, backend="torch",
-                                                           loss_chunk_tokens=24))
+    _assert_matches_hf(model, ids, ids.clone(), OOMBConfig(chunk_size=64, page_size=16,
+                                                           performance=PerformanceConfig(backend="torch",
+                                                                                         loss_chunk_tokens=24)))
     assert calls and set(calls) == {(True, True)}
 
 
@@ -313,9 +318,9 @@ def test_kept_attention_outputs_give_the_recomputed_gradients_bitwise(monkeypatc
     monkeypatch.setattr(function, "_attention_forward",
                         lambda q, call: forwards.append(call.chunk.index) or real(q, call))
     for keep in (False, True):
-        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", attention=attention,
-                            checkpoint_layers=checkpoint_layers, keep_attention_outputs=keep,
-                            sparse=SparseConfig(budget=1))
+        config = OOMBConfig(chunk_size=64, page_size=16, attention=attention, sparse=SparseConfig(budget=1),
+                            performance=PerformanceConfig(backend="torch", checkpoint_layers=checkpoint_layers,
+                                                          keep_attention_outputs=keep))
         forwards.clear()
         model.zero_grad(set_to_none=True)
         results[keep] = (oomb.forward_backward(model, ids, None, config), grads(model))
@@ -334,22 +339,24 @@ def test_kept_attention_outputs_refuse_offload_and_are_counted_by_the_plan():
     from oomb.training.presets import preset_config
 
     args = cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs", "--modes", "hf", "sparse"])
-    assert bench.options_from_args(args).oomb_config().keep_attention_outputs
+    assert bench.options_from_args(args).oomb_config().performance.keep_attention_outputs
     with pytest.raises(SystemExit, match="runs without offload"):  # the default modes include offload
         bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--keep-attention-outputs"]))
 
-    with pytest.raises(ValueError, match="keep_attention_outputs=True needs offload=False"):
-        OOMBConfig(keep_attention_outputs=True, offload=True)
+    with pytest.raises(ValueError, match="keep_attention_outputs=True needs offload.enabled=False"):
+        OOMBConfig(performance=PerformanceConfig(keep_attention_outputs=True), offload=OffloadConfig(enabled=True))
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b", 131072))
     setup = TrainingSetup(optimizer="none")
-    kept = predict("sparse", shape, 131072, OOMBConfig(keep_attention_outputs=True), setup).gpu
+    kept = predict("sparse", shape, 131072, OOMBConfig(performance=PerformanceConfig(keep_attention_outputs=True)),
+                   setup).gpu
     plain = predict("sparse", shape, 131072, OOMBConfig(), setup).gpu
     assert plain["kept attention"] == 0
     assert kept["kept attention"] == 131072 * 28 * 28 * (128 * 2 + 4)  # tokens x layers x query heads x (out, lse)
     assert {k: v for k, v in kept.items() if k != "kept attention"} == {k: v for k, v in plain.items()
                                                                          if k != "kept attention"}
     with pytest.raises(ValueError, match="without offload and context parallelism"):
-        predict("sparse+offload", shape, 131072, OOMBConfig(keep_attention_outputs=True), setup)
+        predict("sparse+offload", shape, 131072,
+                OOMBConfig(performance=PerformanceConfig(keep_attention_outputs=True)), setup)
 
 
 def test_the_chooser_keeps_kept_attention_outputs_on_the_gpu():
@@ -361,8 +368,8 @@ def test_the_chooser_keeps_kept_attention_outputs_on_the_gpu():
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.float32,
                         optimizer="none")
     plan = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True),
-                         {"keep_attention_outputs": True})
-    assert plan.config.keep_attention_outputs and not plan.config.offload
+                         {"performance.keep_attention_outputs": True})
+    assert plan.config.performance.keep_attention_outputs and not plan.config.offload.enabled
     assert plan.chosen.prediction.gpu["kept attention"] > 0
 
 
@@ -375,7 +382,8 @@ def test_kept_attention_outputs_with_window_layers(family):
     results = []
     for keep in (False, True):
         model.zero_grad(set_to_none=True)
-        config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", keep_attention_outputs=keep)
+        config = OOMBConfig(chunk_size=64, page_size=16,
+                            performance=PerformanceConfig(backend="torch", keep_attention_outputs=keep))
         results.append((oomb.forward_backward(model, ids, None, config), grads(model)))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b) and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
@@ -395,7 +403,8 @@ def test_model_is_left_as_it_was(models, family):
     with torch.no_grad():
         before = model(input_ids=ids).logits
     model.zero_grad(set_to_none=True)
-    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16,
+                                                       performance=PerformanceConfig(backend="torch")))
     assert model.config._attn_implementation == "sdpa"
     assert _checkpoint_flags(model) == flags
     assert not model.training
@@ -470,7 +479,8 @@ def test_failure_in_stage_one_leaves_store_empty(models, created_stores, monkeyp
     ids = random_ids(1, 200, seed=8)
     model.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="injected stage-1 failure"):
-        oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+        oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16,
+                                                           performance=PerformanceConfig(backend="torch")))
     assert calls["n"] > 1
     _assert_empty(created_stores[0])
     assert model.config._attn_implementation == "sdpa"
@@ -498,7 +508,8 @@ def test_user_enabled_gradient_checkpointing_in_train_mode(model_dirs, checkpoin
              if isinstance(m, GradientCheckpointingLayer)]
     case = CASES["ragged"]
     ids, labels = case.inputs(seed=10)
-    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch", checkpoint_layers=checkpoint_layers)
+    config = OOMBConfig(chunk_size=64, page_size=16,
+                        performance=PerformanceConfig(backend="torch", checkpoint_layers=checkpoint_layers))
     _assert_matches_hf(model, ids, labels, config)
     assert _checkpoint_flags(model) == flags
     assert funcs == [m._gradient_checkpointing_func for m in model.modules()
@@ -515,7 +526,8 @@ def test_bfloat16_page_gradients_are_close(models):
     want = grads(model)
     model.zero_grad(set_to_none=True)
     oomb.forward_backward(model, ids, labels,
-                          OOMBConfig(chunk_size=64, page_size=16, backend="torch", kv_grad_dtype="bf16"))
+                          OOMBConfig(chunk_size=64, page_size=16, performance=PerformanceConfig(backend="torch"),
+                                     precision=PrecisionConfig(kv_grad_dtype="bf16")))
     assert GRAD_RTOL < relative_error(grads(model), want) <= 1e-2
 
 
@@ -533,7 +545,7 @@ def test_bfloat16_model_is_as_close_as_hugging_face(family):
     """In bf16 oomb's gradient error (against fp32) is within 2x that of HF's own bf16 backward."""
     model = build_tiny_model(family, seed=16)
     ids = random_ids(2, 333, seed=16)
-    config = OOMBConfig(chunk_size=64, page_size=16, backend="torch")
+    config = OOMBConfig(chunk_size=64, page_size=16, performance=PerformanceConfig(backend="torch"))
     hf_step(model, ids, ids)
     exact = grads(model)
     model.to(torch.bfloat16)
@@ -563,7 +575,8 @@ def test_other_attention_implementation_is_restored():
     model = build_tiny_model("llama", seed=18)
     model.set_attn_implementation("eager")
     ids = random_ids(1, 100, seed=18)
-    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, backend="torch"))
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16,
+                                                       performance=PerformanceConfig(backend="torch")))
     assert model.config._attn_implementation == "eager"
 
 
@@ -585,7 +598,8 @@ def test_checkpoint_replay_reuses_attention_forward(models, monkeypatch):
     model = models["qwen2"]
     ids = random_ids(1, 200, seed=21)
     model.zero_grad(set_to_none=True)
-    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16, checkpoint_layers=True))
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=64, page_size=16,
+                                                       performance=PerformanceConfig(checkpoint_layers=True)))
     num_chunks, num_layers = 4, model.config.num_hidden_layers
     assert calls["forward"] == 2 * num_chunks * num_layers  # stage 1 + stage 2, no replay
     model.zero_grad(set_to_none=True)
@@ -618,7 +632,8 @@ def test_windowed_fused_backend_matches_full_sequence_backward(models, monkeypat
                                cudnn_paged.no_delta, whole_history=whole_history)
     monkeypatch.setattr(oomb.engine, "select_backend", lambda name, device, **_: backend)
     ids, labels = CASES[case].inputs(seed=200)
-    config = OOMBConfig(chunk_size=64, page_size=16, stream_block_pages=stream_block_pages, offload=offload)
+    config = OOMBConfig(chunk_size=64, page_size=16,
+                        offload=OffloadConfig(stream_block_pages=stream_block_pages, enabled=offload))
     _assert_matches_hf(models["qwen2"], ids, labels, config)
     assert history_windows
     if stream_block_pages == 2:  # histories of up to 12 blocks of 2 pages

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import build_tiny_model, save_tiny_model
 
 from oomb import cli
-from oomb.config import OOMBConfig, SparseConfig
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, SparseConfig
 from oomb.evaluate import token_logprobs
 from oomb.passkey import ANSWER, NEEDLE, QUESTION, judge_passkey, passkey_prompts
 from oomb.perplexity import PerplexityByPosition, bucket_name, position_buckets
@@ -20,7 +21,8 @@ from oomb.training.presets import BYTE_VOCAB, byte_tokenizer
 from oomb.training.trainer import Trainer
 
 TOKENS = 700  # chunks of 256: 256, 256, 188; pages of 64: the last page holds 60 tokens
-CONFIG = dict(chunk_size=256, page_size=64, loss_chunk_tokens=100, backend="torch")  # slices cross chunk ends
+CONFIG = OOMBConfig(chunk_size=256, page_size=64,  # loss slices cross chunk ends
+                    performance=PerformanceConfig(loss_chunk_tokens=100, backend="torch"))
 VOCAB = BYTE_VOCAB + 1
 
 
@@ -43,7 +45,8 @@ def test_logprobs_equal_a_full_hf_forward(model_and_reference, offload):
     labels = ids.clone()
     labels[0, 300:340] = -100  # not scored: NaN, and the rest unchanged
     asked = torch.tensor([[1, 255, 256, 699], [5, 400, 512, 600]])
-    got = token_logprobs(model, ids, labels, OOMBConfig(**CONFIG, offload=offload), predict_at=asked)
+    got = token_logprobs(model, ids, labels, replace(CONFIG,
+                                                        offload=OffloadConfig(enabled=offload)), predict_at=asked)
     assert got.logprobs.shape == (2, TOKENS) and got.logprobs.dtype == torch.float32
     assert got.logprobs[:, 0].isnan().all() and got.logprobs[0, 300:340].isnan().all()
     scored = ~labels[:, 1:].eq(-100)
@@ -54,10 +57,10 @@ def test_logprobs_equal_a_full_hf_forward(model_and_reference, offload):
 
 def test_full_budget_sparse_is_dense_and_small_budget_is_not(model_and_reference):
     model, ids, _, _ = model_and_reference
-    dense = token_logprobs(model, ids, config=OOMBConfig(**CONFIG)).logprobs
-    full = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse",
+    dense = token_logprobs(model, ids, config=CONFIG).logprobs
+    full = token_logprobs(model, ids, config=replace(CONFIG, attention="sparse",
                                                         sparse=SparseConfig(budget=100))).logprobs
-    small = token_logprobs(model, ids, config=OOMBConfig(**CONFIG, attention="sparse",
+    small = token_logprobs(model, ids, config=replace(CONFIG, attention="sparse",
                                                          sparse=SparseConfig(budget=1))).logprobs
     assert torch.equal(full.isnan(), dense.isnan()) and torch.equal(full.nan_to_num(), dense.nan_to_num())
     assert torch.equal(small[:, :257].nan_to_num(), dense[:, :257].nan_to_num())  # chunk 0 has no history
@@ -69,12 +72,12 @@ def test_modes_are_restored_and_bad_positions_refused(model_and_reference):
     model.train()
     model.model.layers[0].eval()
     try:
-        token_logprobs(model, ids[:, :64], config=OOMBConfig(**CONFIG))
+        token_logprobs(model, ids[:, :64], config=CONFIG)
         assert model.training and model.model.layers[1].training and not model.model.layers[0].training
     finally:
         model.eval()
     with pytest.raises(ValueError, match=r"predict_at must lie in \[1, 64\)"):
-        token_logprobs(model, ids[:, :64], config=OOMBConfig(**CONFIG), predict_at=torch.tensor([0]))
+        token_logprobs(model, ids[:, :64], config=CONFIG, predict_at=torch.tensor([0]))
 
 
 def test_buckets_double_and_stop_at_the_length():
@@ -136,7 +139,7 @@ def test_passkey_judgement_is_the_greedy_answer(model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompt = passkey_prompts(byte_tokenizer(), [300], [0.5], 1, seed=3)[0]
-    result = judge_passkey(model, prompt, OOMBConfig(**CONFIG))
+    result = judge_passkey(model, prompt, CONFIG)
     ids = torch.tensor(prompt.input_ids)
     with torch.no_grad():
         logits = model(input_ids=ids[None]).logits[0].float()
@@ -212,7 +215,7 @@ def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, da
             "train": {"max_steps": 3, "output_dir": str(out), "device": "cpu", "seed": 1},
             "checkpoint": {"every": 0, "export": False},
             "logging": {"progress": False},
-            "oomb": {"chunk_size": 64, "page_size": 32, "backend": "torch"},
+            "oomb": {"chunk_size": 64, "page_size": 32, "performance": {"backend": "torch"}},
             "eval": evaluation,
         })
 
@@ -244,7 +247,7 @@ def test_hf_trainer_callback_evaluates_every_n_steps(tmp_path):
                              report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
     callback = OOMBEvalCallback(byte_tokenizer(), EvalSection(every_steps=2, passkey_lengths=[200],
                                                               passkey_depths=[0.5], passkeys_per_point=1),
-                                OOMBConfig(**CONFIG))
+                                CONFIG)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     evaluations = [h for h in trainer.state.log_history if "oomb_eval" in h]

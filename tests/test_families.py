@@ -22,19 +22,21 @@ from oomb import OOMBConfig
 from oomb.attention import reference
 from oomb.attention.backend import TORCH_BACKEND
 from oomb.attention.variants import SinkGradient, check_backend_supports, layer_backend
+from oomb.config import OffloadConfig, PerformanceConfig
 from oomb.documents import resolve_documents, window_bounds
 from oomb.kv import PagedKVStore, split_into_chunks
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
 from oomb.kv.store import window_pages_per_sequence
 from oomb.models import layer_windows
-from oomb.planning.memory import OffloadAssumptions, TrainingSetup, predict
+from oomb.planning.memory import TrainingSetup, predict
 from oomb.planning.model_shape import ModelShape
 
 GRAD_RTOL = 1e-5
 LOSS_RTOL = 1e-5
 WINDOW = 40
 TOKENS = 150
-CONFIG = OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=1, loss_chunk_tokens=50)
+CONFIG = OOMBConfig(chunk_size=32, page_size=8, performance=PerformanceConfig(backend="torch", loss_chunk_tokens=50),
+                    offload=OffloadConfig(stream_block_pages=1))
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=160,
             intermediate_size=128, max_position_embeddings=4096)
 QUERY_GAIN = 40.0
@@ -114,7 +116,7 @@ def test_family_equals_full_sequence_backward(family, checkpoint_layers):
     model = build(family)
     ids = random_ids(2, TOKENS, seed=3)
     want_loss, want = hf_step(model, ids)
-    got_loss, got = oomb_step(model, ids, replace(CONFIG, checkpoint_layers=checkpoint_layers))
+    got_loss, got = oomb_step(model, ids, CONFIG.with_options({"performance.checkpoint_layers": checkpoint_layers}))
     assert_matches(got_loss, got, want_loss, want)
     assert all(g is not None for g in got.values()), "every parameter should receive a gradient"
     assert model.config._attn_implementation == "eager"
@@ -155,7 +157,7 @@ def test_window_layers_with_offload(resident):
     model = build("gemma3_text", seed=5)
     ids = random_ids(1, TOKENS, seed=5)
     want_loss, want = hf_step(model, ids)
-    config = replace(SHORT, offload=True, offload_resident_layers=resident)
+    config = SHORT.with_options({"offload.enabled": True, "offload.resident_layers": resident})
     got_loss, got = oomb_step(model, ids, config, host_slabs=HostSlabs(pin=False))
     assert_matches(got_loss, got, want_loss, want)
     if resident == 0:
@@ -225,9 +227,10 @@ def test_offloaded_window_layers_stage_only_their_windows_bitwise(family, window
     ids = random_ids(2, TOKENS, seed=11)
     step = dict(cu_seqlens=[[0, 13, 83, 84, 150], [0, 70, 150]]) if documents else {}
     block = 16 if family == "mistral" else 2
-    config = replace(CONFIG, chunk_size=chunk_size, stream_block_pages=block)
+    config = CONFIG.with_options({"chunk_size": chunk_size, "offload.stream_block_pages": block})
     want_loss, want = oomb_step(model, ids, config, **step)
-    got_loss, got = oomb_step(model, ids, replace(config, offload=True, offload_resident_layers=resident),
+    got_loss, got = oomb_step(model, ids, config.with_options({"offload.enabled": True,
+                                                               "offload.resident_layers": resident}),
                               host_slabs=HostSlabs(pin=False), **step)
     assert torch.equal(got_loss, want_loss)
     assert all(torch.equal(got[name], want[name]) for name in want)
@@ -265,9 +268,9 @@ def test_offloaded_window_layers_stage_only_their_windows_bitwise(family, window
         assert slots < -(-TOKENS // P)
     assert store.is_empty and store.window_slots.num_used == 0
     host_bytes = sum(t.nbytes for t in (*store.host.values(), *store.window_host.values()))
-    plan = predict("dense+offload", ModelShape.from_hf_config(model.config), TOKENS, config,
-                   TrainingSetup(dtype=torch.float32, batch_size=2),
-                   offload=OffloadAssumptions(resident_layers=resident))
+    plan = predict("dense+offload", ModelShape.from_hf_config(model.config), TOKENS,
+                   config.with_options({"offload.resident_layers": resident}),
+                   TrainingSetup(dtype=torch.float32, batch_size=2))
     assert plan.host["KV pages"] + plan.host["KV grad pages"] == host_bytes
     if family == "mistral":  # every offloaded layer slides: slots of a window's pages (5), not a block's (16)
         assert store.history_block_pages() == -(-(window - 1) // P) == 5
@@ -283,12 +286,12 @@ def test_offloaded_window_heads_are_rewritten_and_slots_reused_across_steps_bitw
     Two steps of different lengths share the slabs (stale slots from the first step are never read)
     and equal steps without offload bit for bit."""
     model = build("gemma3_text", seed=13, sliding_window=17)
-    config = replace(SHORT, checkpoint_layers=checkpoint_layers, stream_block_pages=2)
+    config = SHORT.with_options({"performance.checkpoint_layers": checkpoint_layers, "offload.stream_block_pages": 2})
     slabs = HostSlabs(pin=False)
     for tokens, seed in ((TOKENS, 13), (TOKENS - 40, 14)):
         ids = random_ids(2, tokens, seed=seed)
         want_loss, want = oomb_step(model, ids, config)
-        got_loss, got = oomb_step(model, ids, replace(config, offload=True), host_slabs=slabs)
+        got_loss, got = oomb_step(model, ids, config.with_options({"offload.enabled": True}), host_slabs=slabs)
         assert torch.equal(got_loss, want_loss) and all(torch.equal(got[name], want[name]) for name in want)
     assert slabs.allocations == 8  # four kinds, global and window slabs, sized by the longer first step
 
@@ -300,9 +303,11 @@ def test_offloaded_window_layers_in_sparse_mode_keep_no_summaries_bitwise(monkey
     monkeypatch.setattr(oomb.engine, "OffloadedKVStore", _RecordingOffload)
     model = build("gemma3_text", seed=12, sliding_window=17)
     ids = random_ids(1, TOKENS, seed=12)
-    sparse = replace(CONFIG, attention="sparse", sparse_budget=2, sparse_sink_pages=1, stream_block_pages=2)
+    sparse = CONFIG.with_options({"attention": "sparse", "sparse.budget": 2, "sparse.sink_pages": 1,
+                                  "offload.stream_block_pages": 2})
     want_loss, want = oomb_step(model, ids, sparse)
-    got_loss, got = oomb_step(model, ids, replace(sparse, offload=True), host_slabs=HostSlabs(pin=False))
+    got_loss, got = oomb_step(model, ids, sparse.with_options({"offload.enabled": True}),
+                              host_slabs=HostSlabs(pin=False))
     assert torch.equal(got_loss, want_loss) and all(torch.equal(got[name], want[name]) for name in want)
     store, = _RecordingOffload.created
     assert [bool(summaries) for summaries in store.offloaded_summaries] == [False, True, False]
@@ -363,7 +368,7 @@ def test_sparse_mode_reads_windows_densely_and_covering_budget_is_exact(family):
     model = build(family, seed=8)
     ids = random_ids(1, TOKENS, seed=8)
     want_loss, want = hf_step(model, ids)
-    sparse = replace(CONFIG, attention="sparse", sparse_budget=TOKENS // 8 + 1)
+    sparse = CONFIG.with_options({"attention": "sparse", "sparse.budget": TOKENS // 8 + 1})
     got_loss, got = oomb_step(model, ids, sparse)
     assert_matches(got_loss, got, want_loss, want)
 
@@ -379,9 +384,9 @@ def test_gemma2_on_triton_equals_torch_backend(attention):
     model = build("gemma2", seed=9, num_hidden_layers=2)
     assert layer_windows(model) == (WINDOW, None)
     ids = random_ids(1, 96, seed=9)
-    config = replace(CONFIG, attention=attention, sparse_budget=2, stream_block_pages=64)
+    config = CONFIG.with_options({"attention": attention, "sparse.budget": 2, "offload.stream_block_pages": 64})
     want_loss, want = oomb_step(model, ids, config)
-    got_loss, got = oomb_step(model, ids, replace(config, backend="triton"))
+    got_loss, got = oomb_step(model, ids, config.with_options({"performance.backend": "triton"}))
     assert_matches(got_loss, got, want_loss, want)
     if attention == "dense":
         assert_matches(got_loss, got, *hf_step(model, ids))
@@ -482,7 +487,8 @@ def test_gemma2_refuses_cudnn_before_allocating(monkeypatch):
     monkeypatch.setattr(oomb.engine, "select_backend", lambda *args, **kwargs: stand_in)
     match = r"backend 'cudnn' does not support attention logit softcapping \(gemma2\)"
     with pytest.raises(NotImplementedError, match=match):
-        oomb.forward_backward(build("gemma2"), random_ids(1, 64, seed=1), None, replace(CONFIG, backend="cudnn"))
+        oomb.forward_backward(build("gemma2"), random_ids(1, 64, seed=1), None,
+                              CONFIG.with_options({"performance.backend": "cudnn"}))
 
 
 def test_context_parallel_sparse_takes_softcapping():
@@ -565,13 +571,13 @@ def test_auto_backend_runs_softcapping_on_triton_on_cuda():
     choice is checked: no CUDA tensor is made."""
     pytest.importorskip("oomb.attention.triton_paged")
     model = build("gemma2")
-    auto = replace(CONFIG, backend="auto")
+    auto = CONFIG.with_options({"performance.backend": "auto"})
     cuda = torch.device("cuda")
     assert oomb.engine._select_step_backend(model, auto, cuda, not_on_cudnn=False).name == "torch"
     assert oomb.engine._select_step_backend(model, auto, torch.device("cpu"), not_on_cudnn=False).name == "torch"
     model.to(torch.bfloat16)
     assert oomb.engine._select_step_backend(model, auto, cuda, not_on_cudnn=False).name == "triton"
-    deterministic = replace(auto, deterministic=True)
+    deterministic = auto.with_options({"precision.deterministic": True})
     assert oomb.engine._select_step_backend(model, deterministic, cuda, not_on_cudnn=False).name == "triton"
 
 
@@ -582,19 +588,20 @@ def test_auto_backend_runs_windows_and_sinks_on_cudnn_on_cuda(family):
     documents alone stay on triton). Only the choice is checked: no CUDA tensor is made."""
     pytest.importorskip("oomb.attention.triton_paged")
     model = build(family).to(torch.bfloat16)
-    auto, cuda = replace(CONFIG, backend="auto"), torch.device("cuda")
+    auto, cuda = CONFIG.with_options({"performance.backend": "auto"}), torch.device("cuda")
     backend, documents, windows = oomb.engine.attention_setup(model, auto, cuda, TOKENS, None)
     assert backend.name == "cudnn" and documents is None and WINDOW in windows
     packed = resolve_documents(None, [0, 70, TOKENS], (1, TOKENS), torch.device("cpu"))
     assert oomb.engine.attention_setup(model, auto, cuda, TOKENS, packed)[0].name == "triton"
     with pytest.raises(NotImplementedError, match="sliding-window layers within packed documents"):
-        oomb.engine.attention_setup(model, replace(auto, backend="cudnn"), cuda, TOKENS, packed)
+        oomb.engine.attention_setup(model, auto.with_options({"performance.backend": "cudnn"}), cuda, TOKENS, packed)
 
 
 # --- GPU (H200) ------------------------------------------------------------------------------------
 GPU_WINDOW = 300
 GPU_TOKENS = 1100
-GPU_CONFIG = OOMBConfig(chunk_size=256, page_size=64, backend="torch", loss_chunk_tokens=512)
+GPU_CONFIG = OOMBConfig(chunk_size=256, page_size=64,
+                        performance=PerformanceConfig(backend="torch", loss_chunk_tokens=512))
 """Windows of 300 over 1100 tokens in chunks of 256 and pages of 64: window edges inside pages and chunks."""
 
 
@@ -607,7 +614,7 @@ def test_gpu_family_on_triton_equals_torch_backend_and_hf(family):
     ids = random_ids(2, GPU_TOKENS, seed=10).cuda()
     hf_loss, hf = hf_step(model, ids)
     want_loss, want = oomb_step(model, ids, GPU_CONFIG)
-    got_loss, got = oomb_step(model, ids, replace(GPU_CONFIG, backend="triton"))
+    got_loss, got = oomb_step(model, ids, GPU_CONFIG.with_options({"performance.backend": "triton"}))
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
     assert relative_error(got, want) <= 1e-5
     torch.testing.assert_close(got_loss, hf_loss, rtol=1e-4, atol=0)
@@ -622,11 +629,11 @@ def test_gpu_gemma2_bf16_on_triton_within_twice_torch_backend_error(attention):
     backend's in bf16 (which computes attention in fp32: its error is what bf16 weights alone cost)."""
     model = build("gemma2", seed=11, sliding_window=GPU_WINDOW).cuda()
     ids = random_ids(2, GPU_TOKENS, seed=11).cuda()
-    config = replace(GPU_CONFIG, attention=attention, sparse_budget=4)
+    config = GPU_CONFIG.with_options({"attention": attention, "sparse.budget": 4})
     _, exact = oomb_step(model, ids, config)
     model.to(torch.bfloat16)
     _, ref = oomb_step(model, ids, config)
-    _, got = oomb_step(model, ids, replace(config, backend="triton"))
+    _, got = oomb_step(model, ids, config.with_options({"performance.backend": "triton"}))
     ours, theirs = relative_error(got, exact), relative_error(ref, exact)
     print(f"gemma2 bf16 {attention} gradient error: triton {ours:.3e}, torch backend {theirs:.3e}")
     assert ours <= 2 * theirs
@@ -643,7 +650,7 @@ def test_windows_shorter_than_the_chunk_free_their_head_pages_and_stay_exact(fam
     model = build(family, sliding_window=window)
     ids = random_ids(2, TOKENS, seed=3)
     want_loss, want = hf_step(model, ids)
-    got_loss, got = oomb_step(model, ids, replace(SHORT, checkpoint_layers=checkpoint_layers))
+    got_loss, got = oomb_step(model, ids, SHORT.with_options({"performance.checkpoint_layers": checkpoint_layers}))
     assert_matches(got_loss, got, want_loss, want)
 
 
@@ -654,7 +661,8 @@ def test_window_layers_pages_in_a_step(monkeypatch):
     stores = []
     real = oomb.engine._make_store
     monkeypatch.setattr(oomb.engine, "_make_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
-    oomb_step(build("gemma3_text", seed=9), random_ids(1, 192, seed=4), replace(SHORT, loss_chunk_tokens=64))
+    oomb_step(build("gemma3_text", seed=9), random_ids(1, 192, seed=4),
+              SHORT.with_options({"performance.loss_chunk_tokens": 64}))
     store, = stores
     assert sorted(store.window_layers) == [0, 2] and store.window == WINDOW
     assert store.pool.capacity == 192 // 8  # global layers: every page
@@ -707,11 +715,12 @@ def test_plain_attention_is_sdpa_where_the_family_has_it(family, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo2"])
 def test_family_with_compiled_layers_equals_full_sequence_backward(family):
-    """Families without experts with their decoder layers compiled (OOMBConfig.compile_layers, no replay):
+    """Families without experts with their decoder layers compiled (OOMBConfig.performance.compile_layers, no replay):
     windows, softcaps, qk-norms, a fused qkv projection and an uneven last chunk (150 tokens in chunks of
     32) inside the graphs, as exact as the eager layers."""
     model = build(family)
     ids = random_ids(2, TOKENS, seed=3)
     want_loss, want = hf_step(model, ids)
-    got_loss, got = oomb_step(model, ids, replace(CONFIG, checkpoint_layers=False, compile_layers=True))
+    got_loss, got = oomb_step(model, ids, CONFIG.with_options({"performance.checkpoint_layers": False,
+                                                               "performance.compile_layers": True}))
     assert_matches(got_loss, got, want_loss, want)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from oomb.config import PrecisionConfig
 from oomb.fp32_linear import (
     eligible_linears,
     float32_weight_gradients,
@@ -232,7 +233,7 @@ def test_bf16_step_in_place_is_no_worse_than_autograds_adds(monkeypatch):
     import oomb.engine
 
     bf16, ids, reference = _bf16_model_and_float32_gradients()
-    config = oomb.OOMBConfig(chunk_size=256, page_size=64, fp32_grad_accumulation=False)
+    config = oomb.OOMBConfig(chunk_size=256, page_size=64, precision=PrecisionConfig(fp32_grad_accumulation=False))
     errors, routed, on = {}, [], [True]
     real = oomb.engine.in_place_weight_gradients
 

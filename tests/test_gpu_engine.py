@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import oomb
+from oomb.config import PerformanceConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -76,7 +77,7 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
     # Streamed blocks must stay blocks (the history is not on the GPU), so cuDNN rounds each block's
     # dQ share to bf16: on the first sequence 1.114x HF's error, pooled over 8 sequences 1.006x.
     (1, 3000, 1024, {"offload": True, "stream_block_pages": 2}),
-    # Without layer replay the layers run compiled (OOMBConfig.compile_layers' automatic choice on CUDA):
+    # Without layer replay the layers run compiled (OOMBConfig.performance.compile_layers' automatic choice on CUDA):
     # fused kernels keep float32 between ops that eager rounds to bf16.
     (1, 3000, 1024, {"checkpoint_layers": False}),
     (2, 1500, 512, {"checkpoint_layers": False, "compile_layers": False}),
@@ -103,7 +104,7 @@ def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, 
     bf16_model = Qwen2ForCausalLM(fp32_model.config).cuda().bfloat16()
     bf16_model.load_state_dict(fp32_model.state_dict())
     bf16_model.set_attn_implementation("sdpa")
-    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, backend=backend, **options)
+    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, **options, performance=PerformanceConfig(backend=backend))
     squared = {"hf": 0.0, "oomb": 0.0, "reference": 0.0}
     loss_gaps = {"hf": 0.0, "oomb": 0.0}
     by_kind, per_sequence = {"hf": {}, "oomb": {}}, []
@@ -167,7 +168,7 @@ def test_triton_matches_torch_backend_fp32(fp32_model):
     for backend in ("torch", "triton"):
         fp32_model.zero_grad(set_to_none=True)
         oomb.forward_backward(fp32_model, ids, config=oomb.OOMBConfig(chunk_size=512, page_size=64,
-                                                                      backend=backend))
+                                                                      performance=PerformanceConfig(backend=backend)))
         grads[backend] = _grads(fp32_model)
     fp32_model.zero_grad(set_to_none=True)
     assert _rel_err(grads["triton"], grads["torch"]) <= 1e-2
@@ -182,8 +183,9 @@ def test_dense_step_is_deterministic_on_gpu(fp32_model, compile_layers):
     runs = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=1024, backend="triton", checkpoint_layers=not compile_layers,
-                                 compile_layers=compile_layers)
+        config = oomb.OOMBConfig(chunk_size=1024,
+                                 performance=PerformanceConfig(backend="triton", checkpoint_layers=not compile_layers,
+                                                               compile_layers=compile_layers))
         oomb.forward_backward(model, ids, config=config)
         runs.append(_grads(model))
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from helpers import VOCAB, build_tiny_model
 from transformers import Trainer, TrainingArguments
 
 from oomb import OOMBConfig, OOMBTrainer, forward_backward, patch_trainer
+from oomb.config import PerformanceConfig
 from oomb.loss import shift_labels
 from oomb.training import hf_trainer as hft
 
@@ -25,7 +25,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from oomb import OOMBSFTTrainer  # noqa: E402
 
-STEP = OOMBConfig(chunk_size=64, page_size=16, backend="torch")
+STEP = OOMBConfig(chunk_size=64, page_size=16, performance=PerformanceConfig(backend="torch"))
 TOL = 1e-5
 
 
@@ -209,7 +209,8 @@ def test_real_model_chat_sft_with_lora(tmp_path, smollm2_path):
         return trainer
 
     plain = run(SFTTrainer, tmp_path / "a")
-    ours = run(OOMBSFTTrainer, tmp_path / "b", oomb_config=replace(STEP, checkpoint_layers=False))  # less work
+    # less work
+    ours = run(OOMBSFTTrainer, tmp_path / "b", oomb_config=STEP.with_options({"performance.checkpoint_layers": False}))
     batch = next(iter(ours.get_train_dataloader()))
     assert batch["input_ids"].shape[1] > STEP.chunk_size  # the chat examples span two chunks
     assert (batch["attention_mask"] == 0).any()  # and are right-padded

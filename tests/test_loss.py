@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oomb.config import PerformanceConfig, PrecisionConfig
 from oomb.loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 
 B, L, H, V = 2, 23, 16, 50
@@ -469,8 +470,10 @@ def test_predict_and_planner_follow_the_fused_loss():
     shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
     vocab, slice_rows = shape.head_vocab, 1024
     for lora, recompute in ((16, True), (16, False), (0, True), (0, False)):
-        config = oomb.OOMBConfig(attention="sparse", recompute_logits=recompute, fp32_grad_accumulation=False,
-                                 loss_chunk_tokens=slice_rows)
+        config = oomb.OOMBConfig(attention="sparse",
+                                 performance=PerformanceConfig(recompute_logits=recompute,
+                                                               loss_chunk_tokens=slice_rows),
+                                 precision=PrecisionConfig(fp32_grad_accumulation=False))
         setup = TrainingSetup(optimizer="none", lora_rank=lora)
         autograd = predict("sparse", shape, 131072, config, setup).gpu["activations"]
         fused = predict("sparse", shape, 131072, config, dataclasses.replace(setup, fused_loss=True)).gpu["activations"]

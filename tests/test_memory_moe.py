@@ -10,7 +10,7 @@ import transformers as tr
 from torch import nn
 
 from oomb import cli
-from oomb.config import OOMBConfig, SparseConfig
+from oomb.config import OffloadConfig, OOMBConfig, SparseConfig
 from oomb.planning.activations import chunk_activation_bytes, mlp_activation_bytes_per_token
 from oomb.planning.memory import GIB, TrainingSetup, predict
 from oomb.planning.model_shape import ModelShape
@@ -184,13 +184,13 @@ def test_window_layers_keep_their_tails_with_and_without_offload():
     where resident window layers keep every page on the GPU, like global ones."""
     from dataclasses import replace
 
-    from oomb.planning.memory import OffloadAssumptions, _page_bytes
+    from oomb.planning.memory import _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     assert gemma.window_layer_ids() == tuple(i for i in range(48) if i % 6 != 5)  # five local : one global
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
     config = OOMBConfig()
-    page = _page_bytes(gemma, 128, torch.bfloat16, config.grad_dtype)
+    page = _page_bytes(gemma, 128, torch.bfloat16, config.precision.grad_dtype)
     for tokens in (1 << 17, 1 << 20):
         chunks = tokens // 4096
         tails = 8 * (chunks - 1) + 32  # tails of ceil(1023 / 128) = 8 pages, plus a chunk of 32
@@ -202,7 +202,7 @@ def test_window_layers_keep_their_tails_with_and_without_offload():
         assert a.host["KV pages"] + a.host["KV grad pages"] == want
         assert b.host["KV pages"] + b.host["KV grad pages"] == 48 * tokens // 128 * page
         # Six resident layers (five of them slide) keep every page on the GPU: 35 window layers offloaded.
-        six = predict("dense+offload", gemma, tokens, offload=OffloadAssumptions(resident_layers=6))
+        six = predict("dense+offload", gemma, tokens, OOMBConfig(offload=OffloadConfig(resident_layers=6)))
         assert six.host["KV pages"] + six.host["KV grad pages"] == (7 * tokens // 128 + 35 * tails) * page
     # A count of window layers without their ids: the first ones slide (the fewest offloaded).
     counted = replace(gemma, sliding_layer_ids=())
@@ -216,7 +216,7 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     block."""
     from dataclasses import replace
 
-    from oomb.planning.memory import OffloadAssumptions, _page_bytes
+    from oomb.planning.memory import _page_bytes
 
     gemma = load_model_shape("gemma-3-12b")  # 40 window layers (1024), 8 global, chunk 4096, page 128
     all_global = replace(gemma, sliding_window=0, sliding_window_layers=0)
@@ -228,7 +228,7 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     assert mixed.gpu["page summaries"] * 48 == plain.gpu["page summaries"] * 8 > 0  # the 8 global layers'
     # Every layer slides (window 1024: 8 pages of history): slots of a chunk (32 pages), not a block (256).
     sliding = replace(gemma, sliding_window_layers=48)
-    page = _page_bytes(gemma, 128, torch.bfloat16, OOMBConfig().grad_dtype)
+    page = _page_bytes(gemma, 128, torch.bfloat16, OOMBConfig().precision.grad_dtype)
     chunk = 4096 // 128
     assert predict("dense+offload", sliding, tokens).gpu["KV working set"] == (3 * chunk + 2 * chunk) * page
     assert predict("dense+offload", all_global, tokens).gpu["KV working set"] == (3 * 256 + 2 * chunk) * page
@@ -236,7 +236,8 @@ def test_offloaded_window_layers_stage_their_windows_and_keep_no_summaries():
     assert predict("dense+offload", long_window, tokens).gpu["KV working set"] == (3 * 256 + 2 * chunk) * page
     wide = replace(sliding, sliding_window=8193)  # 64 pages of history: slots of 64 pages
     assert predict("dense+offload", wide, tokens).gpu["KV working set"] == (3 * 64 + 2 * chunk) * page
-    assert predict("dense+offload", wide, tokens, offload=OffloadAssumptions(stream_block_pages=16)).gpu[
+    blocks_of_16 = OOMBConfig(offload=OffloadConfig(stream_block_pages=16))
+    assert predict("dense+offload", wide, tokens, blocks_of_16).gpu[
         "KV working set"] == (3 * chunk + 2 * chunk) * page  # blocks of 16 pages, slots of a chunk
 
 

@@ -13,7 +13,7 @@ from helpers import build_tiny_model, grads, page_locked, random_ids
 import oomb
 import oomb.engine
 import oomb.kv.host_slabs
-from oomb.config import SparseConfig, SparseResearch
+from oomb.config import OffloadConfig, PerformanceConfig, PrecisionConfig, SparseConfig, SparseResearch
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.capacity import PagesDoNotFitError, PageShape, check_pages_fit, page_footprint
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
@@ -229,7 +229,8 @@ def _steps(model, config, lengths, slabs=None):
     return out
 
 
-SPARSE = dict(attention="sparse", sparse_budget=2, sparse_sink_pages=1)
+SPARSE = {"budget": 2, "sink_pages": 1}
+"""The sparse options of the offloaded sparse steps below (with attention="sparse")."""
 
 
 @pytest.mark.parametrize("resident", [0, 1])
@@ -250,13 +251,14 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2, **SPARSE,
-                           sparse=SparseConfig(query_block_pages=group, score=score,
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                           sparse=SparseConfig(**SPARSE, query_block_pages=group, score=score,
                                                research=SparseResearch(selection=selection, pooling=pooling,
-                                                                       rerank_factor=2)))
+                                                                       rerank_factor=2)),
+                           performance=PerformanceConfig(backend="torch"), offload=OffloadConfig(stream_block_pages=2))
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
-    offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+    offload = base.with_options({"offload.enabled": True, "offload.resident_layers": resident})
     got = _steps(model, offload, lengths, HostSlabs(pin=False))
     for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
         assert torch.equal(loss_a, loss_b)
@@ -269,7 +271,7 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
 def _assert_offload_is_bitwise_the_same(model, ids, base: oomb.OOMBConfig) -> None:
     """One step of ``base`` and one with offload (unpinned slabs): the same loss and gradients, bit for bit."""
     results = []
-    for config, slabs in ((base, None), (oomb.OOMBConfig(**{**base.__dict__, "offload": True}), HostSlabs(pin=False))):
+    for config, slabs in ((base, None), (base.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
         model.zero_grad(set_to_none=True)
         results.append((oomb.forward_backward(model, ids, None, config, host_slabs=slabs), grads(model)))
     (loss_a, grads_a), (loss_b, grads_b) = results
@@ -300,9 +302,11 @@ def test_head_row_staging_is_bitwise_the_same(score, batch, resident, staging, o
     scored = _record_calls(monkeypatch, head_rows.HeadRowStaging, "scoring_head_rows", 3)  # candidates
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(batch, 200, seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload_resident_layers=resident, **SPARSE,
-                           sparse=SparseConfig(query_block_pages=4, score=score,
-                                               research=SparseResearch(rerank_factor=2)))
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                           sparse=SparseConfig(**SPARSE, query_block_pages=4, score=score,
+                                               research=SparseResearch(rerank_factor=2)),
+                           performance=PerformanceConfig(backend="torch"),
+                           offload=OffloadConfig(resident_layers=resident))
     _assert_offload_is_bitwise_the_same(model, ids, base)
     assert True in calls and False in calls  # backward and forward calls staged by head rows
     assert bool(scored) == (score == "rerank")  # rerank's candidate keys too
@@ -320,9 +324,10 @@ def test_leak_free_candidates_move_in_place_by_default(batch, offload_stores, mo
     in_place = _record_calls(monkeypatch, staging_module.SparseStaging, "_stage_in_place", 3)
     rows = _record_calls(monkeypatch, head_rows.HeadRowStaging, "_stage_head_rows", 4)
     model = build_tiny_model("qwen2", seed=4)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", **SPARSE,
-                           sparse=SparseConfig(query_block_pages=4, score="rerank", leak_free=True,
-                                               research=SparseResearch(rerank_factor=2)))
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                           sparse=SparseConfig(**SPARSE, query_block_pages=4, score="rerank", leak_free=True,
+                                               research=SparseResearch(rerank_factor=2)),
+                           performance=PerformanceConfig(backend="torch"))
     _assert_offload_is_bitwise_the_same(model, random_ids(batch, 200, seed=3), base)
     assert in_place and all(pages.shape[0] == batch for pages in in_place)  # the candidates' keys
     assert rows  # the selections themselves: (page, head) rows
@@ -341,8 +346,9 @@ def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, m
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index", lambda self: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", **SPARSE,
-                           sparse=SparseConfig(query_block_pages=group))
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(**SPARSE,
+                                                                                               query_block_pages=group),
+                           performance=PerformanceConfig(backend="torch"))
     _assert_offload_is_bitwise_the_same(model, ids, base)
 
 
@@ -351,8 +357,9 @@ def test_query_groups_stage_fewer_pages(offload_stores):
     model = build_tiny_model("qwen2", seed=4)
     staged = {}
     for group in (1, 4):  # 4 query blocks per chunk: one selection per chunk
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, **SPARSE,
-                                 sparse=SparseConfig(query_block_pages=group))
+        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(**SPARSE,
+                                                                                                     query_block_pages=group),
+                                 performance=PerformanceConfig(backend="torch"), offload=OffloadConfig(enabled=True))
         offload_stores.clear()
         oomb.forward_backward(model, random_ids(1, 200, seed=12), None, config, host_slabs=HostSlabs(pin=False))
         staged[group] = sum(store.staged_history_pages for store in offload_stores)
@@ -363,7 +370,9 @@ def test_sparse_stage_two_calls_are_prefetched(offload_stores):
     """Stage 2 knows every call's selection (kept on the host since stage 1): each sparse call but
     the first of stage 2 finds its pages staged by the call before it."""
     model = build_tiny_model("llama", seed=1)  # 2 layers
-    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, **SPARSE)
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(**SPARSE),
+                             performance=PerformanceConfig(backend="torch"),
+                             offload=OffloadConfig(enabled=True))
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)  # 4 chunks
     # Chunks 1-3 select pages (chunk 0 has no history); stage 1 cannot stage them ahead (a selection
     # is made by its own call). Stage 2: 3 chunks x 2 layers x (forward, backward), the first unpredicted.
@@ -382,11 +391,12 @@ def test_sparse_runs_split_by_gradient_state():
 def test_offload_steps_equal_steps_without_bitwise(resident):
     """Three steps of different lengths in one process, slabs reused; several history windows."""
     model = build_tiny_model("qwen2", seed=3)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", stream_block_pages=2)
+    base = oomb.OOMBConfig(chunk_size=32, page_size=8, performance=PerformanceConfig(backend="torch"),
+                           offload=OffloadConfig(stream_block_pages=2))
     lengths = (150, 97, 200)
     want = _steps(model, base, lengths)
     slabs = HostSlabs(pin=False)
-    offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+    offload = base.with_options({"offload.enabled": True, "offload.resident_layers": resident})
     got = _steps(model, offload, lengths, slabs)
     assert slabs.allocations == 4 * 2  # one slab per kind, regrown once for the longest step
     for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
@@ -397,7 +407,8 @@ def test_offload_steps_equal_steps_without_bitwise(resident):
 
 def test_next_calls_are_predicted_and_prefetched(offload_stores):
     model = build_tiny_model("llama", seed=1)  # 2 layers
-    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True, stream_block_pages=1)
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, performance=PerformanceConfig(backend="torch"),
+                             offload=OffloadConfig(enabled=True, stream_block_pages=1))
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)  # 4 chunks
     # Calls that read history: stage 1, chunks 1-3 x 2 layers (6); stage 2, chunks 3-1 x 2 layers x
     # (forward, backward) (12). Each is prefetched by the call before it, except the first call of
@@ -408,7 +419,8 @@ def test_next_calls_are_predicted_and_prefetched(offload_stores):
 
 def test_engine_uses_the_host_tier_and_leaves_it_empty(offload_stores):
     model = build_tiny_model("llama", seed=1)
-    config = oomb.OOMBConfig(chunk_size=32, page_size=8, backend="torch", offload=True)
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, performance=PerformanceConfig(backend="torch"),
+                             offload=OffloadConfig(enabled=True))
     oomb.forward_backward(model, random_ids(1, 100, seed=0), None, config)
     assert len(offload_stores) == 1 and offload_stores[0].is_empty and offload_stores[0].kv_on_host.all()
     # host_slabs=None: the store owns the slabs it viewed, so they stay pinned for the whole step
@@ -416,10 +428,12 @@ def test_engine_uses_the_host_tier_and_leaves_it_empty(offload_stores):
 
 
 def test_config_refuses_bad_offload_options():
-    with pytest.raises(ValueError, match="stream_buffers"):
-        oomb.OOMBConfig(stream_buffers=1)
-    with pytest.raises(ValueError, match="offload_resident_layers"):
-        oomb.OOMBConfig(offload_resident_layers=-1)
+    with pytest.raises(ValueError, match="offload.stream_buffers=1 must be an integer >= 2"):
+        oomb.OOMBConfig(offload=OffloadConfig(stream_buffers=1))
+    with pytest.raises(ValueError, match="offload.resident_layers=-1"):
+        oomb.OOMBConfig(offload=OffloadConfig(resident_layers=-1))
+    with pytest.raises(TypeError, match="read offload.enabled"):  # `if config.offload:` of earlier versions
+        bool(oomb.OOMBConfig().offload)
 
 
 SHAPE_7B_1M = PageShape(num_layers=28, batch_size=1, num_tokens=1 << 20, num_kv_heads=4, head_dim=128,
@@ -430,7 +444,8 @@ GIB = 1024**3
 def test_page_footprint_of_the_7b_shape():
     dense = page_footprint(SHAPE_7B_1M, oomb.OOMBConfig())
     assert dense == type(dense)(gpu=28 * (1 << 20) * 2 * 4 * 128 * (2 + 4), host=0)
-    offload = page_footprint(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bfloat16"))
+    offload = page_footprint(SHAPE_7B_1M, oomb.OOMBConfig(offload=OffloadConfig(enabled=True),
+                                                          precision=PrecisionConfig(kv_grad_dtype="bfloat16")))
     assert offload.gpu == 0 and offload.host == 28 * (1 << 20) * 2 * 4 * 128 * 4  # 112 GiB
 
 
@@ -439,10 +454,12 @@ def test_pages_that_do_not_fit_fail_early_naming_bytes_and_options():
         check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(), gpu_free=120 * GIB, host_free=125 * GIB)
     message = str(err.value)
     assert "GPU needs 168.00 GiB, 120.00 GiB available" in message
-    assert "offload=True, kv_grad_dtype='bfloat16'" in message and "options that would fit" in message
+    assert "offload.enabled=True, precision.kv_grad_dtype='bfloat16'" in message and "options that would fit" in message
     with pytest.raises(PagesDoNotFitError, match="no page option fits"):
-        check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=True), gpu_free=10 * GIB, host_free=50 * GIB)
-    check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), 10 * GIB, 125 * GIB)
+        check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=OffloadConfig(enabled=True)), gpu_free=10 * GIB,
+                        host_free=50 * GIB)
+    check_pages_fit(SHAPE_7B_1M, oomb.OOMBConfig(offload=OffloadConfig(enabled=True),
+                                                 precision=PrecisionConfig(kv_grad_dtype="bf16")), 10 * GIB, 125 * GIB)
 
 
 def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
@@ -454,11 +471,13 @@ def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
     with pytest.raises(PagesDoNotFitError, match="GPU needs 168.00 GiB, 100.00 GiB available"):
         oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(), cuda, None)
     with pytest.raises(PagesDoNotFitError, match="host RAM needs 112.00 GiB, 115.00 GiB available"):
-        oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), cuda, None)
+        offload = oomb.OOMBConfig(offload=OffloadConfig(enabled=True), precision=PrecisionConfig(kv_grad_dtype="bf16"))
+        oomb.engine._check_pages(SHAPE_7B_1M, offload, cuda, None)
     slabs = HostSlabs(pin=False)
     slabs.take("k", (20 * 1024**2,), torch.float32)  # 80 MiB held from an earlier step count as available
     monkeypatch.setattr(oomb.engine, "host_available_bytes", lambda: int(117.85 * GIB))
-    oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(offload=True, kv_grad_dtype="bf16"), cuda, slabs)
+    oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(offload=OffloadConfig(enabled=True),
+                                                          precision=PrecisionConfig(kv_grad_dtype="bf16")), cuda, slabs)
     oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(), torch.device("cpu"), None)  # not checked on CPU
 
 
@@ -471,7 +490,8 @@ def test_pages_freed_into_the_caching_allocator_count_as_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 * GIB)  # the weights
     cuda = torch.device("cuda")
     assert oomb.machine.gpu_free_bytes(cuda) == int(11.4 * GIB) + 109 * GIB
-    gpu_only = oomb.OOMBConfig(kv_grad_dtype="bf16")  # 112 GiB of pages with every layer on the GPU
+    # 112 GiB of pages with every layer on the GPU
+    gpu_only = oomb.OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="bf16"))
     oomb.engine._check_pages(SHAPE_7B_1M, gpu_only, cuda, None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 125 * GIB)  # still in use: no
     with pytest.raises(PagesDoNotFitError, match="GPU needs 112.00 GiB, 11.40 GiB available"):
@@ -498,12 +518,13 @@ def test_gpu_offload_steps_equal_steps_without_bitwise(offload_stores):
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=3).to("cuda", torch.bfloat16)
-    base = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, backend="triton")
+    base = oomb.OOMBConfig(chunk_size=256, page_size=64, offload=OffloadConfig(stream_block_pages=4),
+                           performance=PerformanceConfig(backend="triton"))
     lengths = (1500, 900, 2100)
     want = _steps(model, base, lengths)
     slabs = HostSlabs()
     for resident in (0, 1):
-        offload = oomb.OOMBConfig(**{**base.__dict__, "offload": True, "offload_resident_layers": resident})
+        offload = base.with_options({"offload.enabled": True, "offload.resident_layers": resident})
         got = _steps(model, offload, lengths, slabs)
         for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
             assert torch.equal(loss_a, loss_b)
@@ -512,9 +533,9 @@ def test_gpu_offload_steps_equal_steps_without_bitwise(offload_stores):
     assert slabs.pin and all(page_locked(slab) for slab in slabs._slabs.values())
     assert page_locked(torch.empty(64, pin_memory=True)) and not page_locked(torch.empty(64))  # the probe itself
     for group in (1, 4):  # one selection per page of queries, or per 4 of them
-        sparse = oomb.OOMBConfig(**{**base.__dict__, **SPARSE, "sparse_query_block_pages": group})
+        sparse = base.with_options({"attention": "sparse", "sparse": {**SPARSE, "query_block_pages": group}})
         want = _steps(model, sparse, lengths)
-        got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, slabs)
+        got = _steps(model, sparse.with_options({"offload.enabled": True}), lengths, slabs)
         for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
             assert torch.equal(loss_a, loss_b)
             for name in grads_a:
@@ -576,11 +597,13 @@ def test_gpu_sparse_offload_by_head_rows_equals_no_offload_bitwise(offload_store
     torch.manual_seed(0)
     model = build_tiny_model("qwen2", seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=3).to("cuda", torch.bfloat16)
-    sparse = oomb.OOMBConfig(chunk_size=256, page_size=64, stream_block_pages=4, backend="triton", **SPARSE,
-                             sparse=SparseConfig(query_block_pages=4))
+    sparse = oomb.OOMBConfig(chunk_size=256, page_size=64, attention="sparse", sparse=SparseConfig(**SPARSE,
+                                                                                                   query_block_pages=4),
+                             offload=OffloadConfig(stream_block_pages=4),
+                             performance=PerformanceConfig(backend="triton"))
     lengths = (1500, 2100)
     want = _steps(model, sparse, lengths)
-    got = _steps(model, oomb.OOMBConfig(**{**sparse.__dict__, "offload": True}), lengths, HostSlabs())
+    got = _steps(model, sparse.with_options({"offload.enabled": True}), lengths, HostSlabs())
     for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got, strict=True):
         assert torch.equal(loss_a, loss_b)
         for name in grads_a:

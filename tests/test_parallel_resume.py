@@ -46,7 +46,7 @@ def _device_config(root: Path, name: str, model: dict, device: str = "cpu", **se
         "train": {"max_steps": 4, "output_dir": str(root / name), "device": device, "seed": 1, "grad_accum": 2},
         "checkpoint": {"every": 2, "keep_last": 0, "export": False},
         "logging": {"progress": False},
-        "oomb": {"chunk_size": 64, "page_size": 32, "backend": "torch"},
+        "oomb": {"chunk_size": 64, "page_size": 32, "performance": {"backend": "torch"}},
     }
     for section, values in sections.items():
         options[section] = {**options.get(section, {}), **values}

@@ -1,6 +1,5 @@
 """The memory planner: model terms against docs/benchmarks.md's arithmetic and H200 measurements, search, CLI."""
 
-import dataclasses
 import json
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from transformers import Qwen2Config
 
 from oomb import cli
-from oomb.config import ATTENTION_MODES, OOMBConfig, SparseConfig
+from oomb.config import ATTENTION_MODES, OOMBConfig, PerformanceConfig, PrecisionConfig, SparseConfig
 from oomb.planning.memory import (
     GIB,
     MODES,
@@ -31,8 +30,8 @@ from oomb.training.config import LoraSection
 KIB = 1024
 QWEN7B = load_model_shape("qwen2.5-7b")
 BENCH = TrainingSetup(torch.bfloat16, 1, "none")  # the standard workload: no optimizer
-BENCH_CONFIG = OOMBConfig(fp32_grad_accumulation=False)
-MINMAX_CONFIG = OOMBConfig(fp32_grad_accumulation=False, sparse=SparseConfig(score="minmax"))
+BENCH_CONFIG = OOMBConfig(precision=PrecisionConfig(fp32_grad_accumulation=False))
+MINMAX_CONFIG = OOMBConfig(sparse=SparseConfig(score="minmax"), precision=PrecisionConfig(fp32_grad_accumulation=False))
 """Sparse modes sized for minmax's two summary vectors per page (the default rerank keeps three)."""
 
 
@@ -49,10 +48,10 @@ def test_presets_have_the_documented_shapes():
 
 def test_kv_pages_of_qwen7b_at_one_million_tokens():
     """56 KiB/token K+V, 112 KiB fp32 dK+dV: 1M tokens = 56 GiB + 112 GiB."""
-    p = predict("dense+offload", QWEN7B, 1 << 20, OOMBConfig(kv_grad_dtype="float32"))
+    p = predict("dense+offload", QWEN7B, 1 << 20, OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="float32")))
     assert p.host["KV pages"] == 56 * GIB
     assert p.host["KV grad pages"] == 112 * GIB
-    dense = predict("dense", QWEN7B, 1 << 20, OOMBConfig(kv_grad_dtype="float32"))
+    dense = predict("dense", QWEN7B, 1 << 20, OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="float32")))
     assert dense.gpu["KV working set"] == 168 * GIB
 
 
@@ -60,7 +59,8 @@ def test_one_million_tokens_fits_only_with_offload_and_bf16_grad_pages():
     """Our GPU machine: 141 GB GPU, 125 GiB host."""
     budget = Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB)
     for grad_dtype, offload_fits in (("float32", False), ("bfloat16", True)):
-        plan = make_plan("qwen2.5-7b", QWEN7B, 1 << 20, budget, OOMBConfig(kv_grad_dtype=grad_dtype), BENCH)
+        plan = make_plan("qwen2.5-7b", QWEN7B, 1 << 20, budget,
+                         OOMBConfig(precision=PrecisionConfig(kv_grad_dtype=grad_dtype)), BENCH)
         fits = {r.mode.name: r for r in plan.reports}
         assert not fits["dense"].fits and not fits["dense"].fits_gpu
         assert not fits["hf"].fits
@@ -97,15 +97,15 @@ def test_estimate_step_memory_keeps_its_interface():
     full = predict("dense", QWEN7B, 131072, BENCH_CONFIG, BENCH)
     assert est.total == full.gpu_above_weights - full.gpu["page tables"]
     # The trainer's check counts the kept attention outputs as the planner does.
-    keep = dataclasses.replace(BENCH_CONFIG, keep_attention_outputs=True)
+    keep = BENCH_CONFIG.with_options({"performance.keep_attention_outputs": True})
     kept = estimate_step_memory(QWEN7B, 131072, keep, trainable_params=QWEN7B.num_params())
     assert kept.kept_attention == predict("dense", QWEN7B, 131072, keep, BENCH).gpu["kept attention"] > 0
     assert kept.total == est.total + kept.kept_attention
 
 
 def test_terms_follow_the_options():
-    base = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), BENCH)
-    acc = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=True), BENCH)
+    base = predict("dense", QWEN7B, 65536, OOMBConfig(precision=PrecisionConfig(fp32_grad_accumulation=False)), BENCH)
+    acc = predict("dense", QWEN7B, 65536, OOMBConfig(precision=PrecisionConfig(fp32_grad_accumulation=True)), BENCH)
     # fp32 sums of every parameter; the bf16 .grad only of the embedding and norms (linear layers add
     # to the sums directly, oomb/fp32_linear.py). Measured on the H200 at 32K: +13.53 GiB.
     assert acc.gpu["fp32 grad sums"] == 4 * QWEN7B.num_params()
@@ -120,7 +120,8 @@ def test_terms_follow_the_options():
     summed = estimate_step_memory(QWEN7B, 65536, config, trainable_params=trainable)
     assert to_masters.param_grads == 2 * QWEN7B.non_linear_params()
     assert summed.param_grads == to_masters.param_grads + 4 * trainable
-    adamw = predict("dense", QWEN7B, 65536, OOMBConfig(fp32_grad_accumulation=False), TrainingSetup())
+    adamw = predict("dense", QWEN7B, 65536, OOMBConfig(precision=PrecisionConfig(fp32_grad_accumulation=False)),
+                    TrainingSetup())
     assert adamw.gpu["optimizer"] == 4 * QWEN7B.num_params()  # bf16 moments: AdamW steps the bf16 weights
     masters = predict("dense", QWEN7B, 65536, OOMBConfig(), TrainingSetup(master_weights=True))
     assert masters.gpu["optimizer"] == (8 + 4) * QWEN7B.num_params()  # fp32 moments + fp32 master weights
@@ -228,7 +229,7 @@ def test_cli_log_probabilities_kept_unless_given(capsys):
     for flags, recompute in (([], False), (["--recompute-logits"], True), (["--no-recompute-logits"], False)):
         cli.main([*common, *flags])
         choice = json.loads(capsys.readouterr().out)["choice"]
-        assert choice["recompute_logits"] is recompute
+        assert choice["performance.recompute_logits"] is recompute
         assert "the head's weight gradient is made in the forward" in choice["reason"]
         assert "recompute_logits" not in choice.get("factors", [])
     cli.main([*common, "--lora", "--recompute-logits"])
@@ -270,14 +271,14 @@ def test_cli_keep_attention_outputs(capsys):
               "none", "--attention", "sparse", "--json"]
     assert cli.main(["plan", *common]) == 0
     chosen = json.loads(capsys.readouterr().out)
-    assert chosen["choice"]["keep_attention_outputs"] is True
+    assert chosen["choice"]["performance.keep_attention_outputs"] is True
     assert all(m["gpu_bytes"].get("kept attention", 0) == 0 for m in chosen["modes"])  # the table: off unless given
     assert cli.main(["plan", *common, "--keep-attention-outputs"]) == 0
     kept = {m["mode"]: m["gpu_bytes"].get("kept attention", 0) for m in json.loads(capsys.readouterr().out)["modes"]}
     assert kept["dense"] == kept["sparse"] == 131072 * 28 * 28 * (128 * 2 + 4)
     assert kept["dense+offload"] == kept["sparse+offload"] == kept.get("hf", 0) == 0
     assert cli.main(["plan", *common, "--no-keep-attention-outputs"]) == 0
-    assert json.loads(capsys.readouterr().out)["choice"]["keep_attention_outputs"] is False
+    assert json.loads(capsys.readouterr().out)["choice"]["performance.keep_attention_outputs"] is False
 
 
 def test_cli_errors(capsys, tmp_path):
@@ -296,14 +297,15 @@ def test_cli_errors(capsys, tmp_path):
 def test_hint_names_the_faster_setting_only_where_it_fits():
     """Without layer checkpointing a chunk keeps every layer's activations: on a large GPU sparse+offload
     fits that way too at 1M (and the plan says so); on a small one it does not."""
-    config = OOMBConfig(kv_grad_dtype="bfloat16")
+    config = OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
     large = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), config, BENCH,
                       modes=["sparse+offload"])
     assert any(h.startswith("sparse+offload also fits with --no-checkpoint-layers") for h in large.hints)
     small = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=48 * GIB, host_bytes=125 * GIB), config,
                       TrainingSetup(optimizer="none", lora_rank=16), modes=["sparse+offload"])
     assert small.reports[0].fits and not any("no-checkpoint-layers" in h for h in small.hints)
-    no_replay = OOMBConfig(kv_grad_dtype="bfloat16", checkpoint_layers=False)
+    no_replay = OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="bfloat16"),
+                           performance=PerformanceConfig(checkpoint_layers=False))
     no_replay = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), no_replay, BENCH,
                           modes=["sparse+offload"])
     assert not any("no-checkpoint-layers" in h for h in no_replay.hints)

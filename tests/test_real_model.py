@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import oomb
 from oomb import OOMBConfig
 from oomb.cli import main as cli_main
+from oomb.config import PerformanceConfig
 from oomb.real_model import english_text
 from oomb.training.config import DataSection, TrainerConfig
 from oomb.training.data import PackedSequences, resolve_files
@@ -89,7 +90,7 @@ def test_dense_gradients_match_full_sequence_backward(smollm2_path, tokenizer):
     """2048 tokens of real text in 4 chunks of 4 pages: every parameter's gradient and the loss."""
     model = load_fp32(smollm2_path)
     ids = english_ids(tokenizer, 2048)
-    config = OOMBConfig(chunk_size=512, page_size=128, backend="torch")
+    config = OOMBConfig(chunk_size=512, page_size=128, performance=PerformanceConfig(backend="torch"))
     got = assert_matches_hf(model, ids, ids, config)
     assert len(got) == 272 and all(g is not None for g in got.values())  # 30 layers x 9 + embedding + norm
 
@@ -106,7 +107,8 @@ def test_lora_gradients_match_full_sequence_backward(smollm2_path, tokenizer):
     ids = english_ids(tokenizer, 1024)
     labels = ids.clone()
     labels[:, 200:300] = -100
-    got = assert_matches_hf(model, ids, labels, OOMBConfig(chunk_size=256, page_size=64, backend="torch"))
+    got = assert_matches_hf(model, ids, labels, OOMBConfig(chunk_size=256, page_size=64,
+                                                           performance=PerformanceConfig(backend="torch")))
     assert len(got) == 30 * 7 * 2 and all("lora_A" in n or "lora_B" in n for n in got)
     assert all(g is not None and g.abs().sum() > 0 for g in got.values())
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)

@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 
 import oomb
 from oomb import OOMBConfig, SparseConfig
+from oomb.config import PerformanceConfig
 from oomb.shared_context import ContinuationLogProbs, dpo_sigmoid_loss, grpo_loss
 
 TOLERANCE = 1e-5
@@ -25,8 +26,8 @@ CONTEXT = 2 * CHUNK + 13  # several chunks, ending mid-page (77 tokens: trunk 64
 LENGTHS = (1, 5, 2 * CHUNK + 3)  # one token to several chunks
 
 
-def _config(**options) -> OOMBConfig:
-    return OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", **options)
+def _config(**sections) -> OOMBConfig:
+    return OOMBConfig(chunk_size=CHUNK, page_size=PAGE, **sections, performance=PerformanceConfig(backend="torch"))
 
 
 def _inputs(lengths=LENGTHS, context=CONTEXT, seed=0):
@@ -284,11 +285,11 @@ def test_offload_is_bitwise_equal(mode):
     model = build_tiny_model("llama", seed=15)
     context, conts = _inputs()
 
-    def run(**options):
-        return lambda: oomb.shared_context_backward(model, context, conts,
-                                                    config=_config(**mode, stream_block_pages=2, **options))
+    def run(offload: dict):
+        config = _config(**mode).with_options({"offload.stream_block_pages": 2, **offload})
+        return lambda: oomb.shared_context_backward(model, context, conts, config=config)
 
-    _bitwise(model, run(), run(offload=True, offload_resident_layers=1))
+    _bitwise(model, run({}), run({"offload.enabled": True, "offload.resident_layers": 1}))
 
 
 def _row_steps(model, context, conts, config, position_ids=None):
@@ -351,11 +352,11 @@ def test_packed_documents_sparse_offload_bitwise():
     context, conts = _inputs()
     position_ids = torch.cat([torch.arange(30), torch.arange(CONTEXT - 30)])
 
-    def run(**options):
-        return lambda: oomb.shared_context_backward(model, context, conts, config=_config(**SPARSE, **options),
-                                                    position_ids=position_ids)
+    def run(offload: dict):
+        return lambda: oomb.shared_context_backward(model, context, conts, config=_config(**SPARSE).with_options(
+            offload), position_ids=position_ids)
 
-    _bitwise(model, run(), run(offload=True, offload_resident_layers=1))
+    _bitwise(model, run({}), run({"offload.enabled": True, "offload.resident_layers": 1}))
 
 
 def test_refusals():

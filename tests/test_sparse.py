@@ -17,7 +17,7 @@ import oomb.engine
 import oomb.models
 from oomb import OOMBConfig
 from oomb.attention import reference, reference_sparse
-from oomb.config import SparseConfig, SparseResearch
+from oomb.config import OffloadConfig, PerformanceConfig, SparseConfig, SparseResearch
 from oomb.evaluate import forward_hidden
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.summaries import summarize_pages
@@ -383,10 +383,12 @@ def test_exact_score_is_the_true_attention_mass_of_each_page(pooling, length):
 def test_exact_scores_refuse_offload_and_leak_free():
     """exact scores a block with its own queries (no leak-free variant) and reads every history key from
     the GPU (no offload); rerank takes both (its candidates' keys are staged with offload)."""
-    for bad in (dict(offload=True), dict(sparse_leak_free=True)):
+    exact = OOMBConfig(attention="sparse", sparse=SparseConfig(score="exact"))
+    for bad in ({"offload.enabled": True}, {"sparse.leak_free": True}):
         with pytest.raises(ValueError, match="sparse.score='exact'"):
-            OOMBConfig(attention="sparse", **bad, sparse=SparseConfig(score="exact"))
-    OOMBConfig(attention="sparse", offload=True, sparse=SparseConfig(score="rerank", leak_free=True))
+            exact.with_options(bad)
+    OOMBConfig(attention="sparse", sparse=SparseConfig(score="rerank", leak_free=True),
+               offload=OffloadConfig(enabled=True))
     with pytest.raises(ValueError, match="sparse.research.rerank_factor"):
         OOMBConfig(attention="sparse", sparse=SparseConfig(score="rerank", research=SparseResearch(rerank_factor=0)))
     with pytest.raises(ValueError, match="sparse.research.pooling='softmax' does not apply"):
@@ -626,9 +628,10 @@ def test_bounded_normaliser_config():
     full = OOMBConfig(attention="sparse",
                       sparse=SparseConfig(research=SparseResearch(normaliser_pages=None)))  # every history page
     assert (full).resolved_sparse().research.normaliser_pages is None
-    for no_normaliser in (dict(sparse_candidate_pooling="max"), dict(sparse_score="minmax"),
-                          dict(sparse_score="exact", sparse_pooling="softmax_max")):
-        assert (OOMBConfig(attention="sparse", **no_normaliser)).resolved_sparse().research.normaliser_pages is None
+    for no_normaliser in (SparseConfig(research=SparseResearch(candidate_pooling="max")), SparseConfig(score="minmax"),
+                          SparseConfig(score="exact", research=SparseResearch(pooling="softmax_max"))):
+        config = OOMBConfig(attention="sparse", sparse=no_normaliser)
+        assert config.resolved_sparse().research.normaliser_pages is None
     with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
         OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="max",
                                                                                    normaliser_pages=256)))
@@ -823,8 +826,10 @@ def test_sparse_backward_is_bitwise_repeatable():
 TOKENS, CHUNK, PAGE = 333, 64, 16  # 6 chunks, the last 13 tokens; up to 20 history pages
 
 
-def _config(**sparse) -> OOMBConfig:
-    return OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse", **sparse)
+def _config(**sections) -> OOMBConfig:
+    """A sparse step of ``sections`` (sparse=SparseConfig(...), ...) on the torch backend."""
+    config = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, attention="sparse", **sections)
+    return config.with_options({"performance.backend": "torch"})
 
 
 @pytest.fixture
@@ -857,11 +862,12 @@ def test_a_budget_covering_every_page_is_dense_bitwise(family, recorded):
     ids_labels[1, 100:150] = -100
     model.zero_grad(set_to_none=True)
     dense_loss = oomb.forward_backward(model, ids, ids_labels, OOMBConfig(chunk_size=CHUNK, page_size=PAGE,
-                                                                         backend="torch"))
+                                                                          performance=PerformanceConfig(backend="torch")))
     dense = grads(model)
     model.zero_grad(set_to_none=True)
     history_pages = (TOKENS // CHUNK) * CHUNK // PAGE  # of the last chunk: 20
-    sparse_loss = oomb.forward_backward(model, ids, ids_labels, _config(sparse_budget=history_pages - 1))
+    sparse_loss = oomb.forward_backward(model, ids, ids_labels,
+                                        _config(sparse=SparseConfig(budget=history_pages - 1)))
     sparse = grads(model)
     assert torch.equal(sparse_loss, dense_loss)
     assert all(torch.equal(sparse[name], dense[name]) for name in dense)
@@ -893,18 +899,19 @@ def _visible_from_selections(selections, layer, batch, kv_heads, tokens) -> torc
 @pytest.mark.parametrize(
     ("family", "sparse"),
     [
-        ("qwen2", dict(sparse_budget=3, sparse_sink_pages=1)),
-        ("llama", dict(sparse_budget=2, sparse_sink_pages=0, sparse_score="mean", sparse_selection="shared",
-                       sparse_leak_free=True)),
-        ("qwen3", dict(sparse_budget=0, sparse_sink_pages=2, sparse_leak_free=True)),
-        ("mistral", dict(sparse_budget=5, sparse_sink_pages=1, checkpoint_layers=False)),
-        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=3)),
-        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_query_block_pages=64)),
-        ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_score="exact")),
-        ("qwen2", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max")),
-        ("qwen3", dict(sparse_budget=2, sparse_sink_pages=1, sparse_pooling="softmax_max", sparse_leak_free=True,
-                       sparse_query_block_pages=2)),
-        ("llama", dict(sparse_budget=2, sparse_sink_pages=1, sparse_leak_free=True)),
+        ("qwen2", dict(sparse=SparseConfig(budget=3, sink_pages=1))),
+        ("llama", dict(sparse=SparseConfig(budget=2, sink_pages=0, score="mean", leak_free=True,
+                                           research=SparseResearch(selection="shared")))),
+        ("qwen3", dict(sparse=SparseConfig(budget=0, sink_pages=2, leak_free=True))),
+        ("mistral", dict(sparse=SparseConfig(budget=5, sink_pages=1),
+                         performance=PerformanceConfig(checkpoint_layers=False))),
+        ("qwen2", dict(sparse=SparseConfig(budget=2, sink_pages=1, query_block_pages=3))),
+        ("qwen2", dict(sparse=SparseConfig(budget=2, sink_pages=1, query_block_pages=64))),
+        ("llama", dict(sparse=SparseConfig(budget=2, sink_pages=1, score="exact"))),
+        ("qwen2", dict(sparse=SparseConfig(budget=2, sink_pages=1, research=SparseResearch(pooling="softmax_max")))),
+        ("qwen3", dict(sparse=SparseConfig(budget=2, sink_pages=1, leak_free=True, query_block_pages=2,
+                                           research=SparseResearch(pooling="softmax_max")))),
+        ("llama", dict(sparse=SparseConfig(budget=2, sink_pages=1, leak_free=True))),
     ],
     ids=["minmax-kv_head", "mean-shared-leak_free", "sinks_only", "no_checkpointing", "query_groups",
          "one_group_per_chunk", "exact_oracle", "softmax_max", "softmax_max-leak_free-groups", "rerank-leak_free"],
@@ -935,10 +942,11 @@ def test_sparse_differs_from_dense_with_a_small_budget(recorded):
     model = build_tiny_model("qwen2", seed=32)
     ids = random_ids(1, TOKENS, seed=32)
     model.zero_grad(set_to_none=True)
-    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE,
+                                                       performance=PerformanceConfig(backend="torch")))
     dense = grads(model)
     model.zero_grad(set_to_none=True)
-    oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+    oomb.forward_backward(model, ids, None, _config(sparse=SparseConfig(budget=2)))
     error = relative_error(grads(model), dense)
     assert 1e-3 < error < 1.0
 
@@ -960,7 +968,7 @@ def test_stage_two_reads_stage_one_selection(monkeypatch, recorded):
 
     monkeypatch.setattr(oomb.attention.function, "select_pages", counting_select)
     monkeypatch.setattr(oomb.models, "paged_attention", recording_attention)
-    oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+    oomb.forward_backward(model, ids, None, _config(sparse=SparseConfig(budget=2)))
     selections, stores = recorded
     L = model.config.num_hidden_layers
     assert sorted(select_calls) == sorted((layer, c) for c in range(6) for layer in range(L))
@@ -985,7 +993,7 @@ def test_failure_in_stage_two_frees_selections(monkeypatch, recorded):
 
     monkeypatch.setattr(oomb.engine, "chunked_cross_entropy", failing_loss)
     with pytest.raises(RuntimeError, match="injected failure"):
-        oomb.forward_backward(model, ids, None, _config(sparse_budget=2))
+        oomb.forward_backward(model, ids, None, _config(sparse=SparseConfig(budget=2)))
     _, stores = recorded
     assert stores[0].is_empty and stores[0]._selections == {}
 
@@ -996,10 +1004,11 @@ def test_forward_hidden_matches_the_model_and_frees_its_pages(recorded):
     ids = random_ids(2, TOKENS, seed=35)
     with torch.no_grad():
         want = model.model(input_ids=ids).last_hidden_state
-    dense = forward_hidden(model, ids, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    dense = forward_hidden(model, ids, OOMBConfig(chunk_size=CHUNK, page_size=PAGE,
+                                                  performance=PerformanceConfig(backend="torch")))
     torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(forward_hidden(model, ids, _config(sparse_budget=100)), dense)
-    sparse = forward_hidden(model, ids, _config(sparse_budget=1))
+    assert torch.equal(forward_hidden(model, ids, _config(sparse=SparseConfig(budget=100))), dense)
+    sparse = forward_hidden(model, ids, _config(sparse=SparseConfig(budget=1)))
     assert sparse.shape == dense.shape and not torch.equal(sparse, dense)
     assert torch.equal(sparse[:, :CHUNK], dense[:, :CHUNK])  # chunk 0 has no history
 
@@ -1022,16 +1031,17 @@ def test_read_share_grows_the_budget_with_the_history_in_steps():
 def test_a_full_read_share_is_dense_and_a_partial_one_reads_more_than_its_floor():
     model = build_tiny_model("qwen2", seed=36)
     ids = random_ids(1, TOKENS, seed=36)
-    dense_loss = oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch"))
+    dense_loss = oomb.forward_backward(model, ids, None, OOMBConfig(chunk_size=CHUNK, page_size=PAGE,
+                                                                    performance=PerformanceConfig(backend="torch")))
     dense = grads(model)
     model.zero_grad(set_to_none=True)
-    full_loss = oomb.forward_backward(model, ids, None, _config(sparse_budget=1, sparse_read_share=1.0))
+    full_loss = oomb.forward_backward(model, ids, None, _config(sparse=SparseConfig(budget=1, read_share=1.0)))
     full = grads(model)
     assert torch.equal(full_loss, dense_loss) and all(torch.equal(full[name], dense[name]) for name in dense)
     errors = {}
-    arms = {"floor": {"sparse_budget": 1}, "share": {"sparse_budget": 1, "sparse_read_share": 0.05}}
+    arms = {"floor": SparseConfig(budget=1), "share": SparseConfig(budget=1, read_share=0.05)}
     for name, options in arms.items():
         model.zero_grad(set_to_none=True)
-        oomb.forward_backward(model, ids, None, _config(**options))
+        oomb.forward_backward(model, ids, None, _config(sparse=options))
         errors[name] = relative_error(grads(model), dense)
     assert 0 < errors["share"] < errors["floor"]

@@ -8,8 +8,6 @@ chunk, causally, from its document's first token on.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from helpers import build_tiny_model, grads, random_ids, relative_error, visible_from_selections
@@ -17,7 +15,7 @@ from transformers import AttentionInterface
 
 import oomb
 from oomb import OOMBConfig
-from oomb.config import SparseConfig
+from oomb.config import PerformanceConfig, SparseConfig
 from oomb.documents import resolve_documents
 from oomb.kv import ChunkSpan, PagedKVStore
 from oomb.kv.offload import HostSlabs, OffloadedKVStore
@@ -29,8 +27,8 @@ LENGTHS = [13, 1, 70, 44, 72]
 LENGTHS_2 = [100, 9, 91]
 GRAD_RTOL = 1e-5
 ORACLE = "oomb_test_sparse_documents_oracle"
-CONFIG = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch", attention="sparse",
-                    sparse=SparseConfig(budget=2, sink_pages=1))
+CONFIG = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, attention="sparse", sparse=SparseConfig(budget=2, sink_pages=1),
+                    performance=PerformanceConfig(backend="torch"))
 
 
 def _cu(lengths):
@@ -73,16 +71,16 @@ AttentionInterface.register(ORACLE, _oracle_attention)
 
 @pytest.mark.parametrize(("family", "sparse"), [
     ("llama", {}),
-    pytest.param("llama", dict(backend="triton"), marks=pytest.mark.slow),  # the interpreter: minutes
-    ("qwen2", dict(sparse_selection="shared", sparse_leak_free=True, sparse_pooling="softmax")),
-    ("qwen3", dict(sparse_query_block_pages=2, sparse_sink_pages=2, sparse_budget=1)),
+    pytest.param("llama", {"performance.backend": "triton"}, marks=pytest.mark.slow),  # the interpreter: minutes
+    ("qwen2", {"sparse.research.selection": "shared", "sparse.leak_free": True, "sparse.research.pooling": "softmax"}),
+    ("qwen3", {"sparse.query_block_pages": 2, "sparse.sink_pages": 2, "sparse.budget": 1}),
 ], ids=["kv_head", "triton", "shared-leak_free-softmax", "query_groups"])
 def test_sparse_with_documents_is_exact_for_what_it_reads(family, sparse, selections):
     model = build_tiny_model(family, seed=51)
     ids = random_ids(2, TOKENS, seed=51)
     cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
     model.zero_grad(set_to_none=True)
-    loss = oomb.forward_backward(model, ids, None, replace(CONFIG, **sparse), cu_seqlens=cu)
+    loss = oomb.forward_backward(model, ids, None, CONFIG.with_options(sparse), cu_seqlens=cu)
     got = grads(model)
     assert sum(selection is not None for _, selection in selections.values()) > 0
     docs = resolve_documents(None, cu, tuple(ids.shape), torch.device("cpu"))
@@ -137,12 +135,12 @@ def test_a_full_budget_with_documents_is_dense_bitwise():
     model = build_tiny_model("llama", seed=52)
     ids = random_ids(1, TOKENS, seed=52)
     cu = [_cu(LENGTHS)]
-    dense_config = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, backend="torch")
+    dense_config = OOMBConfig(chunk_size=CHUNK, page_size=PAGE, performance=PerformanceConfig(backend="torch"))
     model.zero_grad(set_to_none=True)
     dense_loss = oomb.forward_backward(model, ids, None, dense_config, cu_seqlens=cu)
     dense = grads(model)
     model.zero_grad(set_to_none=True)
-    sparse_loss = oomb.forward_backward(model, ids, None, replace(CONFIG, sparse_budget=TOKENS), cu_seqlens=cu)
+    sparse_loss = oomb.forward_backward(model, ids, None, CONFIG.with_options({"sparse.budget": TOKENS}), cu_seqlens=cu)
     assert torch.equal(sparse_loss, dense_loss)
     assert all(torch.equal(grads(model)[n], dense[n]) for n in dense)
 
@@ -152,7 +150,7 @@ def test_sparse_documents_with_offload_equal_without_bitwise():
     ids = random_ids(2, TOKENS, seed=53)
     cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
     results = []
-    for config, slabs in ((CONFIG, None), (replace(CONFIG, offload=True), HostSlabs(pin=False))):
+    for config, slabs in ((CONFIG, None), (CONFIG.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
         model.zero_grad(set_to_none=True)
         results.append((oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
                         grads(model)))
@@ -185,9 +183,9 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
     model = build_tiny_model("qwen2", seed=54)
     ids = random_ids(len(rows), sum(rows[0]), seed=54)
     cu = [_cu(lengths) for lengths in rows]
-    config = replace(CONFIG, backend=backend)
+    config = CONFIG.with_options({"performance.backend": backend})
     results = []
-    for step_config, slabs in ((config, None), (replace(config, offload=True), HostSlabs(pin=False))):
+    for step_config, slabs in ((config, None), (config.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
         model.zero_grad(set_to_none=True)
         results.append((oomb.forward_backward(model, ids, None, step_config, cu_seqlens=cu, host_slabs=slabs),
                         grads(model)))

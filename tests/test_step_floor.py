@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import sparse_replace
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 
-from oomb.config import OOMBConfig, SparseConfig, SparseResearch
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, PrecisionConfig, SparseConfig, SparseResearch
 from oomb.planning.model_shape import ModelShape
 from oomb.planning.step_work import (
     H200,
@@ -73,47 +74,55 @@ def test_dense_attention_sees_every_causal_pair_whatever_the_chunks():
 
 
 def test_sparse_reads_the_budget_once_the_history_outgrows_it():
-    spec = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_sink_pages=1)
+    spec = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse=SparseConfig(budget=1, sink_pages=1))
     # chunk 0: no history; chunks 1-3 (4, 8, 12 history pages) read 2 pages = 64 keys, plus their own causally
     own = 128 * 129 // 2
     assert visible_pairs(spec) == 4 * own + 3 * 128 * 64
     assert visible_pairs(spec) < visible_pairs(StepSpec(ONE_LAYER, 512, chunk_size=128, page_size=32))
-    wide = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse_budget=11)  # covers it all
+    wide = StepSpec(ONE_LAYER, 512, "sparse", chunk_size=128, page_size=32, sparse=SparseConfig(budget=11))  # all
     assert visible_pairs(wide) == 512 * 513 // 2
 
 
 def test_scoring_by_hand():
-    minmax = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="minmax")
+    minmax = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32,
+                      sparse=SparseConfig(budget=1, score="minmax"))
     # chunk 1 only (4 history pages > 1 sink + 1): 2 heads x 4 blocks x 32 rows against 4 pages, width 2D = 8
     assert scoring_work(minmax) == Work(matmul_flops=2 * 256 * 8 * 4)
-    rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1,
-                      sparse_candidate_pooling="max")
+    rerank = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32,
+                      sparse=SparseConfig(budget=1, research=SparseResearch(candidate_pooling="max")))
     # minmax_mean candidates (width 3D), then min(4, 1 + 4 x 1) candidate pages read once and the chunk causally
     keys = 128 * 4 * 32 + 128 * 129 // 2
     assert scoring_work(rerank) == Work(matmul_flops=2 * 256 * 12 * 4, attention_flops=2 * 4 * 2 * keys)
     # candidates pooled by softmax_max: the rows' normalisers are a second pass of the same products over the
     # history and the chunk's 4 own pages (not leak-free, which runs torch's one pass over both)
-    pooled = dataclasses.replace(rerank, sparse_candidate_pooling="softmax_max")
+    pooled = _sparse(rerank, candidate_pooling="softmax_max")
     assert scoring_work(pooled) == Work(matmul_flops=2 * 256 * 12 * (4 + 4 + 4), attention_flops=2 * 4 * 2 * keys)
-    leak_free = dataclasses.replace(pooled, sparse_leak_free=True)  # 4 blocks x 33 rows, one pass
+    leak_free = _sparse(pooled, leak_free=True)  # 4 blocks x 33 rows, one pass
     assert scoring_work(leak_free).matmul_flops == 2 * 2 * 4 * 33 * 12 * (4 + 4)
-    # a bounded normaliser (sparse_normaliser_pages): the sink and the last page of the 4
-    bounded = dataclasses.replace(pooled, sparse_normaliser_pages=1)
+    # a bounded normaliser (sparse.research.normaliser_pages): the sink and the last page of the 4
+    bounded = _sparse(pooled, normaliser_pages=1)
     assert scoring_work(bounded).matmul_flops == 2 * 256 * 12 * (4 + 2 + 4)
     softmax_max = SparseResearch(candidate_pooling="softmax_max")
     pooled = SparseConfig(research=softmax_max)
     bounded = dataclasses.replace(softmax_max, normaliser_pages=7)
     assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse", sparse=SparseConfig(research=bounded))
-                                ).sparse_normaliser_pages == 7
+                                ).sparse.resolved_normaliser_pages == 7
     assert StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse", sparse=pooled)
-                                ).sparse_candidate_pooling == "softmax_max"
+                                ).sparse.resolved_candidate_pooling == "softmax_max"
     default = StepSpec.from_config(ONE_LAYER, 256, OOMBConfig(attention="sparse"))  # "auto": softmax_max, 256
-    assert (default.sparse_candidate_pooling, default.sparse_normaliser_pages) == ("softmax_max", 256)
-    assert scoring_work(default) == scoring_work(dataclasses.replace(default, sparse_normaliser_pages=None))
-    exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse_budget=1, sparse_score="exact")
+    assert (default.sparse.resolved_candidate_pooling,
+            default.sparse.resolved_normaliser_pages) == ("softmax_max", 256)
+    assert scoring_work(default) == scoring_work(_sparse(default, normaliser_pages=None))
+    exact = StepSpec(ONE_LAYER, 256, "sparse", chunk_size=128, page_size=32, sparse=SparseConfig(budget=1,
+                                                                                                 score="exact"))
     keys = 128 * 2 * 4 * 32 + 128 * 129 // 2  # every history page, in two passes
     assert scoring_work(exact).attention_flops == 2 * 4 * 2 * keys
     assert scoring_work(StepSpec(ONE_LAYER, 256, chunk_size=128, page_size=32)) == Work()
+
+
+def _sparse(spec: StepSpec, **changes) -> StepSpec:
+    """``spec`` with its sparse options changed (research ones by name too)."""
+    return dataclasses.replace(spec, sparse=sparse_replace(spec.sparse, **changes))
 
 
 def test_loss_counts_the_head_and_the_logits():
@@ -127,7 +136,7 @@ def test_loss_counts_the_head_and_the_logits():
 
 def test_dense_offload_bytes_by_hand():
     # K, V of a token and layer: 2 x 1 head x 4 x 2 bytes = 16; dK, dV in float32: 32
-    spec = StepSpec(ONE_LAYER, 384, "dense", chunk_size=128, page_size=32, offload=True)
+    spec = StepSpec(ONE_LAYER, 384, "dense", chunk_size=128, page_size=32, offload=OffloadConfig(enabled=True))
     work = copies_work(spec)
     # stage 1 sends each chunk's K, V out and its history in; stage 2 stages history + own twice, stores the
     # history's dK, dV and loads them except in the first backward touching them (chunk 2's: 256 tokens)
@@ -135,8 +144,8 @@ def test_dense_offload_bytes_by_hand():
     to_device = (0 + 128 + 256) * 16 + 2 * (128 + 256 + 384) * 16 + (384 - 256) * 32
     assert (work.to_host_bytes, work.to_device_bytes, work.memory_bytes) == (to_host, to_device, 0)
     assert copies_work(StepSpec(ONE_LAYER, 384, chunk_size=128, page_size=32)) == Work(memory_bytes=384 * 16)
-    sparse = copies_work(StepSpec(ONE_LAYER, 384, "sparse", chunk_size=128, page_size=32, offload=True,
-                                  sparse_budget=1, sparse_score="minmax"))
+    sparse = copies_work(StepSpec(ONE_LAYER, 384, "sparse", chunk_size=128, page_size=32,
+                                  offload=OffloadConfig(enabled=True), sparse=SparseConfig(budget=1, score="minmax")))
     assert sparse.to_device_bytes < work.to_device_bytes
 
 
@@ -152,13 +161,15 @@ def test_issue_estimate_for_the_7b_shape_at_1m():
 
 def test_spec_from_config():
     shape = load_model_shape("qwen2.5-7b")
-    config = OOMBConfig(attention="sparse", checkpoint_layers=False, kv_grad_dtype="bfloat16",
-                        sparse=SparseConfig(budget=32))
+    config = OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32),
+                        performance=PerformanceConfig(checkpoint_layers=False),
+                        precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
     spec = StepSpec.from_config(shape, 65536, config)
-    assert (spec.mode, spec.sparse_budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
-    assert spec.sparse_score == config.sparse.resolved_score
+    assert (spec.mode, spec.sparse.budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
+    assert spec.sparse == config.sparse
     assert StepSpec.from_config(shape, 65536, None).mode == "hf"
-    assert StepSpec.from_config(shape, 65536, dataclasses.replace(config, keep_attention_outputs=True)) \
+    kept = config.with_options({"performance.keep_attention_outputs": True})
+    assert StepSpec.from_config(shape, 65536, kept) \
         .keep_attention_outputs and not spec.keep_attention_outputs
 
 

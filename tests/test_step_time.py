@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomb.config import OOMBConfig
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig
 from oomb.planning.choose import Resources, Workload, choose_config
 from oomb.planning.model_shape import ModelShape
 from oomb.planning.step_time import RATES, format_duration, gpu_kind, predict_step_time
@@ -15,8 +15,10 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def test_the_measured_runs_are_predicted_back():
-    dense = predict_step_time(QWEN_7B, 131072, OOMBConfig(checkpoint_layers=False), gpu_name=H100)
-    sparse = predict_step_time(QWEN_7B, 131072, OOMBConfig(attention="sparse", checkpoint_layers=False),
+    dense = predict_step_time(QWEN_7B, 131072, OOMBConfig(performance=PerformanceConfig(checkpoint_layers=False)),
+                              gpu_name=H100)
+    sparse = predict_step_time(QWEN_7B, 131072, OOMBConfig(attention="sparse",
+                                                           performance=PerformanceConfig(checkpoint_layers=False)),
                                gpu_name=H100)
     assert dense.seconds == pytest.approx(43.46, rel=0.02) and sparse.seconds == pytest.approx(21.66, rel=0.02)
     assert "dense step on an H100" in dense.basis and "not measured" not in dense.basis
@@ -28,7 +30,7 @@ def test_a_longer_step_costs_its_flops_and_other_gpus_are_extrapolations():
     assert long.seconds > 30 * short.seconds  # dense attention grows with the square of the context
     other = predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name="NVIDIA A100-SXM4-80GB")
     assert "is not measured" in other.basis and other.rate.gpu == "H100"
-    offload = predict_step_time(QWEN_7B, 131072, OOMBConfig(offload=True), gpu_name=H100)
+    offload = predict_step_time(QWEN_7B, 131072, OOMBConfig(offload=OffloadConfig(enabled=True)), gpu_name=H100)
     assert "no dense+offload step on an H100 is measured" in offload.basis
     assert predict_step_time(QWEN_7B, 131072, OOMBConfig(), gpu_name=None) is None
     assert gpu_kind(H100) == "H100" and gpu_kind("NVIDIA H200") == "H200" and gpu_kind("cpu") is None

@@ -36,15 +36,15 @@ def test_yaml_then_flags_then_set(tmp_path):
     path.write_text(yaml.safe_dump({"optim": {"lr": "1e-4"}, "data": {"seq_len": 1024}, "train": {"max_steps": 3}}))
     config = TrainerConfig.load(path)
     assert config.optim.lr == 1e-4 and config.data.seq_len == 1024 and config.train.max_steps == 3
-    config = TrainerConfig.load(path, ["data.seq_len=2048", "data.seq_len=4096", "oomb.kv_grad_dtype=bf16",
+    config = TrainerConfig.load(path, ["data.seq_len=2048", "data.seq_len=4096", "oomb.precision.kv_grad_dtype=bf16",
                                        "model.rope_scaling.factor=4", "data.paths=one.jsonl"])
-    assert config.data.seq_len == 4096 and config.oomb.grad_dtype == torch.bfloat16
+    assert config.data.seq_len == 4096 and config.oomb.precision.grad_dtype == torch.bfloat16
     assert config.model.rope_scaling == {"factor": 4} and config.data.paths == ["one.jsonl"]
 
 
 def test_round_trip_through_yaml(tmp_path):
     config = TrainerConfig.load(None, ["lora.enabled=true", "lora.target_modules=[q_proj, v_proj]",
-                                       "optim.betas=[0.8, 0.9]", "oomb.kv_grad_dtype=bfloat16"])
+                                       "optim.betas=[0.8, 0.9]", "oomb.precision.kv_grad_dtype=bfloat16"])
     path = tmp_path / "c.yaml"
     path.write_text(config.to_yaml())
     assert TrainerConfig.load(path) == config
@@ -80,7 +80,7 @@ def test_missing_config_file():
 
 def test_examples_are_valid_configs():
     lora = TrainerConfig.load(EXAMPLES / "qwen2.5-7b-1m-lora.yaml")
-    assert lora.lora.enabled and lora.data.seq_len == 1 << 20 and lora.oomb.grad_dtype == torch.bfloat16
+    assert lora.lora.enabled and lora.data.seq_len == 1 << 20 and lora.oomb.precision.grad_dtype == torch.bfloat16
     full = TrainerConfig.load(EXAMPLES / "qwen2.5-7b-768k-full.yaml")
     assert not full.lora.enabled and full.optim.offload and full.data.seq_len == 768 * 1024
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == ["qwen2.5-7b-1m-lora.yaml", "qwen2.5-7b-768k-full.yaml"]
@@ -116,13 +116,13 @@ def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
     annotated = {line.split(":")[0].strip(): line.split("# here: ")[1] for line in oomb_lines if "# here: " in line}
     leaves = {key.rsplit(".", 1)[-1] for key in config.oomb_auto}
     assert leaves <= set(annotated) and "chunk_size" not in annotated  # set by the flag: as given
-    assert annotated["backend"] == "torch" and annotated["offload"] == "false"  # a CPU
+    assert annotated["backend"] == "torch" and annotated["enabled"] == "false"  # a CPU: offload.enabled
     assert annotated["score"] == config.oomb.sparse.resolved_score
     assert "# configuration: pages in host memory" in out and "chunk 2048" in out and "#   why: " in out
 
     assert cli_main([*args, "--no-auto-config"]) == 0  # nothing left to the chooser: no plan
     out = capsys.readouterr().out
-    assert "# configuration:" not in out and "  offload: false\n" in out and "offload: auto" not in out
+    assert "# configuration:" not in out and "  offload:\n    enabled: false\n" in out and "enabled: auto" not in out
 
     monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)  # a machine with 1 MiB
     assert cli_main(args) == 0

@@ -51,7 +51,7 @@ def make_config(out, model_dir, data_file, **sections) -> TrainerConfig:
         "train": {"max_steps": 4, "output_dir": str(out), "device": "cpu", "seed": 1},
         "checkpoint": {"every": 2, "keep_last": 0},
         "logging": {"progress": False},
-        "oomb": {"chunk_size": 128, "page_size": 32, "backend": "torch"},
+        "oomb": {"chunk_size": 128, "page_size": 32, "performance": {"backend": "torch"}},
     }
     for name, values in sections.items():
         options[name] = {**options.get(name, {}), **values}
@@ -316,7 +316,7 @@ def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_fi
     layer's attention output and lse), as the planner counts them."""
     from oomb.planning.memory import kept_attention_bytes
 
-    config = make_config(tmp_path / "kept", model_dir, data_file, oomb={"keep_attention_outputs": True})
+    config = make_config(tmp_path / "kept", model_dir, data_file, oomb={"performance.keep_attention_outputs": True})
     trainer = Trainer(config)
     trainer.setup()
     terms = trainer.predicted_memory(trainer.model)
@@ -326,7 +326,7 @@ def test_memory_check_counts_kept_attention_outputs(tmp_path, model_dir, data_fi
     plain.setup()
     assert not any("kept" in name for name in plain.predicted_memory(plain.model))
     # Refused with context parallelism before anything is loaded or written.
-    shared = make_config(tmp_path / "cp", model_dir, data_file, oomb={"keep_attention_outputs": True},
+    shared = make_config(tmp_path / "cp", model_dir, data_file, oomb={"performance.keep_attention_outputs": True},
                          parallel={"cp": 2})
     with pytest.raises(ValueError, match="keep_attention_outputs=true is not supported with context parallelism"):
         Trainer(shared).setup()

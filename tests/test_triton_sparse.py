@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oomb.attention import reference_sparse
-from oomb.config import SparseConfig
+from oomb.config import PerformanceConfig, SparseConfig
 
 triton_sparse = pytest.importorskip("oomb.attention.triton_sparse")
 
@@ -229,9 +229,9 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(query_block_pa
     results = {}
     for backend in ("torch", "triton"):
         model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=24, page_size=8, backend=backend, attention="sparse",
-                                 checkpoint_layers=False, sparse=SparseConfig(budget=1,
-                                                                              query_block_pages=query_block_pages))
+        config = oomb.OOMBConfig(chunk_size=24, page_size=8, attention="sparse",
+                                 sparse=SparseConfig(budget=1, query_block_pages=query_block_pages),
+                                 performance=PerformanceConfig(backend=backend, checkpoint_layers=False))
         results[backend] = (oomb.forward_backward(model, ids, None, config), grads(model))
     torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-5, atol=0)
     assert relative_error(results["triton"][1], results["torch"][1]) <= 1e-5
@@ -252,10 +252,13 @@ def test_gpu_sparse_step_triton_matches_torch_and_full_budget_is_dense():
     model = Qwen2ForCausalLM(cfg).cuda().float()
     ids = torch.randint(0, cfg.vocab_size, (2, 2100), device="cuda")
     results = {}
-    for name, options in (("torch", dict(backend="torch", attention="sparse", sparse_budget=4)),
-                          ("triton", dict(backend="triton", attention="sparse", sparse_budget=4)),
-                          ("dense", dict(backend="triton")),
-                          ("full", dict(backend="triton", attention="sparse", sparse_budget=40))):
+    for name, options in (("torch", dict(attention="sparse", performance=PerformanceConfig(backend="torch"),
+                                         sparse=SparseConfig(budget=4))),
+                          ("triton", dict(attention="sparse", performance=PerformanceConfig(backend="triton"),
+                                          sparse=SparseConfig(budget=4))),
+                          ("dense", dict(performance=PerformanceConfig(backend="triton"))),
+                          ("full", dict(attention="sparse", performance=PerformanceConfig(backend="triton"),
+                                        sparse=SparseConfig(budget=40)))):
         model.zero_grad(set_to_none=True)
         loss = oomb.forward_backward(model, ids, config=oomb.OOMBConfig(chunk_size=512, page_size=64, **options))
         results[name] = (loss, grads(model))

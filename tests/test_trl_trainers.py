@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import VOCAB, build_tiny_model, load_model
 
-from oomb import OOMBConfig
+from oomb import OOMBConfig, PerformanceConfig
 
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
@@ -25,7 +25,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
 from oomb import OOMBDPOTrainer, OOMBGRPOTrainer  # noqa: E402
 from oomb.training import trl_trainers  # noqa: E402
 
-STEP = OOMBConfig(chunk_size=64, page_size=16, backend="torch")
+STEP = OOMBConfig(chunk_size=64, page_size=16, performance=PerformanceConfig(backend="torch"))
 TOL = 1e-5
 EOS = 2
 EOS_SCALE = 4.0
@@ -250,8 +250,9 @@ def test_real_model_dpo_on_long_context_pairs(tmp_path, smollm2_path):
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     args = DPOConfig(**{**common_args(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
                         "max_steps": 1, "learning_rate": 1e-3}, max_length=None, beta=0.1)
+    step = OOMBConfig(chunk_size=1024, performance=PerformanceConfig(backend="torch"))
     trainer = OOMBDPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), peft_config=lora,
-                             processing_class=tokenizer, oomb_config=OOMBConfig(chunk_size=1024, backend="torch"))
+                             processing_class=tokenizer, oomb_config=step)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     (log,) = logged(trainer)

@@ -131,7 +131,7 @@ def _attention_backward(q, out, dout, lse, call: PagedAttentionCall) -> torch.Te
 
 
 class KeptOutputs:
-    """OOMBConfig.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2.
+    """OOMBConfig.performance.keep_attention_outputs: stage 1's (out, lse) per (layer, chunk index), taken by stage 2.
 
     A plain object rather than a dict on purpose: compiled decoder layers receive it inside the step's
     state, and torch.compile (2.11) guards on a dict's entries, so every layer and chunk recompiled the
@@ -190,7 +190,7 @@ def paged_attention(
 
     ``recompute_cache`` (layer -> (out, lse)), given when the layer is checkpointed, lets the
     checkpoint's replay of this forward reuse the first pass's result. ``kept_outputs``
-    (OOMBConfig.keep_attention_outputs): stage 1's result, taken instead of computing.
+    (OOMBConfig.performance.keep_attention_outputs): stage 1's result, taken instead of computing.
     """
     return _PagedAttention.apply(q, k, v, call, recompute_cache, kept_outputs)
 

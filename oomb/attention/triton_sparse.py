@@ -37,8 +37,8 @@ documents shifted to the chunk like its page table. Logit softcapping (``softcap
 
 Caveats:
 * Tested under the interpreter and on an H200 (tests/test_triton_sparse.py, ``-m gpu``); tuned only
-  through the dense kernels' autotune spaces. ``OOMBConfig(backend="torch")`` runs the sparse
-  reference on a GPU if they fail there.
+  through the dense kernels' autotune spaces. ``performance.backend="torch"`` runs the sparse reference on
+  a GPU if they fail there.
 * The number of work items of the dK/dV launch is data-dependent: building them costs one device
   synchronisation per backward call (``unique_consecutive``).
 * Under ``TRITON_INTERPRET=1`` (CPU tests) tiles are upcast to float32 before ``tl.dot`` and one

@@ -53,12 +53,12 @@ def page_bytes(shape: PageShape, config: OOMBConfig, num_layers: int) -> tuple[i
     """(K + V bytes, dK + dV bytes) of every page of ``num_layers`` layers."""
     elements = num_layers * 2 * shape.batch_size * -(-shape.num_tokens // config.page_size) * (
         shape.num_kv_heads * config.page_size * shape.head_dim)
-    return elements * shape.kv_dtype.itemsize, elements * config.grad_dtype.itemsize
+    return elements * shape.kv_dtype.itemsize, elements * config.precision.grad_dtype.itemsize
 
 
 def offloaded_layers(shape: PageShape, config: OOMBConfig) -> int:
     """Layers whose pages live in host memory."""
-    return shape.num_layers - min(config.offload_resident_layers, shape.num_layers) if config.offload else 0
+    return shape.num_layers - min(config.offload.resident_layers, shape.num_layers) if config.offload.enabled else 0
 
 
 def host_page_bytes(shape: PageShape, config: OOMBConfig) -> tuple[int, int]:
@@ -92,11 +92,12 @@ def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, 
     if not problems:
         return
     alternatives = []
-    for name, option in (("kv_grad_dtype='bfloat16'", dict(kv_grad_dtype="bfloat16")),
-                         ("offload=True", dict(offload=True, offload_resident_layers=0)),
-                         ("offload=True, kv_grad_dtype='bfloat16'",
-                          dict(offload=True, offload_resident_layers=0, kv_grad_dtype="bfloat16"))):
-        candidate = replace(config, **option)
+    bf16 = {"precision.kv_grad_dtype": "bfloat16"}
+    offload = {"offload.enabled": True, "offload.resident_layers": 0}
+    for name, option in (("precision.kv_grad_dtype='bfloat16'", bf16),
+                         ("offload.enabled=True", offload),
+                         ("offload.enabled=True, precision.kv_grad_dtype='bfloat16'", {**offload, **bf16})):
+        candidate = config.with_options(option)
         if candidate != config and not _problems(page_footprint(shape, candidate), gpu_free, host_free):
             alternatives.append(name)
     advice = (f"options that would fit: {'; '.join(alternatives)}" if alternatives else

@@ -1,6 +1,6 @@
 """Host offload of the paged store: K, V, dK, dV in pinned host memory, streamed through the GPU.
 
-With ``OOMBConfig(offload=True)`` the first ``offload_resident_layers`` layers keep their pools on
+With ``offload.enabled`` (OOMBConfig.offload) the first ``offload.resident_layers`` layers keep their pools on
 the GPU (kv/store.py); every other layer's pages live in the host tier below, addressed by token
 position, not page id::
 

@@ -144,7 +144,7 @@ def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBCon
     ``compiled``: the decoder layers run compiled (only without layer replay), and the dense ones keep
     compiled_saving_bytes_per_token less."""
     per_layer = max_layer_activation_bytes_per_token(shape, dtype) * chunk_tokens
-    if config.checkpoint_layers:
+    if config.performance.checkpoint_layers:
         # Layer inputs of every layer are kept, one layer's full activations exist at a time,
         # plus the attention outputs kept for the replay.
         stored = shape.num_layers * chunk_tokens * shape.hidden_size * dtype.itemsize
@@ -154,4 +154,4 @@ def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBCon
         if compiled:
             dense_layers = shape.num_layers - shape.moe_layers
             activations -= dense_layers * compiled_saving_bytes_per_token(shape, dtype) * chunk_tokens
-    return activations + paged_backward_workspace_per_token(shape, dtype, config.grad_dtype) * chunk_tokens
+    return activations + paged_backward_workspace_per_token(shape, dtype, config.precision.grad_dtype) * chunk_tokens

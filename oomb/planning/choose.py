@@ -2,7 +2,7 @@
 recomputed log-probabilities, kept sparse attention outputs, chunk, backend (and, sparse with offload, one
 selection per chunk).
 
-    choice = choose_config(workload, resources, fixed={"kv_grad_dtype": "float32"})
+    choice = choose_config(workload, resources, fixed={"precision.kv_grad_dtype": "float32"})
     choice.config            # an OOMBConfig; every option in ``fixed`` kept as given
     choice.gpu_bytes, choice.host_bytes, choice.reason, choice.runner_up
 
@@ -31,7 +31,7 @@ import torch
 
 from .. import sparse_fidelity
 from ..compiled_layers import compiles
-from ..config import OOMBConfig, resolve_dtype
+from ..config import OOMBConfig, dotted_options, resolve_dtype
 from ..units import format_tokens
 from .fit import largest_context
 from .memory import (
@@ -39,15 +39,15 @@ from .memory import (
     GIB,
     MODES,
     MemoryPrediction,
-    OffloadAssumptions,
     TrainingSetup,
     predict,
 )
 from .model_shape import ModelShape
 from .step_time import StepTime, predict_step_time
 
-AUTO_FIELDS = ("backend", "offload", "offload_resident_layers", "kv_grad_dtype", "checkpoint_layers", "chunk_size",
-               "sparse.query_block_pages", "recompute_logits", "keep_attention_outputs")
+AUTO_FIELDS = ("performance.backend", "offload.enabled", "offload.resident_layers", "precision.kv_grad_dtype",
+               "performance.checkpoint_layers", "chunk_size", "sparse.query_block_pages",
+               "performance.recompute_logits", "performance.keep_attention_outputs")
 """OOMBConfig options (dotted paths) the chooser decides unless the user fixed them."""
 
 LORA_NO_REPLAY_VALUES_PER_HIDDEN = 10
@@ -240,7 +240,7 @@ class Candidate:
 
     def loss_words(self) -> str:
         """What the loss keeps for its backward, in words."""
-        kept = "recomputed" if self.config.recompute_logits else "kept"
+        kept = "recomputed" if self.config.performance.recompute_logits else "kept"
         if not self.fused_loss:
             return f"log-probabilities {kept}"
         if not self.head_trained:
@@ -249,16 +249,17 @@ class Candidate:
 
     def summary(self, num_layers: int) -> str:
         c = self.config
-        if c.offload:
-            where = f"offload ({c.offload_resident_layers} of {num_layers} layers resident on the GPU)"
+        if c.offload.enabled:
+            where = f"offload ({c.offload.resident_layers} of {num_layers} layers resident on the GPU)"
         else:
             where = "pages on the GPU" if self.device == "cuda" else "pages in host memory"
         grouping = (f", one sparse selection per {c.sparse.query_block_pages} query blocks"
                     if c.attention == "sparse" and c.sparse.query_block_pages > 1 else "")
-        kept = ", attention outputs kept" if c.keep_attention_outputs else ""
-        return (f"{where}, dK/dV {_dtype_name(c.grad_dtype)}, layer replay {'on' if c.checkpoint_layers else 'off'}, "
+        kept = ", attention outputs kept" if c.performance.keep_attention_outputs else ""
+        replay = "on" if c.performance.checkpoint_layers else "off"
+        return (f"{where}, dK/dV {_dtype_name(c.precision.grad_dtype)}, layer replay {replay}, "
                 f"{self.loss_words()}{kept}, chunk {c.chunk_size}, "
-                f"backend {c.backend}{grouping}")
+                f"backend {c.performance.backend}{grouping}")
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,7 @@ class Choice:
     fixed: dict = field(default_factory=dict)
     num_layers: int = 0
     compiled_layers: bool = False
-    """Whether the step compiles its decoder layers (OOMBConfig.compile_layers as a CUDA step without
+    """Whether the step compiles its decoder layers (OOMBConfig.performance.compile_layers as a CUDA step without
     replay resolves it; whether Triton is installed is checked by the step, not here)."""
     seq_len: int = 0
     """Tokens per sequence the choice was made for (a sparse plan's share of the history read depends on it)."""
@@ -325,13 +326,14 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
     if device != "cuda":
         return "torch", "on a CPU only the torch reference kernels run"
     if deterministic:
-        return "triton", "deterministic=True: Triton's kernels are bitwise deterministic (cuDNN's backward is not)"
+        return "triton", ("precision.deterministic=True: Triton's kernels are bitwise deterministic (cuDNN's backward "
+                          "is not)")
     if cudnn_refuses and dtype in (torch.bfloat16, torch.float16):
         return "triton", f"triton: the model has {cudnn_refuses}, which the cudnn backend cannot run"
     if dtype in (torch.bfloat16, torch.float16):
         f = SPEED_FACTS["triton_vs_cudnn_dense"]
         return "cudnn", (f"cudnn for {_dtype_name(dtype)} on CUDA: triton takes {f.factor:.2f}x as long "
-                         f"({f.measured}); deterministic=True picks triton")
+                         f"({f.measured}); precision.deterministic=True picks triton")
     return "torch", ("float32 on CUDA: cuDNN's fused attention has no float32 path, and the torch kernels start "
                      "in 1.1 s where Triton's float32 kernels compile for 184 s (2 layers, head_dim 128, 8K: "
                      "fp32_first_step_h200_2026-12-02.json)")
@@ -344,19 +346,18 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
 def predict_candidate(workload: Workload, resources: Resources, config: OOMBConfig) -> Candidate:
     """Predicted memory (oomb.planning.memory.predict, with the workload's exact counts where given) and the
     relative step time of ``config``."""
-    mode = MODES[f"{config.attention}{'+offload' if config.offload else ''}"]
-    offload = OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages, config.stream_buffers)
+    mode = MODES[f"{config.attention}{'+offload' if config.offload.enabled else ''}"]
     fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
     compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
-                and (config.compile_layers is True or workload.may_compile) and not fp32_linear)
+                and (config.performance.compile_layers is True or workload.may_compile) and not fp32_linear)
     setup = dataclasses.replace(workload.setup(), compiled_layers=compiled, fused_loss=workload.may_fuse_loss)
-    p = predict(mode, workload.shape, workload.seq_len, config, setup, offload=offload)
+    p = predict(mode, workload.shape, workload.seq_len, config, setup)
     gpu = dict(p.gpu)
     if workload.trainable_params is not None:
         gpu["param grads"], gpu["fp32 grad sums"] = _grad_bytes(workload, config)
     if workload.optimizer_bytes is not None:
         gpu["optimizer"] = workload.optimizer_bytes
-    if workload.lora_rank and not config.checkpoint_layers:
+    if workload.lora_rank and not config.performance.checkpoint_layers:
         shape, chunk = workload.shape, min(config.chunk_size, workload.seq_len) * workload.batch_size
         gpu["activations"] += lora_no_replay_bytes(shape, chunk, workload.dtype)
     gpu_bytes = sum(gpu.values())
@@ -388,7 +389,7 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
     trainable, b = workload.trainable_params, workload.dtype.itemsize
     if workload.lora_rank:  # PEFT's adapters are fp32: plain fp32 gradients
         return trainable * FP32_BYTES, 0
-    if b < FP32_BYTES and (config.fp32_grad_accumulation or workload.fp32_targets):
+    if b < FP32_BYTES and (config.precision.fp32_grad_accumulation or workload.fp32_targets):
         low = workload.shape.low_precision_grad_params(trainable) * b
         return low, 0 if workload.fp32_targets else trainable * FP32_BYTES
     return trainable * b, 0
@@ -402,28 +403,28 @@ def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool 
     costs what it was measured to cost there (replay_cpu)."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
-    if config.backend == "triton":
+    if config.performance.backend == "triton":
         key = "triton_vs_cudnn_sparse" if sparse else "triton_vs_cudnn_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.checkpoint_layers:
+    if config.performance.checkpoint_layers:
         key = "replay_cpu" if device == "cpu" else "replay_sparse" if sparse else "replay_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.recompute_logits and loss_may_recompute:
+    if config.performance.recompute_logits and loss_may_recompute:
         key = "recompute_logits_sparse" if sparse else "recompute_logits_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.keep_attention_outputs:
+    if config.performance.keep_attention_outputs:
         key = "kept_attention_sparse" if sparse else "kept_attention_dense"
         time *= SPEED_FACTS[key].factor
         factors.append(key)
-    if config.offload:
+    if config.offload.enabled:
         key = "offload_sparse" if sparse else "offload_dense"
-        offloaded = (num_layers - min(config.offload_resident_layers, num_layers)) / num_layers
+        offloaded = (num_layers - min(config.offload.resident_layers, num_layers)) / num_layers
         time *= 1 + (SPEED_FACTS[key].factor - 1) * offloaded
         factors.append(key)
-    if config.grad_dtype != torch.float32:
+    if config.precision.grad_dtype != torch.float32:
         time *= SPEED_FACTS["bf16_kv_grads"].factor
         factors.append("bf16_kv_grads")
     halvings, chunk = 0, config.chunk_size
@@ -448,12 +449,12 @@ def _fits(c: Candidate, resources: Resources) -> bool:
 
 def _options(name: str, base: OOMBConfig, fixed: dict, workload: Workload, resources: Resources) -> list:
     if name in fixed:
-        return [getattr(base, name)]
-    if name == "offload":  # kept attention outputs live on the GPU (OOMBConfig.keep_attention_outputs)
-        return [False, True] if resources.device == "cuda" and not base.keep_attention_outputs else [False]
-    if name == "kv_grad_dtype":
+        return [base.option(name)]
+    if name == "offload.enabled":  # kept attention outputs live on the GPU (performance.keep_attention_outputs)
+        return [False, True] if resources.device == "cuda" and not base.performance.keep_attention_outputs else [False]
+    if name == "precision.kv_grad_dtype":
         return ["float32", "bfloat16"]
-    if name == "checkpoint_layers":
+    if name == "performance.checkpoint_layers":
         return [False, True]
     if name == "chunk_size":
         sizes, size = [], base.chunk_size
@@ -467,22 +468,22 @@ def _options(name: str, base: OOMBConfig, fixed: dict, workload: Workload, resou
 def _resident_layers(workload: Workload, resources: Resources, config: OOMBConfig, free: bool) -> list[Candidate]:
     """With offload: the candidate with the most resident layers that fits (fewer transfers; GPU use
     grows and host use shrinks with them), or the fixed count; without offload the config as is."""
-    if not config.offload or not free:
+    if not config.offload.enabled or not free:
         return [predict_candidate(workload, resources, config)]
     layers = workload.shape.num_layers
-    lo, hi = 0, layers - 1  # all layers resident is offload=False
+    lo, hi = 0, layers - 1  # all layers resident is offload.enabled=False
     # GPU bytes grow with resident layers: find the largest count that fits the GPU, then check host.
-    first = predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=0))
+    first = predict_candidate(workload, resources, config.with_options({"offload.resident_layers": 0}))
     if not _fits_gpu(first, resources):
         return [first]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits_gpu(predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=mid)),
+        if _fits_gpu(predict_candidate(workload, resources, config.with_options({"offload.resident_layers": mid})),
                      resources):
             lo = mid
         else:
             hi = mid - 1
-    best = predict_candidate(workload, resources, dataclasses.replace(config, offload_resident_layers=lo))
+    best = predict_candidate(workload, resources, config.with_options({"offload.resident_layers": lo}))
     return [best]
 
 
@@ -494,47 +495,47 @@ def candidates(workload: Workload, resources: Resources, base: OOMBConfig, fixed
     """Every combination of the free options (resident layers: the most that fit), predicted."""
     out = []
     grid = [_options(n, base, fixed, workload, resources)
-            for n in ("offload", "kv_grad_dtype", "checkpoint_layers", "chunk_size")]
-    resident_free = "offload_resident_layers" not in fixed
+            for n in ("offload.enabled", "precision.kv_grad_dtype", "performance.checkpoint_layers", "chunk_size")]
+    resident_free = "offload.resident_layers" not in fixed
     for offload, grad, replay, chunk in itertools.product(*grid):
-        config = dataclasses.replace(base, offload=offload, kv_grad_dtype=grad, checkpoint_layers=replay,
-                                     chunk_size=chunk)
+        config = base.with_options({"offload.enabled": offload, "precision.kv_grad_dtype": grad,
+                                    "performance.checkpoint_layers": replay, "chunk_size": chunk})
         out += _resident_layers(workload, resources, _sparse_grouping(config, fixed), resident_free)
     return out
 
 
 def _sparse_grouping(config: OOMBConfig, fixed: dict) -> OOMBConfig:
-    """Sparse with offload: one selection per chunk (sparse_query_block_pages = chunk / page) unless the
+    """Sparse with offload: one selection per chunk (sparse.query_block_pages = chunk / page) unless the
     user set it. Each offloaded call stages the union of its query blocks' selections: one per block,
     that is up to 32 x Hkv x (budget + 1) pages of a 4096-token chunk (most of the history below about
     1M tokens; about 2 GiB of K and V per call on the 7B shape), one per chunk at most Hkv x (budget +
     1). The offload_sparse speed fact was measured so (one selection per 32 blocks)."""
-    if config.attention != "sparse" or not config.offload or "sparse.query_block_pages" in fixed:
+    if config.attention != "sparse" or not config.offload.enabled or "sparse.query_block_pages" in fixed:
         return config
     one_per_chunk = max(1, config.chunk_size // config.page_size)
-    return dataclasses.replace(config, sparse=dataclasses.replace(config.sparse, query_block_pages=one_per_chunk))
+    return config.with_options({"sparse.query_block_pages": one_per_chunk})
 
 
 def _keep_logits(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
     """The chosen plan with the loss slices' log-probabilities kept (no LM-head recompute) when they fit
     next to it. Decided last, so that it never changes a weightier choice (offload, resident layers,
     dK/dV dtype, replay, chunk) for its small gain (SPEED_FACTS recompute_logits_*)."""
-    if "recompute_logits" in fixed or not best.config.recompute_logits:
+    if "performance.recompute_logits" in fixed or not best.config.performance.recompute_logits:
         return best  # (a fused loss that keeps nothing fits either way: turned off too, as the layouts without it)
-    kept = predict_candidate(workload, resources, dataclasses.replace(best.config, recompute_logits=False))
+    kept = predict_candidate(workload, resources, best.config.with_options({"performance.recompute_logits": False}))
     return kept if _fits(kept, resources) else best
 
 
 def _keep_attention(best: Candidate, workload: Workload, resources: Resources, fixed: dict) -> Candidate:
-    """The chosen plan with stage 1's attention outputs kept for stage 2 (OOMBConfig.keep_attention_outputs)
+    """The chosen plan with stage 1's attention outputs kept for stage 2 (performance.keep_attention_outputs)
     when they fit next to it: steps with every page on the GPU (SPEED_FACTS kept_attention_sparse and
     kept_attention_dense). Decided after the weightier choices, like ``_keep_logits``, and before it: the larger
     gain takes the memory first."""
     c = best.config
-    if ("keep_attention_outputs" in fixed or c.keep_attention_outputs or resources.device != "cuda"
-            or c.offload or workload.context_parallel):
+    if ("performance.keep_attention_outputs" in fixed or c.performance.keep_attention_outputs
+            or resources.device != "cuda" or c.offload.enabled or workload.context_parallel):
         return best
-    kept = predict_candidate(workload, resources, dataclasses.replace(c, keep_attention_outputs=True))
+    kept = predict_candidate(workload, resources, c.with_options({"performance.keep_attention_outputs": True}))
     return kept if _fits(kept, resources) else best
 
 
@@ -544,7 +545,7 @@ def _decided_last(best: Candidate, workload: Workload, resources: Resources, fix
 
 
 def _rank(c: Candidate) -> tuple:
-    return (c.config.grad_dtype != torch.float32, round(c.relative_time, 6), -c.config.chunk_size)
+    return (c.config.precision.grad_dtype != torch.float32, round(c.relative_time, 6), -c.config.chunk_size)
 
 
 def choose_config(workload: Workload, resources: Resources, fixed: dict | None = None,
@@ -554,31 +555,34 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     Args:
         workload: model shape, sequence length, dtype, what trains.
         resources: device and memory limits.
-        fixed: OOMBConfig options the user set (never changed), e.g. {"kv_grad_dtype": "float32"}.
-            ``deterministic`` and ``attention`` come from here too (default: False, "dense").
+        fixed: OOMBConfig options the user set (never changed), by dotted path, e.g.
+            {"precision.kv_grad_dtype": "float32"} (flat keys of earlier versions are mapped, with a warning).
+            ``precision.deterministic`` and ``attention`` come from here too (default: False, "dense").
         base: the OOMBConfig whose other options (page size, sparse settings, ...) are kept; default
             OOMBConfig(). Its values of AUTO_FIELDS are replaced unless fixed.
     Raises:
         NoConfigFitsError: nothing fits; the message gives the smallest configuration's memory and
             the longest context that fits with it.
     """
-    fixed = dict(fixed or {})
+    fixed = dotted_options(fixed or {})
     unknown = sorted(set(fixed) - set(OOMBConfig().options()))
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
-    if fixed.get("compile_layers", getattr(base, "compile_layers", None)) is True:
-        fixed["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig.compile_layers)
+    compiled = base.performance.compile_layers if base is not None else None
+    if fixed.get("performance.compile_layers", compiled) is True:
+        fixed["performance.checkpoint_layers"] = False  # compiled layers run without replay (PerformanceConfig)
     base = (base or OOMBConfig()).with_options(fixed)
-    if "recompute_logits" not in fixed:  # decided last (_keep_logits): the search itself recomputes them
-        base = dataclasses.replace(base, recompute_logits=True)
-    if "keep_attention_outputs" not in fixed:  # decided last too (_keep_attention)
-        base = dataclasses.replace(base, keep_attention_outputs=False)
-    if "backend" in fixed and fixed["backend"] != "auto":
-        backend, backend_why = fixed["backend"], f"backend={fixed['backend']!r} as set"
+    if "performance.recompute_logits" not in fixed:  # decided last (_keep_logits): the search recomputes them
+        base = base.with_options({"performance.recompute_logits": True})
+    if "performance.keep_attention_outputs" not in fixed:  # decided last too (_keep_attention)
+        base = base.with_options({"performance.keep_attention_outputs": False})
+    if fixed.get("performance.backend", "auto") != "auto":
+        backend = fixed["performance.backend"]
+        backend_why = f"performance.backend={backend!r} as set"
     else:
-        backend, backend_why = choose_backend(resources.device, workload.dtype, base.deterministic,
+        backend, backend_why = choose_backend(resources.device, workload.dtype, base.precision.deterministic,
                                               workload.shape.cudnn_refuses)
-    base = dataclasses.replace(base, backend=backend)
+    base = base.with_options({"performance.backend": backend})
     options = candidates(workload, resources, base, fixed)
     fitting = sorted((c for c in options if _fits(c, resources)), key=_rank)
     if not fitting:
@@ -589,7 +593,7 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     # The runner-up differs in a headline decision; offload is never faster, so it is not shown as an
     # alternative to a step that keeps every page on the GPU.
     runner_up = next((c for c in fitting[1:] if _headline(c) != _headline(best)
-                      and (best.config.offload or not c.config.offload)), None)
+                      and (best.config.offload.enabled or not c.config.offload.enabled)), None)
     if runner_up is not None:  # comparable with the choice: the same last decisions (it may then rank ahead)
         runner_up = _decided_last(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
@@ -610,7 +614,7 @@ def _lean_on_cpu(fitting: list[Candidate], resources: Resources) -> Candidate:
     fastest = fitting[0]
     if resources.device != "cpu":
         return fastest
-    near = [c for c in fitting if c.config.grad_dtype == fastest.config.grad_dtype
+    near = [c for c in fitting if c.config.precision.grad_dtype == fastest.config.precision.grad_dtype
             and c.relative_time <= fastest.relative_time * CPU_SLOWER_ALLOWED * (1 + 1e-9)]
     lean = min(near, key=lambda c: (c.host_counted, _rank(c)))
     return lean if lean.host_counted <= (1 - CPU_MEMORY_SAVING) * fastest.host_counted else fastest
@@ -618,7 +622,7 @@ def _lean_on_cpu(fitting: list[Candidate], resources: Resources) -> Candidate:
 
 def _headline(c: Candidate) -> tuple:
     cfg = c.config
-    return cfg.offload, cfg.grad_dtype, cfg.checkpoint_layers
+    return cfg.offload.enabled, cfg.precision.grad_dtype, cfg.performance.checkpoint_layers
 
 
 def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidate], options: list[Candidate],
@@ -626,24 +630,25 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     cfg, parts = best.config, []
     limit = resources.gpu_limit if resources.device == "cuda" else resources.host_limit
     where = "GPU" if resources.device == "cuda" else "host"
-    if "offload" in fixed:
-        parts.append(f"offload={cfg.offload} as set")
-    elif cfg.offload:
-        on_gpu = [c for c in options if not c.config.offload and c.config.grad_dtype == cfg.grad_dtype]
+    if "offload.enabled" in fixed:
+        parts.append(f"offload.enabled={cfg.offload.enabled} as set")
+    elif cfg.offload.enabled:
+        on_gpu = [c for c in options
+                  if not c.config.offload.enabled and c.config.precision.grad_dtype == cfg.precision.grad_dtype]
         need = min((c.gpu_counted for c in on_gpu), default=None)
         parts.append(f"offload: the pages do not fit the {where} ({need / GIB:.1f} GiB needed with every page on "
                      f"it, {limit / GIB:.1f} GiB usable)" if need is not None else "offload")
-        if "offload_resident_layers" not in fixed:
-            parts.append(f"{cfg.offload_resident_layers} layers resident: the most whose pages fit the GPU next to "
+        if "offload.resident_layers" not in fixed:
+            parts.append(f"{cfg.offload.resident_layers} layers resident: the most whose pages fit the GPU next to "
                          "the rest (fewer transfers)")
     else:
         parts.append("all pages on the GPU (no transfers)" if resources.device == "cuda" else "no offload on a CPU")
-    if cfg.attention == "sparse" and cfg.offload and "sparse.query_block_pages" not in fixed:
+    if cfg.attention == "sparse" and cfg.offload.enabled and "sparse.query_block_pages" not in fixed:
         parts.append(f"one sparse selection per chunk (sparse.query_block_pages={cfg.sparse.query_block_pages}): "
                      "offloaded calls then stage at most one selection's pages, not every query block's")
-    if "kv_grad_dtype" in fixed:
-        parts.append(f"kv_grad_dtype={_dtype_name(cfg.grad_dtype)} as set")
-    elif cfg.grad_dtype == torch.float32:
+    if "precision.kv_grad_dtype" in fixed:
+        parts.append(f"precision.kv_grad_dtype={_dtype_name(cfg.precision.grad_dtype)} as set")
+    elif cfg.precision.grad_dtype == torch.float32:
         parts.append("float32 dK/dV (exact; bf16 is chosen only when float32 does not fit)")
     else:
         parts.append("bf16 dK/dV: no float32 configuration fits")
@@ -652,20 +657,21 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     kept, them, fit = (("the logits' gradient", "it", "it fits") if best.fused_loss
                        else ("log-probabilities", "them", "they fit"))
     replay_on = "layer replay on: without it a chunk's activations do not fit"
-    without = [c for c in fitting if not c.config.checkpoint_layers and c.config.grad_dtype == cfg.grad_dtype]
+    without = [c for c in fitting if not c.config.performance.checkpoint_layers
+               and c.config.precision.grad_dtype == cfg.precision.grad_dtype]
     if resources.device == "cpu" and without:  # _lean_on_cpu chose it over a faster plan
         fastest = _decided_last(min(without, key=_rank), workload, resources, fixed)  # as it would have run
         replay_on = (f"layer replay on: on a CPU it takes {SPEED_FACTS['replay_cpu'].factor:.2f}x the time and the "
                      f"step {best.host_counted / GIB:.1f} GiB of host memory instead of "
                      f"{fastest.host_counted / GIB:.1f} GiB")
     for name, fact, off, on in (
-            ("checkpoint_layers", "replay", "no layer replay: a chunk's activations fit (replay takes {:.2f}x)",
-             replay_on),
-            ("recompute_logits", "recompute_logits",
+            ("performance.checkpoint_layers", "replay",
+             "no layer replay: a chunk's activations fit (replay takes {:.2f}x)", replay_on),
+            ("performance.recompute_logits", "recompute_logits",
              f"{kept} kept: {fit} (recomputing {them} takes {{:.3f}}x)",
              f"{kept} recomputed: keeping {them} does not fit next to the rest")):
-        value = getattr(cfg, name)
-        if name == "recompute_logits" and best.loss_keeps_nothing:
+        value = cfg.option(name)
+        if name == "performance.recompute_logits" and best.loss_keeps_nothing:
             parts.append("loss fused: the frozen head's slices keep nothing and recompute nothing"
                          if not best.head_trained else
                          "loss fused: the head's weight gradient is made in the forward, so its slices keep "
@@ -678,13 +684,13 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
             parts.append(off.format(SPEED_FACTS[f"{fact}_{kind}"].factor))
         else:
             parts.append(on)
-    if "keep_attention_outputs" in fixed:
-        parts.append(f"keep_attention_outputs={cfg.keep_attention_outputs} as set")
-    elif cfg.keep_attention_outputs:
+    if "performance.keep_attention_outputs" in fixed:
+        parts.append(f"performance.keep_attention_outputs={cfg.performance.keep_attention_outputs} as set")
+    elif cfg.performance.keep_attention_outputs:
         kind = "sparse" if cfg.attention == "sparse" else "dense"
         parts.append(f"{kind} attention outputs kept for stage 2: they fit (recomputing them takes "
                      f"{1 / SPEED_FACTS[f'kept_attention_{kind}'].factor:.3f}x)")
-    elif not cfg.offload and resources.device == "cuda":
+    elif not cfg.offload.enabled and resources.device == "cuda":
         parts.append("attention outputs recomputed in stage 2: " + (
             "context parallelism refuses keeping them" if workload.context_parallel
             else "keeping them does not fit next to the rest"))
@@ -712,7 +718,8 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
                      f"large ({fixes})")
     if fixed:
-        tied = {"checkpoint_layers"} if base.compile_layers is True else set()  # compiled layers: no replay
+        # compiled layers: no replay
+        tied = {"performance.checkpoint_layers"} if base.performance.compile_layers is True else set()
         free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS and k not in tied}
         if free:
             try:
@@ -744,7 +751,7 @@ def longest_context(workload: Workload, resources: Resources, fixed: dict | None
     """The longest sequence (a multiple of the page size, at most ``limit`` tokens) for which some
     configuration the chooser tries fits, keeping ``fixed``; 0 if none does."""
     base = base or OOMBConfig()
-    return _longest_fitting(dataclasses.replace(workload, seq_len=limit), resources, base, dict(fixed or {}))
+    return _longest_fitting(dataclasses.replace(workload, seq_len=limit), resources, base, dotted_options(fixed or {}))
 
 
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
@@ -758,13 +765,13 @@ def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig,
 
 
 def fixed_from_options(options: dict) -> dict:
-    """The options a user set, as ``fixed`` for choose_config ("auto" values are left to the chooser;
-    dtype names normalised)."""
+    """The options a user set (by dotted path; flat keys of earlier versions mapped, with a warning), as
+    ``fixed`` for choose_config ("auto" values are left to the chooser; dtype names normalised)."""
     fixed = {}
-    for key, value in options.items():
+    for key, value in dotted_options(options).items():
         if value == "auto" and key in AUTO_FIELDS:
             continue
-        if key == "kv_grad_dtype":
+        if key == "precision.kv_grad_dtype":
             value = _dtype_name(resolve_dtype(value, key))
         fixed[key] = value
     return fixed

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from ..config import OOMBConfig, SparseConfig, read_share_budget
+from ..config import OffloadConfig, OOMBConfig, SparseConfig, read_share_budget
 from ..context_parallel import ContextShard
 from ..kv import PagedKVStore, capacity
 from ..kv.store import window_pages_per_sequence
@@ -57,7 +57,7 @@ from .model_shape import GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE, MOE_ROUTED_ROW_S
 __all__ = [
     # defined here
     "ADAMW_STATE_BYTES", "GIB", "GPU_TERMS", "HOST_PROCESS_BYTES", "HOST_TERMS", "INT32_BYTES", "LORA_PARAM_BYTES",
-    "MASTER_WEIGHT_BYTES", "MIB", "MODES", "MemoryPrediction", "Mode", "OffloadAssumptions",
+    "MASTER_WEIGHT_BYTES", "MIB", "MODES", "MemoryPrediction", "Mode",
     "StepMemory", "TrainingSetup", "context_parallel_tokens", "estimate_step_memory", "predict",
     # re-exported from model_shape
     "GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE", "MOE_ROUTED_ROW_SAVED_INTERMEDIATE", "ModelShape",
@@ -98,7 +98,7 @@ class StepMemory:
     kv_pages: int
     logits_slice: int
     kept_attention: int = 0
-    """OOMBConfig.keep_attention_outputs: every layer's attention output and lse, from stage 1 to stage 2."""
+    """performance.keep_attention_outputs: every layer's attention output and lse, from stage 1 to stage 2."""
 
     @property
     def total(self) -> int:
@@ -123,11 +123,11 @@ def estimate_step_memory(
 ) -> StepMemory:
     """Predicted GPU bytes of one oomb dense step above weights and optimizer state.
 
-    ``trainable_params`` (of ``dtype``) get gradients. When ``config.fp32_grad_accumulation`` is on
+    ``trainable_params`` (of ``dtype``) get gradients. When ``config.precision.fp32_grad_accumulation`` is on
     and ``dtype`` is low precision, they get fp32 sums instead, and only the parameters outside linear
     layers a low-precision ``.grad`` per chunk (a conservative count for LoRA). ``fp32_targets``: the
     caller's fp32 tensors receive the gradients (a trainer's master weights, counted by the caller):
-    no sums, and the same few low-precision ``.grad``. With ``config.offload``
+    no sums, and the same few low-precision ``.grad``. With ``config.offload.enabled``
     the pages term is the GPU working set (resident layers, staging buffers, one chunk's pages).
     ``context_parallel``: ranks sharing the sequence; the pages of the busiest one. ``fused_loss``: the
     step's loss is the fused one (TrainingSetup.fused_loss), whose LM head is trained (``head_trained``)
@@ -138,30 +138,30 @@ def estimate_step_memory(
     kv = PagedKVStore.bytes_needed(
         num_layers=shape.num_layers, batch_size=batch_size, num_tokens=own_tokens,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=config.page_size,
-        kv_dtype=dtype, grad_dtype=config.grad_dtype,
+        kv_dtype=dtype, grad_dtype=config.precision.grad_dtype,
     )
-    if config.offload:
+    if config.offload.enabled:
         pages = _num_pages(own_tokens, config.page_size, batch_size)
         chunk_pages = _num_pages(min(config.chunk_size, num_tokens), config.page_size, batch_size)
-        kv = _dense_offload_gpu_pages(shape.num_layers, pages, chunk_pages, batch_size, OffloadAssumptions(
-            config.offload_resident_layers, config.stream_block_pages, config.stream_buffers))
-        kv *= _page_bytes(shape, config.page_size, dtype, config.grad_dtype)
+        kv = _dense_offload_gpu_pages(shape.num_layers, pages, chunk_pages, batch_size, config.offload)
+        kv *= _page_bytes(shape, config.page_size, dtype, config.precision.grad_dtype)
     grads = trainable_params * dtype.itemsize
-    if dtype.itemsize < FP32_BYTES and (config.fp32_grad_accumulation or fp32_targets):
+    if dtype.itemsize < FP32_BYTES and (config.precision.fp32_grad_accumulation or fp32_targets):
         grads = shape.low_precision_grad_params(trainable_params) * dtype.itemsize
         if not fp32_targets:
             grads += trainable_params * FP32_BYTES
     chunk_len = min(config.chunk_size, num_tokens)
     fused = dtype if fused_loss else None
-    logits = (logits_slice_bytes(shape, chunk_len, batch_size, config.loss_chunk_tokens, fused)
-              + saved_logits_bytes(shape, chunk_len, batch_size, config.recompute_logits, fused, head_trained,
+    perf = config.performance
+    logits = (logits_slice_bytes(shape, chunk_len, batch_size, perf.loss_chunk_tokens, fused)
+              + saved_logits_bytes(shape, chunk_len, batch_size, perf.recompute_logits, fused, head_trained,
                                    weight_gradient_now=fused_loss))
-    kept = kept_attention_bytes(shape, num_tokens, batch_size, dtype) if config.keep_attention_outputs else 0
+    kept = kept_attention_bytes(shape, num_tokens, batch_size, dtype) if perf.keep_attention_outputs else 0
     return StepMemory(grads, chunk_activation_bytes(shape, chunk, config, dtype), kv, logits, kept)
 
 
 def kept_attention_bytes(shape: ModelShape, num_tokens: int, batch_size: int, dtype: torch.dtype) -> int:
-    """GPU bytes of OOMBConfig.keep_attention_outputs: every layer's attention output (``dtype``) and float32
+    """GPU bytes of performance.keep_attention_outputs: every layer's attention output (``dtype``) and float32
     log-sum-exp for every token and query head, held from stage 1 until stage 2 takes them."""
     return batch_size * num_tokens * shape.num_layers * shape.num_heads * (shape.head_dim * dtype.itemsize
                                                                             + FP32_BYTES)
@@ -214,7 +214,7 @@ class TrainingSetup:
     process): counted so (activations.logits_slice_bytes, saved_logits_bytes). False counts autograd's
     loss: never less than a step uses."""
     compiled_layers: bool = False
-    """The step runs its decoder layers compiled (oomb/compiled_layers.py: OOMBConfig.compile_layers as the
+    """The step runs its decoder layers compiled (oomb/compiled_layers.py: OOMBConfig.performance.compile_layers as the
     step resolves it for the machine and the model); they keep fewer activations without layer replay
     (activations.compiled_saving_bytes_per_token), counted for full fine-tuning with bf16 ``.grad`` and for
     LoRA with float32 adapters (what this model assumes for LoRA), not where linear layers' gradients go to
@@ -230,19 +230,6 @@ class TrainingSetup:
             raise ValueError(f"lora_rank={self.lora_rank} must be >= 0 (0 = full fine-tuning)")
         if self.optimizer not in ("adamw", "none"):
             raise ValueError(f"optimizer={self.optimizer!r} is not supported; use 'adamw' or 'none'")
-
-
-@dataclass(frozen=True)
-class OffloadAssumptions:
-    """The GPU working set of host offload (kv/offload.py; the OOMBConfig fields of the same names)."""
-
-    resident_layers: int = 0
-    """Layers whose pages stay on the GPU (OOMBConfig.offload_resident_layers)."""
-    stream_block_pages: int = 256
-    """History pages per streamed block (OOMBConfig.stream_block_pages): each layer's earlier pages pass
-    through the GPU in blocks of this many pages per sequence, K, V (and dK, dV) in, dK, dV out."""
-    stream_buffers: int = 3
-    """GPU staging buffers of one block each (OOMBConfig.stream_buffers)."""
 
 
 def sparse_pages_read(sparse: SparseConfig, tokens: int, page_size: int) -> int:
@@ -296,7 +283,7 @@ def _num_pages(tokens: int, page_size: int, batch_size: int) -> int:
 
 
 def _dense_offload_gpu_pages(num_layers: int, pages: int, chunk_pages: int, batch_size: int,
-                             offload: OffloadAssumptions, history_pages: int | None = None) -> int:
+                             offload: OffloadConfig, history_pages: int | None = None) -> int:
     """Pages dense offload keeps on the GPU (kv/offload.py): the resident layers' pools, the staging
     slots (a block or a chunk per sequence each) and one chunk's own K, V (stage 1) or dK, dV (stage 2).
     ``history_pages``: the most history pages per sequence one window stages, when fewer than a block
@@ -305,7 +292,7 @@ def _dense_offload_gpu_pages(num_layers: int, pages: int, chunk_pages: int, batc
     return min(offload.resident_layers, num_layers) * pages + slots + 2 * chunk_pages
 
 
-def _staging_slot_pages(chunk_pages: int, batch_size: int, offload: OffloadAssumptions,
+def _staging_slot_pages(chunk_pages: int, batch_size: int, offload: OffloadConfig,
                         history_pages: int | None = None) -> int:
     """Pages of OffloadedKVStore's GPU staging slots (each a streamed block, or a chunk, per sequence),
     allocated in dense and sparse mode alike: sparse chunks whose budget covers their history stream as
@@ -338,7 +325,7 @@ def _hf_activations(shape: ModelShape, tokens: int, setup: TrainingSetup, config
     first_layer_backward = head_grad + layer_grad + L * stored + layer + flow
     last_layer_backward = head_grad + L * layer_grad + stored + layer + flow
     loss = head_grad + L * stored + flow + logits_slice_bytes(shape, tokens, setup.batch_size,
-                                                              config.loss_chunk_tokens)
+                                                              config.performance.loss_chunk_tokens)
     return max(0, max(first_layer_backward, last_layer_backward, loss) - all_grads)
 
 
@@ -348,8 +335,6 @@ def predict(
     tokens: int,
     config: OOMBConfig | None = None,
     setup: TrainingSetup | None = None,
-    *,
-    offload: OffloadAssumptions | None = None,
 ) -> MemoryPrediction:
     """Predicted peak GPU bytes and host bytes of one step of ``mode`` on ``tokens`` tokens per sequence.
 
@@ -357,11 +342,10 @@ def predict(
         mode: a name of MODES ("hf", "dense", "dense+offload", "sparse", "sparse+offload").
         shape: the model's dimensions.
         tokens: context length T (tokens per sequence).
-        config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice, and the
-            sparse section the sparse modes are sized by).
+        config: oomb's step options (chunk, page, KV gradient dtype, checkpointing, loss slice, the sparse
+            section the sparse modes are sized by and the offload section the offloaded modes are: resident
+            layers, streamed blocks; its ``enabled`` is not read, ``mode`` says where the pages live).
         setup: dtype, batch, optimizer, LoRA.
-        offload: assumptions of the offloaded modes (by default ``config``'s resident layers
-            and stream buffers).
     Returns:
         A MemoryPrediction with the GPU_TERMS and HOST_TERMS in bytes.
 
@@ -385,8 +369,7 @@ def predict(
     mode = MODES[mode] if isinstance(mode, str) else mode
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
-    offload = offload or OffloadAssumptions(config.offload_resident_layers, config.stream_block_pages,
-                                            config.stream_buffers)
+    offload = config.offload
     sparse = config.sparse
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")
@@ -429,31 +412,31 @@ def predict(
 
     # oomb: one chunk's activations and logits slice, whatever the context.
     chunk_len = min(config.chunk_size, tokens)
-    if config.fp32_grad_accumulation and trainable_low_precision:
+    if config.precision.fp32_grad_accumulation and trainable_low_precision:
         # Linear layers' gradients go to the fp32 sums directly (oomb/fp32_linear.py, not under TP):
         # during stage 2 only the embedding's and norms' gradients pass through a low-precision .grad.
         gpu["fp32 grad sums"] = trainable * FP32_BYTES
         gpu["param grads"] = shape.low_precision_grad_params(trainable) * grad_bytes
     # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
     # product is then saved after all, so nothing of the compiled saving is counted there.
-    compiled = setup.compiled_layers and not (config.fp32_grad_accumulation and trainable_low_precision)
+    compiled = setup.compiled_layers and not (config.precision.fp32_grad_accumulation and trainable_low_precision)
     if compiled:  # carried_gradients.py: a layer's new gradients before its old ones go
         gpu["param grads"] += layer_grad
     fused = setup.dtype if setup.fused_loss else None
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
-                          + logits_slice_bytes(shape, chunk_len, B, config.loss_chunk_tokens, fused)
-                          + saved_logits_bytes(shape, chunk_len, B, config.recompute_logits, fused,
+                          + logits_slice_bytes(shape, chunk_len, B, config.performance.loss_chunk_tokens, fused)
+                          + saved_logits_bytes(shape, chunk_len, B, config.performance.recompute_logits, fused,
                                                head_trained=not setup.lora_rank,
                                                weight_gradient_now=setup.fused_loss))
     pages = _num_pages(tokens, P, B)  # pages of one layer
     # Context parallel: the pages of the busiest rank's chunks (all of them without it).
     own_tokens = context_parallel_tokens(tokens, config.chunk_size, P, setup.context_parallel)
     own_pages = _num_pages(own_tokens, P, B)
-    page_bytes = _page_bytes(shape, P, setup.dtype, config.grad_dtype)  # K, V, dK, dV, one layer
+    page_bytes = _page_bytes(shape, P, setup.dtype, config.precision.grad_dtype)  # K, V, dK, dV, one layer
     gpu["page tables"] = pages * INT32_BYTES
-    if config.keep_attention_outputs:  # every layer's (out, lse) of the step's tokens, from stage 1 on
+    if config.performance.keep_attention_outputs:  # every layer's (out, lse) of the step's tokens, from stage 1 on
         if mode.offload or setup.context_parallel > 1:
-            raise ValueError("keep_attention_outputs=True runs without offload and context parallelism")
+            raise ValueError("performance.keep_attention_outputs=True runs without offload and context parallelism")
         gpu["kept attention"] = kept_attention_bytes(shape, tokens, B, setup.dtype)
     # Window layers shorter than the step (not under context parallelism) read, keep summaries of and,
     # without offload, keep pages of their windows only (kv/store.py, kv/offload.py).
@@ -480,7 +463,7 @@ def predict(
         # one chunk, kv/window_slots.py), pinned: the footprint the engine checks before allocating.
         page_shape = capacity.PageShape(L, B, own_tokens, shape.num_kv_heads, shape.head_dim, setup.dtype,
                                         shape.window_layer_ids() if windowed else (), shape.sliding_window)
-        offload_config = replace(config, offload=True, offload_resident_layers=resident)
+        offload_config = replace(config, offload=replace(offload, enabled=True, resident_layers=resident))
         host["KV pages"], host["KV grad pages"] = capacity.host_page_bytes(page_shape, offload_config)
     else:
         # Window layers shorter than the step have their own pages without offload (kv/store.py):

@@ -9,7 +9,7 @@ a much smaller model, short contexts where fixed costs dominate) the prediction 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -90,11 +90,12 @@ def predict_step_time(shape: ModelShape, tokens: int, config: OOMBConfig, *, gpu
     if gpu_name is None:
         return None
     kind = gpu_kind(gpu_name)
-    rate = _rate(kind or "H100", config.attention, config.offload)
-    spec = StepSpec.from_config(shape, tokens, replace(config, checkpoint_layers=False, compile_layers=None),
-                                batch_size=batch_size, lora_rank=lora_rank, dtype=dtype, fused_loss=fused_loss)
+    rate = _rate(kind or "H100", config.attention, config.offload.enabled)
+    no_replay = config.with_options({"performance.checkpoint_layers": False, "performance.compile_layers": None})
+    spec = StepSpec.from_config(shape, tokens, no_replay, batch_size=batch_size, lora_rank=lora_rank, dtype=dtype,
+                                fused_loss=fused_loss)
     flops = sum(work.flops for work in step_work(spec).values())
-    mode = config.attention + ("+offload" if config.offload else "")
+    mode = config.attention + ("+offload" if config.offload.enabled else "")
     rate_mode = rate.attention + ("+offload" if rate.offload else "")
     basis = f"{flops / 1e15:,.0f} PFLOP at {rate.tflops:.0f} TFLOP/s, the rate of a {rate_mode} step on an {rate.gpu}"
     if relative_time != 1.0:

@@ -46,12 +46,12 @@ lookup, not a matmul) and the head in all five passes, and 1M as 1e6: the two ag
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from ..config import NORMALISER_PAGES, OOMBConfig, read_share_budget
+from ..config import OffloadConfig, OOMBConfig, SparseConfig, read_share_budget
 from .model_shape import ModelShape
 
 H200_PEAK_BF16_FLOPS = 989e12
@@ -135,21 +135,13 @@ class StepSpec:
     """oomb: stage 2 replays each layer's forward in backward (hf always checkpoints)."""
     lora_rank: int = 0
     """0: every weight trains (dW); r > 0: PEFT "all-linear" adapters of rank r, base and head frozen."""
-    offload: bool = False
-    resident_layers: int = 0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Where the pages live: with offload.enabled, host <-> device copies; resident_layers keep theirs."""
     kv_bytes: int = 2
     grad_bytes: int = 4
-    sparse_budget: int = 64
-    sparse_sink_pages: int = 1
-    sparse_score: Literal["rerank", "minmax", "mean", "exact"] = "rerank"
-    sparse_rerank_factor: int = 4
-    sparse_rerank_candidates: Literal["minmax", "mean", "minmax_mean"] = "minmax_mean"
-    sparse_pooling: str = "max"
-    sparse_candidate_pooling: str = "softmax_max"
-    sparse_normaliser_pages: int | None = NORMALISER_PAGES
-    sparse_leak_free: bool = False
-    sparse_read_share: float | None = None
-    """OOMBConfig.sparse.read_share: the budget grows to this share of the history."""
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    """Mode "sparse": the selection counted ("auto" options resolved as the step resolves them; per-layer
+    budgets and dense layers are left out)."""
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
     keep_attention_outputs: bool = False
@@ -173,18 +165,12 @@ class StepSpec:
         if config is None:
             return cls(shape, tokens, "hf", batch_size, lora_rank=lora_rank, kv_bytes=dtype.itemsize)
         return cls(shape, tokens, config.attention, batch_size, chunk_size=config.chunk_size,
-                   page_size=config.page_size, checkpoint_layers=config.checkpoint_layers, lora_rank=lora_rank,
-                   offload=config.offload, resident_layers=config.offload_resident_layers, kv_bytes=dtype.itemsize,
-                   grad_bytes=config.grad_dtype.itemsize, sparse_budget=config.sparse.budget,
-                   sparse_sink_pages=config.sparse.sink_pages, sparse_score=config.sparse.resolved_score,
-                   sparse_rerank_factor=config.sparse.research.rerank_factor,
-                   sparse_rerank_candidates=config.sparse.research.rerank_candidates,
-                   sparse_pooling=config.sparse.research.pooling,
-                   sparse_candidate_pooling=config.sparse.resolved_candidate_pooling,
-                   sparse_normaliser_pages=config.sparse.resolved_normaliser_pages,
-                   sparse_leak_free=config.sparse.leak_free, sparse_read_share=config.sparse.read_share,
-                   recompute_logits=config.recompute_logits,
-                   fused_loss=fused_loss, keep_attention_outputs=config.keep_attention_outputs)
+                   page_size=config.page_size, checkpoint_layers=config.performance.checkpoint_layers,
+                   lora_rank=lora_rank,
+                   offload=config.offload, kv_bytes=dtype.itemsize, grad_bytes=config.precision.grad_dtype.itemsize,
+                   sparse=config.sparse,
+                   recompute_logits=config.performance.recompute_logits,
+                   fused_loss=fused_loss, keep_attention_outputs=config.performance.keep_attention_outputs)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """(start, length) of each chunk; hf: the whole sequence at once."""
@@ -195,10 +181,10 @@ class StepSpec:
     def read_pages(self, start: int) -> int | None:
         """History pages each query block of the chunk at ``start`` reads; None: all of them (dense)."""
         n_hist = start // self.page_size
-        budget = read_share_budget(self.sparse_budget, self.sparse_read_share, n_hist)
-        if self.mode != "sparse" or self.sparse_sink_pages + budget >= n_hist:
+        budget = read_share_budget(self.sparse.budget, self.sparse.read_share, n_hist)
+        if self.mode != "sparse" or self.sparse.sink_pages + budget >= n_hist:
             return None
-        return self.sparse_sink_pages + budget
+        return self.sparse.sink_pages + budget
 
 
 def linear_macs_per_token(shape: ModelShape) -> int:
@@ -256,7 +242,8 @@ def attention_work(spec: StepSpec) -> Work:
 def _summary_width(spec: StepSpec) -> int:
     """Columns of a query row's summary-score matmul: minmax's [relu(q), min(q, 0)] is 2D wide."""
     widths = {"minmax": 2, "mean": 1, "minmax_mean": 3}
-    rule = spec.sparse_rerank_candidates if spec.sparse_score == "rerank" else spec.sparse_score
+    score = spec.sparse.resolved_score
+    rule = spec.sparse.research.rerank_candidates if score == "rerank" else score
     return widths.get(rule, 0) * spec.shape.head_dim
 
 
@@ -270,23 +257,23 @@ def scoring_work(spec: StepSpec) -> Work:
         if spec.read_pages(start) is None:
             continue
         n_hist, n_blocks = start // P, -(-length // P)
-        rows = shape.num_heads * n_blocks * (P + 1 if spec.sparse_leak_free else P)
-        rerank = spec.sparse_score == "rerank"
-        pooling = spec.sparse_candidate_pooling if rerank else spec.sparse_pooling
+        rows = shape.num_heads * n_blocks * (P + 1 if spec.sparse.leak_free else P)
+        rerank = spec.sparse.resolved_score == "rerank"
+        pooling = spec.sparse.resolved_candidate_pooling if rerank else spec.sparse.research.pooling
         width = 2.0 * rows * _summary_width(spec)
-        if pooling == "softmax_max" and spec.sparse_leak_free:  # torch: one product over history and own pages
+        if pooling == "softmax_max" and spec.sparse.leak_free:  # torch: one product over history and own pages
             matmul += width * (n_hist + n_blocks)
         else:
             matmul += width * n_hist
             if pooling == "softmax_max":  # the kernel's first pass: each row's normaliser, own pages included
-                bound = spec.sparse_normaliser_pages
-                counted = n_hist if bound is None else min(n_hist, spec.sparse_sink_pages + bound)
+                bound = spec.sparse.resolved_normaliser_pages
+                counted = n_hist if bound is None else min(n_hist, spec.sparse.sink_pages + bound)
                 matmul += width * (counted + n_blocks)
-        if spec.sparse_score in ("rerank", "exact"):
-            scored = n_hist if spec.sparse_score == "exact" else min(
-                n_hist, spec.sparse_sink_pages + spec.sparse_rerank_factor * spec.sparse_budget)
-            passes = 2 if spec.sparse_score == "exact" else 1  # rerank keeps its listed pages' log-masses
-            queries = n_blocks * (P + 1) if spec.sparse_leak_free else length
+        if spec.sparse.resolved_score in ("rerank", "exact"):
+            scored = n_hist if spec.sparse.resolved_score == "exact" else min(
+                n_hist, spec.sparse.sink_pages + spec.sparse.research.rerank_factor * spec.sparse.budget)
+            passes = 2 if spec.sparse.resolved_score == "exact" else 1  # rerank keeps its listed pages' log-masses
+            queries = n_blocks * (P + 1) if spec.sparse.leak_free else length
             keys = queries * passes * scored * P + length * (length + 1) // 2  # the scored pages, the chunk
             probabilities += 2.0 * D * shape.num_heads * keys
     layers = spec.batch_size * (shape.num_layers - shape.sliding_window_layers)
@@ -317,16 +304,16 @@ def copies_work(spec: StepSpec) -> Work:
     per_token = 2 * shape.num_kv_heads * shape.head_dim  # K and V (or dK and dV) values per token and layer
     kv, grad = per_token * spec.kv_bytes, per_token * spec.grad_bytes
     writes = float(spec.batch_size * spec.tokens * shape.num_layers * kv)
-    if not spec.offload:
+    if not spec.offload.enabled:
         return Work(memory_bytes=writes)
     to_device = to_host = grad_stores = last_start = 0
     for start, length in spec.chunks():
         pages = spec.read_pages(start)
         history = start if pages is None else pages * spec.page_size  # tokens staged per call
         scoring = 0
-        if pages is not None and spec.sparse_score == "rerank":  # candidates' keys, for stage 1's scores
-            scoring = min(start // spec.page_size, spec.sparse_sink_pages + spec.sparse_rerank_factor
-                          * spec.sparse_budget) * spec.page_size * kv // 2
+        if pages is not None and spec.sparse.resolved_score == "rerank":  # candidates' keys, for stage 1's scores
+            scoring = min(start // spec.page_size, spec.sparse.sink_pages + spec.sparse.research.rerank_factor
+                          * spec.sparse.budget) * spec.page_size * kv // 2
         to_host += length * kv + history * grad  # stage 1's K, V; stage 2's dK, dV of the history
         to_device += history * kv + scoring + 2 * (history + length) * kv
         grad_stores += history
@@ -334,8 +321,8 @@ def copies_work(spec: StepSpec) -> Work:
     # Stage 2 loads a page's dK, dV except in the first backward that touches it; the first chunk it runs
     # (the last) touches its whole history first, later chunks at most nothing new.
     to_device += max(0, grad_stores - last_start) * grad
-    layers = spec.batch_size * max(0, shape.num_layers - spec.resident_layers)
-    resident = writes * min(spec.resident_layers, shape.num_layers) / shape.num_layers
+    layers = spec.batch_size * max(0, shape.num_layers - spec.offload.resident_layers)
+    resident = writes * min(spec.offload.resident_layers, shape.num_layers) / shape.num_layers
     return Work(memory_bytes=resident, to_device_bytes=float(layers * to_device), to_host_bytes=float(layers * to_host))
 
 

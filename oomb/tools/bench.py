@@ -48,7 +48,10 @@ from ..config import (
     RERANK_CANDIDATES,
     SPARSE_POOLINGS,
     SPARSE_SCORES,
+    OffloadConfig,
     OOMBConfig,
+    PerformanceConfig,
+    PrecisionConfig,
     SparseConfig,
     SparseResearch,
     resolve_dtype,
@@ -88,21 +91,21 @@ class BenchOptions:
     chunk_size: int = 4096
     page_size: int = 128
     kv_grad_dtype: str = "float32"
-    backend: str = OOMBConfig.backend
-    """Attention kernels of the oomb modes (OOMBConfig.backend); "auto" is resolved by the step for the
+    backend: str = PerformanceConfig.backend
+    """Attention kernels of the oomb modes (OOMBConfig.performance.backend); "auto" is resolved by the step for the
     model, dtype and device: cudnn for bf16 on CUDA, triton with ``deterministic`` or for logit
     softcapping (oomb/engine.py; the report names it: ``backend_for``)."""
     deterministic: bool = False
-    """Bitwise-deterministic kernels (OOMBConfig.deterministic): "auto" resolves to triton."""
+    """Bitwise-deterministic kernels (OOMBConfig.precision.deterministic): "auto" resolves to triton."""
     checkpoint_layers: bool = True
     recompute_logits: bool = True
     compile_layers: bool | None = None
-    """OOMBConfig.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
+    """performance.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
     keep_attention_outputs: bool = False
-    """OOMBConfig.keep_attention_outputs: stage 2 takes stage 1's attention outputs (with ``chosen`` and not
+    """OOMBConfig.performance.keep_attention_outputs: stage 2 takes stage 1's attention outputs (with ``chosen`` and not
     given: the chooser's)."""
     offload_resident_layers: int = 0
-    """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload_resident_layers;
+    """Offload modes: the first this many layers keep their pages on the GPU (OOMBConfig.offload.resident_layers;
     `oomb train` chooses how many fit)."""
     fp32_grad_accumulation: bool = False
     """Off by default: both HF and oomb then leave bf16 .grad, a like-for-like comparison."""
@@ -164,7 +167,7 @@ class BenchOptions:
         return name
 
     def compiled_layers_for(self, shape: ModelShape) -> bool:
-        """Whether oomb modes compile the decoder layers (OOMBConfig.compile_layers as the step resolves it)."""
+        """Whether oomb modes compile the decoder layers (performance.compile_layers as the step resolves it)."""
         chosen = compiles(self.oomb_config(), torch.device(self.device).type == "cuda", bool(shape.num_experts))
         return chosen and (self.compile_layers is True or (can_compile() and compile_problem() is None))
 
@@ -179,12 +182,15 @@ class BenchOptions:
                                   normaliser_pages=self.sparse_normaliser_pages)
         sparse = SparseConfig(budget=self.sparse_budget, score=self.sparse_score,
                               query_block_pages=self.sparse_query_block_pages, research=research)
-        return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, kv_grad_dtype=self.kv_grad_dtype,
-                          backend=self.backend, deterministic=self.deterministic,
-                          checkpoint_layers=self.checkpoint_layers, recompute_logits=self.recompute_logits,
-                          compile_layers=self.compile_layers, offload_resident_layers=self.offload_resident_layers,
-                          loss_chunk_tokens=self.loss_chunk_tokens, fp32_grad_accumulation=self.fp32_grad_accumulation,
-                          keep_attention_outputs=self.keep_attention_outputs, sparse=sparse)
+        performance = PerformanceConfig(backend=self.backend, checkpoint_layers=self.checkpoint_layers,
+                                        recompute_logits=self.recompute_logits, compile_layers=self.compile_layers,
+                                        loss_chunk_tokens=self.loss_chunk_tokens,
+                                        keep_attention_outputs=self.keep_attention_outputs)
+        precision = PrecisionConfig(kv_grad_dtype=self.kv_grad_dtype, deterministic=self.deterministic,
+                                    fp32_grad_accumulation=self.fp32_grad_accumulation)
+        return OOMBConfig(chunk_size=self.chunk_size, page_size=self.page_size, sparse=sparse,
+                          offload=OffloadConfig(resident_layers=self.offload_resident_layers),
+                          performance=performance, precision=precision)
 
 
 
@@ -252,7 +258,7 @@ def make_step(mode: str, options: BenchOptions):
         return lambda model, ids: hf_step(model, ids, options.loss_chunk_tokens)
     config = oomb_config_for(mode, options.oomb_config())
     progress = options.progress
-    if not config.offload:
+    if not config.offload.enabled:
         return lambda model, ids: float(forward_backward(model, ids, config=config, progress=progress))
     slabs = HostSlabs()  # pinned once per size, reused by every step of the sweep
 
@@ -264,7 +270,7 @@ def make_step(mode: str, options: BenchOptions):
         causal_lm = unwrap_causal_lm(model)
         options = store_options(causal_lm, ids.shape[0], ids.shape[1], config, ids.device)
         windows = window_store_options(causal_lm, ids.shape[1], options["context"])  # window layers' slots
-        reserve_host_slabs(slabs, resident_layers=config.offload_resident_layers, chunk_size=config.chunk_size,
+        reserve_host_slabs(slabs, resident_layers=config.offload.resident_layers, chunk_size=config.chunk_size,
                            **options, **windows)
 
     offload_step.prepare = prepare
@@ -588,7 +594,7 @@ def _sweep_mode(ctx, mode, options, deadline, report, info, shape, paths) -> Non
             info[f"{kind}_seconds"] = event["seconds"]
             if kind == "warmup":
                 info["warmup_tokens"] = event["tokens"]
-                if MODES[mode].attention != "hf":  # as the step resolves OOMBConfig.compile_layers
+                if MODES[mode].attention != "hf":  # as the step resolves performance.compile_layers
                     info["compiled_layers"] = options.compiled_layers_for(shape)
             print(f"{mode:>15} {kind}: {event['seconds']:.1f} s", flush=True)
         elif kind == "start":
@@ -711,7 +717,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             values[name] = getattr(args, name)
     if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
         values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
-    if values.get("compile_layers") is True:  # compiled layers run without replay (OOMBConfig.compile_layers)
+    if values.get("compile_layers") is True:  # compiled layers run without replay (performance.compile_layers)
         values.setdefault("checkpoint_layers", False)
     if values.get("keep_attention_outputs") and any(MODES[m].offload for m in values.get("modes", BENCH_MODES)):
         raise SystemExit("--keep-attention-outputs runs without offload: give --modes without the offload modes "

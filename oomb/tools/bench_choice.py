@@ -26,11 +26,18 @@ from .plan import oomb_config_for
 MEMORY_HEADROOM = 0.95
 """Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
 
-CHOSEN_FIELDS = {name: name for name in ("chunk_size", "kv_grad_dtype", "backend", "checkpoint_layers",
-                                         "recompute_logits", "keep_attention_outputs", "offload_resident_layers")}
-CHOSEN_FIELDS["sparse_query_block_pages"] = "sparse.query_block_pages"
-"""The chooser's OOMBConfig options (dotted paths) by the BenchOptions field that carries each (offload is the
-mode's)."""
+CHOSEN_FIELDS = {
+    "chunk_size": "chunk_size",
+    "kv_grad_dtype": "precision.kv_grad_dtype",
+    "backend": "performance.backend",
+    "checkpoint_layers": "performance.checkpoint_layers",
+    "recompute_logits": "performance.recompute_logits",
+    "keep_attention_outputs": "performance.keep_attention_outputs",
+    "offload_resident_layers": "offload.resident_layers",
+    "sparse_query_block_pages": "sparse.query_block_pages",
+}
+"""The chooser's OOMBConfig options (dotted paths) by the BenchOptions field that carries each (offload.enabled
+is the mode's)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     ``compile_possible``: Workload.may_compile; ``fuse_possible``: Workload.may_fuse_loss."""
     base = oomb_config_for(mode, options.oomb_config())
     fixed = {path: base.option(path) for name, path in CHOSEN_FIELDS.items() if name in options.given}
-    fixed.update(attention=base.attention, offload=base.offload, deterministic=base.deterministic)
+    fixed.update({"attention": base.attention, "offload.enabled": base.offload.enabled,
+                  "precision.deterministic": base.precision.deterministic})
     cuda = torch.device(options.device).type == "cuda"
     if cuda and gpu_free is None:
         raise ValueError("a CUDA bench needs the free GPU memory to choose a plan")
@@ -71,7 +79,7 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
             continue
         config = choice.config
         changes = {name: config.option(path) for name, path in CHOSEN_FIELDS.items()}
-        changes["kv_grad_dtype"] = str(config.grad_dtype).removeprefix("torch.")
+        changes["kv_grad_dtype"] = str(config.precision.grad_dtype).removeprefix("torch.")
         gpu = f"GPU {gpu_free / GIB:.1f} GiB and " if cuda else ""
         plan = (f"{choice.describe()}\n  planned at {tokens:,} tokens for {gpu}host {host_free / GIB:.1f} GiB free"
                 f"{' (longer contexts: nothing fits)' if too_long else ''}")

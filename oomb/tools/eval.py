@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, resolve_dtype
+from ..config import ATTENTION_MODES, BACKENDS, OffloadConfig, OOMBConfig, PerformanceConfig, resolve_dtype
 from ..kv.offload import HostSlabs
 from ..real_model import with_yarn
 from ..training import presets
@@ -65,8 +65,9 @@ class EvalOptions:
                            passkeys_per_point=self.passkeys_per_point, seed=self.seed)
 
     def oomb_config(self) -> OOMBConfig:
-        return OOMBConfig(attention=self.attention, offload=self.offload, chunk_size=self.chunk_size,
-                          page_size=self.page_size, backend=self.backend)
+        return OOMBConfig(attention=self.attention, offload=OffloadConfig(enabled=self.offload),
+                          chunk_size=self.chunk_size, page_size=self.page_size,
+                          performance=PerformanceConfig(backend=self.backend))
 
 
 def load(options: EvalOptions):
@@ -110,7 +111,7 @@ def run_eval(options: EvalOptions, progress: bool = False) -> dict:
     section = options.section()
     if section.data is None and not section.passkey_lengths:
         raise ValueError("nothing to evaluate: give --data (held-out text or jsonl) and/or --passkey-lengths")
-    slabs = HostSlabs() if config.offload else None  # pinned once for every sequence and prompt
+    slabs = HostSlabs() if config.offload.enabled else None  # pinned once for every sequence and prompt
     results = run_evaluation(model, tokenizer, section, config, progress=progress, host_slabs=slabs)
     return {"model": description,
             "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "

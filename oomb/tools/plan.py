@@ -27,9 +27,19 @@ import torch
 
 from ..cli_options import add_option
 from ..compiled_layers import can_compile, compile_problem
-from ..config import ATTENTION_MODES, BACKENDS, OOMBConfig, SparseConfig, resolve_dtype
+from ..config import (
+    ATTENTION_MODES,
+    BACKENDS,
+    OffloadConfig,
+    OOMBConfig,
+    PerformanceConfig,
+    PrecisionConfig,
+    SparseConfig,
+    resolve_dtype,
+)
 from ..models import fused_loss_possible_for_config
 from ..planning.choose import (
+    AUTO_FIELDS,
     Choice,
     NoConfigFitsError,
     Resources,
@@ -46,7 +56,6 @@ from ..planning.memory import (
     MODES,
     MemoryPrediction,
     Mode,
-    OffloadAssumptions,
     TrainingSetup,
     predict,
     summary_vectors,
@@ -125,16 +134,13 @@ def is_implemented(mode: str | Mode) -> bool:
 
 
 def oomb_config_for(mode: str | Mode, base: OOMBConfig) -> OOMBConfig:
-    """The OOMBConfig that runs oomb ``mode`` (attention and, assumed, a boolean ``offload`` field)."""
+    """The OOMBConfig that runs oomb ``mode``: ``base`` with the mode's attention and offload.enabled."""
     mode = MODES[mode] if isinstance(mode, str) else mode
     if mode.attention == "hf":
         raise ValueError("mode 'hf' runs plain transformers, not an OOMBConfig")
     if not is_implemented(mode):
         raise NotImplementedError(f"mode {mode.name!r} is not implemented in this version of oomb")
-    changes = {"attention": mode.attention}
-    if "offload" in {f.name for f in dataclasses.fields(OOMBConfig)}:
-        changes["offload"] = mode.offload
-    return dataclasses.replace(base, **changes)
+    return base.with_options({"attention": mode.attention, "offload.enabled": mode.offload})
 
 
 def mode_status(mode: str | Mode) -> str:
@@ -171,7 +177,6 @@ class Plan:
     tokens: int
     config: OOMBConfig
     setup: TrainingSetup
-    offload: OffloadAssumptions
     budget: Budget
     reports: list[ModeReport]
     hints: list[str]
@@ -194,7 +199,6 @@ def make_plan(
     budget: Budget,
     config: OOMBConfig | None = None,
     setup: TrainingSetup | None = None,
-    offload: OffloadAssumptions | None = None,
     modes: list[str] | None = None,
     fixed: dict | None = None,
     gpu: str | None = None,
@@ -205,16 +209,16 @@ def make_plan(
     for step times (e.g. "H100"); default: the detected device, none when the size is given."""
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
-    offload = offload or OffloadAssumptions()
     modes = modes or list(MODES)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; modes: {', '.join(MODES)}")
 
     def run(mode: str, t: int, cfg: OOMBConfig = config, st: TrainingSetup = setup) -> MemoryPrediction:
-        if cfg.keep_attention_outputs and (MODES[mode].offload or st.context_parallel > 1):
-            cfg = dataclasses.replace(cfg, keep_attention_outputs=False)  # refused there: those modes run without
-        return predict(mode, shape, t, cfg, st, offload=offload)
+        if cfg.performance.keep_attention_outputs and (MODES[mode].offload or st.context_parallel > 1):
+            # refused there: those modes run without
+            cfg = cfg.with_options({"performance.keep_attention_outputs": False})
+        return predict(mode, shape, t, cfg, st)
 
     reports = []
     for name in modes:
@@ -225,8 +229,9 @@ def make_plan(
 
     hints = []
     alternatives = []
-    if config.grad_dtype != torch.bfloat16:
-        alternatives.append(("--kv-grad-dtype bfloat16", dataclasses.replace(config, kv_grad_dtype="bfloat16"), setup))
+    if config.precision.grad_dtype != torch.bfloat16:
+        alternatives.append(("--kv-grad-dtype bfloat16", config.with_options({"precision.kv_grad_dtype": "bfloat16"}),
+                             setup))
     if setup.lora_rank == 0:
         alternatives.append(("--lora-rank 16", config, dataclasses.replace(setup, lora_rank=16)))
     for report in reports:
@@ -252,7 +257,7 @@ def make_plan(
             choice_error = str(err)
         longest = {mode: longest_context(workload, resources, {**fixed, "attention": mode}, config)
                    for mode in ATTENTION_MODES}
-    return Plan(model, shape, tokens, config, setup, offload, budget, reports, hints, choice, choice_error,
+    return Plan(model, shape, tokens, config, setup, budget, reports, hints, choice, choice_error,
                 longest if fixed is not None else None)
 
 
@@ -260,9 +265,9 @@ def _speed_hints(reports: list[ModeReport], config: OOMBConfig, run, budget: Bud
     """Faster settings that still fit: without layer checkpointing, stage 2 keeps each layer's
     activations instead of replaying the layer in backward (one forward of the linear layers less;
     25.0 vs 27.6 s for sparse at 128K on an H200, docs/results.md)."""
-    if not config.checkpoint_layers:
+    if not config.performance.checkpoint_layers:
         return []
-    faster = dataclasses.replace(config, checkpoint_layers=False)
+    faster = config.with_options({"performance.checkpoint_layers": False})
     hints = []
     for report in reports:
         if not report.fits or report.mode.attention == "hf":
@@ -270,8 +275,9 @@ def _speed_hints(reports: list[ModeReport], config: OOMBConfig, run, budget: Bud
         prediction = run(report.mode.name, faster)
         if all(_check(prediction, budget)):
             hints.append(f"{report.mode.name} also fits with --no-checkpoint-layers (GPU "
-                         f"{prediction.gpu_total / GIB:.1f} GiB; oomb.checkpoint_layers=false in training): one "
-                         "forward of the linear layers less per step (sparse at 128K on an H200: 9% faster)")
+                         f"{prediction.gpu_total / GIB:.1f} GiB; oomb.performance.checkpoint_layers=false in "
+                         "training): one forward of the linear layers less per step (sparse at 128K on an H200: 9% "
+                         "faster)")
     return hints
 
 
@@ -313,9 +319,10 @@ def format_plan(plan: Plan) -> str:
            if st.context_parallel > 1 else ""),
         f"step: {plan.tokens:,} tokens ({format_tokens(plan.tokens)}) x batch {st.batch_size}, {_dtype(st.dtype)}, "
         f"{training}, {optimizer}{', fp32 master weights' if st.master_weights else ''}",
-        f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.grad_dtype)}, fp32 grad sums "
-        f"{'on' if cfg.fp32_grad_accumulation else 'off'}, "
-        f"layer checkpointing {'on' if cfg.checkpoint_layers else 'off'}",
+        f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.precision.grad_dtype)}, "
+        "fp32 grad sums "
+        f"{'on' if cfg.precision.fp32_grad_accumulation else 'off'}, "
+        f"layer checkpointing {'on' if cfg.performance.checkpoint_layers else 'off'}",
         f"budget: GPU {budget.gpu_bytes / GIB:.1f} GiB ({budget.gpu_source}) -> {budget.gpu_limit / GIB:.1f} GiB "
         f"usable; host {budget.host_bytes / GIB:.1f} GiB ({budget.host_source}) -> {budget.host_limit / GIB:.1f} GiB "
         f"usable ({budget.margin:.0%} margin, {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context)",
@@ -349,7 +356,7 @@ def format_plan(plan: Plan) -> str:
     if plan.choice is not None:
         c = plan.choice.config
         chooser = (f"; with the options oomb train's chooser picks (below), {c.attention}"
-                   f"{'+offload' if c.offload else ''} fits")
+                   f"{'+offload' if c.offload.enabled else ''} fits")
     elif plan.choice_error is not None:
         chooser = "; nor with any options oomb train's chooser tries (below)"
     lines.append(f"fits at {plan.tokens:,} tokens with the options above: {', '.join(fitting) if fitting else 'none'}"
@@ -364,7 +371,7 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"does not fit with the options above: {r.mode.name}: {'; '.join(why)}")
     lines.extend(f"hint: {h}" for h in plan.hints)
     if any(r.status == "planned" for r in reports):
-        o, sp = plan.offload, plan.config.sparse
+        o, sp = plan.config.offload, plan.config.sparse
         lines.append("planned = not in this version of oomb: predicted from the design, not measured")
         lines.append(
             f"  (offload: {o.resident_layers} resident layers + {o.stream_buffers} x {o.stream_block_pages}-page "
@@ -391,10 +398,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "shape": dataclasses.asdict(plan.shape),
         "params": plan.shape.num_params(),
         "tokens": plan.tokens,
-        "config": {**clean(plan.config), "kv_grad_dtype": _dtype(plan.config.grad_dtype)},
+        "config": plan.config.to_dict(),
         "setup": clean(plan.setup),
-        "offload_assumptions": clean(plan.offload),
-        "sparse": clean(plan.config.sparse),
         "budget": {**clean(plan.budget), "gpu_limit": plan.budget.gpu_limit, "host_limit": plan.budget.host_limit,
                    "cuda_context_bytes": CUDA_CONTEXT_BYTES},
         "modes": [
@@ -425,11 +430,8 @@ def plan_to_dict(plan: Plan) -> dict:
 def _choice_to_dict(choice: Choice) -> dict:
     def candidate(c) -> dict:
         cfg = c.config
-        return {"offload": cfg.offload, "offload_resident_layers": cfg.offload_resident_layers,
-                "kv_grad_dtype": _dtype(cfg.grad_dtype), "checkpoint_layers": cfg.checkpoint_layers,
-                "chunk_size": cfg.chunk_size, "backend": cfg.backend, "attention": cfg.attention,
-                "recompute_logits": cfg.recompute_logits, "keep_attention_outputs": cfg.keep_attention_outputs,
-                "sparse_query_block_pages": cfg.sparse.query_block_pages,
+        chosen = {path: cfg.option(path) for path in ("attention", *AUTO_FIELDS)}
+        return {**chosen, "precision.kv_grad_dtype": _dtype(cfg.precision.grad_dtype),
                 "gpu_bytes": c.gpu_bytes, "host_bytes": c.host_bytes, "relative_step_time": round(c.relative_time, 4),
                 "speed_factors": list(c.factors)}
 
@@ -444,7 +446,7 @@ def _choice_to_dict(choice: Choice) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb plan`."""
     defaults, setup = OOMBConfig(), TrainingSetup()
-    offload, sparse = OffloadAssumptions(), SparseConfig()
+    offload, sparse = defaults.offload, defaults.sparse
     parser.add_argument("--model", "--preset", dest="model", required=True,
                         help=f"a local model directory or a preset: {', '.join(presets.PRESETS)}")
     parser.add_argument("--context", "--seq-len", dest="context", type=parse_tokens, default=DEFAULT_CONTEXT,
@@ -477,7 +479,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", choices=BACKENDS, help="default: cudnn for bf16 (triton with --deterministic)")
     group.add_argument("--deterministic", action="store_true", help="bitwise-deterministic kernels (triton)")
     group.add_argument("--offload", action=argparse.BooleanOptionalAction, help="fix offload on or off")
-    group.add_argument("--loss-chunk-tokens", type=parse_tokens, default=defaults.loss_chunk_tokens)
+    group.add_argument("--loss-chunk-tokens", type=parse_tokens, default=defaults.performance.loss_chunk_tokens)
     group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
                        help="layer replay in backward (default on in the table)")
     group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction,
@@ -488,7 +490,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "without offload then count them; unset, the chooser keeps them for steps with "
                             "every page on the GPU where they fit)")
     group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,
-                       default=defaults.fp32_grad_accumulation,
+                       default=defaults.precision.fp32_grad_accumulation,
                        help="sum low-precision parameters' chunk gradients in float32 (default on)")
     group = parser.add_argument_group("planned modes (assumptions)")
     add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.budget,
@@ -506,24 +508,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
-    given = {"chunk_size": args.chunk_size, "kv_grad_dtype": args.kv_grad_dtype, "backend": args.backend,
-             "offload": args.offload, "offload_resident_layers": args.resident_layers,
-             "checkpoint_layers": args.checkpoint_layers, "sparse.query_block_pages": args.query_block_pages,
-             "recompute_logits": args.recompute_logits, "keep_attention_outputs": args.keep_attention_outputs}
+    given = {"chunk_size": args.chunk_size, "precision.kv_grad_dtype": args.kv_grad_dtype,
+             "performance.backend": args.backend, "offload.enabled": args.offload,
+             "offload.resident_layers": args.resident_layers,
+             "performance.checkpoint_layers": args.checkpoint_layers,
+             "sparse.query_block_pages": args.query_block_pages,
+             "performance.recompute_logits": args.recompute_logits,
+             "performance.keep_attention_outputs": args.keep_attention_outputs}
     fixed = {k: v for k, v in given.items() if v is not None}
-    fixed.update(attention=args.attention, deterministic=args.deterministic, page_size=args.page_size,
-                 loss_chunk_tokens=args.loss_chunk_tokens, fp32_grad_accumulation=args.fp32_grad_accumulation,
-                 **{"sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
+    fixed.update({"attention": args.attention, "precision.deterministic": args.deterministic,
+                  "page_size": args.page_size, "performance.loss_chunk_tokens": args.loss_chunk_tokens,
+                  "precision.fp32_grad_accumulation": args.fp32_grad_accumulation,
+                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
     fixed = fixed_from_options(fixed)
     query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
     sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages)
+    # The table's offloaded modes: these resident layers and blocks (the chooser decides its own, unless given).
+    offload = OffloadConfig(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
+    performance = PerformanceConfig(checkpoint_layers=args.checkpoint_layers is not False,
+                                    recompute_logits=args.recompute_logits is not False,
+                                    loss_chunk_tokens=args.loss_chunk_tokens,
+                                    keep_attention_outputs=bool(args.keep_attention_outputs))
+    precision = PrecisionConfig(kv_grad_dtype=args.kv_grad_dtype or defaults.precision.kv_grad_dtype,
+                                fp32_grad_accumulation=args.fp32_grad_accumulation, deterministic=args.deterministic)
     config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
-                        attention=args.attention, kv_grad_dtype=args.kv_grad_dtype or defaults.kv_grad_dtype,
-                        checkpoint_layers=args.checkpoint_layers is not False,
-                        recompute_logits=args.recompute_logits is not False, loss_chunk_tokens=args.loss_chunk_tokens,
-                        keep_attention_outputs=bool(args.keep_attention_outputs),
-                        fp32_grad_accumulation=args.fp32_grad_accumulation, deterministic=args.deterministic,
-                        sparse=sparse)
+                        attention=args.attention, sparse=sparse, offload=offload, performance=performance,
+                        precision=precision)
     setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank, context_parallel=args.cp)
     modes = args.modes
@@ -532,11 +542,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--cp {args.cp} plans oomb's modes (plain HF has no context parallelism); got "
                              f"--modes {' '.join(args.modes)}")
         modes, fixed = [m for m in args.modes if m != "hf"], None
-    offload = OffloadAssumptions(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
-    return make_plan(args.model, shape, args.context, budget, config, setup, offload,
-                     modes, fixed, args.gpu)
+    return make_plan(args.model, shape, args.context, budget, config, setup, modes, fixed, args.gpu)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..config import OffloadConfig, SparseConfig
 from ..planning.step_work import H200, StepSpec, linear_flops, step_work
 from ..units import format_tokens, parse_tokens
 from .plan import load_model_shape
@@ -19,11 +20,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--no-checkpoint-layers", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--sparse-budget", type=int, default=StepSpec.sparse_budget)
+    parser.add_argument("--sparse-budget", type=int, default=SparseConfig.budget)
     args = parser.parse_args(argv)
-    spec = StepSpec(load_model_shape(args.model), args.context, args.mode, offload=args.offload,
+    spec = StepSpec(load_model_shape(args.model), args.context, args.mode, offload=OffloadConfig(enabled=args.offload),
                     checkpoint_layers=not args.no_checkpoint_layers, lora_rank=args.lora_rank,
-                    sparse_budget=args.sparse_budget)
+                    sparse=SparseConfig(budget=args.sparse_budget))
     print(f"{args.model}, {format_tokens(args.context)} tokens, {args.mode}: linear layers by pass (TFLOP) "
           + ", ".join(f"{k} {v / 1e12:,.0f}" for k, v in linear_flops(spec).items()))
     print(f"{'part':<10} {'TFLOP':>12} {'bytes (GB)':>11} {'floor (s)':>10}   rates: {dataclasses.asdict(H200)}")

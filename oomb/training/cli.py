@@ -73,24 +73,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention", choices=ATTENTION_MODES, help="oomb.attention (default dense; never chosen)")
     group.add_argument("--chunk-size", type=parse_tokens, help="oomb.chunk_size, e.g. 4096 or 4K")
     group.add_argument("--page-size", type=parse_tokens, help="oomb.page_size")
-    group.add_argument("--backend", choices=BACKENDS, help="oomb.backend")
-    group.add_argument("--kv-grad-dtype", help="oomb.kv_grad_dtype: float32 or bfloat16")
-    group.add_argument("--offload", action=argparse.BooleanOptionalAction, help="oomb.offload (pages in host memory)")
+    group.add_argument("--backend", choices=BACKENDS, help="oomb.performance.backend")
+    group.add_argument("--kv-grad-dtype", help="oomb.precision.kv_grad_dtype: float32 or bfloat16")
+    group.add_argument("--offload", action=argparse.BooleanOptionalAction,
+                       help="oomb.offload.enabled (pages in host memory)")
     group.add_argument("--resident-layers", "--offload-resident-layers", dest="resident_layers", type=int,
-                       help="oomb.offload_resident_layers")
+                       help="oomb.offload.resident_layers")
     group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
-                       help="oomb.checkpoint_layers (layer replay in backward)")
+                       help="oomb.performance.checkpoint_layers (layer replay in backward)")
     group.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
-                       help="oomb.compile_layers: compile each decoder layer for the step (implies no layer "
-                            "replay; default: on for a single-process CUDA step without replay or dropout, models "
-                            "without experts, not deterministic)")
+                       help="oomb.performance.compile_layers: compile each decoder layer for the step (implies no "
+                            "layer replay; default: on for a single-process CUDA step without replay or dropout, "
+                            "models without experts, not deterministic)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
-                       help="oomb.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
+                       help="oomb.precision.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
     group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,
-                       help="oomb.fp32_grad_accumulation: sum low-precision parameters' chunk gradients in float32")
-    group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction, help="oomb.recompute_logits")
+                       help="oomb.precision.fp32_grad_accumulation: sum low-precision parameters' chunk gradients "
+                            "in float32")
+    group.add_argument("--recompute-logits", action=argparse.BooleanOptionalAction,
+                       help="oomb.performance.recompute_logits")
     group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
-                       help="oomb.keep_attention_outputs")
+                       help="oomb.performance.keep_attention_outputs")
     sparse = parser.add_argument_group("sparse attention (with --attention sparse; docs/sparse.md)")
     sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse.budget: history pages per query block")
     sparse.add_argument("--sparse-sink-pages", type=int, help="oomb.sparse.sink_pages")
@@ -116,14 +119,15 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("parallel.cp", args.cp),
              ("lora.r", args.lora_rank),
              ("oomb.attention", args.attention), ("oomb.chunk_size", args.chunk_size),
-             ("oomb.page_size", args.page_size), ("oomb.backend", args.backend),
-             ("oomb.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload", args.offload),
-             ("oomb.offload_resident_layers", args.resident_layers),
-             ("oomb.checkpoint_layers", args.checkpoint_layers), ("oomb.compile_layers", args.compile_layers),
-             ("oomb.deterministic", args.deterministic),
-             ("oomb.fp32_grad_accumulation", args.fp32_grad_accumulation),
-             ("oomb.recompute_logits", args.recompute_logits),
-             ("oomb.keep_attention_outputs", args.keep_attention_outputs),
+             ("oomb.page_size", args.page_size), ("oomb.performance.backend", args.backend),
+             ("oomb.precision.kv_grad_dtype", args.kv_grad_dtype), ("oomb.offload.enabled", args.offload),
+             ("oomb.offload.resident_layers", args.resident_layers),
+             ("oomb.performance.checkpoint_layers", args.checkpoint_layers),
+             ("oomb.performance.compile_layers", args.compile_layers),
+             ("oomb.precision.deterministic", args.deterministic),
+             ("oomb.precision.fp32_grad_accumulation", args.fp32_grad_accumulation),
+             ("oomb.performance.recompute_logits", args.recompute_logits),
+             ("oomb.performance.keep_attention_outputs", args.keep_attention_outputs),
              *((f"oomb.{FLAT_KEYS[name]}", getattr(args, name)) for name in SPARSE_FLAGS)]
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
@@ -224,8 +228,8 @@ def _header(trainer: Trainer) -> str:
     attention = (f", sparse attention ({o.sparse.budget} + {o.sparse.sink_pages} sink pages per block, "
                  f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
-    if o.offload:
-        attention += f", KV pages in pinned host memory ({o.offload_resident_layers} layers resident on the GPU)"
+    if o.offload.enabled:
+        attention += f", KV pages in pinned host memory ({o.offload.resident_layers} layers resident on the GPU)"
     choice = f"\n  {trainer.choice.describe()}" if trainer.choice is not None else ""
     return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
             f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}{ranks}\n"

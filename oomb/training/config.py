@@ -31,9 +31,10 @@ from ..planning.choose import AUTO_FIELDS
 from ..units import coerce_tokens
 
 PRESET_NAMES = ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b")
-TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "loss_chunk_tokens"),
+TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "performance.loss_chunk_tokens"),
               "eval": ("seq_len", "passkey_lengths")}
-"""Keys holding a number of tokens (or a list of them): YAML and --set accept '1M', '128K' there (oomb.units)."""
+"""Keys (dotted paths in oomb's sections) holding a number of tokens (or a list of them): YAML and --set accept
+'1M', '128K' there (oomb.units)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -150,8 +151,9 @@ class TrainSection:
     memory_check: Literal["refuse", "warn", "off"] = "refuse"
     """Before the first step, compare the predicted memory of a step with what is free."""
     auto_config: bool = True
-    """Before the first step, choose the oomb options left unset (or set to "auto"): backend,
-    offload, offload_resident_layers, kv_grad_dtype, checkpoint_layers, chunk_size, for the fastest
+    """Before the first step, choose the oomb options left unset (or set to "auto"): performance.backend,
+    offload.enabled, offload.resident_layers, precision.kv_grad_dtype, performance.checkpoint_layers,
+    chunk_size and the others of oomb.planning.choose.AUTO_FIELDS, for the fastest
     step that fits the free GPU and host memory (oomb.planning.choose; the plan is printed). Options you
     set are kept. False: the oomb section's values as they are (defaults where unset)."""
 
@@ -280,17 +282,22 @@ class TrainerConfig:
             values = options.get(name) or {}
             if not isinstance(values, dict):
                 raise ValueError(f"config section '{name}' must be a mapping of keys, got {values!r}")
-            values = {k: _tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
-                      for k, v in values.items()}
             if section_cls is OOMBConfig:
                 values = nested_options(values)  # flat keys of earlier versions (files, checkpoints) mapped
-                if values.get("compile_layers") is True and values.get("checkpoint_layers", "auto") == "auto":
-                    values["checkpoint_layers"] = False  # compiled layers run without replay (OOMBConfig)
+                for path in TOKEN_KEYS[name]:
+                    if _get(values, path, "auto") != "auto":
+                        _set(values, path, _tokens(_get(values, path, None), f"{name}.{path}"))
+                if (_get(values, "performance.compile_layers", None) is True
+                        and _get(values, "performance.checkpoint_layers", "auto") == "auto"):
+                    # compiled layers run without replay (PerformanceConfig.compile_layers)
+                    values.setdefault("performance", {})["checkpoint_layers"] = False
                 auto = tuple(f for f in AUTO_FIELDS if _get(values, f, "auto") == "auto")
                 for f in auto:
                     _pop(values, f)
                 sections[name] = OOMBConfig.from_dict(values)
             else:
+                values = {k: _tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
+                          for k, v in values.items()}
                 sections[name] = _section_from_dict(section_cls, values, name)
         return cls(**sections, oomb_auto=auto)
 
@@ -306,6 +313,8 @@ class TrainerConfig:
             if not isinstance(options, dict):
                 raise ValueError(f"{path}: a training config must be a mapping of sections, "
                                  f"got {type(options).__name__}")
+        if isinstance(options.get("oomb"), dict):  # flat keys of an earlier version's file, mapped before
+            options["oomb"] = nested_options(options["oomb"])  # the overrides' dotted paths go into them
         for override in overrides:
             apply_override(options, override)
         return cls.from_dict(options)
@@ -350,6 +359,14 @@ def _get(values: dict, path: str, default: Any) -> Any:
             return default
         values = values[part]
     return values
+
+
+def _set(values: dict, path: str, value: Any) -> None:
+    """Set the value at a dotted ``path`` of a nested mapping, making the mappings on the way."""
+    *sections, leaf = path.split(".")
+    for part in sections:
+        values = values.setdefault(part, {})
+    values[leaf] = value
 
 
 def _pop(values: dict, path: str) -> None:

@@ -145,8 +145,8 @@ def check_runtime(trainer: Trainer) -> None:
         raise ValueError(f"oomb's training step does not support {what}: {fix}")
 
     if getattr(args, "activation_offloading", False):
-        refuse("activation_offloading=True", "oomb keeps almost no activations; use OOMBConfig(offload=True) for "
-               "the KV pages")
+        refuse("activation_offloading=True", "oomb keeps almost no activations; use "
+               "OOMBConfig(offload=OffloadConfig(enabled=True)) for the KV pages")
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel=True", "oomb's step has its own chunked loss and has not been checked with Liger's "
                "patched modules")
@@ -165,7 +165,7 @@ def check_runtime(trainer: Trainer) -> None:
 
 
 def disable_hf_checkpointing(trainer: Trainer) -> None:
-    """oomb recomputes each chunk itself (and each layer with OOMBConfig.checkpoint_layers): HF's
+    """oomb recomputes each chunk itself (and each layer with OOMBConfig.performance.checkpoint_layers): HF's
     gradient checkpointing would recompute again, so it is switched off, with a warning."""
     args = trainer.args
     flags = [name for name in ("gradient_checkpointing", "activation_checkpointing") if getattr(args, name, False)]
@@ -177,7 +177,8 @@ def disable_hf_checkpointing(trainer: Trainer) -> None:
         return
     warnings.warn(
         "gradient/activation checkpointing is replaced by oomb's own recomputation (each chunk is recomputed in "
-        f"stage 2; layers too with OOMBConfig.checkpoint_layers={trainer.oomb_config.checkpoint_layers}): "
+        "stage 2; layers too with OOMBConfig.performance.checkpoint_layers="
+        f"{trainer.oomb_config.performance.checkpoint_layers}): "
         "Hugging Face's is switched off", UserWarning, stacklevel=3)
     for name in flags:
         setattr(args, name, False)
@@ -369,7 +370,7 @@ def attach_config(trainer: Trainer, oomb_config: OOMBConfig | None) -> None:
     if oomb_config is not None and not isinstance(oomb_config, OOMBConfig):
         raise TypeError(f"oomb_config must be an oomb.OOMBConfig, got {type(oomb_config).__name__}")
     trainer.oomb_config = oomb_config or OOMBConfig()
-    trainer._oomb_host_slabs = HostSlabs() if trainer.oomb_config.offload else None
+    trainer._oomb_host_slabs = HostSlabs() if trainer.oomb_config.offload.enabled else None
     trainer._oomb_warned_precision = False
     unwrap_causal_lm(trainer.model)  # refuse an unsupported model now, not at the first step
 
@@ -432,7 +433,7 @@ class OOMBEvalCallback(TrainerCallback):
         if options.data is not None and options.seq_len is None:
             raise ValueError("OOMBEvalCallback: options.seq_len is empty; set the evaluated sequences' length")
         self.tokenizer, self.options, self.config = tokenizer, options, config or OOMBConfig()
-        self.host_slabs = HostSlabs() if self.config.offload else None
+        self.host_slabs = HostSlabs() if self.config.offload.enabled else None
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         if args.world_size > 1:

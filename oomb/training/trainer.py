@@ -89,8 +89,8 @@ def chooser_fixed(cfg: TrainerConfig, cuda: bool, shape: ModelShape) -> dict:
     "auto" takes it)."""
     fixed = {k: v for k, v in cfg.oomb.options().items() if k not in cfg.oomb_auto}
     windows = shape.sliding_window_layers and shape.sliding_window < cfg.data.seq_len
-    if cuda and cfg.data.documents == "separate" and windows and "backend" not in fixed:
-        fixed["backend"] = "triton"  # oomb/engine.py, _select_step_backend
+    if cuda and cfg.data.documents == "separate" and windows and "performance.backend" not in fixed:
+        fixed["performance.backend"] = "triton"  # oomb/engine.py, _select_step_backend
     return fixed
 
 
@@ -199,8 +199,8 @@ class Trainer(Checkpointing):
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
-        if cfg.oomb.keep_attention_outputs and cfg.parallel.cp > 1:
-            raise ValueError("oomb.keep_attention_outputs=true is not supported with context parallelism "
+        if cfg.oomb.performance.keep_attention_outputs and cfg.parallel.cp > 1:
+            raise ValueError("oomb.performance.keep_attention_outputs=true is not supported with context parallelism "
                              f"(parallel.cp={cfg.parallel.cp}): set one of them off")
         joined_before = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = init_distributed(self.device.type)  # torchrun: one process per GPU
@@ -262,7 +262,7 @@ class Trainer(Checkpointing):
         self._auto_configure(causal_lm)  # the oomb options left unset, chosen for the free memory
         self._check_memory(causal_lm)  # before the masters and optimizer state exist
         self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
-        self.host_slabs = HostSlabs() if cfg.oomb.offload else None  # pinned pages, reused by every step
+        self.host_slabs = HostSlabs() if cfg.oomb.offload.enabled else None  # pinned pages, reused by every step
         self.lr = cfg.optim.lr or self._default_lr()
         self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
@@ -469,7 +469,7 @@ class Trainer(Checkpointing):
         }
         if step.kept_attention:
             terms["kept attention outputs (stage 1 to stage 2)"] = step.kept_attention
-        if cfg.lora.enabled and not cfg.oomb.checkpoint_layers:
+        if cfg.lora.enabled and not cfg.oomb.performance.checkpoint_layers:
             terms["LoRA layers' saved inputs (no layer replay)"] = lora_no_replay_bytes(
                 shape, min(cfg.oomb.chunk_size, cfg.data.seq_len), self.dtype)
         if not cfg.optim.offload:
@@ -483,10 +483,10 @@ class Trainer(Checkpointing):
         cfg = self.config
         shape = ModelShape.from_hf_config(causal_lm.config)
         per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * (
-            self.dtype.itemsize + cfg.oomb.grad_dtype.itemsize)
+            self.dtype.itemsize + cfg.oomb.precision.grad_dtype.itemsize)
         tips = [f"lower data.seq_len={cfg.data.seq_len} (KV pages cost {per_token / 1024:.0f} KiB per token)"]
-        if cfg.oomb.grad_dtype == torch.float32 and self.dtype != torch.float32:
-            tips.append("set oomb.kv_grad_dtype=bfloat16 (halves the KV-gradient pages)")
+        if cfg.oomb.precision.grad_dtype == torch.float32 and self.dtype != torch.float32:
+            tips.append("set oomb.precision.kv_grad_dtype=bfloat16 (halves the KV-gradient pages)")
         if not cfg.lora.enabled:
             tips.append("train LoRA adapters (lora.enabled=true) instead of all weights")
             if not cfg.optim.offload and self.device.type == "cuda":
