@@ -29,6 +29,12 @@ SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 CANDIDATE_POOLINGS = ("max", "softmax_max")
 NORMALISER_PAGES = 256  # sparse.research.normaliser_pages="auto"
 READ_SHARE_STEP = 16
+DEFAULT_BUDGET = 64
+"""sparse.budget's default: the floor of the default read share."""
+DEFAULT_READ_SHARE = 0.35
+"""sparse.read_share="auto" with the default budget: the smallest share measured to keep sparse near dense on a
+real model at 128K both as shipped and after a context extension (gradient cosine >= 0.99, loss within 0.5 %;
+docs/sparse.md, "Sparse at length")."""
 """sparse.read_share: the grown budget is a multiple of this many pages, so a long step runs a few dozen
 distinct selection sizes rather than one per chunk."""
 
@@ -126,15 +132,16 @@ class SparseConfig:
     earlier pages by score and its own chunk. One type for the step, the planner and the chooser; in dense
     mode it is ignored. Frozen and hashable: the step's state holds it; change it with dataclasses.replace."""
 
-    budget: int = 64
-    """Earlier pages (besides the sinks) each query block reads, per KV head, chosen by score. A budget
+    budget: int = DEFAULT_BUDGET
+    """Earlier pages (besides the sinks) each query block reads, per KV head, chosen by score, at least. A budget
     covering every earlier page is dense attention, bit for bit."""
-    read_share: float | None = None
+    read_share: float | None | Literal["auto"] = "auto"
     """Read at least this share (0 < share <= 1) of each query block's history: the budget grows to
     max(budget, share x history pages), rounded up to a multiple of READ_SHARE_STEP pages. None: the fixed
-    budget, which reads a shrinking share of a growing history (64 pages: 12.5 % at 128K, 1.6 % at 1M); on a
-    real model at 128K a quarter of the history kept a gradient cosine of 0.989-0.997 where the defaults gave
-    0.87-0.97 (docs/sparse.md, "Sparse at length")."""
+    budget, which reads a shrinking share of a growing history (64 pages: 12.5 % at 128K, 0.8 % at 1M: cosine
+    0.87-0.97 at 128K on a real model, 0.34 at 512K). "auto": DEFAULT_READ_SHARE (0.35) with the default budget
+    as its floor, the fixed budget with any other (a budget set on purpose stays what it says);
+    docs/sparse.md, "Sparse at length"."""
     sink_pages: int = 1
     """The first pages of the sequence, always read by every query block (attention sinks)."""
     query_block_pages: int = 1
@@ -166,10 +173,10 @@ class SparseConfig:
             _check_int(f"sparse.{name}", getattr(self, name), 0, " (a number of pages)")
         _check_int("sparse.query_block_pages", self.query_block_pages, 1)
         share = self.read_share
-        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
-                                  or not 0 < share <= 1):
-            raise ValueError(f"sparse.read_share={share!r} must be a share of the history in (0, 1], e.g. 0.25, "
-                             f"or None for the fixed sparse.budget")
+        if share not in (None, "auto") and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                            or not 0 < share <= 1):
+            raise ValueError(f"sparse.read_share={share!r} must be a share of the history in (0, 1], e.g. 0.35, "
+                             f"None for the fixed sparse.budget, or 'auto'")
         budgets = self.layer_budgets
         if budgets is not None:
             if not isinstance(budgets, (list, tuple)) or any(
@@ -201,6 +208,14 @@ class SparseConfig:
                              f"sparse.research.pooling='softmax_max' (score minmax or mean) with it; got score "
                              f"{self.resolved_score!r}, pooling={pooling!r}, "
                              f"candidate_pooling={self.research.candidate_pooling!r}")
+
+    @property
+    def resolved_read_share(self) -> float | None:
+        """The read share that runs: read_share, with "auto" resolved (DEFAULT_READ_SHARE over the default
+        budget; None, the fixed budget, over any other)."""
+        if self.read_share != "auto":
+            return self.read_share
+        return DEFAULT_READ_SHARE if self.budget == DEFAULT_BUDGET else None
 
     @property
     def resolved_score(self) -> str:
@@ -237,7 +252,7 @@ class SparseConfig:
         """The same options with every "auto" replaced by what runs: what the selection reads."""
         research = replace(self.research, candidate_pooling=self.resolved_candidate_pooling,
                            normaliser_pages=self.resolved_normaliser_pages)
-        return replace(self, score=self.resolved_score, research=research)
+        return replace(self, score=self.resolved_score, read_share=self.resolved_read_share, research=research)
 
     def budget_of(self, layer: int = 0, history_pages: int = 0) -> int:
         """Top-scored pages a block of ``layer`` reads besides the sinks, with ``history_pages`` before its chunk:
@@ -246,7 +261,7 @@ class SparseConfig:
             budget = self.layer_budgets[layer]
         else:
             budget = self.budget
-        return read_share_budget(budget, self.read_share, history_pages)
+        return read_share_budget(budget, self.resolved_read_share, history_pages)
 
     def num_selected(self, history_pages: int, layer: int = 0) -> int:
         """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all."""

@@ -1,7 +1,8 @@
 """How much of the history a sparse step reads, and how close to dense the nearest measurement was.
 
 A fixed budget of pages reads a shrinking share of a growing history (64 pages of 128 tokens: about 12 %
-at 128K, 0.8 % at 1M), so the share read, not the budget, is what a user must see next to a sparse plan,
+at 128K, 0.8 % at 1M; the default read share keeps about 35 % at every length), so the share read, not the
+budget, is what a user must see next to a sparse plan,
 with the fidelity measured nearest to it (`oomb plan`, the trainer's header). The measurements are
 `oomb gradcheck` runs on a real model (docs/sparse.md gives each command and its results file).
 """
@@ -30,11 +31,13 @@ def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> fl
 
 
 def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int = 1) -> int:
-    """The smallest budget whose step reads at least ``read`` of the history (history_read), at most dense."""
+    """The smallest fixed budget (no read share) whose step reads at least ``read`` of the history (history_read),
+    at most dense."""
     low, high = 0, max(1, -(-num_tokens // config.page_size))
     while low < high:
         middle = (low + high) // 2
-        if history_read(num_tokens, replace(config, sparse=replace(config.sparse, budget=middle)), num_layers) >= read:
+        fixed = replace(config, sparse=replace(config.sparse, budget=middle, read_share=None))
+        if history_read(num_tokens, fixed, num_layers) >= read:
             high = middle
         else:
             low = middle + 1
@@ -60,19 +63,26 @@ class FidelityPoint:
 
 _128K = "real_model/gradcheck_smollm2_128k_h100.json"
 _512K = "real_model/gradcheck_smollm2_512k_h100.json"
+_128K_NEAR = "real_model/gradcheck_smollm2_128k_reads35_50_h100.json"
 MEASURED: tuple[FidelityPoint, ...] = (
     FidelityPoint(32768, 0.25, 0.98591, 0.00122, "budget 31, SmolLM2-135M YaRN x4, as shipped",
                   "real_model/gradcheck_smollm2_32k_p128_k31_gpu_text_cpu_2026-12-05.json"),
     FidelityPoint(131072, 0.012, 0.52628, -0.04963, "budget 5, SmolLM2-135M YaRN x16, as shipped", _128K),
     FidelityPoint(131072, 0.031, 0.58048, -0.00668, "budget 15, SmolLM2-135M YaRN x16, as shipped", _128K),
     FidelityPoint(131072, 0.100, 0.93984, -0.00770, "budget 51, SmolLM2-135M YaRN x16, as shipped", _128K),
-    FidelityPoint(131072, 0.125, 0.97002, -0.00686, "defaults, SmolLM2-135M YaRN x16, as shipped", _128K),
+    FidelityPoint(131072, 0.125, 0.97002, -0.00686, "budget 64, SmolLM2-135M YaRN x16, as shipped", _128K),
     FidelityPoint(131072, 0.252, 0.99649, -0.00634, "budget 135, SmolLM2-135M YaRN x16, as shipped", _128K),
-    FidelityPoint(131072, 0.125, 0.87355, 0.00763, "defaults, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
+    FidelityPoint(131072, 0.125, 0.87355, 0.00763, "budget 64, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
                   _128K),
     FidelityPoint(131072, 0.252, 0.98850, -0.00008, "budget 135, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
                   _128K),
-    FidelityPoint(524288, 0.032, 0.33537, 0.04864, "defaults, SmolLM2-135M YaRN x64, as shipped", _512K),
+    FidelityPoint(131072, 0.351, 0.99849, -0.00480, "budget 195, SmolLM2-135M YaRN x16, as shipped", _128K_NEAR),
+    FidelityPoint(131072, 0.501, 0.99962, -0.00234, "budget 295, SmolLM2-135M YaRN x16, as shipped", _128K_NEAR),
+    FidelityPoint(131072, 0.351, 0.99812, -0.00039, "budget 195, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
+                  _128K_NEAR),
+    FidelityPoint(131072, 0.501, 0.99965, -0.00051, "budget 295, SmolLM2-135M YaRN x16 after 8 dense steps at 128K",
+                  _128K_NEAR),
+    FidelityPoint(524288, 0.032, 0.33537, 0.04864, "budget 64, SmolLM2-135M YaRN x64, as shipped", _512K),
     FidelityPoint(524288, 0.100, 0.88879, -0.00410, "budget 209, SmolLM2-135M YaRN x64, as shipped", _512K),
 )
 """Sparse-vs-dense gradients of real models (`oomb gradcheck`, rerank with its default options; docs/sparse.md).

@@ -30,9 +30,12 @@ from oomb.training.config import LoraSection
 KIB = 1024
 QWEN7B = load_model_shape("qwen2.5-7b")
 BENCH = TrainingSetup(torch.bfloat16, 1, "none")  # the standard workload: no optimizer
-BENCH_CONFIG = OOMBConfig(precision=PrecisionConfig(fp32_grad_accumulation=False))
-MINMAX_CONFIG = OOMBConfig(sparse=SparseConfig(score="minmax"), precision=PrecisionConfig(fp32_grad_accumulation=False))
-"""Sparse modes sized for minmax's two summary vectors per page (the default rerank keeps three)."""
+FIXED = SparseConfig(read_share=None)
+"""The fixed budget of the measured sparse runs (the default reads a share of the history instead)."""
+BENCH_CONFIG = OOMBConfig(sparse=FIXED, precision=PrecisionConfig(fp32_grad_accumulation=False))
+MINMAX_CONFIG = OOMBConfig(sparse=SparseConfig(score="minmax", read_share=None),
+                           precision=PrecisionConfig(fp32_grad_accumulation=False))
+"""Sparse modes sized for minmax's two summary vectors per page (the default rerank keeps three), fixed budget."""
 
 
 def test_presets_have_the_documented_shapes():
@@ -60,7 +63,7 @@ def test_one_million_tokens_fits_only_with_offload_and_bf16_grad_pages():
     budget = Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB)
     for grad_dtype, offload_fits in (("float32", False), ("bfloat16", True)):
         plan = make_plan("qwen2.5-7b", QWEN7B, 1 << 20, budget,
-                         OOMBConfig(precision=PrecisionConfig(kv_grad_dtype=grad_dtype)), BENCH)
+                         OOMBConfig(sparse=FIXED, precision=PrecisionConfig(kv_grad_dtype=grad_dtype)), BENCH)
         fits = {r.mode.name: r for r in plan.reports}
         assert not fits["dense"].fits and not fits["dense"].fits_gpu
         assert not fits["hf"].fits
@@ -296,15 +299,15 @@ def test_cli_errors(capsys, tmp_path):
 
 def test_hint_names_the_faster_setting_only_where_it_fits():
     """Without layer checkpointing a chunk keeps every layer's activations: on a large GPU sparse+offload
-    fits that way too at 1M (and the plan says so); on a small one it does not."""
-    config = OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
+    fits that way too at 1M (and the plan says so); on a small one it does not (the fixed budget)."""
+    config = OOMBConfig(sparse=FIXED, precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
     large = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), config, BENCH,
                       modes=["sparse+offload"])
     assert any(h.startswith("sparse+offload also fits with --no-checkpoint-layers") for h in large.hints)
     small = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=48 * GIB, host_bytes=125 * GIB), config,
                       TrainingSetup(optimizer="none", lora_rank=16), modes=["sparse+offload"])
     assert small.reports[0].fits and not any("no-checkpoint-layers" in h for h in small.hints)
-    no_replay = OOMBConfig(precision=PrecisionConfig(kv_grad_dtype="bfloat16"),
+    no_replay = OOMBConfig(sparse=FIXED, precision=PrecisionConfig(kv_grad_dtype="bfloat16"),
                            performance=PerformanceConfig(checkpoint_layers=False))
     no_replay = make_plan("q", QWEN7B, 1 << 20, Budget(gpu_bytes=141 * GIB, host_bytes=125 * GIB), no_replay, BENCH,
                           modes=["sparse+offload"])

@@ -9,11 +9,24 @@ from oomb.sparse_fidelity import FidelityPoint, budget_for_read, describe, histo
 
 
 def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
-    config = OOMBConfig(attention="sparse")  # 64 pages of 128 tokens, one sink page
+    config = OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None))  # 64 pages of 128 tokens, 1 sink
     shares = [history_read(tokens, config) for tokens in (32768, 131072, 1 << 20)]
     assert shares[0] > shares[1] > shares[2]
     # at 1M the average query block has ~4,096 history pages and reads 65 of them
     assert shares[2] == pytest.approx(65 / 4096, rel=0.02)
+
+
+def test_the_default_reads_its_share_at_every_length():
+    """read_share "auto" over the default budget: 35 % of every block's history (more while the budget's floor
+    of 64 pages covers more); a budget set on purpose stays fixed."""
+    default = OOMBConfig(attention="sparse")
+    assert default.sparse.resolved_read_share == 0.35
+    for tokens in (131072, 1 << 20, 1 << 21):
+        assert 0.35 <= history_read(tokens, default) < 0.38
+    assert history_read(32768, default) > 0.35  # the floor of 64 pages
+    assert SparseConfig(budget=32).resolved_read_share is None
+    assert SparseConfig(budget=32, read_share=0.5).resolved_read_share == 0.5
+    assert SparseConfig().resolved().read_share == 0.35
 
 
 def test_budget_for_read_is_the_smallest_budget_reaching_the_share():
@@ -34,14 +47,16 @@ def test_nearest_weighs_length_and_share_by_doublings():
 
 def test_describe_states_the_share_and_the_measurement():
     line = describe(1 << 20, OOMBConfig(attention="sparse"), 28)
-    assert line.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
+    assert line.startswith("sparse reads 35 % of the history at 1M tokens; nearest measurement:")
+    fixed = describe(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None)), 28)
+    assert fixed.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
     assert "gradient cosine" in line and "near-dense mark" in line
 
 
 def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
     from oomb.planning.memory import sparse_pages_read
 
-    fixed, grown = SparseConfig(), SparseConfig(read_share=0.25)
+    fixed, grown = SparseConfig(read_share=None), SparseConfig(read_share=0.25)
     assert sparse_pages_read(fixed, 1 << 20, 128) == 65
     assert sparse_pages_read(grown, 1 << 20, 128) == 1 + 2048  # a quarter of 8,192 pages
     assert sparse_pages_read(grown, 8192, 128) == 65  # the budget is the floor while the history is short

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig
+from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, SparseConfig
 from oomb.planning.choose import Resources, Workload, choose_config
 from oomb.planning.model_shape import ModelShape
 from oomb.planning.step_time import RATES, format_duration, gpu_kind, predict_step_time
@@ -17,9 +17,9 @@ H100 = "NVIDIA H100 80GB HBM3"
 def test_the_measured_runs_are_predicted_back():
     dense = predict_step_time(QWEN_7B, 131072, OOMBConfig(performance=PerformanceConfig(checkpoint_layers=False)),
                               gpu_name=H100)
-    sparse = predict_step_time(QWEN_7B, 131072, OOMBConfig(attention="sparse",
+    sparse = predict_step_time(QWEN_7B, 131072, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None),
                                                            performance=PerformanceConfig(checkpoint_layers=False)),
-                               gpu_name=H100)
+                               gpu_name=H100)  # the measured run: the fixed budget of 64 pages
     assert dense.seconds == pytest.approx(43.46, rel=0.02) and sparse.seconds == pytest.approx(21.66, rel=0.02)
     assert "dense step on an H100" in dense.basis and "not measured" not in dense.basis
 
@@ -47,10 +47,13 @@ def test_relative_time_scales_and_durations_read_well():
 def test_the_plan_states_its_step_time_and_the_other_modes():
     workload = Workload(QWEN_7B, 1 << 20, lora_rank=16)
     resources = Resources("cuda", gpu_limit=74 * 2**30, host_limit=118 * 2**30, gpu_name=H100)
-    choice = choose_config(workload, resources, {"attention": "sparse"})
-    assert choice.step_time is not None and choice.other_mode_time.seconds > 5 * choice.step_time.seconds
+    choice = choose_config(workload, resources, {"attention": "sparse"})  # the default: 35 % of the history
+    assert choice.step_time is not None and choice.other_mode_time.seconds > 2 * choice.step_time.seconds
     text = choice.describe()
-    assert "step time: ~" in text and "dense attention: ~" in text and "sparse reads 1.6 % of the history" in text
+    assert "step time: ~" in text and "dense attention: ~" in text and "sparse reads 35 % of the history" in text
+    fixed = choose_config(workload, resources, {"attention": "sparse", "sparse.read_share": None})
+    assert fixed.other_mode_time.seconds > 5 * fixed.step_time.seconds
+    assert "sparse reads 1.6 % of the history" in fixed.describe()
     cpu = choose_config(Workload(QWEN_7B, 8192, lora_rank=16), Resources("cpu", host_limit=2**40))
     assert cpu.step_time is None and "step time: ~" not in cpu.describe()
 

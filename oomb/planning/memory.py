@@ -235,7 +235,7 @@ class TrainingSetup:
 def sparse_pages_read(sparse: SparseConfig, tokens: int, page_size: int) -> int:
     """Pages a query block reads besides its chunk (sinks + budget) at the longest history of ``tokens``:
     with a read share the budget grows with the history, and memory is sized for its largest."""
-    return read_share_budget(sparse.budget, sparse.read_share, -(-tokens // page_size)) + sparse.sink_pages
+    return read_share_budget(sparse.budget, sparse.resolved_read_share, -(-tokens // page_size)) + sparse.sink_pages
 
 
 def summary_vectors(sparse: SparseConfig) -> int:

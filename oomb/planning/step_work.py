@@ -181,7 +181,7 @@ class StepSpec:
     def read_pages(self, start: int) -> int | None:
         """History pages each query block of the chunk at ``start`` reads; None: all of them (dense)."""
         n_hist = start // self.page_size
-        budget = read_share_budget(self.sparse.budget, self.sparse.read_share, n_hist)
+        budget = read_share_budget(self.sparse.budget, self.sparse.resolved_read_share, n_hist)
         if self.mode != "sparse" or self.sparse.sink_pages + budget >= n_hist:
             return None
         return self.sparse.sink_pages + budget

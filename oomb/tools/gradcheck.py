@@ -231,12 +231,14 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
               "sparse.dense_layers": dense_layers}
     probe = base.with_options(common)
     reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
-    # (budget label, the fixed budget, read share, target read): the budgets asked and found for --reads, then
+    # (budget label, the budget, read share, target read): the budgets asked (read share "auto", as OOMBConfig
+    # resolves it: the default budget is the default share's floor) and the fixed ones found for --reads, then
     # the --read-shares arms (budget 0: the share alone decides)
     if layer_budgets is not None:
         sizes = [("per layer", max(layer_budgets), None, None)]
     else:
-        sizes = [(b, b, None, reads.get(b)) for b in dict.fromkeys([*options.budgets, *reads])]
+        sizes = [(b, b, "auto" if b in options.budgets else None, reads.get(b))
+                 for b in dict.fromkeys([*options.budgets, *reads])]
     sizes += [(f"share {share}", 0, share, share) for share in options.read_shares]
     arms = []
     for score, pooling, (label, budget, share, target) in itertools.product(options.scores, options.poolings, sizes):

@@ -225,7 +225,10 @@ def _header(trainer: Trainer) -> str:
     ranks = (f" x {p.tp * p.dp * p.cp} processes (tp={p.tp}, dp={p.dp}{f', cp={p.cp}' if p.cp > 1 else ''})"
              if p.mesh is not None else "")
     o = cfg.oomb
-    attention = (f", sparse attention ({o.sparse.budget} + {o.sparse.sink_pages} sink pages per block, "
+    share = o.sparse.resolved_read_share
+    pages = (f"{share:.0%} of the history, at least {o.sparse.budget} pages" if share is not None
+             else f"{o.sparse.budget} pages")
+    attention = (f", sparse attention ({pages} + {o.sparse.sink_pages} sink pages per block, "
                  f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
     if o.offload.enabled:
