@@ -49,6 +49,21 @@ def build_tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
     return model
 
 
+def lora_model(model: nn.Module, target_modules: list[str], dropout: float = 0.0, **options) -> nn.Module:
+    """PEFT LoRA (r 4) on ``model`` with every B nonzero (PEFT starts B at zero, which would leave A's gradient
+    zero and untested)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=target_modules, **options)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return peft_model
+
+
 def perturb_(model: nn.Module, seed: int, std: float = PARAM_NOISE) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from test_triton_paged import GPU_CASES, _max_err, make_case
 
 from oomb.attention import cudnn_paged, cudnn_sparse, reference, reference_sparse
-from oomb.config import OffloadConfig, SparseConfig
+from oomb.config import OffloadConfig, OOMBConfig, SparseConfig
 
 
 def _scores(q, k, causal, scale):
@@ -206,6 +206,27 @@ def test_gpu_cudnn_forward_takes_grouped_heads_with_the_repeated_heads_bits():
 SPARSE_MATH = cudnn_sparse.SelectedPagesAttention(MATH.kernel)
 
 
+def assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, **step_kwargs) -> None:
+    """A whole step through ``stand_in`` (the cudnn backend's code on a stand-in kernel) equals the torch
+    backend's: the loss to 1e-5, the gradients to 1e-5 relative error (offload on unpinned host slabs)."""
+    from helpers import grads, relative_error
+
+    import oomb
+    import oomb.engine
+    from oomb.attention.backend import TORCH_BACKEND
+    from oomb.kv.offload import HostSlabs
+
+    results = {}
+    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
+        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
+        model.zero_grad(set_to_none=True)
+        slabs = HostSlabs(pin=False) if config.offload.enabled else None
+        results[name] = (oomb.forward_backward(model, ids, None, config, host_slabs=slabs, **step_kwargs),
+                         grads(model))
+    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
+    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+
+
 def _grouped(selection: torch.Tensor, group: int) -> torch.Tensor:
     """Every run of ``group`` blocks takes its first block's selection, as sparse_query_block_pages does."""
     n = selection.shape[2]
@@ -280,27 +301,19 @@ def test_one_group_of_the_whole_chunk_is_a_reshape():
                                                                  (4, True, 1), (4, False, 2)])
 def test_sparse_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, query_block_pages, offload, batch):
     """A whole sparse step through the cudnn backend's code (stand-in kernel) equals the torch backend's."""
-    from helpers import build_tiny_model, grads, random_ids, relative_error
+    from helpers import build_tiny_model, random_ids
 
-    import oomb
-    import oomb.engine
-    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+    from oomb.attention.backend import AttentionBackend
 
     model = build_tiny_model("qwen2", seed=41, num_hidden_layers=2)
     ids = random_ids(batch, 96, seed=41)  # chunks of 32 in pages of 8: 4, 8 history pages, budget 2 + 1 sink
     stand_in = AttentionBackend("stand-in", MATH.paged_attention_forward, MATH.paged_attention_backward,
                                 cudnn_paged.no_delta, SPARSE_MATH.sparse_attention_forward,
                                 SPARSE_MATH.sparse_attention_backward)
-    results = {}
-    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
-        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
-        model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
-                                 sparse=SparseConfig(budget=2, query_block_pages=query_block_pages),
-                                 offload=OffloadConfig(enabled=offload))
-        results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
-    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
-    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+    config = OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                        sparse=SparseConfig(budget=2, query_block_pages=query_block_pages),
+                        offload=OffloadConfig(enabled=offload))
+    assert_step_matches_torch(monkeypatch, stand_in, model, ids, config)
 
 
 @pytest.mark.gpu
@@ -380,28 +393,17 @@ def test_windowed_documents_match_the_oracle_and_read_no_earlier_page():
 def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, offload):
     """A whole dense step with packed documents (two rows, other boundaries; documents starting inside
     pages and chunks, one-token documents) through the cudnn backend's code equals the torch backend's."""
-    from helpers import build_tiny_model, grads, random_ids, relative_error
+    from helpers import build_tiny_model, random_ids
 
-    import oomb
-    import oomb.engine
-    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
-    from oomb.kv.offload import HostSlabs
+    from oomb.attention.backend import AttentionBackend
 
     model = build_tiny_model("qwen2", seed=42)
     ids = random_ids(2, 150, seed=42)
     cu = [[0, 13, 14, 15, 75, 115, 150], [0, 70, 75, 76, 142, 150]]
     stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
                                 cudnn_paged.no_delta, whole_history=True)
-    base = oomb.OOMBConfig(chunk_size=32, page_size=8, offload=OffloadConfig(stream_block_pages=2, enabled=offload))
-    results = {}
-    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
-        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
-        model.zero_grad(set_to_none=True)
-        slabs = HostSlabs(pin=False) if offload else None
-        results[name] = (oomb.forward_backward(model, ids, None, base, cu_seqlens=cu, host_slabs=slabs),
-                         grads(model))
-    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
-    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+    config = OOMBConfig(chunk_size=32, page_size=8, offload=OffloadConfig(stream_block_pages=2, enabled=offload))
+    assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, cu_seqlens=cu)
 
 
 @pytest.mark.gpu

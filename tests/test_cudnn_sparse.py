@@ -30,13 +30,12 @@ def test_known_groups_give_the_groups_found_by_reading():
 def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch):
     """A sparse step on a backend that takes ``block_group`` gets sparse_query_block_pages in every call
     (stage 1 and stage 2, forward and backward), and the result equals the torch backend's."""
-    from helpers import build_tiny_model, grads, random_ids, relative_error
-    from test_cudnn_paged import MATH, SPARSE_MATH
+    from helpers import build_tiny_model, random_ids
+    from test_cudnn_paged import MATH, SPARSE_MATH, assert_step_matches_torch
 
     import oomb
-    import oomb.engine
     from oomb.attention import cudnn_paged
-    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
+    from oomb.attention.backend import AttentionBackend
 
     seen = []
 
@@ -52,16 +51,10 @@ def test_the_cudnn_backend_is_handed_the_steps_blocks_per_selection(monkeypatch)
                                 cudnn_paged.no_delta, forward, backward, sparse_block_group=True)
     model = build_tiny_model("qwen2", seed=43, num_hidden_layers=2)
     ids = random_ids(1, 96, seed=43)
-    results = {}
-    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
-        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
-        model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(budget=2,
-                                                                                                     query_block_pages=2))
-        results[name] = (oomb.forward_backward(model, ids, None, config), grads(model))
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                             sparse=SparseConfig(budget=2, query_block_pages=2))
+    assert_step_matches_torch(monkeypatch, stand_in, model, ids, config)
     assert seen and set(seen) == {2}
-    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
-    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
 
 
 @pytest.mark.parametrize("groups, num_queries, in_order", [
@@ -194,14 +187,12 @@ def test_sparse_documents_step_on_the_stand_in_matches_the_torch_backend(monkeyp
     """A whole sparse step with packed documents (two rows; documents starting inside pages and chunks,
     one shorter than the budget, a one-token one) through the cudnn backend's code equals the torch
     backend's."""
-    from helpers import build_tiny_model, grads, random_ids, relative_error
-    from test_cudnn_paged import DOC_MATH, MATH
+    from helpers import build_tiny_model, random_ids
+    from test_cudnn_paged import DOC_MATH, MATH, assert_step_matches_torch
 
     import oomb
-    import oomb.engine
     from oomb.attention import cudnn_paged
-    from oomb.attention.backend import TORCH_BACKEND, AttentionBackend
-    from oomb.kv.offload import HostSlabs
+    from oomb.attention.backend import AttentionBackend
 
     selected = cudnn_sparse.SelectedPagesAttention(MATH.kernel, windowed=DOC_MATH)
     stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
@@ -210,18 +201,10 @@ def test_sparse_documents_step_on_the_stand_in_matches_the_torch_backend(monkeyp
     model = build_tiny_model("qwen2", seed=44, num_hidden_layers=2)
     ids = random_ids(2, 200, seed=44)
     cu = [[0, 13, 14, 90, 130, 200], [0, 70, 75, 76, 181, 200]]
-    results = {}
-    for name, backend in (("torch", TORCH_BACKEND), ("stand-in", stand_in)):
-        monkeypatch.setattr(oomb.engine, "select_backend", lambda *_, b=backend, **__: b)
-        model.zero_grad(set_to_none=True)
-        config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
-                                 sparse=oomb.SparseConfig(budget=2, query_block_pages=query_block_pages),
-                                 offload=OffloadConfig(enabled=offload))
-        slabs = HostSlabs(pin=False) if offload else None
-        results[name] = (oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
-                         grads(model))
-    torch.testing.assert_close(results["stand-in"][0], results["torch"][0], rtol=1e-5, atol=0)
-    assert relative_error(results["stand-in"][1], results["torch"][1]) <= 1e-5
+    config = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                             sparse=oomb.SparseConfig(budget=2, query_block_pages=query_block_pages),
+                             offload=OffloadConfig(enabled=offload))
+    assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, cu_seqlens=cu)
 
 
 @pytest.mark.gpu

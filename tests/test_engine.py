@@ -12,11 +12,11 @@ from helpers import (
     grads,
     hf_step,
     load_model,
+    lora_model,
     random_ids,
     relative_error,
     save_tiny_model,
 )
-from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oomb
@@ -148,20 +148,9 @@ def test_ignored_spans_case_has_chunks_without_counted_targets():
     assert no_target == [1, 4]
 
 
-def _lora(model, target_modules, dropout=0.0, **options):
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=target_modules, **options)
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # B starts at zero: make it nonzero so A gets a gradient too
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return peft_model
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_gradients_match_and_base_weights_get_none(model_dirs, family):
-    peft_model = _lora(load_model(family, model_dirs[family]), ["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft_model = lora_model(load_model(family, model_dirs[family]), ["q_proj", "k_proj", "v_proj", "o_proj"])
     ids, labels = CASES["ragged"].inputs(seed=1)
     labels[:, 100:170] = -100
     got = _assert_matches_hf(peft_model, ids, labels, CASES["ragged"].config())
@@ -178,7 +167,7 @@ def test_lora_gradients_match_and_base_weights_get_none(model_dirs, family):
 )
 def test_lora_on_some_modules(model_dirs, target_modules, layers):
     """Layers whose q, k or v need no gradient: the attention Function sees mixed requires_grad."""
-    peft_model = _lora(load_model("qwen3", model_dirs["qwen3"]), target_modules, layers_to_transform=layers)
+    peft_model = lora_model(load_model("qwen3", model_dirs["qwen3"]), target_modules, layers_to_transform=layers)
     case = CASES["ragged"]
     ids, labels = case.inputs(seed=14)
     got = _assert_matches_hf(peft_model, ids, labels, case.config())
@@ -190,7 +179,7 @@ def test_lora_dropout_is_replayed_in_stage_two(model_dirs, monkeypatch, checkpoi
     """In train mode with LoRA dropout, stage 2 recomputes exactly the K, V that stage 1 stored. Compiled layers
     with an active dropout are refused (with replay their stage 2 ran eager; without, bf16 adapters split
     stage 2's graphs at the float32-gradient linears: either way other masks were drawn)."""
-    peft_model = _lora(load_model("llama", model_dirs["llama"]), ["k_proj", "v_proj"], dropout=0.3)
+    peft_model = lora_model(load_model("llama", model_dirs["llama"]), ["k_proj", "v_proj"], dropout=0.3)
     peft_model.train()
     stored, compared = {}, []
     real_write, real_attention = PagedKVStore.write, oomb.models.paged_attention

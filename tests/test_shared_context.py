@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_tiny_model, grads, random_ids, relative_error
-from peft import LoraConfig, get_peft_model
+from helpers import build_tiny_model, grads, lora_model, random_ids, relative_error
 
 import oomb
 from oomb import OOMBConfig, SparseConfig
@@ -24,6 +23,7 @@ TOLERANCE = 1e-5
 CHUNK, PAGE = 32, 8
 CONTEXT = 2 * CHUNK + 13  # several chunks, ending mid-page (77 tokens: trunk 64, tail 13)
 LENGTHS = (1, 5, 2 * CHUNK + 3)  # one token to several chunks
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def _config(**sections) -> OOMBConfig:
@@ -91,23 +91,16 @@ def _hf_documents_step(model, ids, labs, position_ids):
     return total.detach()
 
 
-def _lora(model):
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # B starts at zero: make it nonzero so A gets a gradient too
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return peft_model
+def _step(model, run):
+    """(loss, gradients) of ``run`` from zeroed gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = run()
+    return loss, grads(model)
 
 
 def _compare(model, run, reference):
-    model.zero_grad(set_to_none=True)
-    want_loss = reference()
-    want = grads(model)
-    model.zero_grad(set_to_none=True)
-    got_loss = run()
-    got = grads(model)
+    want_loss, want = _step(model, reference)
+    got_loss, got = _step(model, run)
     assert torch.allclose(got_loss, want_loss, rtol=TOLERANCE, atol=0), (got_loss, want_loss)
     error = relative_error(got, want)
     assert error <= TOLERANCE, error
@@ -159,7 +152,7 @@ def test_context_lengths_no_trunk_and_chunk_boundaries(context):
 
 
 def test_lora_default_loss_equals_hf():
-    model = _lora(build_tiny_model("llama", seed=6))
+    model = lora_model(build_tiny_model("llama", seed=6), LORA_TARGETS)
     context, conts = _inputs()
     _compare(model, lambda: oomb.shared_context_backward(model, context, conts, config=_config()),
              lambda: hf_batch_step(model, context, conts))
@@ -241,7 +234,7 @@ def test_dpo_loss_equals_trl_and_its_gradient_hf():
 def test_grpo_loss_equals_trl_and_its_gradient_hf():
     """A group of completions of one prompt with their advantages, clipping active (old log-probabilities of
     other weights) and a KL term to a reference model."""
-    model = _lora(build_tiny_model("qwen2", seed=12))
+    model = lora_model(build_tiny_model("qwen2", seed=12), LORA_TARGETS)
     old_model, reference_model = build_tiny_model("qwen2", seed=13), build_tiny_model("qwen2", seed=14)
     context, conts = _inputs(lengths=(6, 1, CHUNK + 5))
     labels = _masked_labels(conts)
@@ -265,12 +258,8 @@ def test_grpo_loss_equals_trl_and_its_gradient_hf():
 
 
 def _bitwise(model, run_a, run_b):
-    model.zero_grad(set_to_none=True)
-    loss_a = run_a()
-    grads_a = grads(model)
-    model.zero_grad(set_to_none=True)
-    loss_b = run_b()
-    grads_b = grads(model)
+    loss_a, grads_a = _step(model, run_a)
+    loss_b, grads_b = _step(model, run_b)
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
