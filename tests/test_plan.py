@@ -8,6 +8,7 @@ from transformers import Qwen2Config
 
 from oomb import cli
 from oomb.config import ATTENTION_MODES, OOMBConfig, PerformanceConfig, PrecisionConfig, SparseConfig
+from oomb.planning.fit import SAFETY_MARGIN
 from oomb.planning.memory import (
     GIB,
     MODES,
@@ -292,9 +293,33 @@ def test_cli_errors(capsys, tmp_path):
     assert "config.json cannot be read" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny-qwen2", "--chunk-size", "1000", "--gpu-gib", "8", "--host-gib", "8"]) == 2
     assert "multiple of page_size" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny-qwen2", "--device", "cpu", "--tp", "2", "--host-gib", "8"]) == 2
+    assert "one process" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert cli.main(["plan", "--model", "tiny-qwen2", "--host-gib", "8"]) == 2
+        assert cli.main(["plan", "--model", "tiny-qwen2", "--device", "cuda", "--host-gib", "8"]) == 2
         assert "--gpu-gib" in capsys.readouterr().err
+
+
+def test_a_cpu_plans_the_step_oomb_train_runs_there(capsys):
+    """Without a CUDA device (or with --device cpu) `oomb plan` plans a CPU step: the chooser's plan with every
+    term in host memory, as `oomb train` runs it there, and the longest context per mode."""
+    from oomb.planning.choose import Resources, Workload, choose_config
+
+    args = ["plan", "--model", "tiny-qwen2", "--context", "8K", "--host-gib", "8", "--device", "cpu"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "step on this CPU" in out and "float32" in out and "oomb train would run (dense attention" in out
+    assert "pages in host memory" in out and "longest context oomb train fits here" in out
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    shape = load_model_shape("tiny-qwen2")
+    want = choose_config(Workload(shape, 8192, 1, torch.float32, may_compile=False),
+                         Resources("cpu", None, int(8 * GIB * (1 - SAFETY_MARGIN))), {"attention": "dense"})
+    assert report["device"] == "cpu" and report["choice"]["chunk_size"] == want.config.chunk_size
+    assert report["choice"]["performance.checkpoint_layers"] == want.config.performance.checkpoint_layers
+    assert report["longest"]["dense"] > 8192
+    assert cli.main([*args[:-2], "--host-gib", "0.001", "--device", "cpu"]) == 1  # nothing fits: says so
+    assert "nothing fits" in capsys.readouterr().out
 
 
 def test_hint_names_the_faster_setting_only_where_it_fits():

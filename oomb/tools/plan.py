@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli_options import add_option
+from .. import machine
+from ..cli_options import add_option, resolve_model
 from ..compiled_layers import can_compile, compile_problem
 from ..config import (
     ATTENTION_MODES,
@@ -79,7 +80,7 @@ def model_config(model: str):
     (nothing downloaded)."""
     if model in presets.PRESETS:
         return preset_config(model)
-    path = Path(model)
+    path = Path(resolve_model(model))  # smollm2: the real model, converted once
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(presets.PRESETS)}) "
                          "nor a local directory with a config.json")
@@ -452,6 +453,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", "--seq-len", dest="context", type=parse_tokens, default=DEFAULT_CONTEXT,
                         help="tokens per sequence, e.g. 131072, 128K, 1M (default 128K)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="plan a GPU step or a CPU one (every term in host memory; the chooser's plan as `oomb "
+                             "train` runs it there); auto: cuda where --gpu-gib is given or a CUDA device is found")
     parser.add_argument("--gpu-gib", type=float, help="GPU size in GiB (default: this machine's CUDA device)")
     parser.add_argument("--gpu", default=None, metavar="NAME",
                         help="the GPU kind for predicted step times, e.g. H100 or H200 (default: this machine's)")
@@ -459,7 +463,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--margin", type=float, default=SAFETY_MARGIN, help="fraction of each memory kept free")
     group = parser.add_argument_group("training")
     group.add_argument("--batch-size", type=int, default=setup.batch_size)
-    group.add_argument("--dtype", default="bfloat16", help="weights, activations and K/V pages")
+    group.add_argument("--dtype", help="weights, activations and K/V pages (default: bfloat16 on a GPU, float32 on a "
+                                       "CPU, as `oomb train`)")
     group.add_argument("--optimizer", choices=["adamw", "none"], default=setup.optimizer)
     group.add_argument("--master-weights", action="store_true", help="fp32 master copy of trainable weights")
     group.add_argument("--tp", type=int, default=1,
@@ -534,7 +539,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     config = OOMBConfig(chunk_size=args.chunk_size or defaults.chunk_size, page_size=args.page_size,
                         attention=args.attention, sparse=sparse, offload=offload, performance=performance,
                         precision=precision)
-    setup = TrainingSetup(resolve_dtype(args.dtype, "dtype"), args.batch_size, args.optimizer,
+    setup = TrainingSetup(resolve_dtype(args.dtype or "bfloat16", "dtype"), args.batch_size, args.optimizer,
                           args.master_weights, args.lora_rank, context_parallel=args.cp)
     modes = args.modes
     if args.cp > 1:  # context parallelism is oomb's (every mode but plain HF); the chooser does not plan it yet
@@ -547,8 +552,67 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return make_plan(args.model, shape, args.context, budget, config, setup, modes, fixed, args.gpu)
 
 
+def plan_device(args: argparse.Namespace) -> str:
+    """"cuda" or "cpu": --device, or for auto cuda where the GPU's size is given or a CUDA device is found."""
+    if args.device != "auto":
+        return args.device
+    return "cuda" if args.gpu_gib is not None or machine.detect_gpu() is not None else "cpu"
+
+
+def cpu_plan(args: argparse.Namespace) -> tuple[str, dict, bool]:
+    """A CPU step as `oomb train` runs it there (text, JSON, fits): the chooser's plan with every term of the
+    step in host memory (no offload, no GPU), and the longest context per attention mode."""
+    if args.tp > 1 or args.cp > 1:
+        raise ValueError("--tp and --cp plan several GPUs: a CPU step runs in one process (use --device cuda)")
+    shape = load_model_shape(args.model)
+    dtype = resolve_dtype(args.dtype or "float32", "dtype")
+    if args.host_gib is not None:
+        host_bytes, source = int(args.host_gib * GIB), "given"
+    else:
+        host_bytes, source = machine.host_available_bytes(), "detected: MemAvailable"
+        if host_bytes is None:
+            raise ValueError("cannot read MemAvailable from /proc/meminfo: give the host RAM with --host-gib")
+    host_limit = int(host_bytes * (1 - args.margin))
+    setup = TrainingSetup(dtype, args.batch_size, args.optimizer, args.master_weights, args.lora_rank)
+    kernels = dict(_step_kernels(args.model, shape, setup), may_compile=False)  # compiled layers: CUDA only
+    workload = Workload(shape, args.context, args.batch_size, dtype, args.lora_rank, args.optimizer,
+                        args.master_weights, fp32_targets=args.master_weights, **kernels)
+    resources = Resources("cpu", None, host_limit)
+    given = {"chunk_size": args.chunk_size, "precision.kv_grad_dtype": args.kv_grad_dtype,
+             "performance.checkpoint_layers": args.checkpoint_layers,
+             "performance.recompute_logits": args.recompute_logits}
+    fixed = {k: v for k, v in given.items() if v is not None}
+    fixed.update({"attention": args.attention, "page_size": args.page_size,
+                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
+    fixed = fixed_from_options(fixed)
+    training = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tuning"
+    lines = [f"oomb plan: {args.model}: {shape.num_params() / 1e9:.2f} B parameters, {shape.num_layers} layers",
+             f"step on this CPU: {args.context:,} tokens ({format_tokens(args.context)}) x batch {args.batch_size}, "
+             f"{_dtype(dtype)}, {training}, {args.optimizer}; every term of the step is host memory",
+             f"budget: host {host_bytes / GIB:.1f} GiB ({source}) -> {host_limit / GIB:.1f} GiB usable "
+             f"({args.margin:.0%} margin)", ""]
+    report: dict = {"device": "cpu", "model": args.model, "tokens": args.context, "host_limit": host_limit}
+    try:
+        choice = choose_config(workload, resources, fixed)
+        lines += [f"oomb train would run ({args.attention} attention, options you set kept):", choice.describe()]
+        report["choice"] = _choice_to_dict(choice)
+    except NoConfigFitsError as err:
+        choice = None
+        lines.append(f"nothing fits: {err}")
+        report["choice_error"] = str(err)
+    longest = {mode: longest_context(workload, resources, {**fixed, "attention": mode}) for mode in ATTENTION_MODES}
+    lines.append("longest context oomb train fits here, by its chooser: " + ", ".join(
+        f"{mode} {tokens:,} tokens (~{tokens / 2**20:.2f}M)" for mode, tokens in longest.items()))
+    report["longest"] = longest
+    return "\n".join(lines), report, choice is not None
+
+
 def main(args: argparse.Namespace) -> int:
     """Print the plan; exit code 0 when an implemented mode fits, 1 otherwise."""
+    if plan_device(args) == "cpu":
+        text, report, fits = cpu_plan(args)
+        print(json.dumps(report, indent=2) if args.json else text)
+        return 0 if fits else 1
     plan = plan_from_args(args)
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
     return 0 if any(r.fits and r.status == "implemented" for r in plan.reports) else 1
