@@ -37,3 +37,16 @@ def resolve_model(name: str) -> str:
 
         return str(smollm2_dir())
     return name
+
+
+def parse_read_share(text: str) -> float | str:
+    """--sparse-read-share: a share of the history in (0, 1], or "none" (the fixed budget) / "auto"."""
+    if text.lower() in ("none", "auto"):
+        return text.lower()
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share (e.g. 0.35), 'none' or 'auto'") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
+    return share

@@ -104,6 +104,17 @@ def test_print_config_applies_flags(capsys):
     assert printed["model"]["preset"] == "qwen2.5-7b" and printed["data"]["seq_len"] == 1 << 20
 
 
+def test_sparse_read_share_flag(capsys):
+    """--sparse-read-share sets oomb.sparse.read_share: a share, "none" (null: the fixed budget) or "auto"; a
+    value outside (0, 1] is refused by the parser."""
+    for flag, want in (("0.5", 0.5), ("none", None), ("auto", "auto")):
+        assert cli_main(["train", "--attention", "sparse", "--sparse-read-share", flag, "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["oomb"]["sparse"]["read_share"] == want
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--sparse-read-share", "2", "--print-config"])
+    assert "(0, 1]" in capsys.readouterr().err
+
+
 def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
     """Each oomb option left auto carries what it resolves to on this machine, and the chooser's plan follows
     as comments; the output still loads as the same config (those options left auto again)."""

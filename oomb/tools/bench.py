@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..cli_options import add_option
+from ..cli_options import add_option, parse_read_share
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
@@ -114,6 +114,8 @@ class BenchOptions:
     """Sparse modes: query blocks sharing one selection (OOMBConfig.sparse.query_block_pages)."""
     sparse_budget: int = SparseConfig.budget
     """Sparse modes: history pages each query block reads besides the sinks (OOMBConfig.sparse.budget)."""
+    sparse_read_share: float | str | None = "auto"
+    """Sparse modes: the share of each block's history read at least (OOMBConfig.sparse.read_share)."""
     sparse_pooling: str = SparseResearch.pooling
     """Sparse modes: how a block's score rows combine (OOMBConfig.sparse.research.pooling)."""
     sparse_score: str = SparseConfig.score
@@ -180,7 +182,7 @@ class BenchOptions:
                                   rerank_candidates=self.sparse_rerank_candidates,
                                   candidate_pooling=self.sparse_candidate_pooling,
                                   normaliser_pages=self.sparse_normaliser_pages)
-        sparse = SparseConfig(budget=self.sparse_budget, score=self.sparse_score,
+        sparse = SparseConfig(budget=self.sparse_budget, read_share=self.sparse_read_share, score=self.sparse_score,
                               query_block_pages=self.sparse_query_block_pages, research=research)
         performance = PerformanceConfig(backend=self.backend, checkpoint_layers=self.checkpoint_layers,
                                         recompute_logits=self.recompute_logits, compile_layers=self.compile_layers,
@@ -674,6 +676,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-budget", type=int,
                         help=f"sparse modes: history pages per query block, besides the sinks "
                              f"(default {d.sparse_budget})")
+    parser.add_argument("--sparse-read-share", type=parse_read_share, metavar="SHARE",
+                        help="sparse modes: the share of each block's history read at least, 'none' for the fixed "
+                             "budget (default auto: 0.35 over the default budget, none over any other)")
     parser.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help=f"default {d.sparse_pooling}")
     parser.add_argument("--sparse-score", choices=SPARSE_SCORES, help=f"default {d.sparse_score}")
     parser.add_argument("--sparse-rerank-factor", type=int,
@@ -706,7 +711,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("preset", "contexts", "modes", "device", "chunk_size", "page_size", "kv_grad_dtype", "backend",
                  "deterministic", "fp32_grad_accumulation", "keep_attention_outputs", "offload_resident_layers",
                  "sparse_query_block_pages",
-                 "sparse_budget",
+                 "sparse_budget", "sparse_read_share",
                  "sparse_pooling", "sparse_score", "sparse_rerank_factor", "sparse_rerank_candidates",
                  "sparse_candidate_pooling", "warmup_tokens", "progress",
                  "max_seconds", "seed", "threads", "out_dir", "name"):
@@ -715,6 +720,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if values.get("sparse_read_share") == "none":  # the fixed budget
+        values["sparse_read_share"] = None
     if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
         values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
     if values.get("compile_layers") is True:  # compiled layers run without replay (performance.compile_layers)

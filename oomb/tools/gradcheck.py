@@ -37,6 +37,7 @@ import transformers
 from ..cli_options import REAL_MODEL, add_option, resolve_model
 from ..config import (
     CANDIDATE_POOLINGS,
+    DEFAULT_BUDGET,
     NORMALISER_PAGES,
     RERANK_CANDIDATES,
     SPARSE_POOLINGS,
@@ -231,15 +232,13 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
               "sparse.dense_layers": dense_layers}
     probe = base.with_options(common)
     reads = {budget_for_read(num_tokens, probe, read, num_layers): read for read in options.reads}
-    # (budget label, the budget, read share, target read): the budgets asked (read share "auto", as OOMBConfig
-    # resolves it: the default budget is the default share's floor) and the fixed ones found for --reads, then
-    # the --read-shares arms (budget 0: the share alone decides)
+    # (budget label, the fixed budget, read share, target read): the budgets asked and found for --reads, then
+    # the --read-shares arms over the default budget as their floor (--read-shares 0.35: the defaults)
     if layer_budgets is not None:
         sizes = [("per layer", max(layer_budgets), None, None)]
     else:
-        sizes = [(b, b, "auto" if b in options.budgets else None, reads.get(b))
-                 for b in dict.fromkeys([*options.budgets, *reads])]
-    sizes += [(f"share {share}", 0, share, share) for share in options.read_shares]
+        sizes = [(b, b, None, reads.get(b)) for b in dict.fromkeys([*options.budgets, *reads])]
+    sizes += [(f"share {share}", DEFAULT_BUDGET, share, share) for share in options.read_shares]
     arms = []
     for score, pooling, (label, budget, share, target) in itertools.product(options.scores, options.poolings, sizes):
         rerank = score == "rerank"
@@ -457,8 +456,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. 0.01 0.03 0.1 0.25); with --scores auto exact: the defaults and the oracle "
                              "at equal reads")
     parser.add_argument("--read-shares", type=float, nargs="+", default=d.read_shares, metavar="SHARE",
-                        help="also run, per score, sparse_read_share at these shares (every query block reads the "
-                             "share of its history): against --reads' fixed budgets at equal reads")
+                        help="also run, per score, sparse.read_share at these shares over the default budget (every "
+                             "query block reads the share of its history; 0.35 is the defaults): against --reads' "
+                             "and --sparse-budget's fixed budgets at equal reads")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                         help="after the comparisons, train this many dense LoRA steps on the text that follows "
                              "the measured sequence (a short context extension at --seq-len), then compare again")

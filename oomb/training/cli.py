@@ -13,7 +13,7 @@ import sys
 import torch
 import yaml
 
-from ..cli_options import REAL_MODEL, resolve_model
+from ..cli_options import REAL_MODEL, parse_read_share, resolve_model
 from ..config import (
     ATTENTION_MODES,
     BACKENDS,
@@ -95,7 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction,
                        help="oomb.performance.keep_attention_outputs")
     sparse = parser.add_argument_group("sparse attention (with --attention sparse; docs/sparse.md)")
-    sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse.budget: history pages per query block")
+    sparse.add_argument("--sparse-budget", type=int, help="oomb.sparse.budget: history pages per query block (a "
+                                                          "budget set here stays fixed unless --sparse-read-share "
+                                                          "is given too)")
+    sparse.add_argument("--sparse-read-share", type=parse_read_share, metavar="SHARE",
+                        help="oomb.sparse.read_share: the share of each block's history read at least (e.g. 0.35, "
+                             "the default over the default budget), 'none' for the fixed budget, or 'auto'")
     sparse.add_argument("--sparse-sink-pages", type=int, help="oomb.sparse.sink_pages")
     sparse.add_argument("--sparse-score", choices=SPARSE_SCORES, help="oomb.sparse.score")
     sparse.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help="oomb.sparse.research.pooling")
@@ -129,13 +134,17 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.performance.recompute_logits", args.recompute_logits),
              ("oomb.performance.keep_attention_outputs", args.keep_attention_outputs),
              *((f"oomb.{FLAT_KEYS[name]}", getattr(args, name)) for name in SPARSE_FLAGS)]
+    if args.sparse_read_share is not None:  # "none" sets null: the fixed budget
+        pairs.append(("oomb.sparse.read_share", None if args.sparse_read_share == "none" else args.sparse_read_share))
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
         pairs.append(("lora.enabled", True))
     if args.overwrite:
         pairs.append(("train.overwrite", True))
-    return [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
+    return [f"{key}={json.dumps(value)}" for key, value in pairs
+            if value is not None or key == "oomb.sparse.read_share"]
+
 
 
 def annotated_config(config: TrainerConfig) -> str:
