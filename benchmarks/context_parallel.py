@@ -94,14 +94,14 @@ def main() -> None:
     def step(m, ids):
         return float(forward_backward(m, ids, config=config, parallel=setup, host_slabs=slabs))
 
-    real_make_store = oomb.engine._make_store
+    real_make_store = oomb.engine.make_step_store
 
     def make_store(*a, **k):  # records the pages each step's store allocated on this rank
         store = real_make_store(*a, **k)
         pages.append(store.pool.capacity)
         return store
 
-    oomb.engine._make_store = make_store
+    oomb.engine.make_step_store = make_store
     report = base_report(f"oomb {args.attention} step, context parallel", args, dtype, device, weights, cp=cp,
                          tp=args.tp, cp_one_path=args.cp_one_path, backend=args.backend, attention=args.attention,
                          offload=args.offload)

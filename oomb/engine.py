@@ -121,7 +121,7 @@ def forward_backward(
     causal_lm = unwrap_causal_lm(model)
     parallel = check_setup(model, parallel, grad_targets, config)
     device = causal_lm.get_input_embeddings().weight.device
-    input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
+    input_ids, labels = validated_inputs(causal_lm, input_ids, labels, device)
     compile_layers = resolve_compile_layers(config, device, parallel, causal_lm)  # may refuse: before any page
     batch, num_tokens = input_ids.shape
     documents = resolve_documents(position_ids, cu_seqlens, (batch, num_tokens), device)
@@ -138,7 +138,7 @@ def forward_backward(
         raise ValueError("keep_attention_outputs=True is not supported with context parallelism")
     backend, split_documents, windows = attention_setup(causal_lm, config, device, num_tokens, documents,
                                                         context_parallel=context_parallel)
-    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
+    store = make_step_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs, parallel)
     bounds = step_window_bounds(windows, split_documents, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, split_documents)
     decoder = causal_lm.get_decoder()
@@ -175,7 +175,7 @@ def forward_backward(
         return out.last_hidden_state, getattr(out, "router_logits", None)
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
-    rng_after_step = _rng_state(device)  # replaced once stage 1 has drawn its random numbers
+    rng_after_step = rng_state(device)  # replaced once stage 1 has drawn its random numbers
     try:
         with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers):
             # Stage 1: fill the pages. Each chunk's RNG state is kept so that stage 2 replays the
@@ -183,21 +183,21 @@ def forward_backward(
             rng_states = []
             with torch.no_grad(), layer_checkpointing(decoder, False):
                 for chunk in chunks:
-                    rng_states.append(_rng_state(device))
+                    rng_states.append(rng_state(device))
                     store.allocate(chunk)
                     _, router_logits = run_chunk(chunk, Stage.FILL)
                     store.finish_fill(chunk)  # window layers: free the pages no later chunk reads
                     if router_loss is not None:  # the counts of every chunk, before any chunk's loss
                         router_loss.observe(router_logits)
                     chunk_done()
-            rng_after_step = _rng_state(device)
+            rng_after_step = rng_state(device)
 
             # Stage 2: recompute in reverse with grad; attention backward feeds the page gradients.
             with gradient_routing(model, config, parallel, compile_layers, grad_targets) as routing:
                 for chunk in reversed(chunks):
                     # Reduce once, in the last backward (of the last step of an accumulation).
                     parallel.set_gradient_sync(model, sync_gradients and chunk.index == 0)
-                    _set_rng_state(device, rng_states[chunk.index])
+                    set_rng_state(device, rng_states[chunk.index])
                     store.refill(chunk)  # window layers: pages for the recomputed k, v (kv/store.py)
                     hidden, router_logits = run_chunk(chunk, Stage.GRAD)
                     # The loss's own backward follows at once, unscaled: a trained head's weight gradient can be
@@ -216,7 +216,7 @@ def forward_backward(
     finally:
         if kept_outputs is not None:
             kept_outputs.clear()  # after an error, stage 1's outputs stage 2 did not reach
-        _set_rng_state(device, rng_after_step)
+        set_rng_state(device, rng_after_step)
         bar.close()
         store.free_all()
         parallel.set_gradient_sync(model, True)
@@ -348,9 +348,10 @@ def _backward_without_loss(hidden: torch.Tensor) -> None:
         (hidden * 0).sum().backward()
 
 
-def _validated_inputs(
+def validated_inputs(
     causal_lm, input_ids: torch.Tensor, labels: torch.Tensor | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) as a step takes them: checked, batched, on ``device``; labels default to the ids."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dim() == 1:
@@ -381,11 +382,12 @@ def _validated_inputs(
     return input_ids.to(device=device, dtype=torch.long), labels.to(device=device, dtype=torch.long)
 
 
-def _make_store(
+def make_step_store(
     causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device, sparse: SparseConfig | None,
     host_slabs: HostSlabs | None = None,
     parallel: ParallelSetup | None = None,
 ) -> PagedKVStore:
+    """The step's page store: on the GPU, or with offload in ``host_slabs``; checked to fit before allocating."""
     options = store_options(causal_lm, batch, num_tokens, config, device, sparse, parallel)
     context = options["context"]
     own_tokens = num_tokens if context is None else context.owned_pages(num_tokens, config.page_size) * config.page_size
@@ -445,12 +447,14 @@ def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, hos
     check_pages_fit(shape, config, gpu_free, host_free)
 
 
-def _rng_state(device: torch.device) -> tuple:
+def rng_state(device: torch.device) -> tuple:
+    """The CPU and (on CUDA) device random states: stage 2 replays each chunk's stage-1 dropout masks."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(device: torch.device, state: tuple) -> None:
+def set_rng_state(device: torch.device, state: tuple) -> None:
+    """Restore a state taken by rng_state."""
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:

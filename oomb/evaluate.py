@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import OOMBConfig
-from .engine import _make_store, _validated_inputs, attention_setup, set_history_starts
+from .engine import attention_setup, make_step_store, set_history_starts, validated_inputs
 from .kv import ChunkSpan, split_into_chunks
 from .kv.offload import HostSlabs
 from .loss import IGNORE_INDEX, shift_labels
@@ -62,11 +62,11 @@ def run_stage_one(model: torch.nn.Module, input_ids: torch.Tensor, on_chunk: Chu
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
     device = causal_lm.get_input_embeddings().weight.device
-    input_ids, _ = _validated_inputs(causal_lm, input_ids, None, device)
+    input_ids, _ = validated_inputs(causal_lm, input_ids, None, device)
     batch, num_tokens = input_ids.shape
     sparse = config.resolved_sparse()
     backend, _, windows = attention_setup(causal_lm, config, device, num_tokens, None)
-    store = _make_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
+    store = make_step_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
     chunks = split_into_chunks(num_tokens, config.chunk_size)
     bounds = step_window_bounds(windows, None, (batch, num_tokens), device)
     set_history_starts(store, chunks, windows, bounds, None)
@@ -151,7 +151,7 @@ def token_logprobs(
     config = config or OOMBConfig()
     causal_lm = unwrap_causal_lm(model)
     device = causal_lm.get_input_embeddings().weight.device
-    input_ids, labels = _validated_inputs(causal_lm, input_ids, labels, device)
+    input_ids, labels = validated_inputs(causal_lm, input_ids, labels, device)
     batch, num_tokens = input_ids.shape
     targets = shift_labels(labels)  # (B, T): position p predicts targets[:, p] = labels[:, p + 1]
     scored = (targets != IGNORE_INDEX).any(dim=0).cpu()  # (T,) on the host: which slices need the head

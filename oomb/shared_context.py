@@ -47,13 +47,13 @@ from .compiled_layers import compiled_layers, resolve_compile_layers
 from .config import OOMBConfig
 from .documents import Documents, resolve_documents
 from .engine import (
-    _make_store,
-    _rng_state,
-    _set_rng_state,
-    _validated_inputs,
     attention_setup,
     gradient_routing,
+    make_step_store,
+    rng_state,
     set_history_starts,
+    set_rng_state,
+    validated_inputs,
 )
 from .kv import ChunkSpan, split_into_chunks
 from .kv.offload import HostSlabs
@@ -198,7 +198,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                                   f"row (windows {sorted({w for w in windows if w is not None})}, rows up to "
                                   f"{num_tokens} tokens): use forward_backward on each row")
     sparse = config.resolved_sparse()
-    store = _make_store(causal_lm, 1, num_tokens, config, device, sparse, host_slabs, parallel)
+    store = make_step_store(causal_lm, 1, num_tokens, config, device, sparse, host_slabs, parallel)
     if hasattr(store, "prefetch_across_chunks"):  # offload: the chunks do not run in the two-stage order
         store.prefetch_across_chunks = False
     decoder = causal_lm.get_decoder()
@@ -218,7 +218,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                                           windows, {}, kept))
         return out.last_hidden_state
 
-    rng_next = _rng_state(device)  # where the next fresh stage-1 chunk continues the random stream
+    rng_next = rng_state(device)  # where the next fresh stage-1 chunk continues the random stream
 
     def fill(chunks: list[ChunkSpan], ids: torch.Tensor, documents: Documents | None, kept: KeptOutputs | None,
              replay: list | None = None, on_hidden: Callable[[ChunkSpan, torch.Tensor], None] | None = None) -> list:
@@ -229,12 +229,12 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
         with torch.no_grad(), layer_checkpointing(decoder, False):
             for i, chunk in enumerate(chunks):
                 states.append(replay[i] if replay is not None else rng_next)
-                _set_rng_state(device, states[-1])
+                set_rng_state(device, states[-1])
                 store.allocate(chunk)
                 hidden = run(chunk, Stage.FILL, ids, documents, kept)
                 store.finish_fill(chunk)
                 if replay is None:
-                    rng_next = _rng_state(device)
+                    rng_next = rng_state(device)
                 if on_hidden is not None:
                     on_hidden(chunk, hidden)
         return states
@@ -271,7 +271,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                     row.rng_states = fill(row.chunks, row.ids, row.documents, kept_outputs, row.rng_states)
                     with gradient_routing(model, config, parallel, compile_layers) as routing:
                         for chunk in reversed(row.chunks):
-                            _set_rng_state(device, row.rng_states[chunk.index - len(trunk)])
+                            set_rng_state(device, row.rng_states[chunk.index - len(trunk)])
                             store.refill(chunk)
                             hidden = run(chunk, Stage.GRAD, row.ids, row.documents, kept_outputs)
                             targets = row.targets[:, chunk.start:chunk.end]
@@ -290,7 +290,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
             store.document_starts = None if trunk_documents is None else trunk_documents.start_cpu
             with gradient_routing(model, config, parallel, compile_layers) as routing:
                 for chunk in reversed(trunk):
-                    _set_rng_state(device, trunk_states[chunk.index])
+                    set_rng_state(device, trunk_states[chunk.index])
                     store.refill(chunk)
                     hidden = run(chunk, Stage.GRAD, context, context_documents, kept_outputs)
                     loss = hidden.new_zeros((), dtype=torch.float32)  # loss_fn: no context label
@@ -304,7 +304,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
     finally:
         if kept_outputs is not None:
             kept_outputs.clear()
-        _set_rng_state(device, rng_next)
+        set_rng_state(device, rng_next)
         store.free_all()
     assert store.is_empty, "page store not empty after the step"
     return total_loss
@@ -329,7 +329,7 @@ def _validated_context(causal_lm, context_ids: torch.Tensor, context_labels: tor
     if isinstance(context_ids, torch.Tensor) and context_ids.dim() == 2 and context_ids.shape[0] != 1:
         raise NotImplementedError(f"one context a call: context_ids has {context_ids.shape[0]} rows; call "
                                   "shared_context_backward once per context")
-    context, labels = _validated_inputs(causal_lm, context_ids, context_labels, device)
+    context, labels = validated_inputs(causal_lm, context_ids, context_labels, device)
     if context_labels is None:
         labels = torch.full_like(context, IGNORE_INDEX)
     return context, labels
@@ -348,7 +348,7 @@ def _make_rows(causal_lm, context: torch.Tensor, context_labels: torch.Tensor, d
         if not isinstance(continuation, torch.Tensor) or continuation.numel() == 0 or \
                 continuation.dim() > 2 or (continuation.dim() == 2 and continuation.shape[0] != 1):
             raise ValueError(f"continuation {i} must be a non-empty (n,) or (1, n) token tensor")
-        ids, own_labels = _validated_inputs(causal_lm, continuation.reshape(-1),
+        ids, own_labels = validated_inputs(causal_lm, continuation.reshape(-1),
                                             None if labels is None else labels[i], device)
         row_ids = torch.cat([context, ids], dim=1)
         row_documents = None

@@ -73,7 +73,7 @@ class _StoreSpy:
 
     def __init__(self) -> None:
         self.stores = []
-        self._real = oomb.engine._make_store
+        self._real = oomb.engine.make_step_store
 
     def __enter__(self):
         def make_store(*args, **kwargs):
@@ -81,11 +81,11 @@ class _StoreSpy:
             self.stores.append(store)
             return store
 
-        oomb.engine._make_store = make_store
+        oomb.engine.make_step_store = make_store
         return self
 
     def __exit__(self, *exc) -> None:
-        oomb.engine._make_store = self._real
+        oomb.engine.make_step_store = self._real
 
 
 class _SelectionSpy:

@@ -659,8 +659,8 @@ def test_window_layers_pages_in_a_step(monkeypatch):
     the chunks before the current one (ceil(39 / 8) = 5 pages each) plus the current chunk's 8, not
     every page; global layers hold every page. The pool is sized for exactly that peak."""
     stores = []
-    real = oomb.engine._make_store
-    monkeypatch.setattr(oomb.engine, "_make_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    real = oomb.engine.make_step_store
+    monkeypatch.setattr(oomb.engine, "make_step_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
     oomb_step(build("gemma3_text", seed=9), random_ids(1, 192, seed=4),
               SHORT.with_options({"performance.loss_chunk_tokens": 64}))
     store, = stores
