@@ -93,12 +93,18 @@ NEAR_DENSE_LOSS_GAP = 0.005
 """The near-dense mark: gradient cosine >= 0.99 and loss within 0.5 % of dense."""
 
 
+READ_WEIGHT = 2.0
+"""A doubling of the share read counts as much as this many doublings of the length: the share read, more than
+the length, decides how close to dense a step is (docs/sparse.md, "Sparse at length")."""
+
+
 def nearest(seq_len: int, read: float, points: tuple[FidelityPoint, ...] = MEASURED) -> FidelityPoint | None:
-    """The measurement closest to (seq_len, read), distance in log2 of each (a doubling of either counts one)."""
+    """The measurement closest to (seq_len, read), distance in log2 of each (a doubling of the read weighing
+    READ_WEIGHT doublings of the length)."""
     if not points:
         return None
     return min(points, key=lambda p: math.hypot(math.log2(p.seq_len / seq_len),
-                                                math.log2(max(p.read, 1e-6) / max(read, 1e-6))))
+                                                READ_WEIGHT * math.log2(max(p.read, 1e-6) / max(read, 1e-6))))
 
 
 def describe(seq_len: int, config: OOMBConfig, num_layers: int) -> str:

@@ -43,6 +43,10 @@ def test_nearest_weighs_length_and_share_by_doublings():
     assert nearest(1 << 20, 0.016, points).setting == "b"
     assert nearest(16384, 0.3, points).setting == "a"
     assert nearest(1 << 20, 0.016, ()) is None
+    # the share read weighs more than the length: a plan reading 35 % at 1M is judged by 128K at 35 %, not by
+    # 512K at 10 %
+    assert nearest(1 << 20, 0.35).read == pytest.approx(0.351) and nearest(1 << 20, 0.35).seq_len == 131072
+    assert nearest(1 << 20, 0.016).seq_len == 524288  # a fixed 64 pages at 1M: 512K at 3.2 %
 
 
 def test_describe_states_the_share_and_the_measurement():
