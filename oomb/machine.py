@@ -7,6 +7,8 @@ long-lived process. Elsewhere the fallback is ``getrusage``'s lifetime maximum.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.metadata
 import os
 import platform
@@ -108,6 +110,27 @@ def peak_rss_bytes() -> int:
         return peak
     scale = 1 if sys.platform == "darwin" else KIB  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+HEAP_MMAP_THRESHOLD = 4 << 20
+"""Allocations from this size on get their own mapping, returned to the system when freed. glibc's default
+threshold rises to the largest block freed (up to 32 MiB on 64-bit), after which a CPU step's tensors come from
+the heap, which keeps freed memory: SmolLM2-135M LoRA at 8K peaked at 10.1 GB of RSS so, 3.6 GB with this
+threshold (2.6 GB with 64 KiB, but 27 % slower; 4 MiB took the same time), on a 2-core CPU."""
+
+
+def bound_heap_retention(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold (HEAP_MMAP_THRESHOLD) for this process, so a long CPU step's freed tensors go
+    back to the system instead of staying in the heap. True where it was set (Linux with glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return False
 
 
 def cpu_name() -> str:

@@ -199,6 +199,8 @@ class Trainer(Checkpointing):
             return
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
+        if self.device.type == "cpu":  # every term of a CPU step is host memory: give freed tensors back
+            machine.bound_heap_retention()
         if cfg.oomb.performance.keep_attention_outputs and cfg.parallel.cp > 1:
             raise ValueError("oomb.performance.keep_attention_outputs=true is not supported with context parallelism "
                              f"(parallel.cp={cfg.parallel.cp}): set one of them off")
