@@ -240,16 +240,13 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
         return states
 
     def set_row(row: _Row) -> None:
-        """Tell the store the row's document starts (trunk chunks' are the same in every row)."""
-        documents = _split(row.documents)
-        set_history_starts(store, row.chunks, windows, {}, documents)
-        store.document_starts = None if documents is None else documents.start_cpu
+        """Tell the store the row's history starts and document starts (trunk chunks' are the same in every row)."""
+        set_history_starts(store, row.chunks, windows, {}, _split(row.documents))
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
     try:
         with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers):
-            set_history_starts(store, trunk, windows, {}, trunk_documents)
-            store.document_starts = None if trunk_documents is None else trunk_documents.start_cpu
+            set_history_starts(store, trunk, windows, {}, trunk_documents)  # also the store's document starts
             trunk_states = fill(trunk, context, context_documents, kept_outputs)
             if loss_fn is not None or not backward:  # first pass: every row's log-probabilities, pages freed at once
                 logprobs = []
@@ -287,7 +284,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                             routing.backward(loss, hidden)
                             store.free(chunk)
             # The trunk's labels belong to every row: their loss counts once per continuation.
-            store.document_starts = None if trunk_documents is None else trunk_documents.start_cpu
+            set_history_starts(store, trunk, windows, {}, trunk_documents)
             with gradient_routing(model, config, parallel, compile_layers) as routing:
                 for chunk in reversed(trunk):
                     set_rng_state(device, trunk_states[chunk.index])
