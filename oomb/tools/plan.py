@@ -511,8 +511,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    defaults = OOMBConfig()
+def _fixed_from_args(args: argparse.Namespace) -> dict:
+    """The OOMBConfig options the command line sets, which the chooser keeps."""
     given = {"chunk_size": args.chunk_size, "precision.kv_grad_dtype": args.kv_grad_dtype,
              "performance.backend": args.backend, "offload.enabled": args.offload,
              "offload.resident_layers": args.resident_layers,
@@ -525,7 +525,12 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                   "page_size": args.page_size, "performance.loss_chunk_tokens": args.loss_chunk_tokens,
                   "precision.fp32_grad_accumulation": args.fp32_grad_accumulation,
                   "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
-    fixed = fixed_from_options(fixed)
+    return fixed_from_options(fixed)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    defaults = OOMBConfig()
+    fixed = _fixed_from_args(args)
     query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
     sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages)
     # The table's offloaded modes: these resident layers and blocks (the chooser decides its own, unless given).
@@ -578,13 +583,7 @@ def cpu_plan(args: argparse.Namespace) -> tuple[str, dict, bool]:
     workload = Workload(shape, args.context, args.batch_size, dtype, args.lora_rank, args.optimizer,
                         args.master_weights, fp32_targets=args.master_weights, **kernels)
     resources = Resources("cpu", None, host_limit)
-    given = {"chunk_size": args.chunk_size, "precision.kv_grad_dtype": args.kv_grad_dtype,
-             "performance.checkpoint_layers": args.checkpoint_layers,
-             "performance.recompute_logits": args.recompute_logits}
-    fixed = {k: v for k, v in given.items() if v is not None}
-    fixed.update({"attention": args.attention, "page_size": args.page_size,
-                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
-    fixed = fixed_from_options(fixed)
+    fixed = _fixed_from_args(args)
     training = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full fine-tuning"
     lines = [f"oomb plan: {args.model}: {shape.num_params() / 1e9:.2f} B parameters, {shape.num_layers} layers",
              f"step on this CPU: {args.context:,} tokens ({format_tokens(args.context)}) x batch {args.batch_size}, "
