@@ -209,6 +209,19 @@ def test_cli_table(capsys):
     assert "fits at 131,072 tokens with the options above: dense, hf" in capsys.readouterr().out
 
 
+def test_cli_named_gpu_plans_that_card_on_any_machine(capsys, monkeypatch):
+    """`oomb plan --gpu H100` on a machine without one plans the H100's GPU step (its size, its step times);
+    a kind of unknown size asks for --gpu-gib."""
+    monkeypatch.setattr("oomb.machine.detect_gpu", lambda *a, **k: None)
+    rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--host-gib", "120",
+                   "--lora", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert report["budget"]["gpu_bytes"] == int(79.6 * 2**30)
+    assert cli.main(["plan", "--model", "qwen2.5-7b", "--gpu", "A100", "--host-gib", "120"]) == 2
+    assert "--gpu A100: its size is not known here; give it with --gpu-gib" in capsys.readouterr().err
+
+
 def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):
     """`oomb plan --attention sparse` at 1M: what `oomb train` would run takes one selection per chunk
     with offload, and keeps --query-block-pages when given."""

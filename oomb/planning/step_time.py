@@ -63,6 +63,11 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4}
+"""Total memory of the measured kinds (H100 80GB: 81,559 MiB; H200: 143,771 MiB, as nvidia-smi reports them):
+the GPU size `oomb plan --gpu NAME` plans for on a machine without that card."""
+
+
 def gpu_kind(name: str | None) -> str | None:
     """"H100" or "H200" from a CUDA device name; None for any other device."""
     for kind in ("H200", "H100"):

@@ -62,6 +62,7 @@ from ..planning.memory import (
     summary_vectors,
 )
 from ..planning.model_shape import ModelShape
+from ..planning.step_time import GPU_MEMORY_GIB, gpu_kind
 from ..training import presets
 from ..training.config import LoraSection
 from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
@@ -455,10 +456,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="plan a GPU step or a CPU one (every term in host memory; the chooser's plan as `oomb "
-                             "train` runs it there); auto: cuda where --gpu-gib is given or a CUDA device is found")
+                             "train` runs it there); auto: cuda where --gpu or --gpu-gib is given or a CUDA device is "
+                             "found")
     parser.add_argument("--gpu-gib", type=float, help="GPU size in GiB (default: this machine's CUDA device)")
     parser.add_argument("--gpu", default=None, metavar="NAME",
-                        help="the GPU kind for predicted step times, e.g. H100 or H200 (default: this machine's)")
+                        help="the GPU kind planned for: its step times and, without --gpu-gib, its size (H100: the "
+                             "80GB card, H200); default: this machine's")
     parser.add_argument("--host-gib", type=float, help="host RAM for the step in GiB (default: MemAvailable)")
     parser.add_argument("--margin", type=float, default=SAFETY_MARGIN, help="fraction of each memory kept free")
     group = parser.add_argument_group("training")
@@ -552,16 +555,30 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--cp {args.cp} plans oomb's modes (plain HF has no context parallelism); got "
                              f"--modes {' '.join(args.modes)}")
         modes, fixed = [m for m in args.modes if m != "hf"], None
-    budget = Budget.detect(args.gpu_gib, args.host_gib, args.margin)
+    budget = Budget.detect(planned_gpu_gib(args), args.host_gib, args.margin)
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, modes, fixed, args.gpu)
 
 
+def planned_gpu_gib(args: argparse.Namespace) -> float | None:
+    """--gpu-gib, or the size of the kind --gpu names (an H100 planned on a laptop); None: this machine's GPU."""
+    if args.gpu_gib is not None or args.gpu is None:
+        return args.gpu_gib
+    kind = gpu_kind(args.gpu)
+    if kind is None:
+        if machine.detect_gpu() is not None:
+            return None
+        raise ValueError(f"--gpu {args.gpu}: its size is not known here; give it with --gpu-gib "
+                         f"(known: {', '.join(GPU_MEMORY_GIB)})")
+    return GPU_MEMORY_GIB[kind]
+
+
 def plan_device(args: argparse.Namespace) -> str:
-    """"cuda" or "cpu": --device, or for auto cuda where the GPU's size is given or a CUDA device is found."""
+    """"cuda" or "cpu": --device, or for auto cuda where a GPU is named or sized or a CUDA device is found."""
     if args.device != "auto":
         return args.device
-    return "cuda" if args.gpu_gib is not None or machine.detect_gpu() is not None else "cpu"
+    named = args.gpu_gib is not None or args.gpu is not None
+    return "cuda" if named or machine.detect_gpu() is not None else "cpu"
 
 
 def cpu_plan(args: argparse.Namespace) -> tuple[str, dict, bool]:
