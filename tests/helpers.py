@@ -190,15 +190,24 @@ def end_distributed_worker(barrier: bool = False) -> None:
     os._exit(0)
 
 
-def run_benchmark(name: str, argv: list[str], monkeypatch) -> None:
-    """Run benchmarks/NAME.py's main() in this process with ``argv`` (its smoke runs)."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str):
+    """A script of the repository (benchmarks/, examples/: not a package) imported as a module."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    path = ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_") + "_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [path.name, *argv])
+    return module
+
+
+def run_benchmark(name: str, argv: list[str], monkeypatch) -> None:
+    """Run benchmarks/NAME.py's main() in this process with ``argv`` (its smoke runs)."""
+    module = load_script(f"benchmarks/{name}.py")
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     module.main()
 
 

@@ -7,6 +7,7 @@ import queue
 
 import pytest
 import torch
+from helpers import load_script
 
 import oomb.tools.bench as bench
 from oomb import cli
@@ -254,19 +255,14 @@ def test_time_limit_extrapolates_dense_quadratically_and_sparse_linearly():
 
 def test_documents_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/documents.py on the tiny preset (CPU): every measurement runs and the JSON holds them."""
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "documents.py"
-    spec = importlib.util.spec_from_file_location("documents_benchmark", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("benchmarks/documents.py")
     lengths = script.document_lengths(2048, 256, 1024, 0)
     assert sum(lengths) == 2048 and all(0 < n <= 1024 for n in lengths) and min(lengths[:-1]) >= 256
     out = tmp_path / "documents.json"
-    monkeypatch.setattr(sys, "argv", [str(path), "--preset", "tiny-qwen2", "--device", "cpu", "--context", "2048",
+    monkeypatch.setattr(sys, "argv", ["documents.py", "--preset", "tiny-qwen2", "--device", "cpu", "--context", "2048",
                                       "--min-doc", "256", "--max-doc", "1024", "--chunk-size", "512",
                                       "--page-size", "64", "--warmup-tokens", "1024", "--out", str(out)])
     script.main()

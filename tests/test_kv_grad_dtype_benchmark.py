@@ -1,13 +1,13 @@
 """benchmarks/kv_grad_dtype.py on the CPU: the tiny random preset, every arm in float32, so the arms that
 round nothing must equal the reference and only bf16 page gradients may differ from it."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny-qwen2", "--chunk-size", "128", "--page-size", "32", "--device", "cpu", "--dtype", "float32"]
@@ -15,10 +15,7 @@ TINY = ["--model", "tiny-qwen2", "--chunk-size", "128", "--page-size", "32", "--
 
 @pytest.fixture()
 def script():
-    spec = importlib.util.spec_from_file_location("kv_grad_dtype_benchmark", ROOT / "benchmarks" / "kv_grad_dtype.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/kv_grad_dtype.py")
 
 
 def test_float32_arms_equal_the_reference_and_bf16_pages_do_not(script, tmp_path, capsys):

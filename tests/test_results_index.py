@@ -4,12 +4,12 @@ README's two commands are the Makefile's targets, and the `oomb` subcommands it 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -17,10 +17,7 @@ README = (ROOT / "README.md").read_text()
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("benchmarks_suite", ROOT / "benchmarks" / "suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/suite.py")
 
 
 @pytest.fixture(scope="module")

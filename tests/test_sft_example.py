@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from helpers import load_script
 
 from oomb import OOMBConfig
 from oomb.training.config import TrainerConfig
@@ -13,14 +11,8 @@ from oomb.training.config import TrainerConfig
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sft_trainer.py"
-
-
 def load_example():
-    spec = importlib.util.spec_from_file_location("sft_trainer_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/sft_trainer.py")
 
 
 def test_oomb_from_train_config_then_flags(tmp_path):

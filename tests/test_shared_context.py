@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_tiny_model, grads, lora_model, random_ids, relative_error
+from helpers import build_tiny_model, grads, load_script, lora_model, random_ids, relative_error
 
 import oomb
 from oomb import OOMBConfig, SparseConfig
@@ -374,12 +374,6 @@ def test_refusals():
 
 def test_example_script_runs():
     """examples/shared_context_dpo.py: DPO steps on a tiny random model, the first loss log(2) (policy = reference)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "shared_context_dpo.py"
-    spec = importlib.util.spec_from_file_location("shared_context_dpo", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/shared_context_dpo.py")
     losses = example.main(["--context", "300", "--answer", "20", "--chunk", "128", "--page", "32", "--steps", "2"])
     assert abs(losses[0] - math.log(2)) < 1e-5 and all(math.isfinite(x) for x in losses)

@@ -2,12 +2,12 @@
 shared rows and the separate rows describe the same sequences (equal-length continuations: the shared mean over
 every row's labels is the mean of the rows' own losses)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny-qwen2", "--device", "cpu", "--context", "1536", "--continuation-tokens", "100",
@@ -16,10 +16,7 @@ TINY = ["--preset", "tiny-qwen2", "--device", "cpu", "--context", "1536", "--con
 
 @pytest.fixture()
 def script():
-    spec = importlib.util.spec_from_file_location("shared_context_benchmark", ROOT / "benchmarks" / "shared_context.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/shared_context.py")
 
 
 def test_every_arm_runs_and_the_shared_loss_is_the_mean_of_the_sequences(script, tmp_path, capsys):

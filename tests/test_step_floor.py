@@ -2,7 +2,6 @@
 grouping and its --quick run."""
 
 import dataclasses
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import sparse_replace
+from helpers import load_script, sparse_replace
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 
@@ -38,10 +37,7 @@ ONE_LAYER = ModelShape(num_layers=1, hidden_size=8, intermediate_size=16, num_he
 
 
 def _profile_script():
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/profile_step.py")
 
 
 def test_linear_flops_of_one_layer_by_hand():
