@@ -269,3 +269,20 @@ def test_summary_reports_a_first_step_overhead_only_when_there_is_one(tmp_path, 
     trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
     text = _summary(result, trainer)
     assert words in text and "was 0.00 s" not in text
+
+
+def test_summary_gives_a_steps_parts(tmp_path):
+    """The end of `oomb train` says where a step's time goes (oomb's step, the update, the data), and what
+    setup and checkpoints took: the trainer's overhead over the step alone, by cause."""
+    from oomb.training.cli import _summary
+    from oomb.training.trainer import TrainResult
+
+    result = TrainResult(steps=3, losses=[2.0, 1.0], tokens=768, elapsed_s=3.0, tokens_per_s=1.0,
+                         output_dir=str(tmp_path), checkpoint=None, export_dir=None, merged_dir=None,
+                         interrupted=False, resumed_from=None, peak_gpu_gib=None, peak_host_gib=0.5,
+                         first_step_s=1.0, steady_step_s=1.0,
+                         steady_step_parts_s={"data_s": 0.004, "update_s": 0.25, "forward_backward_s": 0.746},
+                         setup_s=12.5, checkpoint_s=3.25)
+    trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
+    assert ("a step's parts (median): oomb's forward and backward 0.75 s, optimizer update 0.25 s, data 0.004 s; "
+            "setup took 12.5 s, checkpoints 3.2 s") in _summary(result, trainer)

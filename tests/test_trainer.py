@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 
 import pytest
 import torch
@@ -105,7 +106,14 @@ def test_uninterrupted_run_writes_everything(uninterrupted):
     assert {"lr", "grad_norm", "tokens_per_s", "host_rss_gib", "epoch", "documents"} <= lines[0].keys()
     assert lines[0]["lr"] == pytest.approx(3e-3)  # warmup of one step, then cosine
     assert lines[-1]["lr"] < lines[1]["lr"]
-    assert json.loads((out / "summary.json").read_text())["losses"] == result.losses
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == result.losses
+    for m in lines:  # a step's parts add up to its time
+        assert min(m["data_s"], m["update_s"], m["forward_backward_s"]) >= 0
+        assert m["data_s"] + m["update_s"] + m["forward_backward_s"] == pytest.approx(m["step_time_s"])
+    assert summary["steady_step_parts_s"]["forward_backward_s"] == pytest.approx(
+        statistics.median(m["forward_backward_s"] for m in lines[1:]))
+    assert summary["setup_s"] > 0 and summary["checkpoint_s"] > 0  # two checkpoints were written
     assert (out / "final" / "config.json").is_file() or (out / "final" / "adapter_config.json").is_file()
 
 

@@ -269,6 +269,12 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
         if result.predicted_step_s is not None:
             timing += f"; the plan predicted {result.predicted_step_s:,.1f} s per step"
         lines.append(timing)
+        parts = result.steady_step_parts_s
+        if parts:
+            lines.append(f"  a step's parts (median): oomb's forward and backward "
+                         f"{parts['forward_backward_s']:,.2f} s, optimizer update {parts['update_s']:,.2f} s, "
+                         f"data {parts['data_s']:,.3f} s; setup took {result.setup_s or 0:,.1f} s, "
+                         f"checkpoints {result.checkpoint_s:,.1f} s")
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")
     if result.export_dir:

@@ -143,6 +143,13 @@ class TrainResult:
     """Median seconds of the session's later steps (None with fewer than two steps)."""
     predicted_step_s: float | None = None
     """The step time the plan predicted (planning/step_time.py; None on a CPU), beside steady_step_s."""
+    steady_step_parts_s: dict[str, float] | None = None
+    """Medians of the later steps' parts: data_s (reading the batch), forward_backward_s (oomb's step, the
+    loss read included), update_s (clipping, optimizer, scheduler, until the GPU is done)."""
+    setup_s: float | None = None
+    """Seconds before the first step: model load, plan, pinned host memory."""
+    checkpoint_s: float = 0.0
+    """Seconds this session spent writing checkpoints (the last one included)."""
 
     @property
     def first_step_overhead_s(self) -> float | None:
@@ -189,6 +196,9 @@ class Trainer(Checkpointing):
         self.choice: Choice | None = None  # what oomb.planning.choose chose for the oomb options left unset
         self._auto_refusal: str | None = None  # why the chooser found nothing that fits
         self._step_times: list[float] = []  # this session's step times (first step reported apart)
+        self._step_parts: list[dict[str, float]] = []  # each step's seconds by part (metrics' *_s parts)
+        self.setup_s: float | None = None  # seconds setup() took: model load, plan, pinned host memory
+        self.checkpoint_s = 0.0  # seconds this session spent writing checkpoints
         self.parallel = ParallelSetup()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -197,6 +207,7 @@ class Trainer(Checkpointing):
         """Everything before the first step (``train`` calls it if not done yet)."""
         if self._ready:
             return
+        setup_start = time.perf_counter()
         cfg = self.config
         self.device = _resolve_device(cfg.train.device)
         if self.device.type == "cpu":  # every term of a CPU step is host memory: give freed tensors back
@@ -281,6 +292,7 @@ class Trainer(Checkpointing):
             self._restore(resume_from)
         self._data_position = self.data.position  # where the step after the last complete one starts
         self._ready = True
+        self.setup_s = time.perf_counter() - setup_start
 
     def _default_lr(self) -> float:
         if self.config.model.path is None and self.config.model.preset == TINY_PRESET:
@@ -521,7 +533,7 @@ class Trainer(Checkpointing):
                 reporter.log(metrics)
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < cfg.train.max_steps:
-                    self.save_checkpoint()
+                    self._timed_checkpoint()
         except KeyboardInterrupt:
             interrupted = True
             if self._last_metrics and self._last_metrics["step"] > reporter.last_step:
@@ -531,7 +543,7 @@ class Trainer(Checkpointing):
         finally:
             reporter.close()
         if self._saved_step != self.step or self._last_saved is None:
-            self.save_checkpoint()
+            self._timed_checkpoint()
         export_dir = merged_dir = None
         if not interrupted and cfg.checkpoint.export:
             export_dir, merged_dir = self.export()
@@ -551,10 +563,13 @@ class Trainer(Checkpointing):
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, tokens, documents, epoch = [], 0, 0, 0
         parallel = self.parallel
+        data_s = 0.0
         for micro in range(cfg.train.grad_accum):
             # Data parallel: every rank reads the same stream (so positions agree for checkpoints) and
             # trains on every dp-th sequence; tensor-parallel ranks of a group share theirs.
+            fetch_start = time.perf_counter()
             samples = [next(self.data) for _ in range(parallel.dp)]
+            data_s += time.perf_counter() - fetch_start
             sample = samples[parallel.dp_rank]
             boundaries = {"cu_seqlens": sample.cu_seqlens()} if cfg.data.documents == "separate" else {}
             progress = cfg.logging.progress and cfg.logging.chunk_progress and parallel.is_main
@@ -569,7 +584,8 @@ class Trainer(Checkpointing):
             losses.append(parallel.all_mean(float(loss)))
             tokens += sum(s.input_ids.numel() for s in samples)
             documents, epoch = documents + sum(s.documents for s in samples), sample.epoch
-        loss = sum(losses) / len(losses)
+        loss = sum(losses) / len(losses)  # reading the losses waited for the GPU
+        update_start = time.perf_counter()
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} at step {self.step + 1}: lower optim.lr (now "
                                      f"{self.lr}) or check the data; the last checkpoint is {self._last_saved}")
@@ -585,16 +601,22 @@ class Trainer(Checkpointing):
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.masters.push()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the update is this step's, not the next one's
             self.step += 1
             self.tokens += tokens
             self.losses.append(loss)
             self._data_position = self.data.position
-            step_time = time.perf_counter() - start
+            end = time.perf_counter()
+            step_time = end - start
             self.elapsed += step_time
             self._step_times.append(step_time)
+            parts = {"data_s": data_s, "update_s": end - update_start}
+            parts["forward_backward_s"] = step_time - parts["data_s"] - parts["update_s"]
+            self._step_parts.append(parts)
             metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                        "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
-                       "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
+                       **parts, "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
                        "host_rss_gib": host_rss_bytes() / GIB}
             if self.device.type == "cuda":
                 metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
@@ -644,6 +666,11 @@ class Trainer(Checkpointing):
         logger.info("exported to %s%s", final, f" and {merged}" if merged else "")
         return final, merged
 
+    def _timed_checkpoint(self) -> None:
+        start = time.perf_counter()
+        self.save_checkpoint()
+        self.checkpoint_s += time.perf_counter() - start
+
     def _result(self, interrupted: bool, export_dir, merged_dir) -> TrainResult:
         gpu = self._peak_gpu if self.device.type == "cuda" else None
         return TrainResult(
@@ -656,7 +683,10 @@ class Trainer(Checkpointing):
             first_step_s=self._step_times[0] if self._step_times else None,
             steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None,
             predicted_step_s=(self.choice.step_time.seconds
-                              if self.choice is not None and self.choice.step_time is not None else None))
+                              if self.choice is not None and self.choice.step_time is not None else None),
+            steady_step_parts_s=({k: statistics.median(p[k] for p in self._step_parts[1:]) for k in self._step_parts[1]}
+                                 if len(self._step_parts) > 1 else None),
+            setup_s=self.setup_s, checkpoint_s=self.checkpoint_s)
 
 
 @contextlib.contextmanager
