@@ -198,7 +198,7 @@ def test_token_counts():
 def test_cli_table(capsys):
     rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139", "--host-gib", "125"])
     out = capsys.readouterr().out
-    assert rc == 1  # no implemented mode fits 1M tokens
+    assert rc == 0  # no mode fits 1M tokens with the options above, but the chooser's plan does: train runs it
     for text in ("dense+offload", "sparse+offload", "implemented", "largest context", "KV grad pages",
                  "does not fit with the options above: dense: GPU", "fits at 1,048,576 tokens",
                  "dense+offload fits with --kv-grad-dtype bfloat16"):
@@ -207,6 +207,21 @@ def test_cli_table(capsys):
                    "--modes", "dense", "hf"])
     assert rc == 0
     assert "fits at 131,072 tokens with the options above: dense, hf" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "16", "--host-gib", "16"]) == 1
+    assert "oomb train would refuse: no configuration fits" in capsys.readouterr().out
+
+
+def test_cli_sparse_read_share_as_in_train(capsys):
+    """`oomb plan --sparse-read-share` takes train's values: the default share reads far more of a 1M history
+    than the fixed budget ('none'), so its predicted step is longer."""
+    common = ["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "79.6", "--host-gib", "120", "--lora",
+              "--attention", "sparse", "--gpu", "H100"]
+    lines = {}
+    for share in ("none", "auto", "0.1"):
+        assert cli.main([*common, "--sparse-read-share", share]) == 0
+        lines[share] = next(x for x in capsys.readouterr().out.splitlines() if "sparse reads" in x)
+    assert "reads 1.6 % of the history" in lines["none"] and "reads 35 % of the history" in lines["auto"]
+    assert "reads 10 % of the history" in lines["0.1"]
 
 
 def test_cli_named_gpu_plans_that_card_on_any_machine(capsys, monkeypatch):

@@ -333,7 +333,7 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
     if dtype in (torch.bfloat16, torch.float16):
         f = SPEED_FACTS["triton_vs_cudnn_dense"]
         return "cudnn", (f"cudnn for {_dtype_name(dtype)} on CUDA: triton takes {f.factor:.2f}x as long "
-                         f"({f.measured}); precision.deterministic=True picks triton")
+                         f"({f.measured}); precision.deterministic=true would pick triton")
     return "torch", ("float32 on CUDA: cuDNN's fused attention has no float32 path, and the torch kernels start "
                      "in 1.1 s where Triton's float32 kernels compile for 184 s (2 layers, head_dim 128, 8K: "
                      "fp32_first_step_h200_2026-12-02.json)")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import machine
-from ..cli_options import add_option, resolve_model
+from ..cli_options import add_option, parse_read_share, resolve_model
 from ..compiled_layers import can_compile, compile_problem
 from ..config import (
     ATTENTION_MODES,
@@ -503,6 +503,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("planned modes (assumptions)")
     add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.budget,
                help="sparse: history pages each query block reads besides the sinks")
+    group.add_argument("--sparse-read-share", dest="read_share", type=parse_read_share, metavar="SHARE",
+                       default=sparse.read_share,
+                       help="sparse: the share of each block's history read at least, 'none' for the fixed budget "
+                            "(default auto: 0.35 over the default budget, none over any other)")
     add_option(group, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
     add_option(group, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
                        help=f"sparse: query blocks sharing one selection (fewer pages staged with offload; table "
@@ -527,15 +531,21 @@ def _fixed_from_args(args: argparse.Namespace) -> dict:
     fixed.update({"attention": args.attention, "precision.deterministic": args.deterministic,
                   "page_size": args.page_size, "performance.loss_chunk_tokens": args.loss_chunk_tokens,
                   "precision.fp32_grad_accumulation": args.fp32_grad_accumulation,
-                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages})
+                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages,
+                  "sparse.read_share": _read_share(args)})
     return fixed_from_options(fixed)
+
+
+def _read_share(args: argparse.Namespace) -> float | str | None:
+    return None if args.read_share == "none" else args.read_share
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
     fixed = _fixed_from_args(args)
     query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
-    sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages)
+    sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages,
+                          read_share=_read_share(args))
     # The table's offloaded modes: these resident layers and blocks (the chooser decides its own, unless given).
     offload = OffloadConfig(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     performance = PerformanceConfig(checkpoint_layers=args.checkpoint_layers is not False,
@@ -624,11 +634,13 @@ def cpu_plan(args: argparse.Namespace) -> tuple[str, dict, bool]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the plan; exit code 0 when an implemented mode fits, 1 otherwise."""
+    """Print the plan; exit code 0 when `oomb train` can run the step (its chooser's plan, or an implemented
+    mode with the options given, fits), 1 otherwise."""
     if plan_device(args) == "cpu":
         text, report, fits = cpu_plan(args)
         print(json.dumps(report, indent=2) if args.json else text)
         return 0 if fits else 1
     plan = plan_from_args(args)
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
-    return 0 if any(r.fits and r.status == "implemented" for r in plan.reports) else 1
+    runs = plan.choice is not None or any(r.fits and r.status == "implemented" for r in plan.reports)
+    return 0 if runs else 1
