@@ -29,14 +29,14 @@ SPARSE_POOLINGS = ("max", "softmax", "softmax_max")
 CANDIDATE_POOLINGS = ("max", "softmax_max")
 NORMALISER_PAGES = 256  # sparse.research.normaliser_pages="auto"
 READ_SHARE_STEP = 16
+"""sparse.read_share: the grown budget is a multiple of this many pages, so a long step runs a few dozen
+distinct selection sizes rather than one per chunk."""
 DEFAULT_BUDGET = 64
 """sparse.budget's default: the floor of the default read share."""
 DEFAULT_READ_SHARE = 0.35
 """sparse.read_share="auto" with the default budget: the smallest share measured to keep sparse near dense on a
 real model at 128K both as shipped and after a context extension (gradient cosine >= 0.99, loss within 0.5 %;
 docs/sparse.md, "Sparse at length")."""
-"""sparse.read_share: the grown budget is a multiple of this many pages, so a long step runs a few dozen
-distinct selection sizes rather than one per chunk."""
 
 
 def read_share_budget(budget: int, share: float | None, history_pages: int) -> int:

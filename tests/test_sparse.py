@@ -1045,3 +1045,21 @@ def test_a_full_read_share_is_dense_and_a_partial_one_reads_more_than_its_floor(
         oomb.forward_backward(model, ids, None, _config(sparse=options))
         errors[name] = relative_error(grads(model), dense)
     assert 0 < errors["share"] < errors["floor"]
+
+
+@pytest.mark.parametrize("sparse", [SparseConfig(budget=2, sink_pages=1), SparseConfig(budget=2, query_block_pages=64),
+                                    SparseConfig(budget=2, read_share=0.5)],
+                         ids=["per_block", "one_group_per_chunk", "read_share"])
+def test_kept_selections_are_the_bytes_the_memory_model_counts(sparse, recorded):
+    """planning/memory.selection_bytes is what stage 1 keeps for stage 2, per layer: one int32 row per query
+    block (one per chunk when a group covers it), the chunk's own budget, nothing for chunks read densely."""
+    from oomb.planning.memory import selection_bytes
+
+    model = build_tiny_model("qwen2", seed=34)
+    oomb.forward_backward(model, random_ids(2, TOKENS, seed=34), None, _config(sparse=sparse))
+    selections, _ = recorded
+    for layer in range(model.config.num_hidden_layers):
+        kept = [s for (lay, _), (_, s) in selections.items() if lay == layer and s is not None]
+        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in kept}
+        assert sum(storages.values()) == selection_bytes(sparse, TOKENS, CHUNK, PAGE, 2,
+                                                         model.config.num_key_value_heads, layer) > 0

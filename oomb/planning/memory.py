@@ -238,6 +238,25 @@ def sparse_pages_read(sparse: SparseConfig, tokens: int, page_size: int) -> int:
     return read_share_budget(sparse.budget, sparse.resolved_read_share, -(-tokens // page_size)) + sparse.sink_pages
 
 
+def selection_bytes(sparse: SparseConfig, tokens: int, chunk_size: int, page_size: int, batch: int, kv_heads: int,
+                    layer: int = 0) -> int:
+    """Bytes of ``layer``'s stage-1 selections over a step of ``tokens``, all kept until stage 2 (oomb/sparse.py):
+    a chunk whose history the sinks and budget cover reads it densely (no selection); any other keeps, per
+    sequence and KV head, one row of int32 pages per query block, or a single row when one group of
+    query_block_pages covers the chunk (a stride-0 view over its blocks). The budget is the chunk's own
+    (sparse.read_share grows it with the history)."""
+    chunk_pages = -(-chunk_size // page_size)
+    shared = sparse.query_block_pages >= chunk_pages
+    entries = 0
+    for start in range(0, tokens, chunk_size):
+        history = start // page_size
+        selected = sparse.num_selected(history, layer)
+        if selected < history:
+            blocks = -(-min(chunk_size, tokens - start) // page_size)
+            entries += (1 if shared else blocks) * selected
+    return entries * batch * kv_heads * INT32_BYTES
+
+
 def summary_vectors(sparse: SparseConfig) -> int:
     """Vectors summarising a page per KV head and layer for ``sparse``'s score (2 for Quest's min/max key)."""
     return len(summaries_of(sparse.resolved_score, sparse.research.rerank_candidates))
@@ -477,10 +496,13 @@ def predict(
         # Every page's, on every context-parallel rank too (each scores the whole history, kv/store.py).
         # Window layers keep none (they read their window densely), with or without offload.
         summaries = (L - window_layers) * pages * summary_vectors(sparse) * shape.kv_dim * b
-        # Stage 1's selections, kept for stage 2: one per query block (page) per layer and KV head.
-        selection = L * pages * shape.num_kv_heads * sparse_pages_read(sparse, tokens, P) * INT32_BYTES
-        if mode.offload:  # offloaded layers keep their selections in host memory until stage 2
-            host["selections"] = selection * (L - resident) // L
-            selection -= host["selections"]
-        gpu["page summaries"] = summaries + selection
+        # Stage 1's selections, kept for stage 2; offloaded layers (all but the first `resident`) keep theirs
+        # in host memory until stage 2.
+        resident = min(offload.resident_layers, L) if mode.offload else L
+        uniform = not sparse.layer_budgets and not sparse.dense_layers  # every layer reads alike
+        selection = [selection_bytes(sparse, tokens, config.chunk_size, P, B, shape.num_kv_heads, layer)
+                     for layer in range(1 if uniform else L)] * (L if uniform else 1)
+        if mode.offload:
+            host["selections"] = sum(selection[resident:])
+        gpu["page summaries"] = summaries + sum(selection[:resident])
     return MemoryPrediction(mode.name, tokens, gpu, host)
