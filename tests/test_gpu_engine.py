@@ -71,23 +71,23 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
 @pytest.mark.parametrize("batch, tokens, chunk, options", [
     (1, 3000, 1024, {}), (2, 1500, 512, {}), (1, 3000, 4096, {}),
     # Blocks of 2 pages of 128: the GPU-resident history still runs as one window (whole_history).
-    (1, 3000, 1024, {"stream_block_pages": 2}),
+    (1, 3000, 1024, {"offload.stream_block_pages": 2}),
     # Host offload with the default blocks (one history window here).
-    (2, 1500, 512, {"offload": True}),
+    (2, 1500, 512, {"offload.enabled": True}),
     # Streamed blocks must stay blocks (the history is not on the GPU), so cuDNN rounds each block's
     # dQ share to bf16: on the first sequence 1.114x HF's error, pooled over 8 sequences 1.006x.
-    (1, 3000, 1024, {"offload": True, "stream_block_pages": 2}),
+    (1, 3000, 1024, {"offload.enabled": True, "offload.stream_block_pages": 2}),
     # Without layer replay the layers run compiled (OOMBConfig.performance.compile_layers' automatic choice on CUDA):
     # fused kernels keep float32 between ops that eager rounds to bf16.
-    (1, 3000, 1024, {"checkpoint_layers": False}),
-    (2, 1500, 512, {"checkpoint_layers": False, "compile_layers": False}),
+    (1, 3000, 1024, {"performance.checkpoint_layers": False}),
+    (2, 1500, 512, {"performance.checkpoint_layers": False, "performance.compile_layers": False}),
     # Stage 2 taking stage 1's attention outputs, compiled layers (their stage-2 queries can differ from stage
     # 1's by rounding, and the backward pairs them with stage 1's output).
-    pytest.param(1, 3000, 1024, {"checkpoint_layers": False, "keep_attention_outputs": True},
+    pytest.param(1, 3000, 1024, {"performance.checkpoint_layers": False, "performance.keep_attention_outputs": True},
                  id="1-3000-1024-keep_attention_outputs"),
 ])
 def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, chunk, options):
-    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", **options))
+    _assert_no_worse_than_hf(_bf16_errors(fp32_model, batch, tokens, chunk, "cudnn", options))
 
 
 # Sequences each case is measured on. One sequence is too few: the error of a bf16 step moves by
@@ -98,13 +98,14 @@ def test_cudnn_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, c
 SEEDS = tuple(range(1, 9))
 
 
-def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, **options) -> dict:
+def _bf16_errors(fp32_model, batch: int, tokens: int, chunk: int, backend: str, options: dict | None = None) -> dict:
     """Relative errors of HF's bf16 SDPA backward and of oomb's bf16 step against an fp32 full-sequence
     backward, pooled over SEEDS' sequences; saved as $OUT/gpu_engine_*.json when OUT is set."""
     bf16_model = Qwen2ForCausalLM(fp32_model.config).cuda().bfloat16()
     bf16_model.load_state_dict(fp32_model.state_dict())
     bf16_model.set_attn_implementation("sdpa")
-    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128, **options, performance=PerformanceConfig(backend=backend))
+    options = options or {}  # dotted OOMBConfig paths
+    config = oomb.OOMBConfig(chunk_size=chunk, page_size=128).with_options({"performance.backend": backend, **options})
     squared = {"hf": 0.0, "oomb": 0.0, "reference": 0.0}
     loss_gaps = {"hf": 0.0, "oomb": 0.0}
     by_kind, per_sequence = {"hf": {}, "oomb": {}}, []
