@@ -29,7 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
-from sft_trainer_vs_train import ratio, run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's helpers, also when imported
+from sft_trainer_vs_train import ratio, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_KEYS = ("chunk_size", "page_size", "attention", "performance.backend", "precision.kv_grad_dtype",
@@ -56,16 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="/tmp/oomb_train_vs_bench", help="run directories")
     p.add_argument("--name", help="results file name (default train_vs_bench_PRESET_LEN_ATTENTION.json)")
     return p.parse_args(argv)
-
-
-def flatten(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def bench_row(report_file: Path, tokens: int, mode: str) -> dict:
@@ -106,7 +98,9 @@ def train_result(run_dir: Path) -> dict:
         out["step_seconds"] = [round(json.loads(line)["step_time_s"], 3)
                                for line in metrics_file.read_text().splitlines() if line.strip()]
     if config_file.exists():
-        chosen = flatten(yaml.safe_load(config_file.read_text()).get("oomb", {}))
+        from oomb.config import dotted_options
+
+        chosen = dotted_options(yaml.safe_load(config_file.read_text()).get("oomb", {}))
         out["plan"] = {k: chosen.get(k) for k in PLAN_KEYS}
     return out
 

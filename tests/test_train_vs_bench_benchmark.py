@@ -1,0 +1,22 @@
+"""benchmarks/train_vs_bench.py on the CPU: both commands run, and the JSON sets their plans and times side by
+side with the ratio computed from them."""
+
+import json
+
+import pytest
+from helpers import load_script
+
+
+@pytest.mark.slow
+def test_both_arms_run_and_the_ratio_is_theirs(tmp_path):
+    script = load_script("benchmarks/train_vs_bench.py")
+    report = script.main(["--preset", "tiny-qwen2", "--seq-len", "4K", "--device", "cpu", "--steps", "2",
+                          "--attention", "sparse", "--sparse-read-share", "none", "--out-dir", str(tmp_path),
+                          "--work-dir", str(tmp_path / "work"), "--name", "tvb.json"])
+    assert json.loads((tmp_path / "tvb.json").read_text()) == report
+    bench, train = report["bench"], report["train"]
+    assert bench["status"] == "ok" and train["status"] == "ok" and len(train["step_seconds"]) == 2
+    assert report["train_over_bench"] == round(train["steady_step_s"] / bench["step_seconds"], 4)
+    assert train["plan"]["sparse.read_share"] is None and bench["plan"]["sparse.read_share"] is None
+    assert set(report["plans_differ"]) <= set(script.PLAN_KEYS)
+    assert set(train["steady_step_parts_s"]) == {"data_s", "forward_backward_s", "update_s"}
