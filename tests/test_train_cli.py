@@ -285,4 +285,4 @@ def test_summary_gives_a_steps_parts(tmp_path):
                          setup_s=12.5, checkpoint_s=3.25)
     trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
     assert ("a step's parts (median): oomb's forward and backward 0.75 s, optimizer update 0.25 s, data 0.004 s; "
-            "setup took 12.5 s, checkpoints 3.2 s") in _summary(result, trainer)
+            "setup took 12.50 s, checkpoints 3.25 s") in _summary(result, trainer)

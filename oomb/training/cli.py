@@ -273,8 +273,8 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
         if parts:
             lines.append(f"  a step's parts (median): oomb's forward and backward "
                          f"{parts['forward_backward_s']:,.2f} s, optimizer update {parts['update_s']:,.2f} s, "
-                         f"data {parts['data_s']:,.3f} s; setup took {result.setup_s or 0:,.1f} s, "
-                         f"checkpoints {result.checkpoint_s:,.1f} s")
+                         f"data {parts['data_s']:,.3f} s; setup took {result.setup_s or 0:,.2f} s, "
+                         f"checkpoints {result.checkpoint_s:,.2f} s")
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")
     if result.export_dir:
