@@ -451,3 +451,21 @@ def test_cpu_prediction_counts_every_term_as_host_memory_and_prefers_replay():
     # On a GPU the same step keeps the faster plan: the GPU's memory is the step's alone.
     on_gpu = choose_config(dataclasses.replace(workload, dtype=torch.bfloat16), gpu(79, 125))
     assert not on_gpu.config.performance.checkpoint_layers
+
+
+def test_refusal_of_a_grown_sparse_budget_says_whether_the_fixed_budget_fits():
+    """At 2M on an H200 the default share (at least 35 % of the history) does not fit, the fixed budget does: the
+    refusal offers that trade with the share it reads, and never makes it itself."""
+    workload = Workload(SHAPES["qwen2.5-7b"], 2 * M, lora_rank=16)
+    with pytest.raises(NoConfigFitsError) as err:
+        choose_config(workload, H200, {"attention": "sparse"})
+    message = str(err.value)
+    assert ("with the fixed budget (--sparse-read-share none: 64 pages per query block, 0.4% of the history at 2M "
+            "instead of at least 35%) it fits: offload (14 of 28 layers resident") in message
+    fixed = choose_config(workload, H200, {"attention": "sparse", "sparse.read_share": None})
+    assert f"host {fixed.host_bytes / GIB:.1f} GiB); docs/sparse.md" in message
+    # Dense steps and fixed budgets get no such line.
+    with pytest.raises(NoConfigFitsError) as err:
+        choose_config(dataclasses.replace(workload, seq_len=4 * M), H200,
+                      {"attention": "sparse", "sparse.read_share": None})
+    assert "with the fixed budget" not in str(err.value)

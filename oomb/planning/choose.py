@@ -41,6 +41,7 @@ from .memory import (
     MemoryPrediction,
     TrainingSetup,
     predict,
+    sparse_pages_read,
 )
 from .model_shape import ModelShape
 from .step_time import StepTime, predict_step_time
@@ -730,7 +731,28 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
                              f"{other.gpu_bytes / GIB:.1f} GiB, host {other.host_bytes / GIB:.1f} GiB)")
             except NoConfigFitsError:
                 pass
+    lines += _fixed_budget_hint(workload, resources, base, fixed)
     return "\n".join(lines)
+
+
+def _fixed_budget_hint(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> list[str]:
+    """For a sparse step whose read share grows the budget: whether the fixed budget alone would fit, and what
+    share of the history it then reads (a user's trade of fidelity for length, never made silently)."""
+    share = base.sparse.resolved_read_share
+    if base.attention != "sparse" or share is None:
+        return []
+    fixed_budget = base.with_options({"sparse.read_share": None})
+    try:
+        other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k != "sparse.read_share"},
+                              fixed_budget)
+    except NoConfigFitsError:
+        return []
+    tokens, page = workload.seq_len, fixed_budget.page_size
+    read = sparse_pages_read(fixed_budget.sparse, tokens, page) / -(-tokens // page)
+    return [f"  with the fixed budget (--sparse-read-share none: {fixed_budget.sparse.budget} pages per query block, "
+            f"{read:.1%} of the history at {format_tokens(tokens)} instead of at least {share:.0%}) it fits: "
+            f"{other.chosen.summary(workload.shape.num_layers)} (GPU {other.gpu_bytes / GIB:.1f} GiB, host "
+            f"{other.host_bytes / GIB:.1f} GiB); docs/sparse.md gives the fidelity measured at each share"]
 
 
 def _approx_tokens(tokens: int) -> str:
