@@ -17,6 +17,14 @@ masks differed (measured; see CHANGELOG.md and git history). The layers are comp
 ``nn.Module.compile`` only for the step and restored afterwards, so a user's own calls of the model
 (generation, evaluation) run as they did. Compiled code is cached by torch per code object: the first
 step compiles (tens of seconds), later steps reuse it.
+
+The layers compile with dynamic shapes from the start: one graph serves every chunk length. With torch's
+default the first length (the chunk size) compiled a static graph and the next (a shorter last chunk) a
+dynamic one, which torch then tried first for every length, so the first step's full chunks ran other
+kernels than every later step's: two identical steps differed in rounding (max |diff| 7.3e-4 in a bf16
+model's gradients on an H100, where static shapes throughout gave bitwise equal steps), and a resumed run
+would not repeat the uninterrupted one. Dynamic shapes cost 0.85 % on the 7B shape's 128K sparse step (H200:
+20.69 s against 20.52 s with static full chunks) and compile once per stage instead of twice.
 """
 
 from __future__ import annotations
@@ -120,7 +128,7 @@ def compiled_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
             for layer in decoder_layers(decoder):
                 if getattr(layer, COMPILED_CALL, None) is None:
                     compiled.append(layer)
-                    layer.compile()
+                    layer.compile(dynamic=True)
             yield
     finally:
         for layer in compiled:

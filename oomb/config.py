@@ -331,9 +331,10 @@ class PerformanceConfig:
     graph): norms, rotary, SiLU and residual adds fuse into fewer kernels, which saves time and activation
     memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
     instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
-    rounding, not bit for bit. Needs checkpoint_layers=False (with replay, stage 2 would run eager: other
-    rounding, other dropout masks than stage 1), and is refused while a dropout is active. None: on for a
-    single-process CUDA step without layer replay or active dropout of a model without experts, with
+    rounding, not bit for bit; two identical steps give the same gradients bit for bit (one dynamic-shape graph
+    for every chunk length: oomb/compiled_layers.py). Needs checkpoint_layers=False (with replay, stage 2 would
+    run eager: other rounding, other dropout masks than stage 1), and is refused while a dropout is active.
+    None: on for a single-process CUDA step without layer replay or active dropout of a model without experts, with
     Triton installed, unless precision.deterministic=True; off on a CPU, where compiling costs more than it
     saves. True/False fix it."""
     keep_attention_outputs: bool = False
