@@ -224,3 +224,24 @@ def test_default_scores_are_the_default_configs():
 
     assert GradcheckOptions().scores == [OOMBConfig().sparse.resolved_score]
     assert build_parser().parse_args(["gradcheck"]).scores == GradcheckOptions().scores
+
+
+def test_gradcheck_with_offload_is_bitwise_the_same_and_the_page_gradient_dtype_keys_the_dense_cache(tmp_path):
+    """--offload (how SmolLM2's 1M dense reference fits one GPU) changes where pages live, not one bit of the report;
+    --kv-grad-dtype changes the dense step's rounding, so a kept dense step is not reused across it."""
+    from oomb.tools import dense_cache
+    from oomb.tools.gradcheck import load_sequence
+
+    options = GradcheckOptions(seq_len=1024, chunk_size=256, page_size=32, budgets=[2], scores=["minmax"], hf="off")
+    plain = run_gradcheck(options)
+    offloaded = run_gradcheck(GradcheckOptions(**{**options.__dict__, "offload": True}))
+    assert offloaded["dense"]["loss"] == plain["dense"]["loss"]
+    assert [r["groups"] for r in offloaded["sparse"]] == [r["groups"] for r in plain["sparse"]]
+    assert [r["loss"] for r in offloaded["sparse"]] == [r["loss"] for r in plain["sparse"]]
+    assert offloaded["options"]["offload"] and not plain["options"]["offload"]
+    model, rows, _, _ = load_sequence(options)
+    keys = {dtype: dense_cache.dense_key(model, rows[:1], 256, 32, dtype) for dtype in ("float32", "bfloat16")}
+    assert keys["float32"] == dense_cache.dense_key(model, rows[:1], 256, 32) != keys["bfloat16"]
+    with pytest.raises(SystemExit):
+        from oomb.cli import build_parser
+        build_parser().parse_args(["gradcheck", "--kv-grad-dtype", "float16"])

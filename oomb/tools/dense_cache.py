@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 
-def dense_key(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int, page_size: int) -> str:
-    """The hex key of the dense step of ``model`` on ``ids`` with these chunk and page sizes."""
+def dense_key(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int, page_size: int,
+              kv_grad_dtype: str = "float32") -> str:
+    """The hex key of the dense step of ``model`` on ``ids`` with these chunk and page sizes and page-gradient dtype
+    (float32, the default, leaves the key as it was without it)."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for name, p in model.named_parameters():
         data = p.detach().double()
@@ -31,6 +33,8 @@ def dense_key(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int, page_s
     digest.update(ids.detach().cpu().numpy().tobytes())
     device = next(model.parameters()).device
     digest.update(f"{chunk_size}:{page_size}:{device.type}:{torch.__version__}:{torch.get_num_threads()}".encode())
+    if str(kv_grad_dtype).removeprefix("torch.") != "float32":
+        digest.update(f":{kv_grad_dtype}".encode())
     return digest.hexdigest()[:24]
 
 

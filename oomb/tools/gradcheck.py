@@ -100,6 +100,8 @@ class GradcheckOptions:
     read_shares: list[float] = field(default_factory=list)  # sparse_read_share arms (every block reads the share)
     warmup_steps: int = 0  # dense LoRA context-extension steps on the following text, then everything again
     warmup_lr: float = 2e-4
+    offload: bool = False  # every step keeps its pages in host memory: bitwise the same, for pages the GPU cannot hold
+    kv_grad_dtype: str = "float32"  # precision.kv_grad_dtype of every step (dense, sparse, warm-up)
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -205,7 +207,8 @@ def is_default_sparse(config: OOMBConfig) -> bool:
 
 def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progress: bool) -> tuple[dict, dict]:
     """(gradients, report entry) of the dense oomb step, from the dense cache when it holds this one."""
-    key = dense_cache.dense_key(model, ids, base.chunk_size, base.page_size) if options.dense_cache else None
+    key = (dense_cache.dense_key(model, ids, base.chunk_size, base.page_size, base.precision.kv_grad_dtype)
+           if options.dense_cache else None)
     kept = dense_cache.load_dense(options.dense_cache, key, ids.device) if key else None
     if kept is not None:
         return kept["gradients"], {"loss": kept["loss"], "seconds": kept["seconds"], "kept": kept["path"],
@@ -303,7 +306,8 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
     step with the report so far and what finished, so that a long run can show and save results as they come."""
     model, rows, model_text, source = load_sequence(options)
     ids = rows[:1]
-    base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size)
+    base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size).with_options(
+        {"offload.enabled": options.offload, "precision.kv_grad_dtype": options.kv_grad_dtype})
     num_layers = model_layers(model)
     report = {"date": date.today().isoformat(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -459,6 +463,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run, per score, sparse.read_share at these shares over the default budget (every "
                              "query block reads the share of its history; 0.35 is the defaults): against --reads' "
                              "and --sparse-budget's fixed budgets at equal reads")
+    parser.add_argument("--offload", action="store_true",
+                        help="offload.enabled for every step: pages in host memory, the same gradients bit for bit "
+                             "(for lengths whose pages do not fit the GPU; not with --sparse-score exact)")
+    parser.add_argument("--kv-grad-dtype", choices=("float32", "bfloat16"), default=d.kv_grad_dtype,
+                        help="precision.kv_grad_dtype of every step: the page gradients' dtype (bfloat16 halves "
+                             "their memory)")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
                         help="after the comparisons, train this many dense LoRA steps on the text that follows "
                              "the measured sequence (a short context extension at --seq-len), then compare again")
