@@ -245,3 +245,16 @@ def test_gradcheck_with_offload_is_bitwise_the_same_and_the_page_gradient_dtype_
     with pytest.raises(SystemExit):
         from oomb.cli import build_parser
         build_parser().parse_args(["gradcheck", "--kv-grad-dtype", "float16"])
+
+
+def test_gradcheck_runs_the_quick_budgets_only_when_no_arm_is_asked_for():
+    """A long run asked for --read-shares (or --reads) compares those arms alone: no 4/8/16-page arms beside them."""
+    from oomb.tools.gradcheck import QUICK_BUDGETS, _arms
+
+    base = OOMBConfig(chunk_size=512, page_size=16)
+    def budgets(**asked):
+        return [arm["budget"] for arm in _arms(GradcheckOptions(scores=["minmax"], **asked), base, 4096, 2)]
+    assert budgets() == list(QUICK_BUDGETS)
+    assert budgets(read_shares=[0.35]) == ["share 0.35"]
+    assert budgets(budgets=[64], read_shares=[0.35]) == [64, "share 0.35"]
+    assert len(budgets(reads=[0.5])) == 1

@@ -59,6 +59,9 @@ from .plan import parse_tokens
 
 logger = logging.getLogger(__name__)
 
+QUICK_BUDGETS = (4, 8, 16)
+"""The fixed budgets compared when no arm is asked for (a quick look at the tiny default model)."""
+
 HF_AUTO_MAX_TOKENS = 32768
 """--hf auto runs the full-sequence HF reference up to this many tokens (it holds the whole graph)."""
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -70,7 +73,8 @@ class GradcheckOptions:
     text: str | None = None
     ids: str | None = None
     seq_len: int = 2048
-    budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    # fixed budgets, one arm each; None: QUICK_BUDGETS unless reads or read_shares choose the arms
+    budgets: list[int] | None = None
     # The score a default config runs (OOMBConfig().sparse.score resolved): what a user's run would check; others,
     # and "exact" (the oracle), on request.
     scores: list[str] = field(default_factory=lambda: [OOMBConfig().sparse.resolved_score])
@@ -240,7 +244,9 @@ def _arms(options: GradcheckOptions, base: OOMBConfig, num_tokens: int, num_laye
     if layer_budgets is not None:
         sizes = [("per layer", max(layer_budgets), None, None)]
     else:
-        sizes = [(b, b, None, reads.get(b)) for b in dict.fromkeys([*options.budgets, *reads])]
+        budgets = options.budgets if options.budgets is not None else (
+            [] if options.reads or options.read_shares else list(QUICK_BUDGETS))
+        sizes = [(b, b, None, reads.get(b)) for b in dict.fromkeys([*budgets, *reads])]
     sizes += [(f"share {share}", DEFAULT_BUDGET, share, share) for share in options.read_shares]
     arms = []
     for score, pooling, (label, budget, share, target) in itertools.product(options.scores, options.poolings, sizes):
@@ -417,7 +423,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --data)")
     parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
     add_option(parser, "--sparse-budget", "--budgets", dest="budgets", type=int, nargs="+", default=d.budgets,
-               help="sparse budgets (pages), one arm each")
+               help=f"fixed sparse budgets (pages), one arm each (default: {' '.join(map(str, QUICK_BUDGETS))}, "
+                    "unless --reads or --read-shares choose the arms)")
     add_option(parser, "--sparse-score", "--scores", dest="scores", nargs="+", choices=SPARSE_SCORES,
                default=d.scores, help="score rules to compare (default: the one OOMBConfig() runs)")
     add_option(parser, "--sparse-pooling", "--poolings", dest="poolings", nargs="+", choices=SPARSE_POOLINGS,
