@@ -237,6 +237,13 @@ def test_cli_named_gpu_plans_that_card_on_any_machine(capsys, monkeypatch):
     assert report["budget"]["gpu_bytes"] == int(79.6 * 2**30)
     assert cli.main(["plan", "--model", "qwen2.5-7b", "--gpu", "A100", "--host-gib", "120"]) == 2
     assert "--gpu A100: its size is not known here; give it with --gpu-gib" in capsys.readouterr().err
+    # The host memory is this machine's unless given: said, since the card planned is elsewhere.
+    hint = "host memory is this machine's, the GPU the one named: give the target machine's with --host-gib"
+    monkeypatch.setattr("oomb.machine.host_available_bytes", lambda *a, **k: 16 * 2**30)
+    cli.main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--lora"])
+    assert hint in capsys.readouterr().out
+    cli.main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--host-gib", "120", "--lora"])
+    assert hint not in capsys.readouterr().out
 
 
 def test_cli_sparse_choice_groups_selections_with_offload_unless_given(capsys):

@@ -328,6 +328,8 @@ def format_plan(plan: Plan) -> str:
         f"budget: GPU {budget.gpu_bytes / GIB:.1f} GiB ({budget.gpu_source}) -> {budget.gpu_limit / GIB:.1f} GiB "
         f"usable; host {budget.host_bytes / GIB:.1f} GiB ({budget.host_source}) -> {budget.host_limit / GIB:.1f} GiB "
         f"usable ({budget.margin:.0%} margin, {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context)",
+        *(["host memory is this machine's, the GPU the one named: give the target machine's with --host-gib"]
+          if budget.gpu_source == "given" and budget.host_source != "given" else []),
         "",
     ]
     width = max(15, *(len(r.mode.name) + 2 for r in plan.reports))
