@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..cli_options import REAL_MODEL, add_option
 from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SparseConfig, SparseResearch
-from .gradcheck import GradcheckOptions, load_sequence
+from .gradcheck import REAL_CODE, REAL_TEXT, GradcheckOptions, load_sequence
 from .plan import parse_tokens
 from .sparse_recall import layer_recall, page_mass, record_attention_inputs
 
@@ -181,8 +181,8 @@ def format_plan(plan: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb calibrate` (the model and data options are gradcheck's)."""
     parser.add_argument("--model", default=REAL_MODEL, help=f"a local HF model directory, or {REAL_MODEL!r}")
-    add_option(parser, "--data", "--text", dest="text", default="python-docs",
-               help="a text file of your data, or 'python-docs'")
+    add_option(parser, "--data", "--text", dest="text", default=REAL_TEXT,
+               help=f"a text file of your data, {REAL_TEXT!r} or {REAL_CODE!r} (as in oomb gradcheck)")
     parser.add_argument("--seq-len", type=parse_tokens, default=8192, help="tokens (e.g. 8192, 32K)")
     parser.add_argument("--chunk-size", type=parse_tokens, default=4096)
     parser.add_argument("--page-size", type=int, default=128)

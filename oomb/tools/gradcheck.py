@@ -418,8 +418,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a preset ({', '.join(presets.PRESETS)}; random weights), a local HF model directory, "
                              f"or {REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
     add_option(parser, "--data", "--text", dest="text", default=None,
-                        help=f"text file to tokenize (model's tokenizer; bytes for a preset), or {REAL_TEXT!r} "
-                             "(Python's English docs); default: random ids")
+                        help=f"text file to tokenize (model's tokenizer; bytes for a preset), {REAL_TEXT!r} "
+                             f"(Python's English docs, ~110K tokens) or {REAL_CODE!r} (the standard library's source, "
+                             "millions of tokens); default: random ids")
     parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --data)")
     parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
     add_option(parser, "--sparse-budget", "--budgets", dest="budgets", type=int, nargs="+", default=d.budgets,
