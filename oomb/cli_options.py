@@ -50,3 +50,8 @@ def parse_read_share(text: str) -> float | str:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
     return share
+
+
+def read_share_setting(given: float | str) -> float | str | None:
+    """The ``sparse.read_share`` value of a parsed --sparse-read-share: "none" is null (the fixed budget)."""
+    return None if given == "none" else given

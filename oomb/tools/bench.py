@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..cli_options import add_option, parse_read_share
+from ..cli_options import add_option, parse_read_share, read_share_setting
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
@@ -720,8 +720,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    if values.get("sparse_read_share") == "none":  # the fixed budget
-        values["sparse_read_share"] = None
+    if "sparse_read_share" in values:
+        values["sparse_read_share"] = read_share_setting(values["sparse_read_share"])
     if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
         values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
     if values.get("compile_layers") is True:  # compiled layers run without replay (performance.compile_layers)

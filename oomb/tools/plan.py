@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import machine
-from ..cli_options import add_option, parse_read_share, resolve_model
+from ..cli_options import add_option, parse_read_share, read_share_setting, resolve_model
 from ..compiled_layers import can_compile, compile_problem
 from ..config import (
     ATTENTION_MODES,
@@ -534,12 +534,8 @@ def _fixed_from_args(args: argparse.Namespace) -> dict:
                   "page_size": args.page_size, "performance.loss_chunk_tokens": args.loss_chunk_tokens,
                   "precision.fp32_grad_accumulation": args.fp32_grad_accumulation,
                   "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages,
-                  "sparse.read_share": _read_share(args)})
+                  "sparse.read_share": read_share_setting(args.read_share)})
     return fixed_from_options(fixed)
-
-
-def _read_share(args: argparse.Namespace) -> float | str | None:
-    return None if args.read_share == "none" else args.read_share
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -547,7 +543,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     fixed = _fixed_from_args(args)
     query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
     sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages,
-                          read_share=_read_share(args))
+                          read_share=read_share_setting(args.read_share))
     # The table's offloaded modes: these resident layers and blocks (the chooser decides its own, unless given).
     offload = OffloadConfig(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     performance = PerformanceConfig(checkpoint_layers=args.checkpoint_layers is not False,

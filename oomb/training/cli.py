@@ -13,7 +13,7 @@ import sys
 import torch
 import yaml
 
-from ..cli_options import REAL_MODEL, parse_read_share, resolve_model
+from ..cli_options import REAL_MODEL, parse_read_share, read_share_setting, resolve_model
 from ..config import (
     ATTENTION_MODES,
     BACKENDS,
@@ -134,8 +134,8 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.performance.recompute_logits", args.recompute_logits),
              ("oomb.performance.keep_attention_outputs", args.keep_attention_outputs),
              *((f"oomb.{FLAT_KEYS[name]}", getattr(args, name)) for name in SPARSE_FLAGS)]
-    if args.sparse_read_share is not None:  # "none" sets null: the fixed budget
-        pairs.append(("oomb.sparse.read_share", None if args.sparse_read_share == "none" else args.sparse_read_share))
+    if args.sparse_read_share is not None:
+        pairs.append(("oomb.sparse.read_share", read_share_setting(args.sparse_read_share)))
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
