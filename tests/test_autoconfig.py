@@ -460,7 +460,7 @@ def test_refusal_of_a_grown_sparse_budget_says_whether_the_fixed_budget_fits():
     with pytest.raises(NoConfigFitsError) as err:
         choose_config(workload, H200, {"attention": "sparse"})
     message = str(err.value)
-    assert ("with the fixed budget (--sparse-read-share none: 64 pages per query block, 0.4% of the history at 2M "
+    assert ("with the fixed budget (--sparse-read-share none: 64 pages per query block, 0.8% of the history at 2M "
             "instead of at least 35%) it fits: offload (14 of 28 layers resident") in message
     fixed = choose_config(workload, H200, {"attention": "sparse", "sparse.read_share": None})
     assert f"host {fixed.host_bytes / GIB:.1f} GiB); docs/sparse.md" in message

@@ -41,7 +41,6 @@ from .memory import (
     MemoryPrediction,
     TrainingSetup,
     predict,
-    sparse_pages_read,
 )
 from .model_shape import ModelShape
 from .step_time import StepTime, predict_step_time
@@ -747,8 +746,8 @@ def _fixed_budget_hint(workload: Workload, resources: Resources, base: OOMBConfi
                               fixed_budget)
     except NoConfigFitsError:
         return []
-    tokens, page = workload.seq_len, fixed_budget.page_size
-    read = sparse_pages_read(fixed_budget.sparse, tokens, page) / -(-tokens // page)
+    tokens = workload.seq_len
+    read = sparse_fidelity.history_read(tokens, fixed_budget)
     return [f"  with the fixed budget (--sparse-read-share none: {fixed_budget.sparse.budget} pages per query block, "
             f"{read:.1%} of the history at {format_tokens(tokens)} instead of at least {share:.0%}) it fits: "
             f"{other.chosen.summary(workload.shape.num_layers)} (GPU {other.gpu_bytes / GIB:.1f} GiB, host "
