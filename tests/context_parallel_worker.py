@@ -13,13 +13,19 @@ the host slabs. Every rank's results go to a JSON file the test reads.
 from __future__ import annotations
 
 import hashlib
-import json
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import TINY, build_tiny_model, end_distributed_worker, grads, hf_step, perturb_, random_ids, relative_error
+from helpers import (
+    TINY,
+    build_tiny_model,
+    grads,
+    hf_step,
+    perturb_,
+    random_ids,
+    relative_error,
+    run_distributed_worker,
+)
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import oomb.engine
@@ -285,18 +291,5 @@ SCENARIOS = {
 
 def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
     """Entry point of torch.multiprocessing.spawn."""
-    torch.set_num_threads(1)  # several ranks on a two-core machine
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    results = {}
-    for name in names:
-        try:
-            results[name] = SCENARIOS[name](rank, world, device)
-        except Exception:  # reported by the test, which then fails with the traceback
-            results[name] = {"traceback": traceback.format_exc()}
-            break  # the ranks may no longer agree on the collectives that come next
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    end_distributed_worker()
+    run_distributed_worker(rank, world, port, out_dir, names,
+                           lambda name, device: SCENARIOS[name](rank, world, device), device_type)

@@ -172,6 +172,44 @@ def visible_from_selections(selections: dict, layer: int, batch: int, kv_heads: 
     return visible
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed_worker(rank: int, world: int, port: int, out_dir: str, names: list, run_one,
+                           device_type: str = "cpu", stop_at_error: bool = True) -> None:
+    """A spawned rank's life: join the group (gloo on the CPU, NCCL on GPUs), run ``run_one(name, device)``
+    for each name, write ``rank{rank}.json`` of the results (a traceback where one raised; after it the
+    ranks may no longer agree on the collectives that come next, so with ``stop_at_error`` the rest is
+    skipped) and leave as ``end_distributed_worker`` does."""
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several ranks on a two-core machine
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_one(name, device)
+        except BaseException:  # reported by the test, which then fails with the traceback
+            results[name] = {"traceback": traceback.format_exc()}
+            if stop_at_error:
+                break
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    end_distributed_worker()
+
+
 def end_distributed_worker(barrier: bool = False) -> None:
     """Tear the process group down and leave without interpreter finalization.
 

@@ -9,13 +9,10 @@ relative error of the gathered gradients. Rank 0's results go to a JSON file the
 from __future__ import annotations
 
 import contextlib
-import json
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import build_tiny_model, end_distributed_worker, grads, hf_step, random_ids, relative_error
+from helpers import build_tiny_model, grads, hf_step, random_ids, relative_error, run_distributed_worker
 
 from oomb import OOMBConfig, forward_backward
 from oomb.config import PerformanceConfig
@@ -173,36 +170,13 @@ def train_job(job: dict) -> dict:
 
 def train(rank: int, world: int, port: int, out_dir: str, jobs: list[dict], device_type: str = "cpu") -> None:
     """Entry point of torch.multiprocessing.spawn: the Trainer runs ``jobs`` in order, in one group
-    (gloo on the CPU, NCCL on GPUs: the jobs' configs say train.device=cuda then)."""
-    torch.set_num_threads(1)
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    results = {}
-    for job in jobs:
-        try:
-            results[job["name"]] = train_job(job)
-        except BaseException:  # reported by the test, which then fails with the traceback
-            results[job["name"]] = {"traceback": traceback.format_exc()}
-            break  # the ranks may no longer agree on what comes next
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    end_distributed_worker()
+    (the jobs' configs say train.device=cuda on GPUs)."""
+    by_name = {job["name"]: job for job in jobs}
+    run_distributed_worker(rank, world, port, out_dir, list(by_name), lambda name, device: train_job(by_name[name]),
+                           device_type)
 
 
 def run(rank: int, world: int, port: int, out_dir: str, names: list[str], device_type: str = "cpu") -> None:
-    """Entry point of torch.multiprocessing.spawn."""
-    torch.set_num_threads(1)  # two ranks on a two-core machine
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    results = {}
-    for name in names:
-        try:
-            results[name] = SCENARIOS[name](rank, device)
-        except Exception:  # reported by the test, which then fails with the traceback
-            results[name] = {"traceback": traceback.format_exc()}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    end_distributed_worker()
+    """Entry point of torch.multiprocessing.spawn: every scenario named, each reported on its own."""
+    run_distributed_worker(rank, world, port, out_dir, names, lambda name, device: SCENARIOS[name](rank, device),
+                           device_type, stop_at_error=False)

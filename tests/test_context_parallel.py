@@ -4,12 +4,12 @@ dense and sparse, with and without host offload."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from context_parallel_worker import run
+from helpers import free_port
 
 from oomb.context_parallel import ContextShard
 from oomb.kv import ChunkSpan, PagedKVStore
@@ -26,14 +26,8 @@ VARIANT_SCENARIOS = ("llama_offload", "llama_sparse", "sparse_options", "gemma2_
 """Scenarios of context_parallel_worker.variants: one reference, several cp configurations each."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, names: list[str], out, device_type: str = "cpu") -> list[dict]:
-    mp.spawn(run, args=(world, _free_port(), str(out), names, device_type), nprocs=world, join=True)
+    mp.spawn(run, args=(world, free_port(), str(out), names, device_type), nprocs=world, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r, rank in enumerate(ranks):
         for name in names:
@@ -318,7 +312,7 @@ def test_oomb_train_with_cp_under_torchrun_matches_one_process(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), "-m", "oomb.cli", "train", "--cp", "2", "--output-dir", str(tmp_path / "cp"), *common]
+               str(free_port()), "-m", "oomb.cli", "train", "--cp", "2", "--output-dir", str(tmp_path / "cp"), *common]
     done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("oomb train: done") == 1  # rank 0 alone prints

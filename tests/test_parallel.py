@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import build_tiny_model
+from helpers import build_tiny_model, free_port
 from parallel_worker import SCENARIOS, run
 
 from oomb.parallel import ParallelConfig, check_tp_degree, setup_parallel
@@ -17,17 +16,11 @@ GRAD_RTOL = 1e-5
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     """Every scenario of tests/parallel_worker.py, run once by two spawned ranks (rank 0's view)."""
     out = tmp_path_factory.mktemp("parallel")
-    mp.spawn(run, args=(WORLD, _free_port(), str(out), list(SCENARIOS)), nprocs=WORLD, join=True)
+    mp.spawn(run, args=(WORLD, free_port(), str(out), list(SCENARIOS)), nprocs=WORLD, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for name in SCENARIOS:
         for r, rank in enumerate(ranks):
@@ -41,7 +34,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
 def test_gpu_nccl_tensor_and_data_parallel(tmp_path):
     """The same scenarios on two GPUs with NCCL (fp32, torch backend): gradients within 1e-5."""
     names = ["tp_llama_gqa", "dp_llama", "dp_llama_accumulation", "tp_llama_offload", "dp_llama_offload"]
-    mp.spawn(run, args=(WORLD, _free_port(), str(tmp_path), names, "cuda"), nprocs=WORLD, join=True)
+    mp.spawn(run, args=(WORLD, free_port(), str(tmp_path), names, "cuda"), nprocs=WORLD, join=True)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     for name in names:
         assert "traceback" not in rank0[name], rank0[name].get("traceback")
@@ -130,7 +123,7 @@ def test_oomb_train_under_torchrun_matches_one_process(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), "-m", "oomb.cli", "train", "--tp", "2", "--output-dir", str(tmp_path / "tp"), *common]
+               str(free_port()), "-m", "oomb.cli", "train", "--tp", "2", "--output-dir", str(tmp_path / "tp"), *common]
     done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("oomb train: done") == 1  # rank 0 alone prints

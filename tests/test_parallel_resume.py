@@ -8,13 +8,12 @@ layout too (tp=2 -> dp=2, 2 processes -> 1, 1 -> 2): the same steps up to the or
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import build_tiny_model
+from helpers import build_tiny_model, free_port
 from parallel_worker import train
 
 from oomb.training.checkpoint import load_checkpoint
@@ -30,12 +29,6 @@ ranks): the two AdamW steps at lr 3e-3 after the checkpoint stay this close to t
 steps: AdamW's first update, lr * g / (|g| + eps), turns float noise of ~1e-10 in gradients that
 cancel to ~1e-9 into weight changes of lr * 1e-2; so each reference run wrote the checkpoint, and
 eps is 1e-3, far above that noise, so that later updates stay continuous in the gradient too."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device_config(root: Path, name: str, model: dict, device: str = "cpu", **sections) -> dict:
@@ -105,7 +98,7 @@ def _all_runs(root: Path, device: str) -> dict:
                                                     checkpoint={"resume": tp_step2})},
         {"name": "offload", "config": _config(root, "offload", llama, parallel=tp, optim={"offload": True})},
     ]
-    mp.spawn(train, args=(WORLD, _free_port(), str(root), jobs, device), nprocs=WORLD, join=True)
+    mp.spawn(train, args=(WORLD, free_port(), str(root), jobs, device), nprocs=WORLD, join=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for job in jobs:
         for r, rank in enumerate(ranks):
