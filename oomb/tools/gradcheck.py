@@ -465,7 +465,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
     parser.add_argument("--reads", type=float, nargs="+", default=d.reads, metavar="SHARE",
                         help="also run, per score, the budget that reads about this share of the history "
-                             "(e.g. 0.01 0.03 0.1 0.25); with --scores auto exact: the defaults and the oracle "
+                             "(e.g. 0.01 0.03 0.1 0.25); with --sparse-score auto exact: the defaults and the oracle "
                              "at equal reads")
     parser.add_argument("--read-shares", type=float, nargs="+", default=d.read_shares, metavar="SHARE",
                         help="also run, per score, sparse.read_share at these shares over the default budget (every "
