@@ -360,6 +360,19 @@ def test_chosen_needs_the_free_gpu_memory_on_cuda():
         chosen_options("sparse", bench.dataclasses.replace(options, device="cuda"), shape, None, 20 << 30)
 
 
+def test_chosen_plan_on_cuda_predicts_with_the_cards_measured_rate(monkeypatch):
+    """The bench's plan on a CUDA device knows the card, as oomb train's does: its step time uses the H100's
+    measured rate and does not call the card unmeasured."""
+    from oomb.tools.bench_choice import chosen_options
+
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--chosen"]))
+    shape = bench.ModelShape.from_hf_config(bench.preset_config(options.preset, 2048))
+    choice = chosen_options("dense", bench.dataclasses.replace(options, device="cuda"), shape, 60 << 30, 100 << 30)
+    assert "the rate of a dense step on an H100" in choice.plan
+    assert "not measured" not in choice.plan
+
+
 def test_sparse_warmup_reaches_rerank_candidates():
     """On a GPU the sparse warm-up runs until a chunk's history outgrows the sinks and rerank's candidates
     (factor x budget pages), so the score kernel is tuned for its largest calls before the timed step; when

@@ -178,6 +178,10 @@ class Workload:
         return TrainingSetup(self.dtype, self.batch_size, self.optimizer, self.master_weights, self.lora_rank)
 
 
+MEMORY_HEADROOM = 0.95
+"""A plan may take this share of the memory free (the rest is the allocator's fragmentation and the unforeseen)."""
+
+
 @dataclass(frozen=True)
 class Resources:
     """Where it runs and how much memory a step may take."""
@@ -192,6 +196,19 @@ class Resources:
     """The weights are already on the GPU and outside gpu_limit (the trainer measures free memory
     after loading): they are not counted against it."""
     gpu_name: str | None = None
+    """The CUDA device's name (the step-time prediction uses its measured rate); None on a CPU."""
+
+    @classmethod
+    def free_on(cls, device: torch.device, gpu_free: int | None, host_free: int, *,
+                weights_loaded: bool = False) -> Resources:
+        """A step's limits on ``device`` from the bytes free there: MEMORY_HEADROOM of each (``gpu_free`` is
+        ignored on a CPU), with the CUDA device's name."""
+        if device.type != "cuda":
+            return cls("cpu", None, int(MEMORY_HEADROOM * host_free), weights_loaded=weights_loaded)
+        if gpu_free is None:
+            raise ValueError("a CUDA step needs the free GPU memory to choose a plan")
+        return cls("cuda", int(MEMORY_HEADROOM * gpu_free), int(MEMORY_HEADROOM * host_free),
+                   weights_loaded=weights_loaded, gpu_name=torch.cuda.get_device_name(device))
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):

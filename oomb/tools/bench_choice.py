@@ -23,7 +23,6 @@ from ..planning.memory import GIB
 from ..planning.model_shape import ModelShape
 from .plan import oomb_config_for
 
-MEMORY_HEADROOM = 0.95
 """Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
 
 CHOSEN_FIELDS = {
@@ -61,11 +60,8 @@ def chosen_options(mode: str, options, shape: ModelShape, gpu_free: int | None, 
     fixed = {path: base.option(path) for name, path in CHOSEN_FIELDS.items() if name in options.given}
     fixed.update({"attention": base.attention, "offload.enabled": base.offload.enabled,
                   "precision.deterministic": base.precision.deterministic})
-    cuda = torch.device(options.device).type == "cuda"
-    if cuda and gpu_free is None:
-        raise ValueError("a CUDA bench needs the free GPU memory to choose a plan")
-    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
-                          int(MEMORY_HEADROOM * host_free), weights_loaded=True)
+    resources = Resources.free_on(torch.device(options.device), gpu_free, host_free, weights_loaded=True)
+    cuda = resources.device == "cuda"
     too_long, why = [], ""
     for tokens in sorted(options.contexts, reverse=True):
         try:

@@ -44,6 +44,7 @@ from ..kv.offload import HostSlabs
 from ..models import fused_loss_possible, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from ..planning.choose import (
+    MEMORY_HEADROOM,
     Choice,
     NoConfigFitsError,
     Resources,
@@ -79,7 +80,6 @@ from .report import Reporter
 logger = logging.getLogger(__name__)
 
 DEFAULT_LR = {"tiny": 3e-3, "lora": 2e-4, "full": 1e-5}
-MEMORY_HEADROOM = 0.95  # refuse when the prediction exceeds this fraction of free memory
 ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
 
 
@@ -111,10 +111,7 @@ def preview_choice(cfg: TrainerConfig) -> Choice | None:
                         trainable_params=shape.lora_params(lora) if lora else shape.num_params(),
                         fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
                         context_parallel=cfg.parallel.cp > 1)
-    gpu_free = machine.gpu_free_bytes(device) if cuda else 0
-    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
-                          int(MEMORY_HEADROOM * host_available_bytes()),
-                          gpu_name=torch.cuda.get_device_name(device) if cuda else None)
+    resources = Resources.free_on(device, machine.gpu_free_bytes(device) if cuda else None, host_available_bytes())
     return choose_config(workload, resources, chooser_fixed(cfg, cuda, shape), cfg.oomb)
 
 
@@ -442,9 +439,7 @@ class Trainer(Checkpointing):
                             may_compile=may_compile(causal_lm, self.parallel.mesh is None),
                             may_fuse_loss=fused_loss_possible(causal_lm, self.parallel.mesh is None),
                             context_parallel=cfg.parallel.cp > 1)
-        resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
-                              int(MEMORY_HEADROOM * host_free), weights_loaded=True,
-                              gpu_name=torch.cuda.get_device_name(self.device) if cuda else None)
+        resources = Resources.free_on(self.device, gpu_free if cuda else None, host_free, weights_loaded=True)
         try:
             self.choice = choose_config(workload, resources, fixed, cfg.oomb)
         except NoConfigFitsError as err:  # the memory check below refuses (or warns), with these numbers
