@@ -84,7 +84,6 @@ from oomb.planning.choose import Resources, Workload, choose_config  # noqa: E40
 from oomb.planning.memory import GIB  # noqa: E402
 from oomb.planning.model_shape import ModelShape  # noqa: E402
 from oomb.tools.bench import build_model, enable_checkpointing, measure, token_ids  # noqa: E402
-from oomb.tools.bench_choice import MEMORY_HEADROOM  # noqa: E402
 from oomb.training.config import LoraSection  # noqa: E402
 from oomb.training.presets import PRESETS, apply_lora, count_parameters  # noqa: E402
 from oomb.units import coerce_tokens, format_tokens, parse_tokens  # noqa: E402
@@ -154,9 +153,7 @@ def plan(args: argparse.Namespace, model: torch.nn.Module, sequence: int, traina
                         may_compile=may_compile(causal_lm), may_fuse_loss=fused_loss_possible(causal_lm))
     gpu_free = machine.gpu_free_bytes(device) if cuda else None
     host_free = machine.host_available_bytes() or machine.host_free_bytes()
-    resources = Resources("cuda" if cuda else "cpu", int(MEMORY_HEADROOM * gpu_free) if cuda else None,
-                          int(MEMORY_HEADROOM * host_free), weights_loaded=True,
-                          gpu_name=torch.cuda.get_device_name(device) if cuda else None)
+    resources = Resources.free_on(device, gpu_free, host_free, weights_loaded=True)
     choice = choose_config(workload, resources, fixed, base)
     return choice.config, {"chosen": True, "fixed": fixed, "planned_tokens": sequence,
                            "gpu_free_gib": round(gpu_free / GIB, 2) if cuda else None,

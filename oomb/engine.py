@@ -246,33 +246,50 @@ class GradientRouting:
 
 
 @contextmanager
-def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: ParallelSetup, compile_layers,
-                     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
-                     ) -> Iterator[GradientRouting]:
-    """Where stage 2's chunk backward passes put the parameter gradients. Without float32 sums, linear
-    weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the head's always, the decoder's
-    where layers run eager (a routed linear breaks a compiled graph); compiled layers' linears carry .grad
-    through the chunk's graph into their products (carried_gradients.py). Under FSDP the chunks' gradients
-    are summed (in fp32) by FSDP until the last backward. Layer checkpointing and the tensor-parallel loss
-    context are entered here too. The float32 sums are written out on a normal exit, dropped on an error."""
-    causal_lm = unwrap_causal_lm(model)
-    decoder = causal_lm.get_decoder()
+def step_gradient_sums(model: torch.nn.Module, config: OOMBConfig, parallel: ParallelSetup,
+                       grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None,
+                       ) -> Iterator[Fp32GradAccumulator]:
+    """The step's float32 gradient sums (``precision.fp32_grad_accumulation``), written into ``.grad`` (or
+    ``grad_targets``) once on a normal exit and dropped on an error. A step whose backward passes are not one
+    reverse pass (shared_context.py: one per row, then the trunk) routes them all into these sums, so the
+    gradients are rounded once and no low-precision ``.grad`` is held next to the sums in between."""
     params = [] if parallel.fsdp else model.parameters()
     accumulator = Fp32GradAccumulator(params, config.precision.fp32_grad_accumulation, grad_targets)
-    in_place = parallel.tp == 1 and not parallel.fsdp
     finished = False
     try:
-        with layer_checkpointing(decoder, config.performance.checkpoint_layers), parallel.loss_context(), \
-                float32_weight_gradients(model, accumulator, enabled=parallel.tp == 1), \
-                in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, accumulator,
-                                          enabled=in_place), \
-                carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
-            yield GradientRouting(accumulator, carried)
+        yield accumulator
         accumulator.finish()
         finished = True
     finally:
         if not finished:
             accumulator.abort()
+
+
+@contextmanager
+def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: ParallelSetup, compile_layers,
+                     grad_targets: Mapping[torch.nn.Parameter, torch.Tensor] | None = None, *,
+                     sums: Fp32GradAccumulator | None = None) -> Iterator[GradientRouting]:
+    """Where stage 2's chunk backward passes put the parameter gradients. Without float32 sums, linear
+    weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the head's always, the decoder's
+    where layers run eager (a routed linear breaks a compiled graph); compiled layers' linears carry .grad
+    through the chunk's graph into their products (carried_gradients.py). Under FSDP the chunks' gradients
+    are summed (in fp32) by FSDP until the last backward. Layer checkpointing and the tensor-parallel loss
+    context are entered here too. ``sums``: the step's step_gradient_sums, for a step that routes several
+    reverse passes; by default the routing owns them (written out on a normal exit, dropped on an error)."""
+    if sums is None:
+        with step_gradient_sums(model, config, parallel, grad_targets) as own, \
+                gradient_routing(model, config, parallel, compile_layers, sums=own) as routing:
+            yield routing
+        return
+    causal_lm = unwrap_causal_lm(model)
+    decoder = causal_lm.get_decoder()
+    in_place = parallel.tp == 1 and not parallel.fsdp
+    with layer_checkpointing(decoder, config.performance.checkpoint_layers), parallel.loss_context(), \
+            float32_weight_gradients(model, sums, enabled=parallel.tp == 1), \
+            in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, sums,
+                                      enabled=in_place), \
+            carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
+        yield GradientRouting(sums, carried)
 
 
 def _router_term(term: torch.Tensor, causal_lm, lm_head) -> torch.Tensor:

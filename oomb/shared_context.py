@@ -53,6 +53,7 @@ from .engine import (
     rng_state,
     set_history_starts,
     set_rng_state,
+    step_gradient_sums,
     validated_inputs,
 )
 from .kv import ChunkSpan, split_into_chunks
@@ -245,7 +246,8 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
 
     total_loss = torch.zeros((), dtype=torch.float32, device=device)
     try:
-        with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers):
+        with oomb_attention(causal_lm), compiled_layers(decoder, compile_layers), \
+                step_gradient_sums(model, config, parallel) as sums:
             set_history_starts(store, trunk, windows, {}, trunk_documents)  # also the store's document starts
             trunk_states = fill(trunk, context, context_documents, kept_outputs)
             if loss_fn is not None or not backward:  # first pass: every row's log-probabilities, pages freed at once
@@ -266,7 +268,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                 set_row(row)
                 with store.branch():
                     row.rng_states = fill(row.chunks, row.ids, row.documents, kept_outputs, row.rng_states)
-                    with gradient_routing(model, config, parallel, compile_layers) as routing:
+                    with gradient_routing(model, config, parallel, compile_layers, sums=sums) as routing:
                         for chunk in reversed(row.chunks):
                             set_rng_state(device, row.rng_states[chunk.index - len(trunk)])
                             store.refill(chunk)
@@ -285,7 +287,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                             store.free(chunk)
             # The trunk's labels belong to every row: their loss counts once per continuation.
             set_history_starts(store, trunk, windows, {}, trunk_documents)
-            with gradient_routing(model, config, parallel, compile_layers) as routing:
+            with gradient_routing(model, config, parallel, compile_layers, sums=sums) as routing:
                 for chunk in reversed(trunk):
                     set_rng_state(device, trunk_states[chunk.index])
                     store.refill(chunk)

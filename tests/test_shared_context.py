@@ -17,6 +17,7 @@ from helpers import build_tiny_model, grads, load_script, lora_model, random_ids
 import oomb
 from oomb import OOMBConfig, SparseConfig
 from oomb.config import PerformanceConfig
+from oomb.grads import Fp32GradAccumulator
 from oomb.shared_context import ContinuationLogProbs, dpo_sigmoid_loss, grpo_loss
 
 TOLERANCE = 1e-5
@@ -176,6 +177,37 @@ def test_summed_loss_is_the_sum_of_the_rows_full_sequence_backward_passes():
 
     _compare(model, lambda: oomb.shared_context_backward(model, context, conts, labels, config=_config(),
                                                          loss_fn=lambda lp: -lp.sums.sum()), reference)
+
+
+def test_low_precision_gradients_are_summed_in_float32_once_over_the_rows(monkeypatch):
+    """bf16 with float32 sums: every row's backward and the trunk's add into one set of float32 sums, written
+    into .grad once: not rounded after each row, and no bf16 .grad held beside the sums while later rows run
+    (that .grad is the weights' size again: with it the 7B shape's shared step at 128K ran out of memory on an
+    80 GB card where one whole sequence fits). The result still follows the float32 step closely."""
+    reference_model = build_tiny_model("llama", seed=3)
+    model = build_tiny_model("llama", seed=3).to(torch.bfloat16)
+    context, conts = _inputs()
+    labels = _masked_labels(conts)
+    _, want = _step(reference_model, lambda: oomb.shared_context_backward(reference_model, context, conts, labels,
+                                                                          config=_config()))
+    finished, held = [], []
+    finish, collect = Fp32GradAccumulator.finish, Fp32GradAccumulator.collect
+
+    def counting_finish(self):
+        finished.append(len(self.params))
+        finish(self)
+
+    def watching_collect(self):
+        collect(self)
+        held.append(sum(p.grad is not None for p in self.params))
+
+    monkeypatch.setattr(Fp32GradAccumulator, "finish", counting_finish)
+    monkeypatch.setattr(Fp32GradAccumulator, "collect", watching_collect)
+    _, got = _step(model, lambda: oomb.shared_context_backward(model, context, conts, labels, config=_config()))
+    assert finished == [len(list(model.parameters()))]  # one accumulator over every bf16 parameter, finished once
+    assert len(held) > len(conts) and max(held) == 0  # every chunk's backward collected; no .grad left between
+    assert all(g.dtype == torch.bfloat16 for g in got.values())
+    assert relative_error(got, want) < 2e-2
 
 
 def test_logprobs_equal_hf():
