@@ -84,6 +84,8 @@ MEASURED: tuple[FidelityPoint, ...] = (
                   _128K_NEAR),
     FidelityPoint(524288, 0.032, 0.33537, 0.04864, "budget 64, SmolLM2-135M YaRN x64, as shipped", _512K),
     FidelityPoint(524288, 0.100, 0.88879, -0.00410, "budget 209, SmolLM2-135M YaRN x64, as shipped", _512K),
+    FidelityPoint(524288, 0.354, 0.98400, 0.00123, "read share 0.35 (the default), SmolLM2-135M YaRN x64, as shipped",
+                  "real_model/gradcheck_smollm2_512k_read35_h100.json"),
 )
 """Sparse-vs-dense gradients of real models (`oomb gradcheck`, rerank with its default options; docs/sparse.md).
 Where two points tie for nearest, the earlier one wins: the model as shipped before the warmed one."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomb.config import OOMBConfig, SparseConfig
-from oomb.sparse_fidelity import FidelityPoint, budget_for_read, describe, history_read, nearest
+from oomb.sparse_fidelity import MEASURED, FidelityPoint, budget_for_read, describe, history_read, nearest
 
 
 def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
@@ -43,9 +43,12 @@ def test_nearest_weighs_length_and_share_by_doublings():
     assert nearest(1 << 20, 0.016, points).setting == "b"
     assert nearest(16384, 0.3, points).setting == "a"
     assert nearest(1 << 20, 0.016, ()) is None
-    # the share read weighs more than the length: a plan reading 35 % at 1M is judged by 128K at 35 %, not by
-    # 512K at 10 %
-    assert nearest(1 << 20, 0.35).read == pytest.approx(0.351) and nearest(1 << 20, 0.35).seq_len == 131072
+    # the share read weighs more than the length: a plan reading 35 % at 1M is judged by 35 % at 512K (or at
+    # 128K without that point), not by 10 % at 512K
+    assert nearest(1 << 20, 0.35).read == pytest.approx(0.354) and nearest(1 << 20, 0.35).seq_len == 524288
+    without = tuple(p for p in MEASURED if not (p.seq_len == 524288 and p.read > 0.3))
+    assert nearest(1 << 20, 0.35, without).read == pytest.approx(0.351)
+    assert nearest(1 << 20, 0.35, without).seq_len == 131072
     assert nearest(1 << 20, 0.016).seq_len == 524288  # a fixed 64 pages at 1M: 512K at 3.2 %
 
 
