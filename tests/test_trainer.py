@@ -276,6 +276,39 @@ def test_accumulation_gives_the_mean_of_the_sequences_gradients(tmp_path, model_
         torch.testing.assert_close(seen[name], p.grad / 3, rtol=1e-5, atol=1e-7)
 
 
+def test_accumulation_without_masters_sums_the_sequences_in_float32(tmp_path, model_dir, data_file, monkeypatch):
+    """bf16 parameters stepped directly (optim.master_weights: false) over 3 sequences a step: their gradients
+    are summed in float32 over the sequences and rounded once, and no bf16 .grad is kept beside the next
+    sequence's float32 sums (the memory check counts only the sums)."""
+    config = make_config(tmp_path / "accum", model_dir, data_file, model={"dtype": "bfloat16"},
+                         data={"seq_len": 128}, train={"grad_accum": 3},
+                         optim={"max_grad_norm": 0.0, "master_weights": False})
+    trainer = Trainer(config)
+    trainer.setup()
+    fresh = copy.deepcopy(trainer.model)
+    held, seen = [], {}
+    step = oomb.training.trainer.forward_backward
+
+    def watching(model, *args, **kwargs):
+        held.append(sum(p.grad is not None for p in model.parameters() if p.dtype == torch.bfloat16))
+        return step(model, *args, **kwargs)
+
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", watching)
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    trainer.train_step()
+    assert held == [0, 0, 0]
+    sequences = PackedSequences(resolve_files(config.data), trainer.tokenizer, config.data, config.train.seed)
+    sums = {p: torch.zeros_like(p, dtype=torch.float32) for p in fresh.parameters()}
+    for _ in range(3):
+        sample = next(sequences)
+        oomb.forward_backward(fresh, sample.input_ids[None], sample.labels[None], config=config.oomb,
+                              cu_seqlens=sample.cu_seqlens(), grad_targets=sums)
+    for name, p in fresh.named_parameters():
+        assert seen[name].dtype == torch.bfloat16
+        assert torch.equal(seen[name], sums[p].to(torch.bfloat16) * (1 / 3)), name
+
+
 def test_memory_check_refuses_with_numbers_and_fixes(tmp_path, model_dir, data_file, monkeypatch, caplog):
     monkeypatch.setattr(oomb.training.trainer, "host_available_bytes", lambda: 1 << 20)
     config = make_config(tmp_path / "mem", model_dir, data_file)

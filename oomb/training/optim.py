@@ -82,6 +82,21 @@ class MasterWeights:
                 targets[p] = m.grad
         return targets
 
+    def step_sums(self) -> dict[nn.Parameter, torch.Tensor]:
+        """float32 zeros for the low-precision parameters stepped directly (no master; plain tensors): given
+        to every sequence of a step as gradient targets, they sum its sequences' gradients in float32 where a
+        low-precision ``.grad`` would otherwise be rounded after each sequence and kept beside the next one's
+        float32 sums (the weights' size again, which the memory check does not count). ``finish_sums``
+        writes them into ``.grad`` once."""
+        return {p: torch.zeros_like(p, dtype=torch.float32) for p, m in zip(self.params, self.masters, strict=True)
+                if m is None and p.dtype in LOW_PRECISION and not isinstance(p, DTensor)}
+
+    @staticmethod
+    def finish_sums(sums: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        """Each parameter's step sum (step_sums), plus what its ``.grad`` held, rounded once into ``.grad``."""
+        for p, total in sums.items():
+            p.grad = (total if p.grad is None else total.add_(p.grad)).to(p.dtype)
+
     def collect(self) -> None:
         """After a sequence's backward: move the remaining gradients (host masters) into the masters' .grad."""
         for p, m in zip(self.params, self.masters, strict=True):

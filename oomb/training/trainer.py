@@ -559,6 +559,8 @@ class Trainer(Checkpointing):
         losses, tokens, documents, epoch = [], 0, 0, 0
         parallel = self.parallel
         data_s = 0.0
+        step_sums = (self.masters.step_sums() if cfg.train.grad_accum > 1 and not parallel.fsdp
+                     and cfg.oomb.precision.fp32_grad_accumulation else {})
         for micro in range(cfg.train.grad_accum):
             # Data parallel: every rank reads the same stream (so positions agree for checkpoints) and
             # trains on every dp-th sequence; tensor-parallel ranks of a group share theirs.
@@ -572,13 +574,15 @@ class Trainer(Checkpointing):
                 progress = functools.partial(on_chunk, micro)
             loss = forward_backward(self.model, sample.input_ids[None], sample.labels[None], config=cfg.oomb,
                                     **boundaries, progress=progress,
-                                    grad_targets=None if parallel.fsdp else self.masters.grad_targets(),
+                                    grad_targets=None if parallel.fsdp else {**self.masters.grad_targets(),
+                                                                             **step_sums},
                                     parallel=parallel, host_slabs=self.host_slabs,
                                     sync_gradients=micro == cfg.train.grad_accum - 1)
             self.masters.collect()
             losses.append(parallel.all_mean(float(loss)))
             tokens += sum(s.input_ids.numel() for s in samples)
             documents, epoch = documents + sum(s.documents for s in samples), sample.epoch
+        self.masters.finish_sums(step_sums)
         loss = sum(losses) / len(losses)  # reading the losses waited for the GPU
         update_start = time.perf_counter()
         if not math.isfinite(loss):
