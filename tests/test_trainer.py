@@ -272,6 +272,8 @@ def test_accumulation_gives_the_mean_of_the_sequences_gradients(tmp_path, model_
         sample = next(sequences)
         oomb.forward_backward(fresh, sample.input_ids[None], sample.labels[None], config=config.oomb,
                               cu_seqlens=sample.cu_seqlens())  # data.documents: separate (the default)
+    sequences.close()
+    trainer.data.close()
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(seen[name], p.grad / 3, rtol=1e-5, atol=1e-7)
 
@@ -304,6 +306,8 @@ def test_accumulation_without_masters_sums_the_sequences_in_float32(tmp_path, mo
         sample = next(sequences)
         oomb.forward_backward(fresh, sample.input_ids[None], sample.labels[None], config=config.oomb,
                               cu_seqlens=sample.cu_seqlens(), grad_targets=sums)
+    sequences.close()
+    trainer.data.close()
     for name, p in fresh.named_parameters():
         assert seen[name].dtype == torch.bfloat16
         assert torch.equal(seen[name], sums[p].to(torch.bfloat16) * (1 / 3)), name
