@@ -23,8 +23,6 @@ from ..planning.memory import GIB
 from ..planning.model_shape import ModelShape
 from .plan import oomb_config_for
 
-"""Share of the free memory the plan may take (as `oomb train`: allocator slack, other processes)."""
-
 CHOSEN_FIELDS = {
     "chunk_size": "chunk_size",
     "kv_grad_dtype": "precision.kv_grad_dtype",
