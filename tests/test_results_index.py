@@ -154,3 +154,12 @@ def test_suite_run_selects_and_fills_commands(suite, index):
     assert suite.command_line(scenario, {}) == scenario["command"]  # "<out dir>" is no placeholder name
     assert suite.main(["run", "standard-128k", "--dry-run"]) == 0
     assert len(suite.readme_table(index).splitlines()) <= suite.README_MAX_ROWS + 4  # markers and header
+
+
+def test_readme_lists_what_users_run_first(suite, index):
+    """The README's headline rows start with the trainer's (what `oomb train` gets), then the step alone."""
+    rows = suite.readme_table(index).splitlines()[3:-1]
+    marked = [s for s in index["scenarios"] if s.get("readme")]
+    users = [s for s in marked if s["suite"] in suite.USER_SUITES]
+    assert users, "no oomb train row among the README's headline rows"
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows[:len(users)]] == [s["title"] for s in users]
