@@ -12,7 +12,7 @@ own. On one H100 the 128K run should take about 7 min (the chooser plans ~47 s a
 calls then cost about one sequence plus ~4 s a continuation) and the 1M run about 17 min (~3.5 min a
 sequence): where one command may not run that long, split it (--continuations 2 8, then --continuations 32
 --arms shared, ...). At 1M, sparse.read_share=null is the fixed budget of 64 pages, as in the standard 1M
-result; the default share (0.35 of the history) reads far more (~18 min a sequence predicted on an H100).
+result; the default share (0.35 of the history) reads far more (~19 min a sequence with LoRA predicted on an H100).
 
 The model is a preset shape with random weights built as `oomb bench` builds it (oomb.tools.bench.build_model:
 bf16 on CUDA, float32 on a CPU); every weight is trained (no optimizer), or with --lora PEFT adapters as

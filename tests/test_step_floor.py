@@ -116,6 +116,25 @@ def test_scoring_by_hand():
     assert scoring_work(StepSpec(ONE_LAYER, 256, chunk_size=128, page_size=32)) == Work()
 
 
+def test_rerank_candidates_grow_with_the_read_share():
+    """With a read share the step's candidates are rerank_factor x the grown budget (sparse.candidate_options):
+    at a quarter of the history or more that is every history page, so stage 1 reads every history key
+    (and, with offload, stages them), as the counts must say."""
+    share = StepSpec(ONE_LAYER, 2048, "sparse", chunk_size=128, page_size=32,
+                     sparse=SparseConfig(budget=1, read_share=0.25, research=SparseResearch(candidate_pooling="max")))
+    fixed = _sparse(share, read_share=None)
+    starts = [start for start, _ in share.chunks() if share.read_pages(start) is not None]
+    assert starts and all(share.rerank_candidates(start) == start // 32 for start in starts)
+    assert all(fixed.rerank_candidates(start) == min(start // 32, 1 + 4 * 1) for start, _ in fixed.chunks())
+    keys = sum(128 * (start // 32) * 32 + 128 * 129 // 2 for start in starts)
+    assert scoring_work(share).attention_flops == 2 * 4 * 2 * keys
+    offloaded = dataclasses.replace(share, offload=OffloadConfig(enabled=True))
+    unstaged = _sparse(offloaded, score="minmax")  # the same reads, no candidate keys staged
+    keys_bytes = 1 * 4 * 2  # one KV head's keys of dimension 4, bf16: half of K and V
+    staged = copies_work(offloaded).to_device_bytes - copies_work(unstaged).to_device_bytes
+    assert staged == sum((start // 32) * 32 * keys_bytes for start in starts)
+
+
 def _sparse(spec: StepSpec, **changes) -> StepSpec:
     """``spec`` with its sparse options changed (research ones by name too)."""
     return dataclasses.replace(spec, sparse=sparse_replace(spec.sparse, **changes))

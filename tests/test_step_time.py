@@ -48,7 +48,8 @@ def test_the_plan_states_its_step_time_and_the_other_modes():
     workload = Workload(QWEN_7B, 1 << 20, lora_rank=16)
     resources = Resources("cuda", gpu_limit=74 * 2**30, host_limit=118 * 2**30, gpu_name=H100)
     choice = choose_config(workload, resources, {"attention": "sparse"})  # the default: 35 % of the history
-    assert choice.step_time is not None and choice.other_mode_time.seconds > 2 * choice.step_time.seconds
+    # 35 % read, and rerank's 4 x 35 % candidates are every history key in stage 1: about half of dense's time
+    assert choice.step_time is not None and choice.other_mode_time.seconds > 1.5 * choice.step_time.seconds
     text = choice.describe()
     assert "step time: ~" in text and "dense attention: ~" in text and "sparse reads 35 % of the history" in text
     fixed = choose_config(workload, resources, {"attention": "sparse", "sparse.read_share": None})

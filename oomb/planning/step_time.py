@@ -32,7 +32,7 @@ class MeasuredRate:
 
 RATES: tuple[MeasuredRate, ...] = (
     MeasuredRate("H100", "dense", False, 524.4, "7B shape, 128K, 43.46 s", "sparse_reads_7b_128k_b64_h100.json"),
-    MeasuredRate("H100", "sparse", False, 483.5, "7B shape, 128K, defaults, 21.66 s",
+    MeasuredRate("H100", "sparse", False, 483.5, "7B shape, 128K, budget 64, 21.66 s",
                  "sparse_reads_7b_128k_b64_h100.json"),
     MeasuredRate("H200", "dense", False, 525.3, "7B shape, 512K, 529.08 s", "dense_chosen_512k_h200_2026-12-04.json"),
     MeasuredRate("H200", "sparse", True, 472.5, "7B shape, 1M, 185.58 s",

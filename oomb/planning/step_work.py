@@ -186,6 +186,14 @@ class StepSpec:
             return None
         return self.sparse.sink_pages + budget
 
+    def rerank_candidates(self, start: int) -> int:
+        """History pages the "rerank" score reads per query block of the chunk at ``start``: rerank_factor x the
+        budget there (grown by the read share, as the step's candidate_options does), the sinks besides, at most
+        the whole history: with a read share of 1 / rerank_factor or more, every history page."""
+        n_hist = start // self.page_size
+        budget = read_share_budget(self.sparse.budget, self.sparse.resolved_read_share, n_hist)
+        return min(n_hist, self.sparse.sink_pages + self.sparse.research.rerank_factor * budget)
+
 
 def linear_macs_per_token(shape: ModelShape) -> int:
     """Multiply-adds of the decoder's linear layers per token: q, k, v, o and the MLP (an MoE layer's
@@ -270,8 +278,7 @@ def scoring_work(spec: StepSpec) -> Work:
                 counted = n_hist if bound is None else min(n_hist, spec.sparse.sink_pages + bound)
                 matmul += width * (counted + n_blocks)
         if spec.sparse.resolved_score in ("rerank", "exact"):
-            scored = n_hist if spec.sparse.resolved_score == "exact" else min(
-                n_hist, spec.sparse.sink_pages + spec.sparse.research.rerank_factor * spec.sparse.budget)
+            scored = n_hist if spec.sparse.resolved_score == "exact" else spec.rerank_candidates(start)
             passes = 2 if spec.sparse.resolved_score == "exact" else 1  # rerank keeps its listed pages' log-masses
             queries = n_blocks * (P + 1) if spec.sparse.leak_free else length
             keys = queries * passes * scored * P + length * (length + 1) // 2  # the scored pages, the chunk
@@ -312,8 +319,7 @@ def copies_work(spec: StepSpec) -> Work:
         history = start if pages is None else pages * spec.page_size  # tokens staged per call
         scoring = 0
         if pages is not None and spec.sparse.resolved_score == "rerank":  # candidates' keys, for stage 1's scores
-            scoring = min(start // spec.page_size, spec.sparse.sink_pages + spec.sparse.research.rerank_factor
-                          * spec.sparse.budget) * spec.page_size * kv // 2
+            scoring = spec.rerank_candidates(start) * spec.page_size * kv // 2
         to_host += length * kv + history * grad  # stage 1's K, V; stage 2's dK, dV of the history
         to_device += history * kv + scoring + 2 * (history + length) * kv
         grad_stores += history
