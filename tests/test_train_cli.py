@@ -31,6 +31,16 @@ def test_defaults_are_the_embedded_cpu_run():
     assert oomb.Trainer is oomb.training.trainer.Trainer and oomb.TrainerConfig is TrainerConfig
 
 
+def test_every_preset_shape_is_a_training_preset():
+    """`oomb train --preset` takes every shape `oomb plan` and `oomb bench` take (oomb/training/preset_shapes.py)."""
+    from oomb.training.preset_shapes import PRESETS
+
+    for name in PRESETS:
+        assert TrainerConfig.load(None, [f"model.preset={name}"]).model.preset == name
+    with pytest.raises(ValueError, match="gemma-2-9b"):  # the error lists them all
+        TrainerConfig.load(None, ["model.preset=no-such-shape"])
+
+
 def test_yaml_then_flags_then_set(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"optim": {"lr": "1e-4"}, "data": {"seq_len": 1024}, "train": {"max_steps": 3}}))

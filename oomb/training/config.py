@@ -29,8 +29,9 @@ import yaml
 from ..config import OOMBConfig, nested_options
 from ..planning.choose import AUTO_FIELDS
 from ..units import coerce_tokens
+from .preset_shapes import PRESETS
 
-PRESET_NAMES = ("tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b")
+PRESET_NAMES = tuple(PRESETS)
 TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "performance.loss_chunk_tokens"),
               "eval": ("seq_len", "passkey_lengths")}
 """Keys (dotted paths in oomb's sections) holding a number of tokens (or a list of them): YAML and --set accept
@@ -43,7 +44,7 @@ class ModelSection:
     path: str | None = None
     """Local Hugging Face model directory (config.json + weights), loaded with from_pretrained.
     Empty: a model of shape `preset` with random weights."""
-    preset: Literal["tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"] = "tiny-qwen2"
+    preset: Literal[PRESET_NAMES] = "tiny-qwen2"
     """Shape built with random weights when `path` is empty. "tiny-qwen2" is the embedded default."""
     tokenizer: str | None = None
     """Tokenizer directory (AutoTokenizer.from_pretrained). Empty: `path`; for a preset, oomb's
