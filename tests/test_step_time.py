@@ -69,3 +69,17 @@ def test_oomb_plan_prints_step_times_for_the_named_gpu_and_the_longest_context_p
     line = next(x for x in out.splitlines() if x.startswith("longest context oomb train fits here"))
     longest = {part.split()[0]: int(part.split()[1].replace(",", "")) for part in line.split(": ")[1].split(", ")}
     assert set(longest) == {"dense", "sparse"} and all(tokens >= 1 << 20 for tokens in longest.values())
+
+
+def test_the_longest_context_is_searched_per_attention_mode():
+    """A mode given in ``fixed`` is the mode searched (the candidates read fixed options from the base config):
+    on an H200 with 125 GiB of host memory the default share's pages stop sparse before dense."""
+    from oomb.planning.choose import longest_context
+
+    workload = Workload(QWEN_7B, 1 << 20, lora_rank=16)
+    resources = Resources("cuda", gpu_limit=int(131.8 * 2**30), host_limit=int(118.8 * 2**30), gpu_name="NVIDIA H200")
+    dense = longest_context(workload, resources, {"attention": "dense"})
+    sparse = longest_context(workload, resources, {"attention": "sparse"})
+    assert sparse == longest_context(workload, resources, {}, OOMBConfig(attention="sparse"))
+    assert dense == longest_context(workload, resources, {}, OOMBConfig(attention="dense"))
+    assert 0 < sparse < dense

@@ -788,8 +788,9 @@ def longest_context(workload: Workload, resources: Resources, fixed: dict | None
                     base: OOMBConfig | None = None, limit: int = 1 << 26) -> int:
     """The longest sequence (a multiple of the page size, at most ``limit`` tokens) for which some
     configuration the chooser tries fits, keeping ``fixed``; 0 if none does."""
-    base = base or OOMBConfig()
-    return _longest_fitting(dataclasses.replace(workload, seq_len=limit), resources, base, dotted_options(fixed or {}))
+    fixed = dotted_options(fixed or {})
+    base = (base or OOMBConfig()).with_options(fixed)  # the candidates read fixed options from the base
+    return _longest_fitting(dataclasses.replace(workload, seq_len=limit), resources, base, fixed)
 
 
 def _longest_fitting(workload: Workload, resources: Resources, base: OOMBConfig, fixed: dict) -> int:
