@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        # also after the command (`oomb train -v`); SUPPRESS keeps a -v given before it
+        command_parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                    help="log at INFO level")
         importlib.import_module(module).add_arguments(command_parser)
     return parser
 
@@ -38,10 +41,26 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
+        _check_device(args)
         return module.main(args)
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as err:
         print(f"oomb {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+PLANS_FOR_OTHER_DEVICES = ("plan",)
+"""Commands whose --device names the machine planned for, not the one they run on."""
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """A CUDA device asked for where there is none: one line instead of torch's traceback."""
+    device = getattr(args, "device", None)
+    if args.command in PLANS_FOR_OTHER_DEVICES or not isinstance(device, str) or not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but CUDA is not available here: use --device cpu")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,14 @@ def resolve_model(name: str) -> str:
     return name
 
 
+def check_model_option(given: str, resolved: str, presets) -> None:
+    """``--model``: a preset name (of ``presets``), ``smollm2`` or a local directory; else one line naming all three."""
+    if resolved not in presets and not Path(resolved).expanduser().is_dir():
+        raise ValueError(f"--model {given!r} is not a preset ({', '.join(presets)}), {REAL_MODEL!r} or a local "
+                         "directory: give a Hugging Face model directory (config.json + weights, as save_pretrained "
+                         "writes it) or a preset name")
+
+
 def parse_read_share(text: str) -> float | str:
     """--sparse-read-share: a share of the history in (0, 1], or "none" (the fixed budget) / "auto"."""
     if text.lower() in ("none", "auto"):
@@ -50,6 +58,28 @@ def parse_read_share(text: str) -> float | str:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
     return share
+
+
+def parse_share(text: str) -> float:
+    """A share of the history in (0, 1] (gradcheck's --reads and --read-shares, calibrate's --max-read)."""
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share (e.g. 0.25)") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
+    return share
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def read_share_setting(given: float | str) -> float | str | None:

@@ -255,3 +255,49 @@ def test_hf_trainer_callback_evaluates_every_n_steps(tmp_path):
     assert evaluations[0]["oomb_eval"]["passkey"][0]["count"] == 1 and trainer.model.training
     with pytest.raises(ValueError, match="every_steps > 0"):
         OOMBEvalCallback(byte_tokenizer(), EvalSection())
+
+
+def test_eval_takes_a_lora_adapter_directory(model_dir, data_file, tmp_path, capsys):
+    """What `oomb train --lora` exports (an adapter beside its tokenizer) evaluates as its base with the adapter merged:
+    the same NLL as the merged model through plain HF; an adapter whose base is not here is refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    adapter = tmp_path / "final"
+    lora.save_pretrained(adapter)
+    byte_tokenizer().save_pretrained(adapter)
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--model", str(adapter), "--data", str(data_file), "--seq-len", "1K", "--sequences", "1",
+                     "--chunk-size", "256", "--page-size", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "LoRA adapter merged into" in report["model"]
+    sequences = torch.stack(held_out_sequences(str(data_file), byte_tokenizer(), 1024, 1))
+    merged = lora.merge_and_unload().eval()
+    with torch.no_grad():
+        logits = merged(input_ids=sequences).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), sequences[:, 1:].flatten())
+        plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()(input_ids=sequences).logits[:, :-1]
+    assert float(nll) != pytest.approx(float(torch.nn.functional.cross_entropy(
+        plain.flatten(0, 1).float(), sequences[:, 1:].flatten())), rel=1e-4)  # the adapter changes the model
+    assert report["perplexity"][0]["mean_nll"] == pytest.approx(float(nll), rel=1e-5)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    capsys.readouterr()
+    assert cli.main(["eval", "--model", str(adapter), "--data", str(data_file), "--seq-len", "1K"]) == 2
+    assert "is a LoRA adapter whose base model (None)" in capsys.readouterr().err
+
+
+def test_short_eval_data_is_refused_without_the_training_warning(model_dir, tmp_path, caplog, capsys):
+    """A file shorter than one sequence: one error, not the trainer's "every sequence repeats it" warning before it."""
+    short = tmp_path / "short.txt"
+    short.write_text("short text.\n")
+    assert cli.main(["eval", "--model", str(model_dir), "--data", str(short), "--seq-len", "1K",
+                     "--chunk-size", "256", "--page-size", "64"]) == 2
+    assert "holds 0 whole sequence(s)" in capsys.readouterr().err
+    assert not [r for r in caplog.records if "repeats it" in r.getMessage()]

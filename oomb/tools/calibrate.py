@@ -30,7 +30,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from ..cli_options import REAL_MODEL, add_option
+from ..cli_options import REAL_MODEL, add_option, parse_share
 from ..config import SPARSE_POOLINGS, SPARSE_SCORES, SparseConfig, SparseResearch
 from .gradcheck import REAL_CODE, REAL_TEXT, GradcheckOptions, load_sequence
 from .plan import parse_tokens
@@ -180,13 +180,14 @@ def format_plan(plan: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb calibrate` (the model and data options are gradcheck's)."""
-    parser.add_argument("--model", default=REAL_MODEL, help=f"a local HF model directory, or {REAL_MODEL!r}")
+    add_option(parser, "--model", "--preset", default=REAL_MODEL,
+               help=f"a local HF model directory, a preset (random weights) or {REAL_MODEL!r}")
     add_option(parser, "--data", "--text", dest="text", default=REAL_TEXT,
                help=f"a text file of your data, {REAL_TEXT!r} or {REAL_CODE!r} (as in oomb gradcheck)")
-    parser.add_argument("--seq-len", type=parse_tokens, default=8192, help="tokens (e.g. 8192, 32K)")
+    add_option(parser, "--seq-len", "--context", type=parse_tokens, default=8192, help="tokens (e.g. 8192, 32K)")
     parser.add_argument("--chunk-size", type=parse_tokens, default=4096)
-    parser.add_argument("--page-size", type=int, default=128)
-    parser.add_argument("--max-read", type=float, default=0.25,
+    parser.add_argument("--page-size", type=parse_tokens, default=128)
+    parser.add_argument("--max-read", type=parse_share, default=0.25,
                         help="share of the history pages (all layers) the plan may read")
     add_option(parser, "--sparse-budget", "--grid", dest="grid", type=int, nargs="+", default=list(DEFAULT_GRID),
                help="candidate budgets (pages) to measure the recall of")
@@ -202,6 +203,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.seq_len <= args.chunk_size:
+        raise ValueError(f"--seq-len {args.seq_len} fits in one chunk of --chunk-size {args.chunk_size}: a sparse plan "
+                         f"chooses among earlier chunks' pages, so give at least two chunks (e.g. --seq-len "
+                         f"{4 * args.chunk_size} or a smaller --chunk-size)")
     options = GradcheckOptions(model=args.model, text=args.text, seq_len=args.seq_len, chunk_size=args.chunk_size,
                                page_size=args.page_size, dtype=args.dtype, device=args.device, yarn=args.yarn)
     model, ids, model_text, source = load_sequence(options)

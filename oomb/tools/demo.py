@@ -24,6 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ..config import OOMBConfig
 from ..engine import forward_backward
 from ..training.presets import TINY_PRESET, preset_config
+from ..units import parse_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb demo`."""
     defaults = DemoOptions()
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
-    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
-    parser.add_argument("--page-size", type=int, default=defaults.page_size)
+    parser.add_argument("--seq-len", type=parse_tokens, default=defaults.seq_len, help="tokens per sequence")
+    parser.add_argument("--chunk-size", type=parse_tokens, default=defaults.chunk_size)
+    parser.add_argument("--page-size", type=parse_tokens, default=defaults.page_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device, help="cpu or cuda")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..cli_options import REAL_MODEL, add_option, check_model_option, positive_int
 from ..config import ATTENTION_MODES, BACKENDS, OffloadConfig, OOMBConfig, PerformanceConfig, resolve_dtype
 from ..kv.offload import HostSlabs
 from ..real_model import with_yarn
@@ -32,7 +33,6 @@ from ..training import presets
 from ..training.config import EvalSection, ModelSection
 from ..training.evaluation import format_evaluation, run_evaluation
 from ..units import parse_tokens
-from .gradcheck import REAL_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,12 @@ def load(options: EvalOptions):
         from ..real_model import smollm2_dir
 
         name = str(smollm2_dir())
+    check_model_option(options.model, name, presets.PRESETS)
     is_preset = name in presets.PRESETS
-    if not is_preset and not Path(name).expanduser().is_dir():
-        raise ValueError(f"--model {options.model!r} is not a preset ({', '.join(presets.PRESETS)}), {REAL_MODEL!r} "
-                         "or a local directory: give a Hugging Face model directory (config.json + weights, as "
-                         "save_pretrained writes it) or a preset name")
+    adapter = None if is_preset else lora_adapter(Path(name).expanduser())
     section = ModelSection(path=None if is_preset else name, preset=name if is_preset else presets.TINY_PRESET)
+    if adapter is not None:  # the base model's weights, the adapter's tokenizer (oomb train saves it beside)
+        section = ModelSection(path=adapter, tokenizer=name)
     device = torch.device(options.device if options.device != "auto" else
                           "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -100,8 +100,27 @@ def load(options: EvalOptions):
     torch.manual_seed(options.seed)  # a preset's random weights
     model = presets.build_model(section, config, dtype, device).eval()
     weights = "random weights" if is_preset else "local weights"
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, name).merge_and_unload().eval()
+        weights = f"LoRA adapter merged into {adapter}"
     description = f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})"
     return model, presets.load_tokenizer(section), description
+
+
+def lora_adapter(path: Path) -> str | None:
+    """The base model directory of a PEFT LoRA adapter directory (what `oomb train --lora` exports to final/), or
+    None for any other directory. Raises where the base cannot be loaded here."""
+    config_file = path / "adapter_config.json"
+    if (path / "config.json").is_file() or not config_file.is_file():
+        return None
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).expanduser().is_dir():
+        raise ValueError(f"--model {str(path)!r} is a LoRA adapter whose base model ({base!r}) is not a local "
+                         "directory here (an adapter trained on a preset's random weights cannot be rebuilt): evaluate "
+                         "the merged model that lora.merge_on_export=true writes to output_dir/final-merged")
+    return str(Path(base).expanduser())
 
 
 def run_eval(options: EvalOptions, progress: bool = False) -> dict:
@@ -128,18 +147,20 @@ def _plain(values: dict) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb eval`."""
     d = EvalOptions()
-    parser.add_argument("--model", default=d.model,
+    add_option(parser, "--model", "--preset", default=d.model,
                         help=f"a local HF model directory, a preset ({', '.join(presets.PRESETS)}; random weights) or "
                              f"{REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--data", default=None,
                         help="held-out text file, or jsonl with a \"text\" field per line (documents joined with EOS)")
-    parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens per sequence (e.g. 32K, 1M)")
-    parser.add_argument("--sequences", type=int, default=d.sequences, help="sequences cut from the start of --data")
+    add_option(parser, "--seq-len", "--context", type=parse_tokens, default=d.seq_len,
+               help="tokens per sequence (e.g. 32K, 1M)")
+    parser.add_argument("--sequences", type=positive_int, default=d.sequences,
+                        help="sequences cut from the start of --data")
     parser.add_argument("--passkey-lengths", type=parse_tokens, nargs="*", default=[],
                         help="passkey prompt lengths (e.g. 8K 32K 128K); none: no passkeys")
     parser.add_argument("--passkey-depths", type=float, nargs="+", default=d.passkey_depths,
                         help="where the key is hidden, fractions of the context before it")
-    parser.add_argument("--passkeys-per-point", type=int, default=d.passkeys_per_point,
+    parser.add_argument("--passkeys-per-point", type=positive_int, default=d.passkeys_per_point,
                         help="prompts (each its own key) per length and depth")
     parser.add_argument("--seed", type=int, default=d.seed, help="passkeys' keys (and a preset's random weights)")
     parser.add_argument("--yarn", type=float, default=None,

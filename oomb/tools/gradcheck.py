@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..cli_options import REAL_MODEL, add_option, resolve_model
+from ..cli_options import REAL_MODEL, add_option, check_model_option, parse_share, resolve_model
 from ..config import (
     CANDIDATE_POOLINGS,
     DEFAULT_BUDGET,
@@ -149,6 +149,7 @@ def load_sequence(options: GradcheckOptions):
     """(model, input_ids, description, source) from a preset name or a local directory, and a text file or
     random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
     first, then the warm-up's."""
+    check_model_option(options.model, resolve_model(options.model), presets.PRESETS)
     options = replace(options, model=resolve_model(options.model))
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
@@ -414,7 +415,7 @@ def format_report(report: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `oomb gradcheck`."""
     d = GradcheckOptions()
-    parser.add_argument("--model", default=d.model,
+    add_option(parser, "--model", "--preset", default=d.model,
                         help=f"a preset ({', '.join(presets.PRESETS)}; random weights), a local HF model directory, "
                              f"or {REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
     add_option(parser, "--data", "--text", dest="text", default=None,
@@ -422,7 +423,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(Python's English docs, ~110K tokens) or {REAL_CODE!r} (the standard library's source, "
                              "millions of tokens); default: random ids")
     parser.add_argument("--ids", default=None, help="file of whitespace-separated token ids (instead of --data)")
-    parser.add_argument("--seq-len", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
+    add_option(parser, "--seq-len", "--context", type=parse_tokens, default=d.seq_len, help="tokens (e.g. 2048, 32K)")
     add_option(parser, "--sparse-budget", "--budgets", dest="budgets", type=int, nargs="+", default=d.budgets,
                help=f"fixed sparse budgets (pages), one arm each (default: {' '.join(map(str, QUICK_BUDGETS))}, "
                     "unless --reads or --read-shares choose the arms)")
@@ -454,8 +455,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                type=parse_normaliser_pages, default=d.normaliser_pages,
                help="softmax_max pooling: history pages its normaliser counts besides the sinks, one arm "
                              "each ('all': every page)")
-    parser.add_argument("--chunk-size", type=int, default=d.chunk_size)
-    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--chunk-size", type=parse_tokens, default=d.chunk_size)
+    parser.add_argument("--page-size", type=parse_tokens, default=d.page_size)
     parser.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
     parser.add_argument("--device", default=d.device, help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=d.seed, help="random weights and random ids")
@@ -463,11 +464,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also check dense vs full-sequence HF (auto: up to {HF_AUTO_MAX_TOKENS} tokens)")
     parser.add_argument("--yarn", type=float, default=None,
                         help="extend the model's RoPE with YaRN by this factor (e.g. 4: 8K -> 32K)")
-    parser.add_argument("--reads", type=float, nargs="+", default=d.reads, metavar="SHARE",
+    parser.add_argument("--reads", type=parse_share, nargs="+", default=d.reads, metavar="SHARE",
                         help="also run, per score, the budget that reads about this share of the history "
                              "(e.g. 0.01 0.03 0.1 0.25); with --sparse-score auto exact: the defaults and the oracle "
                              "at equal reads")
-    parser.add_argument("--read-shares", type=float, nargs="+", default=d.read_shares, metavar="SHARE",
+    parser.add_argument("--read-shares", type=parse_share, nargs="+", default=d.read_shares, metavar="SHARE",
                         help="also run, per score, sparse.read_share at these shares over the default budget (every "
                              "query block reads the share of its history; 0.35 is the defaults): against --reads' "
                              "and --sparse-budget's fixed budgets at equal reads")

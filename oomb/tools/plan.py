@@ -517,7 +517,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resident-layers", "--offload-resident-layers", dest="resident_layers", type=int,
                        help=f"offload: layers whose pages stay on the GPU (table default {offload.resident_layers})")
     group.add_argument("--stream-block-pages", type=int, default=offload.stream_block_pages)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="print JSON instead of the table; with a PATH, write it there and print the table")
 
 
 def _fixed_from_args(args: argparse.Namespace) -> dict:
@@ -636,9 +637,20 @@ def main(args: argparse.Namespace) -> int:
     mode with the options given, fits), 1 otherwise."""
     if plan_device(args) == "cpu":
         text, report, fits = cpu_plan(args)
-        print(json.dumps(report, indent=2) if args.json else text)
+        _report(args.json, text, report)
         return 0 if fits else 1
     plan = plan_from_args(args)
-    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
+    _report(args.json, format_plan(plan), plan_to_dict(plan))
     runs = plan.choice is not None or any(r.fits and r.status == "implemented" for r in plan.reports)
     return 0 if runs else 1
+
+
+def _report(json_path: str | None, text: str, report: dict) -> None:
+    """The table, or the JSON for ``--json`` ("-": printed instead of the table; a path: written there as well)."""
+    if json_path == "-":
+        print(json.dumps(report, indent=2))
+        return
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}")

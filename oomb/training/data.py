@@ -297,7 +297,9 @@ class PackedSequences:
     """
 
     def __init__(self, files: list[DataFile], tokenizer, options: DataSection, seed: int,
-                 position: DataPosition | None = None) -> None:
+                 position: DataPosition | None = None, *, repeats_allowed: bool = True) -> None:
+        """``repeats_allowed``: a stream shorter than one sequence repeats itself, with a warning (training);
+        False: the caller refuses a wrapped stream itself (held-out evaluation), so no warning."""
         if not files:
             raise ValueError("no data files: set data.paths to jsonl/parquet/text files or folders")
         if tokenizer.eos_token_id is None:
@@ -308,7 +310,7 @@ class PackedSequences:
         self.bos = bos if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else None
         self._sources: dict[int, object] = {}
         self._order_key, self._unit_order = None, None
-        self._warned_small = False
+        self._warned_small = not repeats_allowed
         self.seek(position or DataPosition())
 
     # -- position --

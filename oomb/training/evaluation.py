@@ -34,7 +34,7 @@ def held_out_sequences(path: str, tokenizer, seq_len: int, count: int) -> list[t
         raise FileNotFoundError(f"eval data {path!r} is not a file: give a text file or a jsonl file with a "
                                 "\"text\" field per line")
     options = DataSection(paths=[path], seq_len=seq_len, documents="joined", shuffle=False)
-    stream = PackedSequences(resolve_files(options), tokenizer, options, seed=0)
+    stream = PackedSequences(resolve_files(options), tokenizer, options, seed=0, repeats_allowed=False)
     sequences = []
     try:
         for _ in range(count):
