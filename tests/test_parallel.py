@@ -147,5 +147,5 @@ def test_plan_divides_by_tp():
     embeddings = shape.vocab_size * shape.hidden_size
     assert half.num_params() == (shape.num_params() - 2 * embeddings - shape.hidden_size) // 2 + embeddings \
         + embeddings // 2 + shape.hidden_size + shape.num_layers * shape.hidden_size  # norms stay whole
-    with pytest.raises(ValueError, match="tp=3 must divide"):
+    with pytest.raises(ValueError, match="tp=3 must divide.*; valid: 1, 2, 4$"):
         shape.per_rank(3)

@@ -158,9 +158,14 @@ class ModelShape:
         if tp == 1:
             return self
         dense_mlps = self.moe_layers < self.num_layers
-        if self.num_heads % tp or self.num_kv_heads % tp or (dense_mlps and self.intermediate_size % tp):
+        def divides(n: int) -> bool:
+            return not (self.num_heads % n or self.num_kv_heads % n or (dense_mlps and self.intermediate_size % n))
+
+        if not divides(tp):
+            valid = [n for n in range(1, self.num_kv_heads + 1) if divides(n)]
             raise ValueError(f"tp={tp} must divide num_attention_heads={self.num_heads}, num_key_value_heads="
-                             f"{self.num_kv_heads} and intermediate_size={self.intermediate_size}")
+                             f"{self.num_kv_heads} and intermediate_size={self.intermediate_size}; valid: "
+                             f"{', '.join(map(str, valid))}")
         # MoE layers: parallel.py's plan names mlp.gate_proj/up_proj/down_proj, which experts lack
         # (torch's parallelize_module skips such keys): experts and routers stay whole on every rank.
         return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,

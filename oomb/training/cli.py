@@ -152,10 +152,13 @@ def annotated_config(config: TrainerConfig) -> str:
     this machine, and the chooser's plan as trailing comments: ``auto`` alone says nothing of what will run.
     Still valid YAML (and loading it leaves those options to the chooser again)."""
     text = config.to_yaml()
+    unresolved = None
     try:
         choice, failure = preview_choice(config), None
     except NoConfigFitsError as err:
         choice, failure = None, str(err)
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # another machine's config: show it anyway
+        choice, failure, unresolved = None, None, str(err)
     o = choice.config if choice is not None else config.oomb
     resolved = {key: _yaml_value(o.option(key)) for key in config.oomb_auto} if choice is not None else {}
     resolved.update({"sparse.score": o.sparse.resolved_score,
@@ -178,6 +181,9 @@ def annotated_config(config: TrainerConfig) -> str:
                       "built model):", *(f"# {line}" for line in choice.describe().splitlines())]
     elif failure is not None:
         lines += ["", "# on this machine no plan fits:", *(f"# {line}" for line in failure.splitlines())]
+    elif unresolved is not None:
+        lines += ["", "# the options left auto are not resolved here (oomb train would refuse this config on this "
+                      "machine):", *(f"# {line}" for line in unresolved.splitlines())]
     return "\n".join(lines) + "\n"
 
 
