@@ -51,21 +51,15 @@ def parse_read_share(text: str) -> float | str:
     """--sparse-read-share: a share of the history in (0, 1], or "none" (the fixed budget) / "auto"."""
     if text.lower() in ("none", "auto"):
         return text.lower()
-    try:
-        share = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share (e.g. 0.35), 'none' or 'auto'") from None
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
-    return share
+    return parse_share(text, "a share (e.g. 0.35), 'none' or 'auto'")
 
 
-def parse_share(text: str) -> float:
+def parse_share(text: str, expected: str = "a share (e.g. 0.25)") -> float:
     """A share of the history in (0, 1] (gradcheck's --reads and --read-shares, calibrate's --max-read)."""
     try:
         share = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share (e.g. 0.25)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{share} is not a share of the history in (0, 1]")
     return share
