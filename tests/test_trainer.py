@@ -145,6 +145,26 @@ def test_killed_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, model
     assert [m["step"] for m in metric_lines(out)] == [1, 2, 3, 4]
 
 
+def test_resume_runs_the_current_configs_optimizer_settings(tmp_path, model_dir, data_file):
+    """A run resumed with another peak lr, max_steps, betas or weight decay runs those from its first step on:
+    the lr of each resumed step is the current schedule's at that step (the checkpoint's optimizer and scheduler
+    state held the old ones, and the first resumed step used the old schedule's last lr)."""
+    from oomb.training.optim import lr_factor
+
+    out = tmp_path / "run"
+    Trainer(make_config(out, model_dir, data_file, train={"max_steps": 2})).train()
+    config = make_config(out, model_dir, data_file, train={"max_steps": 5}, checkpoint={"resume": "latest"},
+                         optim={"lr": 1e-2, "betas": [0.5, 0.6], "weight_decay": 0.1})
+    resumed = Trainer(config)
+    resumed.train()
+    lines = metric_lines(out)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
+    assert [m["lr"] for m in lines[2:]] == pytest.approx([1e-2 * lr_factor(s, config.optim, 5) for s in (2, 3, 4)])
+    groups = resumed.optimizer.param_groups
+    assert all(g["betas"] == (0.5, 0.6) and g["initial_lr"] == 1e-2 for g in groups)
+    assert sorted(g["weight_decay"] for g in groups) == ([0.0, 0.1] if len(groups) == 2 else [0.1])
+
+
 def test_ctrl_c_saves_the_last_complete_step_and_resume_finishes(uninterrupted, tmp_path, model_dir, data_file,
                                                                 monkeypatch):
     case, want, want_weights, _ = uninterrupted

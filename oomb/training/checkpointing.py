@@ -32,6 +32,7 @@ from .checkpoint import (
 )
 from .checkpoint import save_checkpoint as write_checkpoint
 from .data import DataPosition
+from .optim import lr_factor
 from .report import truncate_metrics
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class Checkpointing:
         else:
             checkpoint, rng = self._restore_shards(path)
         self.scheduler.load_state_dict(checkpoint.scheduler)
+        self._apply_optim_settings()
         restore_rng(rng)
         state = checkpoint.state
         cfg = self.config
@@ -169,6 +171,19 @@ class Checkpointing:
         if self.parallel.is_main:
             truncate_metrics(self.output_dir / cfg.logging.metrics_file, self.step)
         logger.info("resumed from %s (step %d, %d tokens seen)", path, self.step, self.tokens)
+
+    def _apply_optim_settings(self) -> None:
+        """The current config's optimizer settings over the restored state: the optimizer's and the scheduler's
+        state dicts carry the checkpointed run's peak lr, betas, eps and weight decay, and the lr its schedule
+        set last, so a resumed run with another lr or max_steps would run the old schedule (and its first step
+        the old last lr). Unchanged settings give the very values the uninterrupted run holds."""
+        optim = self.config.optim
+        self.scheduler.base_lrs = [self.lr] * len(self.optimizer.param_groups)
+        lr = self.lr * lr_factor(self.scheduler.last_epoch, optim, self.config.train.max_steps)  # as LambdaLR
+        for group in self.optimizer.param_groups:
+            matrices = all(t.dim() >= 2 for t in group["params"])  # build_optimizer's decayed group
+            group.update(initial_lr=self.lr, lr=lr, betas=tuple(optim.betas), eps=optim.eps,
+                         weight_decay=optim.weight_decay if matrices else 0.0)
 
     def _restore_shards(self, path: Path) -> tuple[Checkpoint, dict]:
         """Several processes: rank 0 reads and checks the checkpoint; its whole tensors go to every rank's

@@ -595,7 +595,7 @@ class Trainer(Checkpointing):
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.optimizer_params, clip))
             else:  # DTensor gradients (and plain replicated ones under tensor parallel)
                 grad_norm = clip_grad_norm(self.masters.optimizer_params, clip)
-            lr = self.scheduler.get_last_lr()[0]
+            lr = self.optimizer.param_groups[0]["lr"]  # what this step uses
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
