@@ -306,3 +306,12 @@ def test_summary_gives_a_steps_parts(tmp_path):
     trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
     assert ("a step's parts (median): oomb's forward and backward 0.75 s, optimizer update 0.25 s, data 0.004 s; "
             "setup took 12.50 s, checkpoints 3.25 s") in _summary(result, trainer)
+
+
+def test_mask_document_boundaries_is_the_older_spelling_of_loss_only():
+    """Alone it means documents: loss_only (attention across documents, no loss across them), as documented;
+    beside an explicit data.documents that mode stands."""
+    assert TrainerConfig.load(None, ["data.mask_document_boundaries=true"]).data.documents == "loss_only"
+    both = TrainerConfig.load(None, ["data.mask_document_boundaries=true", "data.documents=separate"])
+    assert both.data.documents == "separate"
+    assert TrainerConfig.load(None, []).data.documents == "separate"

@@ -47,7 +47,7 @@ def data_file(tmp_path_factory):
 def make_config(out, model_dir, data_file, **sections) -> TrainerConfig:
     options = {
         "model": {"path": str(model_dir)},
-        "data": {"paths": [str(data_file)], "seq_len": 256, "mask_document_boundaries": True},
+        "data": {"paths": [str(data_file)], "seq_len": 256, "documents": "separate"},
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"max_steps": 4, "output_dir": str(out), "device": "cpu", "seed": 1},
         "checkpoint": {"every": 2, "keep_last": 0},

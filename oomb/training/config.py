@@ -118,13 +118,13 @@ class DataSection:
     seq_len: int = 16384
     """Tokens per training sequence. Documents are joined with EOS and packed to exactly this length."""
     mask_document_boundaries: bool = False
-    """No loss across documents: the first token of each document gets label -100, so the previous
-    document's EOS does not predict it. Attention still spans documents. (Implied by data.documents
-    "separate" and "loss_only".)"""
+    """The older spelling of documents: loss_only (given without data.documents, it sets that): no loss
+    across documents, the first token of each document labelled -100. "separate" and "loss_only" imply it;
+    "joined" refuses it."""
     documents: Literal["separate", "loss_only", "joined"] = "separate"
     """How packed documents see each other. "separate" (as Hugging Face's padding-free packing):
     attention stays inside each document, positions restart at 0 per document, no loss across
-    documents (docs/training.md; dense attention only). "loss_only": attention spans documents, but
+    documents (docs/training.md; dense and sparse, every backend). "loss_only": attention spans documents, but
     no document's first token is predicted from the previous one. "joined": one continuous text
     (attention and loss across documents), for deliberately concatenated data."""
     shuffle: bool = True
@@ -299,6 +299,8 @@ class TrainerConfig:
             else:
                 values = {k: _tokens(v, f"{name}.{k}") if k in TOKEN_KEYS.get(name, ()) and v != "auto" else v
                           for k, v in values.items()}
+                if name == "data" and values.get("mask_document_boundaries") is True and "documents" not in values:
+                    values["documents"] = "loss_only"  # the older spelling, from before data.documents
                 sections[name] = _section_from_dict(section_cls, values, name)
         return cls(**sections, oomb_auto=auto)
 
