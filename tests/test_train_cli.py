@@ -315,3 +315,30 @@ def test_mask_document_boundaries_is_the_older_spelling_of_loss_only():
     both = TrainerConfig.load(None, ["data.mask_document_boundaries=true", "data.documents=separate"])
     assert both.data.documents == "separate"
     assert TrainerConfig.load(None, []).data.documents == "separate"
+
+
+def test_bad_data_is_named_with_its_file(tmp_path, capsys, caplog):
+    """A data file given where the config goes, a jsonl line or text that is not UTF-8, a file that is not the
+    parquet its suffix says, an empty text file: each named, with the way out (no traceback, no silent U+FFFD)."""
+    run = ["--seq-len", "256", "--steps", "1", "--output-dir", str(tmp_path / "out"), "--overwrite", *FAST]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"text": "a document"}\n')
+    assert cli_main(["train", str(jsonl), *run]) == 2
+    assert "give data with --data" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok \xff\xfe"}\n')
+    assert cli_main(["train", "--data", str(bad), *run]) == 2
+    assert "bad.jsonl:1: not UTF-8" in capsys.readouterr().err
+    fake = tmp_path / "fake.parquet"
+    fake.write_bytes(jsonl.read_bytes())
+    assert cli_main(["train", "--data", str(fake), *run]) == 2
+    assert "fake.parquet: not a parquet file" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert cli_main(["train", "--data", str(empty), *run]) == 2
+    assert "the data has no tokens" in capsys.readouterr().err
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café naïve résumé\n".encode("latin-1") * 40)
+    with caplog.at_level("WARNING", logger="oomb.training.data"):
+        assert cli_main(["train", "--data", str(latin), *run]) == 0
+    assert "latin.txt: not UTF-8 from byte 3 on" in caplog.text

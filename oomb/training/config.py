@@ -37,6 +37,8 @@ TOKEN_KEYS = {"data": ("seq_len",), "oomb": ("chunk_size", "page_size", "perform
 """Keys (dotted paths in oomb's sections) holding a number of tokens (or a list of them): YAML and --set accept
 '1M', '128K' there (oomb.units)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".parquet", ".txt", ".md")
+"""Suffixes of the files `oomb train` reads as data (data.include): never a config file's."""
 
 
 @dataclass
@@ -312,7 +314,13 @@ class TrainerConfig:
             path = Path(path)
             if not path.is_file():
                 raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-            options = yaml.safe_load(path.read_text()) or {}
+            if path.suffix.lower() in DATA_SUFFIXES:
+                raise ValueError(f"{path} is given where the YAML training config goes, and its suffix is a data "
+                                 f"file's: give data with --data {path} (repeated for several files)")
+            try:
+                options = yaml.safe_load(path.read_text()) or {}
+            except (yaml.YAMLError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path}: not a YAML training config: {err}") from None
             if not isinstance(options, dict):
                 raise ValueError(f"{path}: a training config must be a mapping of sections, "
                                  f"got {type(options).__name__}")

@@ -164,6 +164,8 @@ class _JsonlSource:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where}: not UTF-8 (byte {err.start} of the line): save the file as UTF-8") from None
         text, templated = self.render(record, where)
         return _Unit(text, True, True, templated)
 
@@ -189,7 +191,15 @@ class _TextSource:
         with open(self.path, "rb") as f:
             f.seek(self.bounds[unit])
             data = f.read(self.bounds[unit + 1] - self.bounds[unit])
-        return _Unit(data.decode("utf-8", errors="replace"), unit == 0, unit == len(self) - 1, False)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:  # replaced, and said once per piece: the run goes on
+            text = data.decode("utf-8", errors="replace")
+            logger.warning("%s: not UTF-8 from byte %d on: the bytes that do not decode are trained as U+FFFD; "
+                           "save the file as UTF-8", self.path, self.bounds[unit] + err.start)
+        if len(self) == 1 and not text.strip():  # an empty or blank file holds no document (as a blank jsonl line)
+            return _Unit(None, True, True, False)
+        return _Unit(text, unit == 0, unit == len(self) - 1, False)
 
     def close(self) -> None:
         pass
@@ -206,7 +216,10 @@ class _ParquetSource:
         except ImportError as err:  # pragma: no cover - pyarrow is a dependency
             raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
         self.path, self.render = path, render
-        self.file = pq.ParquetFile(path)
+        try:
+            self.file = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow's ArrowInvalid and OSError name neither the file nor the way out
+            raise ValueError(f"{path}: not a parquet file ({err}); data.format='auto' reads it by its suffix") from None
         self.columns = [c for c in columns if c in self.file.schema_arrow.names]
         if not self.columns:
             raise ValueError(f"{path}: no column named {columns[0]!r} or {columns[1]!r} (columns: "
