@@ -26,16 +26,17 @@ from .config import OffloadConfig, OOMBConfig, PerformanceConfig, PrecisionConfi
 from .engine import forward_backward
 from .kv.offload import HostSlabs
 from .shared_context import ContinuationLogProbs, shared_context_backward, shared_context_logprobs
-from .training.config import TrainerConfig
+from .training.config import EvalSection, TrainerConfig
 from .training.trainer import Trainer, TrainResult
 from .version import __version__
 
-__all__ = ["ContinuationLogProbs", "HostSlabs", "OffloadConfig", "OOMBConfig", "OOMBDPOTrainer", "OOMBGRPOTrainer",
-           "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "PerformanceConfig", "PrecisionConfig", "SparseConfig",
-           "SparseResearch", "Trainer", "TrainerConfig", "TrainResult", "forward_backward", "patch_trainer",
-           "shared_context_backward", "shared_context_logprobs", "__version__"]
+__all__ = ["ContinuationLogProbs", "EvalSection", "HostSlabs", "OffloadConfig", "OOMBConfig", "OOMBDPOTrainer",
+           "OOMBEvalCallback", "OOMBGRPOTrainer", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin",
+           "PerformanceConfig", "PrecisionConfig", "SparseConfig", "SparseResearch", "Trainer", "TrainerConfig",
+           "TrainResult", "forward_backward", "patch_trainer", "shared_context_backward", "shared_context_logprobs",
+           "__version__"]
 
-_HF_TRAINER_NAMES = ("OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
+_HF_TRAINER_NAMES = ("OOMBEvalCallback", "OOMBSFTTrainer", "OOMBTrainer", "OOMBTrainerMixin", "patch_trainer")
 _TRL_TRAINER_NAMES = ("OOMBDPOTrainer", "OOMBGRPOTrainer")
 
 

@@ -301,3 +301,15 @@ def test_short_eval_data_is_refused_without_the_training_warning(model_dir, tmp_
                      "--chunk-size", "256", "--page-size", "64"]) == 2
     assert "holds 0 whole sequence(s)" in capsys.readouterr().err
     assert not [r for r in caplog.records if "repeats it" in r.getMessage()]
+
+
+def test_eval_section_takes_token_strings_and_the_callback_refuses_nothing_to_evaluate():
+    """From Python as from YAML: '1K' is 1024; a callback with neither data nor passkeys would evaluate nothing."""
+    import oomb
+
+    options = oomb.EvalSection(every_steps=2, seq_len="1K", passkey_lengths=["512", 300])
+    assert (options.seq_len, options.passkey_lengths) == (1024, [512, 300])
+    with pytest.raises(ValueError, match="eval.seq_len='lots'"):
+        oomb.EvalSection(seq_len="lots")
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        oomb.OOMBEvalCallback(byte_tokenizer(), oomb.EvalSection(every_steps=2))

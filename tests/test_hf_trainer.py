@@ -319,6 +319,8 @@ def test_shift_labels_become_labels():
 def test_refuses_what_it_cannot_reproduce(tmp_path):
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         tiny_trainer(tmp_path / "a", label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match="torch_compile=True"):
+        tiny_trainer(tmp_path / "compiled", torch_compile=True)
 
     class CustomLoss(OOMBTrainer):
         def compute_loss(self, model, inputs, **kwargs):

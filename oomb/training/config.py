@@ -220,6 +220,11 @@ class EvalSection:
     seed: int = 0
     """The passkeys' random seed."""
 
+    def __post_init__(self) -> None:
+        # '128K' in Python as in YAML (from_dict converts too; an int passes unchanged)
+        self.seq_len = coerce_tokens(self.seq_len, "eval.seq_len")
+        self.passkey_lengths = [coerce_tokens(n, "eval.passkey_lengths") for n in self.passkey_lengths]
+
 
 SECTIONS: dict[str, type] = {
     "model": ModelSection,

@@ -160,6 +160,9 @@ def check_runtime(trainer: Trainer) -> None:
         if size > 1:
             refuse(f"{name[4:6]} size {size} (tensor/context/sequence parallel through the Trainer)",
                    "use `oomb train --tp N` for tensor parallel")
+    if getattr(args, "torch_compile", False):
+        refuse("torch_compile=True (the Trainer compiles the whole model)", "oomb compiles each decoder layer itself "
+               "for the step (OOMBConfig.performance.compile_layers); set torch_compile=False")
     if getattr(trainer.accelerator, "scaler", None) is not None:
         refuse("fp16 mixed precision (a gradient scaler)", "load the model in bfloat16 and use bf16=True")
 
@@ -432,6 +435,9 @@ class OOMBEvalCallback(TrainerCallback):
             raise ValueError("OOMBEvalCallback needs options.every_steps > 0 (how often to evaluate)")
         if options.data is not None and options.seq_len is None:
             raise ValueError("OOMBEvalCallback: options.seq_len is empty; set the evaluated sequences' length")
+        if options.data is None and not options.passkey_lengths:
+            raise ValueError("OOMBEvalCallback: nothing to evaluate; set options.data (held-out text or jsonl) "
+                             "and/or options.passkey_lengths")
         self.tokenizer, self.options, self.config = tokenizer, options, config or OOMBConfig()
         self.host_slabs = HostSlabs() if self.config.offload.enabled else None
 
