@@ -206,7 +206,7 @@ def test_eval_command_errors_name_value_and_fix(model_dir, data_file, tmp_path, 
     assert "nothing to evaluate" in capsys.readouterr().err
 
 
-def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, data_file, tmp_path):
+def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, data_file, tmp_path, capsys):
     def config(out, **evaluation):
         return TrainerConfig.from_dict({
             "model": {"path": str(model_dir)},
@@ -230,6 +230,8 @@ def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, da
     assert [m["step"] for m in lines if "eval" in m] == [2, 3]  # every 2 steps, and after the last
     report = lines[1]["eval"]
     assert report["perplexity"][0]["tokens"] == 255 and len(report["passkey"]) == 2
+    printed = capsys.readouterr().out  # without a progress bar the tables are printed all the same
+    assert "eval after step 2" in printed and "eval after step 3" in printed and "passkey" in printed
     with pytest.raises(ValueError, match="nothing to evaluate"):
         config(tmp_path / "none", every_steps=2)
 

@@ -342,3 +342,12 @@ def test_bad_data_is_named_with_its_file(tmp_path, capsys, caplog):
     with caplog.at_level("WARNING", logger="oomb.training.data"):
         assert cli_main(["train", "--data", str(latin), *run]) == 0
     assert "latin.txt: not UTF-8 from byte 3 on" in caplog.text
+
+
+def test_merge_on_export_needs_lora_and_an_export():
+    """Full fine-tuning, or no export at all, would silently write no final-merged/."""
+    with pytest.raises(ValueError, match="lora.enabled is false"):
+        TrainerConfig.load(None, ["lora.merge_on_export=true"])
+    with pytest.raises(ValueError, match="checkpoint.export is false"):
+        TrainerConfig.load(None, ["lora.merge_on_export=true", "lora.enabled=true", "checkpoint.export=false"])
+    assert TrainerConfig.load(None, ["lora.merge_on_export=true", "lora.enabled=true"]).lora.merge_on_export

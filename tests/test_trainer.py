@@ -165,6 +165,20 @@ def test_resume_runs_the_current_configs_optimizer_settings(tmp_path, model_dir,
     assert sorted(g["weight_decay"] for g in groups) == ([0.0, 0.1] if len(groups) == 2 else [0.1])
 
 
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path, model_dir, data_file, caplog):
+    """The later checkpoints belong to the replaced run: `--resume latest` must not pick them up again."""
+    out = tmp_path / "run"
+    Trainer(make_config(out, model_dir, data_file, train={"max_steps": 3}, checkpoint={"every": 1})).train()
+    earlier = out / "checkpoints" / "step-000001"
+    config = make_config(out, model_dir, data_file, train={"max_steps": 2}, checkpoint={"every": 0,
+                                                                                         "resume": str(earlier)})
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):
+        Trainer(config).setup()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+    assert sorted(p.name for p in (out / "superseded").iterdir()) == ["step-000002", "step-000003"]
+    assert "moved to" in caplog.text
+
+
 def test_ctrl_c_saves_the_last_complete_step_and_resume_finishes(uninterrupted, tmp_path, model_dir, data_file,
                                                                 monkeypatch):
     case, want, want_weights, _ = uninterrupted

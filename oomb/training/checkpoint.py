@@ -88,6 +88,14 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (step-NNNNNN) was written after."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-NNNNNN)")
+    return int(match.group(1))
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     checkpoints = list_checkpoints(root)
     return checkpoints[-1] if checkpoints else None

@@ -274,6 +274,10 @@ class TrainerConfig:
         for name, cls in SECTIONS.items():
             if cls is not OOMBConfig:
                 _check_section(getattr(self, name), name)
+        if self.lora.merge_on_export and not (self.lora.enabled and self.checkpoint.export):
+            missing = "lora.enabled" if not self.lora.enabled else "checkpoint.export"
+            raise ValueError(f"lora.merge_on_export=true merges LoRA adapters into the exported model, but {missing} "
+                             f"is false: nothing would be merged; set {missing}=true or merge_on_export=false")
 
     @classmethod
     def from_dict(cls, options: dict | None) -> TrainerConfig:

@@ -75,6 +75,8 @@ class Reporter:
         text = f"eval after step {step} ({report['seconds']:.1f} s):\n{format_evaluation(report)}"
         if not self.bar.disable:
             self.bar.write(text)
+        elif self.enabled:  # no bar (logging.progress=false): printed all the same, as the run's summary is
+            print(text, flush=True)
         logger.info("%s", text)
         if self.writer is not None:
             for bucket in report.get("perplexity", ()):

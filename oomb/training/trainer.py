@@ -57,8 +57,10 @@ from ..planning.model_shape import ModelShape
 from .checkpoint import (
     DamagedCheckpointError,
     atomic_directory,
+    checkpoint_step,
     latest_checkpoint,
     latest_intact_checkpoint,
+    list_checkpoints,
     load_checkpoint,
 )
 from .checkpointing import RESUME_STATE_KEYS, Checkpointing
@@ -80,7 +82,7 @@ from .report import Reporter
 logger = logging.getLogger(__name__)
 
 DEFAULT_LR = {"tiny": 3e-3, "lora": 2e-4, "full": 1e-5}
-ARTIFACTS = ("checkpoints", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
+ARTIFACTS = ("checkpoints", "superseded", "final", "final-merged", "tensorboard", "summary.json", "config.yaml")
 
 
 def chooser_fixed(cfg: TrainerConfig, cuda: bool, shape: ModelShape) -> dict:
@@ -287,6 +289,8 @@ class Trainer(Checkpointing):
         self.parallel.barrier()
         if resume_from is not None:
             self._restore(resume_from)
+            if self.parallel.is_main:
+                self._set_aside_later_checkpoints(resume_from)
         self._data_position = self.data.position  # where the step after the last complete one starts
         self._ready = True
         self.setup_s = time.perf_counter() - setup_start
@@ -317,6 +321,25 @@ class Trainer(Checkpointing):
                 "--resume, start over with --overwrite (deletes its checkpoints and metrics), or choose "
                 "another train.output_dir")
         return None, artifacts
+
+    def _set_aside_later_checkpoints(self, resumed: Path) -> None:
+        """Resumed from an earlier checkpoint than the newest: the later ones belong to the run this one replaces,
+        and `--resume latest` would pick them up if this run stopped before saving past them. They move to
+        output_dir/superseded (not deleted), with a warning naming them."""
+        if resumed.resolve().parent != self.checkpoint_dir.resolve():
+            return
+        later = [p for p in list_checkpoints(self.checkpoint_dir) if checkpoint_step(p) > checkpoint_step(resumed)]
+        if not later:
+            return
+        aside = self.output_dir / "superseded"
+        aside.mkdir(exist_ok=True)
+        for path in later:
+            target = aside / path.name
+            if target.exists():
+                shutil.rmtree(target)
+            path.rename(target)
+        logger.warning("resumed from %s: the later checkpoints %s of the run it replaces moved to %s",
+                       resumed.name, [p.name for p in later], aside)
 
     def _intact_checkpoint(self) -> Path:
         """The newest checkpoint whose files all read back; a damaged newer one is passed over with a warning
