@@ -369,7 +369,7 @@ class WindowedAttention:
                         n, m = e - a, self._padded(e - a)
                         k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
                         do_s, q_s, out_s = (_pad_rows(x[rows, :, a:e], m) for x in (dout, q, out))
-                        lse_s = _pad_lse(lse[rows, :, a:e], m)
+                        lse_s = _pad_rows(lse[rows, :, a:e], m)
                         dq_s, dk, dv = self._segment_kernel(n, n).backward(
                             do_s, q_s, _pad_rows(k, m), _pad_rows(v, m), out_s, lse_s, True, scale)
                         dq[rows, :, a:e] += dq_s[:, :, :n]
@@ -382,7 +382,7 @@ class WindowedAttention:
                     continue
                 m = self._padded(e)
                 do_f, q_f, out_f = (_fold(_pad_rows(x[rows, :, :e], m), Hkv) for x in (dout, q, out))
-                lse_f = _pad_lse(lse[rows, :, :e], m).reshape(1, Hkv, -1)
+                lse_f = _pad_rows(lse[rows, :, :e], m).reshape(1, Hkv, -1)
                 for a_k, b_k in self._key_pieces(first, hi):
                     k, v = (_gather_from(pool, page_table[rows], a_k, b_k) for pool in (k_pool, v_pool))
                     kernel = self._segment_kernel(Hq // Hkv * e, b_k - a_k)
@@ -418,17 +418,11 @@ def document_segments(documents, query_start: int, num_queries: int) -> list[lis
 
 
 def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, H, L, D) contiguous, zero rows appended up to ``length`` (no copy of a contiguous one already there)."""
+    """(B, H, L, D) or an lse's (B, H, L), contiguous, zeros appended along L up to ``length`` (no copy of a
+    contiguous one already there; a padded row's lse is irrelevant, its dO being zero)."""
     if x.shape[2] == length:
         return x.contiguous()
-    return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[2]))
-
-
-def _pad_lse(lse: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, H, L) contiguous, zeros appended up to ``length`` (a padded row's: its zero dO makes it irrelevant)."""
-    if lse.shape[2] == length:
-        return lse.contiguous()
-    return torch.nn.functional.pad(lse, (0, length - lse.shape[2]))
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, length - x.shape[2]))
 
 
 def _segment_keys(group: int, k_pool, v_pool, page_table, query_start: int, a: int, e: int):

@@ -149,8 +149,9 @@ def load_sequence(options: GradcheckOptions):
     """(model, input_ids, description, source) from a preset name or a local directory, and a text file or
     random ids. input_ids holds 1 + warmup_steps sequences of seq_len tokens, one per row: the measured one
     first, then the warm-up's."""
-    check_model_option(options.model, resolve_model(options.model), presets.PRESETS)
-    options = replace(options, model=resolve_model(options.model))
+    resolved = resolve_model(options.model)
+    check_model_option(options.model, resolved, presets.PRESETS)
+    options = replace(options, model=resolved)
     is_preset = options.model in presets.PRESETS
     section = ModelSection(path=None if is_preset else options.model,
                            preset=options.model if is_preset else presets.TINY_PRESET)
