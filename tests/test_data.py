@@ -241,3 +241,36 @@ def test_embedded_corpus_is_the_package_source(tokenizer):
     assert files == embedded_corpus_files() and any(f.path.name == "engine.py" for f in files)
     sample = next(PackedSequences(files, tokenizer, DataSection(seq_len=512), seed=0))
     assert sample.input_ids.max() <= EOS
+
+
+def test_check_records_names_every_bad_record_before_training(tmp_path, tokenizer):
+    good = write_jsonl(tmp_path / "a.jsonl", [{"text": "fine"}] * 3)
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{oops\n{"title": "x"}\n' + '{"text": 3}\n' * 6)
+    only_good = options([good])
+    oomb.training.data.check_records(resolve_files(only_good), only_good, tokenizer)  # passes: nothing raised
+    opts = options([good, bad])
+    with pytest.raises(ValueError) as err:
+        oomb.training.data.check_records(resolve_files(opts), opts, tokenizer, shown=2)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "8 data records cannot be trained on (the first 2 shown):"
+    assert lines[1].endswith("b.jsonl:3: not valid JSON (Expecting property name enclosed in double quotes at "
+                             "column 2)")
+    assert lines[2].endswith("b.jsonl:4: record has neither 'text' nor 'messages' (keys: ['title']); set "
+                             "data.text_field or data.messages_field")
+    assert "data.check_records=false" in lines[3]
+
+
+def test_check_records_refuses_chat_without_template_and_wrong_parquet_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = None
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": [1, 2]}), table)
+    opts = options([chat, table])
+    with pytest.raises(ValueError, match=r"(?s)2 data records.*c\.jsonl:1: chat messages need a chat template.*"
+                                         r"t\.parquet: column 'text' must hold strings, it holds int64"):
+        oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)

@@ -342,6 +342,11 @@ def test_bad_data_is_named_with_its_file(tmp_path, capsys, caplog):
     with caplog.at_level("WARNING", logger="oomb.training.data"):
         assert cli_main(["train", "--data", str(latin), *run]) == 0
     assert "latin.txt: not UTF-8 from byte 3 on" in caplog.text
+    late = tmp_path / "late.jsonl"  # the bad record is far past the first step's tokens: found before it
+    late.write_text('{"text": "a long enough document"}\n' * 200 + '{"txt": "typo"}\n')
+    assert cli_main(["train", "--data", str(late), *run, "--output-dir", str(tmp_path / "late")]) == 2
+    assert "late.jsonl:201: record has neither 'text' nor 'messages'" in capsys.readouterr().err
+    assert not (tmp_path / "late" / "metrics.jsonl").exists()
 
 
 def test_merge_on_export_needs_lora_and_an_export():

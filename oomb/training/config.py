@@ -134,6 +134,10 @@ class DataSection:
     Plain-text files keep their internal order."""
     text_piece_bytes: int = 1 << 20
     """Plain-text files are read and tokenized in pieces of about this many bytes, cut after a newline."""
+    check_records: bool = True
+    """Parse and check every jsonl record (and each parquet file's columns) before the model loads, so a bad
+    record stops the run at its start, named by file and line; false skips the pass (each bad record is
+    then found when the stream reaches it)."""
 
 
 @dataclass

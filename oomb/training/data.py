@@ -160,12 +160,7 @@ class _JsonlSource:
         if not line:
             return _Unit(None, True, True, False)
         where = f"{self.path}:{unit + 1}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{where}: not UTF-8 (byte {err.start} of the line): save the file as UTF-8") from None
+        record = _parse_line(line, where)
         text, templated = self.render(record, where)
         return _Unit(text, True, True, templated)
 
@@ -263,6 +258,91 @@ def _line_offsets(path: Path) -> torch.Tensor:
             position += len(block)
     offsets = torch.cat(parts)
     return offsets[offsets < position]  # a final newline starts no line
+
+
+def _parse_line(line: bytes, where: str):
+    """One jsonl line's JSON value; a ValueError naming ``where`` if it is not JSON in UTF-8."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 (byte {err.start} of the line): save the file as UTF-8") from None
+
+
+def _record_problem(record, options: DataSection, chat_template: bool) -> str | None:
+    """Why a jsonl or parquet record cannot be trained on, or None."""
+    text_field, messages_field = options.text_field, options.messages_field
+    if not isinstance(record, dict):
+        return f"expected a JSON object with {text_field!r} or {messages_field!r}, got {type(record).__name__}"
+    if text_field in record:
+        if not isinstance(record[text_field], str):
+            return f"field {text_field!r} must be a string, got {type(record[text_field]).__name__}"
+        return None
+    if messages_field in record:
+        if not chat_template:
+            return ("chat messages need a chat template, and this tokenizer has none; use a tokenizer with "
+                    "chat_template in tokenizer_config.json, or text records")
+        if not isinstance(record[messages_field], list):
+            return (f"field {messages_field!r} must be a list of {{role, content}} objects, got "
+                    f"{type(record[messages_field]).__name__}")
+        return None
+    return (f"record has neither {text_field!r} nor {messages_field!r} (keys: {sorted(record)}); "
+            "set data.text_field or data.messages_field")
+
+
+def check_records(files: list[DataFile], options: DataSection, tokenizer, shown: int = 5) -> None:
+    """Parse and check every jsonl record and every parquet file's columns before training, so that a bad
+    record is named at the start rather than when the stream reaches it, hours in. Raises a ValueError
+    listing the first ``shown`` problems and how many there are."""
+    chat_template = getattr(tokenizer, "chat_template", None) is not None
+    problems, count = [], 0
+
+    def found(problem: str) -> None:
+        nonlocal count
+        count += 1
+        if len(problems) < shown:
+            problems.append(problem)
+
+    for data_file in files:
+        if data_file.format == "jsonl":
+            with open(data_file.path, "rb") as f:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{data_file.path}:{number}"
+                    try:
+                        problem = _record_problem(_parse_line(line, where), options, chat_template)
+                    except ValueError as err:
+                        found(str(err))
+                        continue
+                    if problem is not None:
+                        found(f"{where}: {problem}")
+        elif data_file.format == "parquet":
+            problem = _parquet_columns_problem(data_file.path, options)
+            if problem is not None:
+                found(problem)
+    if count:
+        listed = "\n  ".join(problems)
+        more = f" (the first {shown} shown)" if count > shown else ""
+        raise ValueError(f"{count} data record{'s' if count > 1 else ''} cannot be trained on{more}:\n  {listed}\n"
+                         "fix the data, or set data.check_records=false to meet each one when the stream reaches it")
+
+
+def _parquet_columns_problem(path: Path, options: DataSection) -> str | None:
+    """Why a parquet file's text or messages column cannot be read as documents, or None."""
+    import pyarrow as pa
+
+    source = _ParquetSource(path, lambda record, where: (None, False), (options.text_field, options.messages_field))
+    schema = source.file.schema_arrow
+    if options.text_field in schema.names:
+        kind = schema.field(options.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            return f"{path}: column {options.text_field!r} must hold strings, it holds {kind}"
+    elif not pa.types.is_list(schema.field(options.messages_field).type):
+        return (f"{path}: column {options.messages_field!r} must hold lists of {{role, content}}, it holds "
+                f"{schema.field(options.messages_field).type}")
+    return None
 
 
 def _piece_bounds(path: Path, piece_bytes: int) -> list[int]:
@@ -461,22 +541,12 @@ class PackedSequences:
 
     def _render(self, record, where: str) -> tuple[str, bool]:
         """A record's text, or its chat messages rendered by the tokenizer's chat template."""
-        text_field, messages_field = self.options.text_field, self.options.messages_field
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with {text_field!r} or {messages_field!r}, "
-                             f"got {type(record).__name__}")
-        if text_field in record:
-            if not isinstance(record[text_field], str):
-                raise ValueError(f"{where}: field {text_field!r} must be a string, got "
-                                 f"{type(record[text_field]).__name__}")
-            return record[text_field], False
-        if messages_field in record:
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError(f"{where}: chat messages need a chat template, and this tokenizer has none; "
-                                 "use a tokenizer with chat_template in tokenizer_config.json, or text records")
-            return self.tokenizer.apply_chat_template(record[messages_field], tokenize=False), True
-        raise ValueError(f"{where}: record has neither {text_field!r} nor {messages_field!r} (keys: "
-                         f"{sorted(record)}); set data.text_field or data.messages_field")
+        problem = _record_problem(record, self.options, getattr(self.tokenizer, "chat_template", None) is not None)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        if self.options.text_field in record:
+            return record[self.options.text_field], False
+        return self.tokenizer.apply_chat_template(record[self.options.messages_field], tokenize=False), True
 
 
 def _generator(seed: int, *keys) -> torch.Generator:

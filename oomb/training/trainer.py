@@ -65,7 +65,7 @@ from .checkpoint import (
 )
 from .checkpointing import RESUME_STATE_KEYS, Checkpointing
 from .config import TrainerConfig
-from .data import PackedSequences, resolve_files
+from .data import PackedSequences, check_records, resolve_files
 from .evaluation import run_evaluation
 from .optim import MasterWeights, build_optimizer, build_scheduler
 from .presets import (
@@ -253,7 +253,10 @@ class Trainer(Checkpointing):
             logger.warning(warning)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg.model)
-        self.data = PackedSequences(resolve_files(cfg.data), self.tokenizer, cfg.data, cfg.train.seed)
+        files = resolve_files(cfg.data)
+        if cfg.data.check_records:
+            check_records(files, cfg.data, self.tokenizer)
+        self.data = PackedSequences(files, self.tokenizer, cfg.data, cfg.train.seed)
         if self.model is None:
             self.model = build_model(cfg.model, model_config, self.dtype, self.device)
         if cfg.lora.enabled and not hasattr(self.model, "peft_config"):
