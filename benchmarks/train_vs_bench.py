@@ -11,6 +11,9 @@ at --seq-len after a short warm-up step, with the plan the chooser makes for tha
 corpus (packed documents) unless --data is given, --steps steps, its plan chosen for its own workload
 (optimizer and LoRA included). Both get the same --sparse-* options.
 
+Each arm starts with empty compile caches of its own (torch's inductor and Triton caches under --work-dir),
+so that each first step is what a fresh machine pays, not what the other arm left compiled.
+
 The comparison is ``train_over_bench``: oomb train's steady step (summary.json's ``steady_step_s``, the
 median of the steps after the first; data, optimizer and metrics included) over the bench step. The two
 plans are recorded side by side (chunk, backend, dK/dV dtype, layer replay, resident layers), so a
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,6 +115,16 @@ def compiled_in_log(log: Path) -> bool | None:
     return True if "layers: compiled" in text else (False if "configuration:" in text else None)
 
 
+def fresh_compile_caches(env: dict, arm_dir: Path) -> dict:
+    """``env`` with torch's inductor and Triton caches in empty folders of the arm's own: its first step compiles
+    and tunes everything, as on a fresh machine."""
+    caches = {"TORCHINDUCTOR_CACHE_DIR": arm_dir / "inductor_cache", "TRITON_CACHE_DIR": arm_dir / "triton_cache"}
+    for folder in caches.values():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    return {**env, **{name: str(folder) for name, folder in caches.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "--modes", mode, "--device", args.device, "--out-dir", str(work / "bench"), "--name", "bench", *sparse]
     (work / "bench" / "bench.json").unlink(missing_ok=True)
     bench = {"arm": "oomb bench --chosen", "command": shlex.join(bench_cmd[1:]),
-             **run("bench", bench_cmd, out / "bench.log", env, args.timeout)}
+             **run("bench", bench_cmd, out / "bench.log", fresh_compile_caches(env, work / "bench"), args.timeout)}
     bench.update(bench_row(work / "bench" / "bench.json", tokens, mode))
 
     train_dir = work / "train"
@@ -144,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_cmd += ["--lora"] if args.lora else []
     train_cmd += ["--data", args.data] if args.data else []
     train = {"arm": "oomb train", "command": shlex.join(train_cmd[1:]),
-             **run("train", train_cmd, out / "train.log", env, args.timeout)}
+             **run("train", train_cmd, out / "train.log", fresh_compile_caches(env, work / "train_caches"),
+                   args.timeout)}
     train.update(train_result(train_dir))
     if train.get("plan", {}).get("performance.compile_layers") is None and "plan" in train:
         train["plan"]["performance.compile_layers"] = compiled_in_log(out / "train.log")
@@ -158,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": shlex.join(["python", "benchmarks/train_vs_bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "workload": {"preset": args.preset, "seq_len": tokens, "attention": args.attention, "bench_mode": mode,
                      "lora": args.lora, "steps": args.steps, "data": args.data or "embedded corpus (packed documents)"},
-        "timing": "bench: one step after a warm-up step, perf_counter with synchronisation, every weight's gradient, "
+        "timing": "each arm with empty compile caches of its own. bench: one step after a warm-up step, perf_counter "
+                  "with synchronisation, every weight's gradient, "
                   "no optimizer. train: summary.json steady_step_s (median of the steps after the first; data, "
                   "LoRA or full AdamW, metrics included); the first step reported apart.",
         "bench": bench, "train": train, "plans_differ": differ,

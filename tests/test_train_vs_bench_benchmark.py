@@ -20,3 +20,17 @@ def test_both_arms_run_and_the_ratio_is_theirs(tmp_path):
     assert train["plan"]["sparse.read_share"] is None and bench["plan"]["sparse.read_share"] is None
     assert set(report["plans_differ"]) <= set(script.PLAN_KEYS)
     assert set(train["steady_step_parts_s"]) == {"data_s", "forward_backward_s", "update_s"}
+
+
+def test_each_arm_gets_empty_compile_caches_of_its_own(tmp_path):
+    script = load_script("benchmarks/train_vs_bench.py")
+    stale = tmp_path / "bench" / "inductor_cache" / "old.py"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("compiled by an earlier run")
+    env = script.fresh_compile_caches({"PATH": "/bin"}, tmp_path / "bench")
+    other = script.fresh_compile_caches({"PATH": "/bin"}, tmp_path / "train")
+    assert env["PATH"] == "/bin" and not stale.exists()
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "bench" / "inductor_cache")
+    assert env["TRITON_CACHE_DIR"] != other["TRITON_CACHE_DIR"]
+    assert all(not any((tmp_path / arm / cache).iterdir()) for arm in ("bench", "train")
+               for cache in ("inductor_cache", "triton_cache"))
