@@ -116,6 +116,18 @@ def can_compile() -> bool:
         return False
 
 
+def compile_seconds() -> float | None:
+    """Seconds torch.compile has spent compiling frames in this process so far (tracing, AOTAutograd, inductor's
+    code generation and kernel builds; not the kernels' runtime tuning), from torch's own compile-time metrics;
+    None where this torch does not keep them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+    except Exception:  # a torch without these metrics: nothing to report
+        return None
+
+
 @contextlib.contextmanager
 def compiled_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
     """Run the decoder's layers compiled inside the block (a layer the user compiled stays as it is)."""

@@ -342,3 +342,22 @@ def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
     for name, g in results[True].items():
         want = results[False][name].float()
         assert float((g.float() - want).norm() / want.norm().clamp_min(1e-30)) <= 2e-2, name
+
+
+def test_compile_seconds_counts_what_torch_compiles():
+    """The trainer reports the first step's compile time from this; a compile in between must show."""
+    from oomb.compiled_layers import compile_seconds
+
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.proj(x)) * 2
+
+    before = compile_seconds()
+    module = Small()
+    module.compile(backend="aot_eager")
+    module(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    assert before is not None and compile_seconds() > before

@@ -291,6 +291,19 @@ def test_summary_reports_a_first_step_overhead_only_when_there_is_one(tmp_path, 
     assert words in text and "was 0.00 s" not in text
 
 
+def test_summary_says_what_compiling_took_of_the_first_step(tmp_path):
+    from oomb.training.cli import _summary
+    from oomb.training.trainer import TrainResult
+
+    result = TrainResult(steps=3, losses=[2.0, 1.0], tokens=768, elapsed_s=170.0, tokens_per_s=1.0,
+                         output_dir=str(tmp_path), checkpoint=None, export_dir=None, merged_dir=None,
+                         interrupted=False, resumed_from=None, peak_gpu_gib=None, peak_host_gib=0.5,
+                         first_step_s=144.5, steady_step_s=24.2, first_step_compile_s=112.25)
+    trainer = type("T", (), {"output_dir": tmp_path, "config": TrainerConfig()})()
+    assert ("the first step's overhead (compilation, kernel tuning, warm-up) was 120.30 s, of which torch.compile "
+            "of the layers 112.2 s") in _summary(result, trainer)
+
+
 def test_summary_gives_a_steps_parts(tmp_path):
     """The end of `oomb train` says where a step's time goes (oomb's step, the update, the data), and what
     setup and checkpoints took: the trainer's overhead over the step alone, by cause."""

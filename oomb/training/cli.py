@@ -270,6 +270,8 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
             if overhead > max(FIRST_STEP_NOISE_S, FIRST_STEP_NOISE * result.steady_step_s):
                 timing += (f": the first step's overhead (compilation, kernel tuning, warm-up) was "
                            f"{overhead:,.2f} s")
+                if result.first_step_compile_s:
+                    timing += f", of which torch.compile of the layers {result.first_step_compile_s:,.1f} s"
             else:  # nothing compiled or tuned (a CPU run): a difference within the steps' own spread means nothing
                 timing += ": the first step took no longer than the others"
         if result.predicted_step_s is not None:

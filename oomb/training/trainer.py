@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .. import machine
-from ..compiled_layers import may_compile
+from ..compiled_layers import compile_seconds, may_compile
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
 from ..models import fused_loss_possible, unwrap_causal_lm
@@ -145,6 +145,9 @@ class TrainResult:
     steady_step_parts_s: dict[str, float] | None = None
     """Medians of the later steps' parts: data_s (reading the batch), forward_backward_s (oomb's step, the
     loss read included), update_s (clipping, optimizer, scheduler, until the GPU is done)."""
+    first_step_compile_s: float | None = None
+    """Of first_step_s, the seconds torch.compile spent compiling the decoder layers (compiled_layers.compile_seconds;
+    None where torch keeps no compile-time metrics)."""
     setup_s: float | None = None
     """Seconds before the first step: model load, plan, pinned host memory."""
     checkpoint_s: float = 0.0
@@ -196,6 +199,7 @@ class Trainer(Checkpointing):
         self._auto_refusal: str | None = None  # why the chooser found nothing that fits
         self._step_times: list[float] = []  # this session's step times (first step reported apart)
         self._step_parts: list[dict[str, float]] = []  # each step's seconds by part (metrics' *_s parts)
+        self._step_compile_s: list[float | None] = []  # each step's seconds of torch.compile
         self.setup_s: float | None = None  # seconds setup() took: model load, plan, pinned host memory
         self.checkpoint_s = 0.0  # seconds this session spent writing checkpoints
         self.parallel = ParallelSetup()
@@ -580,6 +584,7 @@ class Trainer(Checkpointing):
         logging.chunk_progress shows the step's own bar."""
         cfg = self.config
         start = time.perf_counter()
+        compiled_before = compile_seconds()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, tokens, documents, epoch = [], 0, 0, 0
@@ -639,10 +644,14 @@ class Trainer(Checkpointing):
             parts = {"data_s": data_s, "update_s": end - update_start}
             parts["forward_backward_s"] = step_time - parts["data_s"] - parts["update_s"]
             self._step_parts.append(parts)
+            compiled_after = compile_seconds()
             metrics = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                        "tokens_total": self.tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
                        **parts, "elapsed_s": self.elapsed, "epoch": epoch, "documents": documents,
-                       "host_rss_gib": host_rss_bytes() / GIB}
+                       "host_rss_gib": host_rss_bytes() / GIB,
+                       "compile_s": (compiled_after - compiled_before
+                                     if compiled_before is not None and compiled_after is not None else None)}
+            self._step_compile_s.append(metrics["compile_s"])
             if self.device.type == "cuda":
                 metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
                 self._peak_gpu = max(self._peak_gpu, metrics["gpu_peak_gib"])
@@ -706,6 +715,7 @@ class Trainer(Checkpointing):
             interrupted=interrupted, resumed_from=str(self.resumed_from) if self.resumed_from else None,
             peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB,
             first_step_s=self._step_times[0] if self._step_times else None,
+            first_step_compile_s=self._step_compile_s[0] if self._step_compile_s else None,
             steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None,
             predicted_step_s=(self.choice.step_time.seconds
                               if self.choice is not None and self.choice.step_time is not None else None),
