@@ -389,6 +389,27 @@ def test_windowed_documents_match_the_oracle_and_read_no_earlier_page():
     _check_backend(MATH, *_kernel_case(seed=2))  # every segment of this case on the short-segment kernel
 
 
+@pytest.mark.parametrize("steps", [(1, 1), (3, 5), (4, 8), (16, 16)])
+def test_documents_padded_and_cut_to_few_shapes_are_exact(steps):
+    """Segments and history queries padded with zeros to a multiple of shape_step, history keys cut at the next
+    multiples of shape_step and history_step (page-aligned or not): the oracle's forward, dQ, dK, dV, and no
+    earlier page read; the stand-in kernel sees only lengths padded to shape_step."""
+    from test_documents import _check_backend, _kernel_case
+
+    shape_step, history_step = steps
+    seen = []
+
+    def forward(q, k, v, causal, scale):
+        seen.append((q.shape[2], k.shape[2], causal))
+        return MATH.kernel.forward(q, k, v, causal, scale)
+
+    kernel = cudnn_paged.FusedKernel(forward, MATH.kernel.backward, (torch.float32,))
+    module = cudnn_paged.WindowedAttention(kernel, short_segment=2, shape_step=shape_step, history_step=history_step)
+    _check_backend(module, *_kernel_case(seed=2))
+    assert seen and all(q % shape_step == 0 for q, _, _ in seen)  # folded rows: a multiple of the padded length
+    assert all(k % shape_step == 0 for _, k, causal in seen if causal)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, offload):
     """A whole dense step with packed documents (two rows, other boundaries; documents starting inside
@@ -400,7 +421,8 @@ def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch,
     model = build_tiny_model("qwen2", seed=42)
     ids = random_ids(2, 150, seed=42)
     cu = [[0, 13, 14, 15, 75, 115, 150], [0, 70, 75, 76, 142, 150]]
-    stand_in = AttentionBackend("stand-in", DOC_MATH.paged_attention_forward, DOC_MATH.paged_attention_backward,
+    cut = cudnn_paged.WindowedAttention(MATH.kernel, short_segment=2, shape_step=4, history_step=16)
+    stand_in = AttentionBackend("stand-in", cut.paged_attention_forward, cut.paged_attention_backward,
                                 cudnn_paged.no_delta, whole_history=True)
     config = OOMBConfig(chunk_size=32, page_size=8, offload=OffloadConfig(stream_block_pages=2, enabled=offload))
     assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, cu_seqlens=cu)

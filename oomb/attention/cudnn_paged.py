@@ -24,6 +24,15 @@ segment see no key of a history window (out 0, lse -inf, merged as empty). A chu
 kernel call per document in it (plus one per history window), so many tiny documents mean many
 small calls.
 
+Documents also make calls of new lengths in every chunk, and cuDNN builds a graph for each new shape
+(about 38 ms forward and 46 ms backward on an H100, against 0.4-5 ms to run one; a 128K step of the embedded
+corpus makes about 50 new shapes, a 1M one about 390). So the calls take lengths from a small set, which a run
+has built after its first steps: a segment's queries and keys, and a history window's queries, are padded with
+zeros to a multiple of ``shape_step`` (a padded query's output is dropped and its zero dO adds nothing to any
+gradient; a causal segment's padded keys come after every real query), and a history window's keys, which
+cannot be padded, are cut at the next multiples of ``shape_step`` and ``history_step`` into at most three calls
+merged by their log-sum-exp.
+
 Sliding windows alone (``documents`` from documents.window_bounds with ``window`` set) are a band:
 its first key moves at every query, so segments would be one call per query; cudnn_band.py cuts the
 band into a few batched plain calls instead. Windows inside packed documents are refused (their
@@ -133,6 +142,10 @@ def _torch_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 TORCH_KERNEL = FusedKernel(_torch_forward, _torch_backward, (torch.bfloat16, torch.float16, torch.float32))
 """The FusedKernel contract in plain float32 torch: packed documents' short segments and the band's
 small calls (cudnn_band.py) run on it."""
+SHAPE_STEP = 128
+"""Packed documents: segment and query lengths are padded to a multiple of this (module docstring)."""
+HISTORY_STEP = 4096
+"""Packed documents: a history window's keys are cut at the next multiple of SHAPE_STEP and of this."""
 SHORT_SEGMENT = 64
 """Packed documents and sliding windows: a call with fewer query rows (after folding) or keys than this
 runs on TORCH_KERNEL, not cuDNN (documents of a few tokens, windows under 65 tokens and small band
@@ -206,14 +219,27 @@ class WindowedAttention:
     """reference.py's dense contract on a :class:`FusedKernel`, one kernel call per key window."""
 
     def __init__(self, kernel: FusedKernel = CUDNN_KERNEL, short_kernel: FusedKernel = TORCH_KERNEL,
-                 short_segment: int = SHORT_SEGMENT) -> None:
+                 short_segment: int = SHORT_SEGMENT, shape_step: int = SHAPE_STEP,
+                 history_step: int = HISTORY_STEP) -> None:
         self.kernel = kernel
         self.short_kernel, self.short_segment = short_kernel, short_segment
+        self.shape_step, self.history_step = shape_step, history_step
         self.band = BandAttention(self._segment_kernel)
 
     def _segment_kernel(self, queries: int, keys: int) -> FusedKernel:
         """The kernel of a packed-documents or band call of ``queries`` rows and ``keys`` keys."""
         return self.short_kernel if min(queries, keys) < self.short_segment else self.kernel
+
+    def _padded(self, length: int) -> int:
+        """A packed-documents call's query (and causal key) count: ``length`` up to a multiple of shape_step."""
+        return -(-length // self.shape_step) * self.shape_step
+
+    def _key_pieces(self, first: int, hi: int) -> list[tuple[int, int]]:
+        """A history window's keys [first, hi) cut at the next multiples of shape_step and history_step: every
+        piece but the first (under shape_step keys) has a length from a small set (module docstring)."""
+        steps = (self.shape_step, self.history_step)
+        cuts = sorted({first, hi, *(min(hi, -(-first // step) * step) for step in steps)})
+        return list(zip(cuts[:-1], cuts[1:], strict=True))
 
     def _windows(self, q, k_pool, v_pool, page_table, query_start, key_range) -> list[tuple[int, int]]:
         """Validate the inputs; return the key windows to run: the given one, or history then chunk."""
@@ -305,18 +331,24 @@ class WindowedAttention:
                 rows = slice(b, b + 1)
                 if lo == query_start:
                     for a, e, _ in segments:
+                        n, m = e - a, self._padded(e - a)
                         k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
-                        out_w[rows, :, a:e], lse_w[rows, :, a:e] = self._segment_kernel(e - a, e - a).forward(
-                            q[rows, :, a:e].contiguous(), k, v, True, scale)
+                        o, s = self._segment_kernel(n, n).forward(*(_pad_rows(x, m) for x in (q[rows, :, a:e], k, v)),
+                                                                 True, scale)
+                        out_w[rows, :, a:e], lse_w[rows, :, a:e] = o[:, :, :n], s[:, :, :n]
                     continue
                 _, e, start = segments[0]  # only the chunk's first document has history
                 first = max(lo, start)
                 if first >= hi:
                     continue  # the document starts after this window: its queries see none of it
-                k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
-                o, s = self._segment_kernel(Hq // Hkv * e, hi - first).forward(_fold(q[rows, :, :e], Hkv), k, v,
-                                                                                False, scale)
-                out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, e), s.reshape(1, Hq, e)
+                m = self._padded(e)
+                q_f = _fold(_pad_rows(q[rows, :, :e], m), Hkv)
+                o = s = None
+                for a_k, b_k in self._key_pieces(first, hi):
+                    k, v = (_gather_from(pool, page_table[rows], a_k, b_k) for pool in (k_pool, v_pool))
+                    o_k, s_k = self._segment_kernel(Hq // Hkv * e, b_k - a_k).forward(q_f, k, v, False, scale)
+                    o, s = (o_k, s_k) if o is None else merge_window(o, s, o_k, s_k)
+                out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, m)[:, :, :e], s.reshape(1, Hq, m)[:, :, :e]
             out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
         return out.to(out_dtype or q.dtype), lse
 
@@ -334,28 +366,32 @@ class WindowedAttention:
                 rows = slice(b, b + 1)
                 if local:
                     for a, e, _ in segments:
+                        n, m = e - a, self._padded(e - a)
                         k, v = _segment_keys(Hq // Hkv, k_pool, v_pool, page_table[rows], query_start, a, e)
-                        do_s, q_s, out_s, lse_s = (x[rows, :, a:e].contiguous() for x in (dout, q, out, lse))
-                        kernel = self._segment_kernel(e - a, e - a)
-                        dq_s, dk, dv = kernel.backward(do_s, q_s, k, v, out_s, lse_s, True, scale)
-                        dq[rows, :, a:e] += dq_s
-                        dk_own[rows, :, a:e] = dk.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
-                        dv_own[rows, :, a:e] = dv.float().view(1, Hkv, Hq // Hkv, e - a, D).sum(2)
+                        do_s, q_s, out_s = (_pad_rows(x[rows, :, a:e], m) for x in (dout, q, out))
+                        lse_s = _pad_rows(lse[rows, :, a:e], m)
+                        dq_s, dk, dv = self._segment_kernel(n, n).backward(
+                            do_s, q_s, _pad_rows(k, m), _pad_rows(v, m), out_s, lse_s, True, scale)
+                        dq[rows, :, a:e] += dq_s[:, :, :n]
+                        dk_own[rows, :, a:e] = dk[:, :, :n].float().reshape(1, Hkv, Hq // Hkv, n, D).sum(2)
+                        dv_own[rows, :, a:e] = dv[:, :, :n].float().reshape(1, Hkv, Hq // Hkv, n, D).sum(2)
                     continue
                 _, e, start = segments[0]
                 first = max(lo, start)
                 if first >= hi:
                     continue
-                k, v = (_gather_from(pool, page_table[rows], first, hi) for pool in (k_pool, v_pool))
-                do_f, q_f, out_f = (_fold(x[rows, :, :e], Hkv) for x in (dout, q, out))
-                lse_f = lse[rows, :, :e].reshape(1, Hkv, -1).contiguous()
-                kernel = self._segment_kernel(Hq // Hkv * e, hi - first)
-                dq_w, dk, dv = kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
-                dq[rows, :, :e] += _unfold(dq_w, Hkv, e)
-                pad = first - first // P * P  # keys before the document in its first page get zeros
-                for pool, grad in ((dk_pool, dk), (dv_pool, dv)):
-                    grad = torch.nn.functional.pad(grad, (0, 0, pad, 0))
-                    _add_into_pages(pool, page_table[rows], first - pad, grad)
+                m = self._padded(e)
+                do_f, q_f, out_f = (_fold(_pad_rows(x[rows, :, :e], m), Hkv) for x in (dout, q, out))
+                lse_f = _pad_rows(lse[rows, :, :e], m).reshape(1, Hkv, -1)
+                for a_k, b_k in self._key_pieces(first, hi):
+                    k, v = (_gather_from(pool, page_table[rows], a_k, b_k) for pool in (k_pool, v_pool))
+                    kernel = self._segment_kernel(Hq // Hkv * e, b_k - a_k)
+                    dq_w, dk, dv = kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
+                    dq[rows, :, :e] += _unfold(dq_w, Hkv, m)[:, :, :e]
+                    pad = a_k - a_k // P * P  # keys before the piece in its first page get zeros
+                    for pool, grad in ((dk_pool, dk), (dv_pool, dv)):
+                        grad = torch.nn.functional.pad(grad, (0, 0, pad, 0))
+                        _add_into_pages(pool, page_table[rows], a_k - pad, grad)
             if local:
                 _add_into_pages(dk_pool, page_table, query_start, dk_own)
                 _add_into_pages(dv_pool, page_table, query_start, dv_own)
@@ -379,6 +415,14 @@ def document_segments(documents, query_start: int, num_queries: int) -> list[lis
         firsts, ends = [0] + cuts, cuts + [num_queries]
         rows.append([(a, e, int(row[a])) for a, e in zip(firsts, ends, strict=True)])
     return rows
+
+
+def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, H, L, D) or an lse's (B, H, L), contiguous, zeros appended along L up to ``length`` (no copy of a
+    contiguous one already there; a padded row's lse is irrelevant, its dO being zero)."""
+    if x.shape[2] == length:
+        return x.contiguous()
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, length - x.shape[2]))
 
 
 def _segment_keys(group: int, k_pool, v_pool, page_table, query_start: int, a: int, e: int):
