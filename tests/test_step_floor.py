@@ -346,3 +346,29 @@ def test_fused_loss_floor():
     assert loss_work(fused_full).memory_bytes == loss_work(full).memory_bytes * FUSED_LOGIT_BYTES / LOGIT_BYTES
     kept = StepSpec(shape, 131072, "sparse", recompute_logits=False, fused_loss=True)
     assert loss_work(kept) == loss_work(fused_full)
+
+
+def test_dense_layers_of_a_sparse_step_count_as_dense():
+    """sparse.dense_layers: those layers see every pair, score nothing and stage their whole history; resident
+    ones (the first offload.resident_layers) move nothing."""
+    shape = dataclasses.replace(ONE_LAYER, num_layers=4)
+    options = dict(chunk_size=128, page_size=32)
+    few = SparseConfig(budget=1, sink_pages=1, score="minmax")
+    sparse = StepSpec(shape, 512, "sparse", sparse=few, **options)
+    dense = StepSpec(shape, 512, "dense", **options)
+    every = StepSpec(shape, 512, "sparse", sparse=dataclasses.replace(few, dense_layers=(0, 1, 2, 3)), **options)
+    assert step_work(every)["attention"] == step_work(dense)["attention"]
+    assert step_work(every)["scoring"] == Work() != step_work(sparse)["scoring"]
+    two = StepSpec(shape, 512, "sparse", sparse=dataclasses.replace(few, dense_layers=(0, 1)), **options)
+    attention = {name: step_work(s)["attention"].attention_flops for name, s in
+                 (("sparse", sparse), ("dense", dense), ("two", two))}
+    assert attention["two"] == (attention["sparse"] + attention["dense"]) / 2
+    assert step_work(two)["scoring"].matmul_flops == step_work(sparse)["scoring"].matmul_flops / 2
+
+    def offloaded(spec, resident):
+        return copies_work(dataclasses.replace(spec, offload=OffloadConfig(enabled=True, resident_layers=resident)))
+
+    assert offloaded(two, 2) == offloaded(sparse, 2)  # layers 0 and 1 keep their pages on the GPU
+    per_layer = {name: offloaded(s, 3).to_device_bytes for name, s in (("sparse", sparse), ("dense", dense))}
+    assert offloaded(dataclasses.replace(two, sparse=dataclasses.replace(few, dense_layers=(3,))), 2).to_device_bytes \
+        == per_layer["sparse"] + per_layer["dense"]

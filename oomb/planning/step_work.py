@@ -31,9 +31,10 @@ L layers, chunk C, page P, Hq query heads of dimension D), 2 FLOPs per multiply-
                and again for the backward, dK, dV in and out), each direction at the host rate.
 
 Left out: norms, rotary, activations and residual adds (no floor), selection bookkeeping (topk, sort),
-packed documents, per-layer budgets and sparse dense layers; with offload, window layers count as
-global ones. Sparse offload counts the least that can
-move: every query block and KV head of a chunk reading the same pages.
+packed documents and per-layer budgets; with offload, window layers count as global ones. Dense layers of
+a sparse step (``sparse.dense_layers``) count as dense: every pair, no scoring, their whole history staged.
+Sparse offload counts the least that can move: every query block and KV head of a chunk reading the same
+pages.
 
 Check against issue 23's estimate ("about 7.6e16 FLOPs of linear layers for stage 1, stage 2, the
 replay and the backward", Qwen2.5-7B, 1M tokens, sparse, full fine-tuning): this model counts 6.84e16
@@ -46,7 +47,7 @@ lookup, not a matmul) and the head in all five passes, and 1M as 1e6: the two ag
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -140,8 +141,8 @@ class StepSpec:
     kv_bytes: int = 2
     grad_bytes: int = 4
     sparse: SparseConfig = field(default_factory=SparseConfig)
-    """Mode "sparse": the selection counted ("auto" options resolved as the step resolves them; per-layer
-    budgets and dense layers are left out)."""
+    """Mode "sparse": the selection counted ("auto" options resolved as the step resolves them; dense layers
+    counted as dense, per-layer budgets left out)."""
     recompute_logits: bool = True
     """The loss slices' logits are recomputed in backward (hf: oomb's chunked loss, always)."""
     keep_attention_outputs: bool = False
@@ -237,10 +238,25 @@ def visible_pairs(spec: StepSpec) -> int:
     return pairs
 
 
+def dense_layer_indices(spec: StepSpec) -> list[int]:
+    """The layers of a sparse step that read every page (``sparse.dense_layers``, at most the global layers)."""
+    if spec.mode != "sparse":
+        return []
+    indices = [layer for layer in spec.sparse.dense_layers if layer < spec.shape.num_layers]
+    return indices[:spec.shape.num_layers - spec.shape.sliding_window_layers]
+
+
+def as_dense(spec: StepSpec) -> StepSpec:
+    """The same step with every page read: a dense layer of a sparse step."""
+    return replace(spec, mode="dense")
+
+
 def attention_work(spec: StepSpec) -> Work:
     shape = spec.shape
     window_layers = shape.sliding_window_layers
-    pairs = ((shape.num_layers - window_layers) * visible_pairs(spec)
+    dense = len(dense_layer_indices(spec))
+    pairs = ((shape.num_layers - window_layers - dense) * visible_pairs(spec)
+             + (dense * visible_pairs(as_dense(spec)) if dense else 0)
              + window_layers * (_window_pairs(spec.tokens, shape.sliding_window) if window_layers else 0))
     forward = 4.0 * shape.head_dim * shape.num_heads * spec.batch_size * pairs
     forwards = 1 if spec.keep_attention_outputs and spec.mode != "hf" else 2
@@ -283,7 +299,7 @@ def scoring_work(spec: StepSpec) -> Work:
             queries = n_blocks * (P + 1) if spec.sparse.leak_free else length
             keys = queries * passes * scored * P + length * (length + 1) // 2  # the scored pages, the chunk
             probabilities += 2.0 * D * shape.num_heads * keys
-    layers = spec.batch_size * (shape.num_layers - shape.sliding_window_layers)
+    layers = spec.batch_size * (shape.num_layers - shape.sliding_window_layers - len(dense_layer_indices(spec)))
     return Work(matmul_flops=layers * matmul, attention_flops=layers * probabilities)
 
 
@@ -313,6 +329,21 @@ def copies_work(spec: StepSpec) -> Work:
     writes = float(spec.batch_size * spec.tokens * shape.num_layers * kv)
     if not spec.offload.enabled:
         return Work(memory_bytes=writes)
+    resident = min(spec.offload.resident_layers, shape.num_layers)  # the first layers keep their pages on the GPU
+    offloaded_dense = sum(layer >= resident for layer in dense_layer_indices(spec))
+    offloaded = shape.num_layers - resident
+    to_device, to_host = _offloaded_layer_copies(spec, kv, grad)
+    if offloaded_dense:
+        dense_device, dense_host = _offloaded_layer_copies(as_dense(spec), kv, grad)
+        to_device = ((offloaded - offloaded_dense) * to_device + offloaded_dense * dense_device) / max(1, offloaded)
+        to_host = ((offloaded - offloaded_dense) * to_host + offloaded_dense * dense_host) / max(1, offloaded)
+    layers = spec.batch_size * offloaded
+    return Work(memory_bytes=writes * resident / shape.num_layers, to_device_bytes=float(layers * to_device),
+                to_host_bytes=float(layers * to_host))
+
+
+def _offloaded_layer_copies(spec: StepSpec, kv: int, grad: int) -> tuple[int, int]:
+    """Bytes one offloaded layer moves to the device and to the host in a step (one sequence)."""
     to_device = to_host = grad_stores = last_start = 0
     for start, length in spec.chunks():
         pages = spec.read_pages(start)
@@ -327,9 +358,7 @@ def copies_work(spec: StepSpec) -> Work:
     # Stage 2 loads a page's dK, dV except in the first backward that touches it; the first chunk it runs
     # (the last) touches its whole history first, later chunks at most nothing new.
     to_device += max(0, grad_stores - last_start) * grad
-    layers = spec.batch_size * max(0, shape.num_layers - spec.offload.resident_layers)
-    resident = writes * min(spec.offload.resident_layers, shape.num_layers) / shape.num_layers
-    return Work(memory_bytes=resident, to_device_bytes=float(layers * to_device), to_host_bytes=float(layers * to_host))
+    return to_device, to_host
 
 
 def step_work(spec: StepSpec) -> dict[str, Work]:
