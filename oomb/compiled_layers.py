@@ -129,6 +129,28 @@ def compile_seconds() -> float | None:
 
 
 @contextlib.contextmanager
+def layer_inputs_requiring_grad(causal_lm: nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside the block (stage 2 of a step with compiled layers) the input embeddings' output requires grad
+    even when the embeddings are frozen (LoRA). Compiled graphs guard on their inputs' requires_grad: with a
+    frozen embedding the first layer's input would not require grad and every other layer's would, and torch
+    would compile stage 2's layer graphs twice. Costs the first layer's input gradient, which is dropped."""
+    if not enabled:
+        yield
+        return
+
+    def requiring_grad(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not output.requires_grad:
+            return output.detach().requires_grad_()
+        return output
+
+    hook = causal_lm.get_input_embeddings().register_forward_hook(requiring_grad)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+@contextlib.contextmanager
 def compiled_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
     """Run the decoder's layers compiled inside the block (a layer the user compiled stays as it is)."""
     if not enabled:

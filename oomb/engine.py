@@ -36,7 +36,7 @@ from .attention.context_sparse import share_backend
 from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
 from .carried_gradients import carried_weight_gradients
-from .compiled_layers import compiled_layers, resolve_compile_layers
+from .compiled_layers import compiled_layers, layer_inputs_requiring_grad, resolve_compile_layers
 from .config import OOMBConfig, SparseConfig
 from .documents import Documents, resolve_documents
 from .fp32_linear import float32_weight_gradients, in_place_weight_gradients
@@ -272,7 +272,8 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
     """Where stage 2's chunk backward passes put the parameter gradients. Without float32 sums, linear
     weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the head's always, the decoder's
     where layers run eager (a routed linear breaks a compiled graph); compiled layers' linears carry .grad
-    through the chunk's graph into their products (carried_gradients.py). Under FSDP the chunks' gradients
+    through the chunk's graph into their products (carried_gradients.py), and take inputs that require grad
+    (compiled_layers.layer_inputs_requiring_grad). Under FSDP the chunks' gradients
     are summed (in fp32) by FSDP until the last backward. Layer checkpointing and the tensor-parallel loss
     context are entered here too. ``sums``: the step's step_gradient_sums, for a step that routes several
     reverse passes; by default the routing owns them (written out on a normal exit, dropped on an error)."""
@@ -288,7 +289,8 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
             float32_weight_gradients(model, sums, enabled=parallel.tp == 1), \
             in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, sums,
                                       enabled=in_place), \
-            carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried:
+            carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried, \
+            layer_inputs_requiring_grad(causal_lm, compile_layers):
         yield GradientRouting(sums, carried)
 
 

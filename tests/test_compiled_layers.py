@@ -361,3 +361,21 @@ def test_compile_seconds_counts_what_torch_compiles():
     module.compile(backend="aot_eager")
     module(torch.randn(3, 8, requires_grad=True)).sum().backward()
     assert before is not None and compile_seconds() > before
+
+
+def test_stage_2_layer_inputs_require_grad_under_frozen_embeddings():
+    """With LoRA the embeddings are frozen, so the first layer's input would not require grad where every other
+    layer's does, and compiled graphs (which guard on it) would be built twice for stage 2."""
+    from oomb.compiled_layers import layer_inputs_requiring_grad
+
+    model = get_peft_model(build_tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    embeddings = model.get_input_embeddings()
+    ids = torch.tensor([[1, 2, 3]])
+    assert not embeddings(ids).requires_grad
+    with layer_inputs_requiring_grad(model, enabled=True):
+        assert embeddings(ids).requires_grad
+        with torch.no_grad():
+            assert not embeddings(ids).requires_grad  # stage 1
+    with layer_inputs_requiring_grad(model, enabled=False):
+        assert not embeddings(ids).requires_grad
+    assert not embeddings(ids).requires_grad  # the hook is gone
