@@ -66,6 +66,10 @@ this factor slower than the fastest is taken when it saves at least CPU_MEMORY_S
 CPU_MEMORY_SAVING = 0.25
 """Fraction of the fastest CPU plan's predicted host memory a slower plan must save (CPU_SLOWER_ALLOWED)."""
 
+BF16_HINT = 0.95
+"""Where float32 dK/dV is chosen and a fitting bf16 plan is predicted faster than this fraction of its time,
+the reason says so (the choice stays float32: bf16 did not stay within HF's own error on the real model)."""
+
 MIN_AUTO_CHUNK = 1024
 """The chooser halves the chunk (less activation memory) down to this many tokens, never below."""
 
@@ -666,7 +670,14 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
     if "precision.kv_grad_dtype" in fixed:
         parts.append(f"precision.kv_grad_dtype={_dtype_name(cfg.precision.grad_dtype)} as set")
     elif cfg.precision.grad_dtype == torch.float32:
-        parts.append("float32 dK/dV (exact; bf16 is chosen only when float32 does not fit)")
+        text = "float32 dK/dV (exact; bf16 is chosen only when float32 does not fit)"
+        bf16 = min((c for c in fitting if c.config.precision.grad_dtype != torch.float32),
+                   key=lambda c: c.relative_time, default=None)
+        if bf16 is not None and bf16.relative_time < BF16_HINT * best.relative_time:
+            text += (f"; bf16 dK/dV would take {bf16.relative_time / best.relative_time:.2f}x this step's time "
+                     "(precision.kv_grad_dtype=bfloat16; on SmolLM2 over 64 and 128 chunks its gradient error was "
+                     "no larger than float32's, kv-grad-dtype in docs/results.md)")
+        parts.append(text)
     else:
         parts.append("bf16 dK/dV: no float32 configuration fits")
     # Two recomputations the chooser turns off where memory allows: (field, SPEED_FACTS key, why off, why on).
