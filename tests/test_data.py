@@ -274,3 +274,13 @@ def test_check_records_refuses_chat_without_template_and_wrong_parquet_columns(t
     with pytest.raises(ValueError, match=r"(?s)2 data records.*c\.jsonl:1: chat messages need a chat template.*"
                                          r"t\.parquet: column 'text' must hold strings, it holds int64"):
         oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
+
+
+def test_check_records_shows_progress_on_large_data(tmp_path, tokenizer, monkeypatch, capsys):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "fine"}] * 50)
+    opts = options([path])
+    oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
+    assert "checking data records" not in capsys.readouterr().err  # small data: no bar
+    monkeypatch.setattr(oomb.training.data, "PROGRESS_BYTES", 1)
+    oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
+    assert "checking data records (data.check_records)" in capsys.readouterr().err

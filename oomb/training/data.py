@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..loss import IGNORE_INDEX
 from .config import DataSection
@@ -37,6 +38,7 @@ NEWLINE_SEARCH_BYTES = 64 << 10  # how far past a text piece's nominal end to lo
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z")
+PROGRESS_BYTES = 256 << 20  # jsonl data from this size on shows a progress bar while its records are checked
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,9 @@ def check_records(files: list[DataFile], options: DataSection, tokenizer, shown:
     listing the first ``shown`` problems and how many there are."""
     chat_template = getattr(tokenizer, "chat_template", None) is not None
     problems, count = [], 0
+    jsonl_bytes = sum(f.path.stat().st_size for f in files if f.format == "jsonl")
+    bar = tqdm(total=jsonl_bytes, unit="B", unit_scale=True, desc="checking data records (data.check_records)",
+               disable=jsonl_bytes < PROGRESS_BYTES, leave=False)
 
     def found(problem: str) -> None:
         nonlocal count
@@ -304,6 +309,7 @@ def check_records(files: list[DataFile], options: DataSection, tokenizer, shown:
         if data_file.format == "jsonl":
             with open(data_file.path, "rb") as f:
                 for number, line in enumerate(f, start=1):
+                    bar.update(len(line))
                     if not line.strip():
                         continue
                     where = f"{data_file.path}:{number}"
@@ -318,6 +324,7 @@ def check_records(files: list[DataFile], options: DataSection, tokenizer, shown:
             problem = _parquet_columns_problem(data_file.path, options)
             if problem is not None:
                 found(problem)
+    bar.close()
     if count:
         listed = "\n  ".join(problems)
         more = f" (the first {shown} shown)" if count > shown else ""
