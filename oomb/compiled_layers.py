@@ -138,8 +138,8 @@ def layer_inputs_requiring_grad(causal_lm: nn.Module, enabled: bool) -> Iterator
         yield
         return
 
-    def requiring_grad(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and not output.requires_grad:
+    def requiring_grad(module: nn.Module, args, output):
+        if isinstance(output, torch.Tensor) and torch.is_grad_enabled() and not output.requires_grad:
             return output.detach().requires_grad_()
         return output
 

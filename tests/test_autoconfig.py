@@ -60,7 +60,7 @@ CASES = [
     ("qwen2.5-7b", M, 16, H100, {},
      (True, 9, "float32", True, 4096, "cudnn", "layer replay on: without it")),
     ("qwen2.5-7b", M, 16, H100, {},  # the faster bf16 plan is named, with the setting that takes it
-     (True, 9, "float32", True, 4096, "cudnn", "; bf16 dK/dV would take 0.")),
+     (True, 9, "float32", True, 4096, "cudnn", "; the fastest bf16 dK/dV plan would take 0.")),
     ("qwen2.5-7b", M, 16, gpu(139, 250), {},  # GPU-bound: more host memory changes nothing
      (True, 13, "float32", False, 4096, "cudnn", "13 layers resident")),
     ("qwen2.5-7b", 2 * M, 16, H200, {},

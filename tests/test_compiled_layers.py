@@ -379,3 +379,20 @@ def test_stage_2_layer_inputs_require_grad_under_frozen_embeddings():
     with layer_inputs_requiring_grad(model, enabled=False):
         assert not embeddings(ids).requires_grad
     assert not embeddings(ids).requires_grad  # the hook is gone
+
+
+def test_frozen_embeddings_compile_stage_2_once(monkeypatch):
+    """The point of layer_inputs_requiring_grad: fewer graphs under LoRA, the same gradients."""
+    model = get_peft_model(build_tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 384), generator=torch.Generator().manual_seed(4))
+    real = oomb.compiled_layers.layer_inputs_requiring_grad
+    graphs, results = {}, {}
+    for hook in (False, True):
+        monkeypatch.setattr(oomb.engine, "layer_inputs_requiring_grad",
+                            lambda causal_lm, enabled, hook=hook: real(causal_lm, enabled and hook))
+        torch._dynamo.reset()
+        counters.clear()
+        results[hook] = _step(model, ids, True)
+        graphs[hook] = counters["stats"]["unique_graphs"]
+    assert 0 < graphs[True] < graphs[False]
+    _assert_close(results[True][1], results[False][1])

@@ -253,7 +253,7 @@ def test_check_records_names_every_bad_record_before_training(tmp_path, tokenize
     with pytest.raises(ValueError) as err:
         oomb.training.data.check_records(resolve_files(opts), opts, tokenizer, shown=2)
     lines = str(err.value).splitlines()
-    assert lines[0] == "8 data records cannot be trained on (the first 2 shown):"
+    assert lines[0] == "8 problems in the data (the first 2 shown):"
     assert lines[1].endswith("b.jsonl:3: not valid JSON (Expecting property name enclosed in double quotes at "
                              "column 2)")
     assert lines[2].endswith("b.jsonl:4: record has neither 'text' nor 'messages' (keys: ['title']); set "
@@ -271,7 +271,7 @@ def test_check_records_refuses_chat_without_template_and_wrong_parquet_columns(t
     table = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": [1, 2]}), table)
     opts = options([chat, table])
-    with pytest.raises(ValueError, match=r"(?s)2 data records.*c\.jsonl:1: chat messages need a chat template.*"
+    with pytest.raises(ValueError, match=r"(?s)2 problems in the data.*c\.jsonl:1: chat messages need a chat template.*"
                                          r"t\.parquet: column 'text' must hold strings, it holds int64"):
         oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
 
@@ -284,3 +284,34 @@ def test_check_records_shows_progress_on_large_data(tmp_path, tokenizer, monkeyp
     monkeypatch.setattr(oomb.training.data, "PROGRESS_BYTES", 1)
     oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
     assert "checking data records (data.check_records)" in capsys.readouterr().err
+
+
+def test_check_records_takes_every_arrow_string_and_list_type(tmp_path, tokenizer):
+    """Polars and datasets write large_list, dictionary and view types: the stream reads them, so the check must."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = [[{"role": "user", "content": "hi"}]]
+    tables = {
+        "dict.parquet": pa.table({"text": pa.array(["a", "b"]).dictionary_encode()}),
+        "large.parquet": pa.table({"text": pa.array(["a"], type=pa.large_string())}),
+        "large_list.parquet": pa.table({"messages": pa.array(messages, type=pa.large_list(pa.struct(
+            [("role", pa.string()), ("content", pa.string())])))}),
+    }
+    for name, table in tables.items():
+        pq.write_table(table, tmp_path / name)
+    opts = options([tmp_path / name for name in tables])
+    oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)  # passes: nothing raised
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(pa.table({"messages": pa.array([["hi"]])}), bad / "strings.parquet")
+    pq.write_table(pa.table({"title": pa.array(["x"])}), bad / "neither.parquet")
+    write_jsonl(bad / "items.jsonl", [{"messages": [{"role": "user", "content": "x"}, "oops"]}])
+    opts = options([bad])
+    with pytest.raises(ValueError) as err:
+        oomb.training.data.check_records(resolve_files(opts), opts, tokenizer)
+    text = str(err.value)
+    assert text.startswith("3 problems in the data:")
+    assert "items.jsonl:1: field 'messages' must be a list of {role, content} objects, got a list holding str" in text
+    assert "neither.parquet: no column named 'text' or 'messages' (columns: ['title'])" in text
+    assert "strings.parquet: column 'messages' must hold lists of {role, content} objects, it holds list<" in text

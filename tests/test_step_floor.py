@@ -372,3 +372,16 @@ def test_dense_layers_of_a_sparse_step_count_as_dense():
     per_layer = {name: offloaded(s, 3).to_device_bytes for name, s in (("sparse", sparse), ("dense", dense))}
     assert offloaded(dataclasses.replace(two, sparse=dataclasses.replace(few, dense_layers=(3,))), 2).to_device_bytes \
         == per_layer["sparse"] + per_layer["dense"]
+
+
+def test_a_dense_layer_that_slides_still_reads_its_window():
+    shape = dataclasses.replace(ONE_LAYER, num_layers=4, sliding_window=64, sliding_window_layers=2,
+                                sliding_layer_ids=(0, 2))
+    few = SparseConfig(budget=1, sink_pages=1, score="minmax")
+
+    def attention(dense_layers):
+        spec = StepSpec(shape, 512, "sparse", chunk_size=128, page_size=32,
+                        sparse=dataclasses.replace(few, dense_layers=dense_layers))
+        return step_work(spec)["attention"].attention_flops
+
+    assert attention((0,)) == attention(()) < attention((1,))

@@ -675,9 +675,10 @@ def _reason(best: Candidate, runner_up: Candidate | None, fitting: list[Candidat
         bf16 = min((c for c in fitting if c.config.precision.grad_dtype != torch.float32),
                    key=lambda c: c.relative_time, default=None)
         if bf16 is not None and bf16.relative_time < BF16_HINT * best.relative_time:
-            text += (f"; bf16 dK/dV would take {bf16.relative_time / best.relative_time:.2f}x this step's time "
-                     "(precision.kv_grad_dtype=bfloat16; on SmolLM2 over 64 and 128 chunks its gradient error was "
-                     "no larger than float32's, kv-grad-dtype in docs/results.md)")
+            text += (f"; the fastest bf16 dK/dV plan would take {bf16.relative_time / best.relative_time:.2f}x this "
+                     "step's time (precision.kv_grad_dtype=bfloat16 chooses it; on SmolLM2 over 64 and 128 chunks its "
+                     "gradient error was no larger than float32's, though at 128 chunks neither stayed within HF's "
+                     "own bf16 error: kv-grad-dtype in docs/results.md)")
         parts.append(text)
     else:
         parts.append("bf16 dK/dV: no float32 configuration fits")

@@ -239,11 +239,12 @@ def visible_pairs(spec: StepSpec) -> int:
 
 
 def dense_layer_indices(spec: StepSpec) -> list[int]:
-    """The layers of a sparse step that read every page (``sparse.dense_layers``, at most the global layers)."""
+    """The global layers of a sparse step that read every page (``sparse.dense_layers``; a sliding-window layer
+    reads its window whatever the setting)."""
     if spec.mode != "sparse":
         return []
-    indices = [layer for layer in spec.sparse.dense_layers if layer < spec.shape.num_layers]
-    return indices[:spec.shape.num_layers - spec.shape.sliding_window_layers]
+    sliding = set(spec.shape.window_layer_ids()) if spec.shape.sliding_window_layers else set()
+    return [layer for layer in spec.sparse.dense_layers if layer < spec.shape.num_layers and layer not in sliding]
 
 
 def as_dense(spec: StepSpec) -> StepSpec:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,14 +150,17 @@ class _JsonlSource:
     def __init__(self, path: Path, render) -> None:
         self.path, self.render = path, render
         self.offsets = _line_offsets(path)  # (lines,) int64 byte offset of each line's start
+        self._file = None  # kept open while the stream reads here (an open per document costs on network disks)
 
     def __len__(self) -> int:
         return self.offsets.numel()
 
     def read(self, unit: int) -> _Unit:
-        with open(self.path, "rb") as f:  # opened per document: microseconds beside its tokenization
-            f.seek(int(self.offsets[unit]))
-            line = f.readline().strip()
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close(), or when the source is collected
+            self._closer = weakref.finalize(self, self._file.close)
+        self._file.seek(int(self.offsets[unit]))
+        line = self._file.readline().strip()
         if not line:
             return _Unit(None, True, True, False)
         where = f"{self.path}:{unit + 1}"
@@ -165,7 +169,9 @@ class _JsonlSource:
         return _Unit(text, True, True, templated)
 
     def close(self) -> None:
-        pass
+        if self._file is not None:
+            self._closer()
+            self._file = None
 
 
 class _TextSource:
@@ -281,23 +287,24 @@ def _record_problem(record, options: DataSection, chat_template: bool) -> str | 
         if not chat_template:
             return ("chat messages need a chat template, and this tokenizer has none; use a tokenizer with "
                     "chat_template in tokenizer_config.json, or text records")
-        if not isinstance(record[messages_field], list):
-            return (f"field {messages_field!r} must be a list of {{role, content}} objects, got "
-                    f"{type(record[messages_field]).__name__}")
+        messages = record[messages_field]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            kind = type(messages).__name__ if not isinstance(messages, list) else "a list holding " + next(
+                type(m).__name__ for m in messages if not isinstance(m, dict))
+            return f"field {messages_field!r} must be a list of {{role, content}} objects, got {kind}"
         return None
     return (f"record has neither {text_field!r} nor {messages_field!r} (keys: {sorted(record)}); "
             "set data.text_field or data.messages_field")
 
 
-def check_records(files: list[DataFile], options: DataSection, tokenizer, shown: int = 5) -> None:
+def check_records(files: list[DataFile], options: DataSection, tokenizer, shown: int = 5,
+                  progress: bool = True) -> None:
     """Parse and check every jsonl record and every parquet file's columns before training, so that a bad
     record is named at the start rather than when the stream reaches it, hours in. Raises a ValueError
-    listing the first ``shown`` problems and how many there are."""
+    listing the first ``shown`` problems and how many there are. ``progress``: a bar over the jsonl bytes
+    from PROGRESS_BYTES of them on (one process of several shows none)."""
     chat_template = getattr(tokenizer, "chat_template", None) is not None
     problems, count = [], 0
-    jsonl_bytes = sum(f.path.stat().st_size for f in files if f.format == "jsonl")
-    bar = tqdm(total=jsonl_bytes, unit="B", unit_scale=True, desc="checking data records (data.check_records)",
-               disable=jsonl_bytes < PROGRESS_BYTES, leave=False)
 
     def found(problem: str) -> None:
         nonlocal count
@@ -305,46 +312,70 @@ def check_records(files: list[DataFile], options: DataSection, tokenizer, shown:
         if len(problems) < shown:
             problems.append(problem)
 
-    for data_file in files:
-        if data_file.format == "jsonl":
-            with open(data_file.path, "rb") as f:
-                for number, line in enumerate(f, start=1):
-                    bar.update(len(line))
-                    if not line.strip():
-                        continue
-                    where = f"{data_file.path}:{number}"
-                    try:
-                        problem = _record_problem(_parse_line(line, where), options, chat_template)
-                    except ValueError as err:
-                        found(str(err))
-                        continue
-                    if problem is not None:
-                        found(f"{where}: {problem}")
-        elif data_file.format == "parquet":
-            problem = _parquet_columns_problem(data_file.path, options)
-            if problem is not None:
-                found(problem)
-    bar.close()
+    jsonl_bytes = sum(f.path.stat().st_size for f in files if f.format == "jsonl")
+    with tqdm(total=jsonl_bytes, unit="B", unit_scale=True, desc="checking data records (data.check_records)",
+              disable=not progress or jsonl_bytes < PROGRESS_BYTES, leave=False) as bar:
+        for data_file in files:
+            if data_file.format == "jsonl":
+                with open(data_file.path, "rb") as f:
+                    for number, line in enumerate(f, start=1):
+                        bar.update(len(line))
+                        if not line.strip():
+                            continue
+                        where = f"{data_file.path}:{number}"
+                        try:
+                            problem = _record_problem(_parse_line(line, where), options, chat_template)
+                        except ValueError as err:
+                            found(str(err))
+                            continue
+                        if problem is not None:
+                            found(f"{where}: {problem}")
+            elif data_file.format == "parquet":
+                problem = _parquet_columns_problem(data_file.path, options, chat_template)
+                if problem is not None:
+                    found(f"{data_file.path}: {problem}")
     if count:
         listed = "\n  ".join(problems)
         more = f" (the first {shown} shown)" if count > shown else ""
-        raise ValueError(f"{count} data record{'s' if count > 1 else ''} cannot be trained on{more}:\n  {listed}\n"
+        raise ValueError(f"{count} problem{'s' if count > 1 else ''} in the data{more}:\n  {listed}\n"
                          "fix the data, or set data.check_records=false to meet each one when the stream reaches it")
 
 
-def _parquet_columns_problem(path: Path, options: DataSection) -> str | None:
-    """Why a parquet file's text or messages column cannot be read as documents, or None."""
-    import pyarrow as pa
+def _never(kind) -> bool:
+    """A pyarrow type test this pyarrow lacks: no column has that type."""
+    return False
 
-    source = _ParquetSource(path, lambda record, where: (None, False), (options.text_field, options.messages_field))
-    schema = source.file.schema_arrow
-    if options.text_field in schema.names:
-        kind = schema.field(options.text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            return f"{path}: column {options.text_field!r} must hold strings, it holds {kind}"
-    elif not pa.types.is_list(schema.field(options.messages_field).type):
-        return (f"{path}: column {options.messages_field!r} must hold lists of {{role, content}}, it holds "
-                f"{schema.field(options.messages_field).type}")
+
+def _parquet_columns_problem(path: Path, options: DataSection, chat_template: bool) -> str | None:
+    """Why a parquet file's columns cannot be read as documents (text, or chat messages), or None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except Exception as err:  # pyarrow's ArrowInvalid and OSError name neither the file nor the way out
+        return f"not a parquet file ({err}); data.format='auto' reads it by its suffix"
+    text_field, messages_field = options.text_field, options.messages_field
+    if text_field in schema.names:
+        kind = schema.field(text_field).type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or getattr(pa.types, "is_string_view", _never)(kind)):
+            return f"column {text_field!r} must hold strings, it holds {schema.field(text_field).type}"
+        return None
+    if messages_field not in schema.names:
+        return (f"no column named {text_field!r} or {messages_field!r} (columns: {schema.names}); set "
+                "data.text_field or data.messages_field")
+    kind = schema.field(messages_field).type
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list,
+             getattr(pa.types, "is_list_view", _never), getattr(pa.types, "is_large_list_view", _never))
+    if not any(test(kind) for test in lists):
+        return f"column {messages_field!r} must hold lists of {{role, content}}, it holds {kind}"
+    if not pa.types.is_struct(kind.value_type):
+        return f"column {messages_field!r} must hold lists of {{role, content}} objects, it holds {kind}"
+    if not chat_template:
+        return "chat messages need a chat template, and this tokenizer has none"
     return None
 
 

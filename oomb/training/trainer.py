@@ -259,7 +259,8 @@ class Trainer(Checkpointing):
             self.tokenizer = load_tokenizer(cfg.model)
         files = resolve_files(cfg.data)
         if cfg.data.check_records:
-            check_records(files, cfg.data, self.tokenizer)
+            main = world == 1 or torch.distributed.get_rank() == 0
+            check_records(files, cfg.data, self.tokenizer, progress=cfg.logging.progress and main)
         self.data = PackedSequences(files, self.tokenizer, cfg.data, cfg.train.seed)
         if self.model is None:
             self.model = build_model(cfg.model, model_config, self.dtype, self.device)
