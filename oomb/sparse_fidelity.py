@@ -86,6 +86,10 @@ MEASURED: tuple[FidelityPoint, ...] = (
     FidelityPoint(524288, 0.100, 0.88879, -0.00410, "budget 209, SmolLM2-135M YaRN x64, as shipped", _512K),
     FidelityPoint(524288, 0.354, 0.98400, 0.00123, "read share 0.35 (the default), SmolLM2-135M YaRN x64, as shipped",
                   "real_model/gradcheck_smollm2_512k_read35_h100.json"),
+    FidelityPoint(524288, 0.484, 0.98871, 0.00061, "read share 0.48, SmolLM2-135M YaRN x64, as shipped",
+                  "real_model/gradcheck_smollm2_512k_read48_h100.json"),
+    FidelityPoint(524288, 0.483, 0.99627, 0.00094, "read share 0.35 with layers 0-5 dense, SmolLM2-135M YaRN x64, "
+                  "as shipped", "real_model/gradcheck_smollm2_512k_read35_dense0_5_h100.json"),
 )
 """Sparse-vs-dense gradients of real models (`oomb gradcheck`, rerank with its default options; docs/sparse.md).
 Where two points tie for nearest, the earlier one wins: the model as shipped before the warmed one."""

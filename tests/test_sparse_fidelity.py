@@ -69,3 +69,21 @@ def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
     assert sparse_pages_read(grown, 8192, 128) == 65  # the budget is the floor while the history is short
     read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=0.25)))
     assert 0.25 <= read < 0.27
+
+
+def test_every_measured_point_is_in_its_results_file():
+    """The plan quotes these numbers: each must be a row of the JSON it names (read, cosine, loss gap)."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for point in MEASURED:
+        data = json.loads((results / point.source).read_text())
+        rows = []
+        for row in data["sparse"]:
+            cosine = row.get("cosine", row.get("groups", {}).get("total", {}).get("cosine"))
+            dense_loss = row.get("dense_loss", data.get("dense", {}).get("loss"))
+            gap = row.get("loss_gap", (row["loss"] - dense_loss) / dense_loss if dense_loss else None)
+            rows.append((row["history_read"], cosine, gap))
+        assert any(abs(read - point.read) < 1e-3 and abs(cosine - point.cosine) < 1e-4 and abs(gap - point.loss_gap)
+                   < 1e-4 for read, cosine, gap in rows), (point, rows)
