@@ -36,7 +36,7 @@ a sparse step (``sparse.dense_layers``) count as dense: every pair, no scoring, 
 Sparse offload counts the least that can move: every query block and KV head of a chunk reading the same
 pages.
 
-Check against issue 23's estimate ("about 7.6e16 FLOPs of linear layers for stage 1, stage 2, the
+Check against an earlier estimate ("about 7.6e16 FLOPs of linear layers for stage 1, stage 2, the
 replay and the backward", Qwen2.5-7B, 1M tokens, sparse, full fine-tuning): this model counts 6.84e16
 for the decoder's linear layers (5 passes x 2 x 6.53e9 weights x 2^20 tokens) plus 4.57e15 for the LM
 head (4 passes: stage 1 does not compute the loss), 7.30e16 in all, 4 % below. 7.6e16 is what 5 passes
@@ -333,14 +333,12 @@ def copies_work(spec: StepSpec) -> Work:
     resident = min(spec.offload.resident_layers, shape.num_layers)  # the first layers keep their pages on the GPU
     offloaded_dense = sum(layer >= resident for layer in dense_layer_indices(spec))
     offloaded = shape.num_layers - resident
-    to_device, to_host = _offloaded_layer_copies(spec, kv, grad)
-    if offloaded_dense:
-        dense_device, dense_host = _offloaded_layer_copies(as_dense(spec), kv, grad)
-        to_device = ((offloaded - offloaded_dense) * to_device + offloaded_dense * dense_device) / max(1, offloaded)
-        to_host = ((offloaded - offloaded_dense) * to_host + offloaded_dense * dense_host) / max(1, offloaded)
-    layers = spec.batch_size * offloaded
-    return Work(memory_bytes=writes * resident / shape.num_layers, to_device_bytes=float(layers * to_device),
-                to_host_bytes=float(layers * to_host))
+    sparse_device, sparse_host = _offloaded_layer_copies(spec, kv, grad)
+    dense_device, dense_host = _offloaded_layer_copies(as_dense(spec), kv, grad) if offloaded_dense else (0, 0)
+    sparse_layers, batch = offloaded - offloaded_dense, spec.batch_size
+    return Work(memory_bytes=writes * resident / shape.num_layers,
+                to_device_bytes=float(batch * (sparse_layers * sparse_device + offloaded_dense * dense_device)),
+                to_host_bytes=float(batch * (sparse_layers * sparse_host + offloaded_dense * dense_host)))
 
 
 def _offloaded_layer_copies(spec: StepSpec, kv: int, grad: int) -> tuple[int, int]:

@@ -72,7 +72,7 @@ from .plan import Budget, format_tokens, is_implemented, largest_context, oomb_c
 logger = logging.getLogger(__name__)
 
 BENCH_MODES = ("hf", "dense", "dense+offload", "sparse+offload")
-"""The modes of the side-by-side comparison (issue 7); "sparse" (without offload) may be added."""
+"""The modes of the side-by-side comparison; "sparse" (without offload) may be added."""
 POLL_SECONDS = 0.5
 """How often the parent checks a silent worker for death or the time limit."""
 WORKER_PRELOAD = ["oomb.tools.bench", "oomb.engine", "transformers", "transformers.models.qwen2.modeling_qwen2",

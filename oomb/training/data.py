@@ -218,11 +218,10 @@ class _ParquetSource:
         try:
             self.file = pq.ParquetFile(path)
         except Exception as err:  # pyarrow's ArrowInvalid and OSError name neither the file nor the way out
-            raise ValueError(f"{path}: not a parquet file ({err}); data.format='auto' reads it by its suffix") from None
+            raise ValueError(f"{path}: {_not_parquet(err)}") from None
         self.columns = [c for c in columns if c in self.file.schema_arrow.names]
         if not self.columns:
-            raise ValueError(f"{path}: no column named {columns[0]!r} or {columns[1]!r} (columns: "
-                             f"{self.file.schema_arrow.names}); set data.text_field or data.messages_field")
+            raise ValueError(f"{path}: {_no_document_column(columns, self.file.schema_arrow.names)}")
         metadata = self.file.metadata
         sizes = torch.tensor([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)],
                              dtype=torch.long)
@@ -341,6 +340,15 @@ def check_records(files: list[DataFile], options: DataSection, tokenizer, shown:
                          "fix the data, or set data.check_records=false to meet each one when the stream reaches it")
 
 
+def _not_parquet(err: Exception) -> str:
+    return f"not a parquet file ({err}); data.format='auto' reads it by its suffix"
+
+
+def _no_document_column(columns: tuple[str, str], names: list[str]) -> str:
+    return (f"no column named {columns[0]!r} or {columns[1]!r} (columns: {names}); set data.text_field or "
+            "data.messages_field")
+
+
 def _never(kind) -> bool:
     """A pyarrow type test this pyarrow lacks: no column has that type."""
     return False
@@ -354,7 +362,7 @@ def _parquet_columns_problem(path: Path, options: DataSection, chat_template: bo
     try:
         schema = pq.read_schema(path)
     except Exception as err:  # pyarrow's ArrowInvalid and OSError name neither the file nor the way out
-        return f"not a parquet file ({err}); data.format='auto' reads it by its suffix"
+        return _not_parquet(err)
     text_field, messages_field = options.text_field, options.messages_field
     if text_field in schema.names:
         kind = schema.field(text_field).type
@@ -365,8 +373,7 @@ def _parquet_columns_problem(path: Path, options: DataSection, chat_template: bo
             return f"column {text_field!r} must hold strings, it holds {schema.field(text_field).type}"
         return None
     if messages_field not in schema.names:
-        return (f"no column named {text_field!r} or {messages_field!r} (columns: {schema.names}); set "
-                "data.text_field or data.messages_field")
+        return _no_document_column((text_field, messages_field), schema.names)
     kind = schema.field(messages_field).type
     lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list,
              getattr(pa.types, "is_list_view", _never), getattr(pa.types, "is_large_list_view", _never))
