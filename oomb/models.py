@@ -266,6 +266,11 @@ def decoder_layers(decoder: nn.Module) -> list[nn.Module]:
     return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def num_decoder_layers(causal_lm: nn.Module) -> int:
+    """How many decoder layers ``causal_lm`` runs (what layer-indexed options such as sparse.dense_layers count)."""
+    return len(decoder_layers(causal_lm.get_decoder()))
+
+
 @contextlib.contextmanager
 def layer_checkpointing(decoder: nn.Module, enabled: bool):
     """Switch per-layer recomputation (transformers' GradientCheckpointingLayer) on or off for a stage.

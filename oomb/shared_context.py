@@ -59,7 +59,15 @@ from .engine import (
 from .kv import ChunkSpan, split_into_chunks
 from .kv.offload import HostSlabs
 from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels
-from .models import Stage, StepState, layer_checkpointing, loss_head, oomb_attention, unwrap_causal_lm
+from .models import (
+    Stage,
+    StepState,
+    layer_checkpointing,
+    loss_head,
+    num_decoder_layers,
+    oomb_attention,
+    unwrap_causal_lm,
+)
 from .moe import RouterBalanceLoss
 from .parallel import ParallelSetup
 
@@ -198,7 +206,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
         raise NotImplementedError(f"shared_context_backward does not support sliding-window layers shorter than a "
                                   f"row (windows {sorted({w for w in windows if w is not None})}, rows up to "
                                   f"{num_tokens} tokens): use forward_backward on each row")
-    sparse = config.resolved_sparse()
+    sparse = config.resolved_sparse(num_decoder_layers(causal_lm))
     store = make_step_store(causal_lm, 1, num_tokens, config, device, sparse, host_slabs, parallel)
     if hasattr(store, "prefetch_across_chunks"):  # offload: the chunks do not run in the two-stage order
         store.prefetch_across_chunks = False

@@ -1,7 +1,8 @@
 """How much of the history a sparse step reads, and how close to dense the nearest measurement was.
 
 A fixed budget of pages reads a shrinking share of a growing history (64 pages of 128 tokens: about 12 %
-at 128K, 0.8 % at 1M; the default read share keeps about 35 % at every length), so the share read, not the
+at 128K, 0.8 % at 1M; the defaults read about half at every length: 35 % of each block's history, the first
+fifth of the layers whole), so the share read, not the
 budget, is what a user must see next to a sparse plan,
 with the fidelity measured nearest to it (`oomb plan`, the trainer's header). The measurements are
 `oomb gradcheck` runs on a real model (docs/sparse.md gives each command and its results file).
@@ -16,10 +17,11 @@ from .config import OOMBConfig
 from .units import format_tokens
 
 
-def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> float:
-    """Fraction of (layer, query block, earlier page) triples a sparse step reads, dense layers
-    included: 1.0 is dense. A chunk's own pages are not history and not counted."""
-    sparse = config.resolved_sparse()
+def history_read(num_tokens: int, config: OOMBConfig, num_layers: int) -> float:
+    """Fraction of (layer, query block, earlier page) triples a sparse step of a model with ``num_layers``
+    decoder layers reads, dense layers included: 1.0 is dense. A chunk's own pages are not history and not
+    counted."""
+    sparse = config.resolved_sparse(num_layers)
     P, C = config.page_size, config.chunk_size
     read = total = 0
     for layer in range(num_layers):
@@ -30,7 +32,7 @@ def history_read(num_tokens: int, config: OOMBConfig, num_layers: int = 1) -> fl
     return read / total if total else 1.0
 
 
-def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int = 1) -> int:
+def budget_for_read(num_tokens: int, config: OOMBConfig, read: float, num_layers: int) -> int:
     """The smallest fixed budget (no read share) whose step reads at least ``read`` of the history (history_read),
     at most dense."""
     low, high = 0, max(1, -(-num_tokens // config.page_size))
@@ -64,6 +66,7 @@ class FidelityPoint:
 _128K = "real_model/gradcheck_smollm2_128k_h100.json"
 _512K = "real_model/gradcheck_smollm2_512k_h100.json"
 _128K_NEAR = "real_model/gradcheck_smollm2_128k_reads35_50_h100.json"
+_128K_DEFAULTS = "real_model/gradcheck_smollm2_128k_read35_dense0_5_h100.json"
 MEASURED: tuple[FidelityPoint, ...] = (
     FidelityPoint(32768, 0.25, 0.98591, 0.00122, "budget 31, SmolLM2-135M YaRN x4, as shipped",
                   "real_model/gradcheck_smollm2_32k_p128_k31_gpu_text_cpu_2026-12-05.json"),
@@ -84,12 +87,16 @@ MEASURED: tuple[FidelityPoint, ...] = (
                   _128K_NEAR),
     FidelityPoint(524288, 0.032, 0.33537, 0.04864, "budget 64, SmolLM2-135M YaRN x64, as shipped", _512K),
     FidelityPoint(524288, 0.100, 0.88879, -0.00410, "budget 209, SmolLM2-135M YaRN x64, as shipped", _512K),
-    FidelityPoint(524288, 0.354, 0.98400, 0.00123, "read share 0.35 (the default), SmolLM2-135M YaRN x64, as shipped",
+    FidelityPoint(524288, 0.354, 0.98400, 0.00123, "read share 0.35, SmolLM2-135M YaRN x64, as shipped",
                   "real_model/gradcheck_smollm2_512k_read35_h100.json"),
     FidelityPoint(524288, 0.484, 0.98871, 0.00061, "read share 0.48, SmolLM2-135M YaRN x64, as shipped",
                   "real_model/gradcheck_smollm2_512k_read48_h100.json"),
-    FidelityPoint(524288, 0.483, 0.99627, 0.00094, "read share 0.35 with layers 0-5 dense, SmolLM2-135M YaRN x64, "
-                  "as shipped", "real_model/gradcheck_smollm2_512k_read35_dense0_5_h100.json"),
+    FidelityPoint(524288, 0.483, 0.99627, 0.00094, "defaults (read share 0.35, layers 0-5 dense), SmolLM2-135M "
+                  "YaRN x64, as shipped", "real_model/gradcheck_smollm2_512k_read35_dense0_5_h100.json"),
+    FidelityPoint(131072, 0.497, 0.99938, -0.00090, "defaults (read share 0.35, layers 0-5 dense), SmolLM2-135M "
+                  "YaRN x16, as shipped", _128K_DEFAULTS),
+    FidelityPoint(131072, 0.497, 0.99921, 0.00075, "defaults (read share 0.35, layers 0-5 dense), SmolLM2-135M "
+                  "YaRN x16 after 8 dense steps at 128K", _128K_DEFAULTS),
 )
 """Sparse-vs-dense gradients of real models (`oomb gradcheck`, rerank with its default options; docs/sparse.md).
 Where two points tie for nearest, the earlier one wins: the model as shipped before the warmed one."""

@@ -49,6 +49,17 @@ def format_tokens(tokens: int) -> str:
     return f"{tokens:,}"
 
 
+def format_indices(indices) -> str:
+    """Sorted indices as runs: (0, 1, 2, 3, 4, 7) -> "0-4, 7"."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def parse_normaliser_pages(text: str) -> int | str | None:
     """--normaliser-pages / --sparse-normaliser-pages: 'all' (None: every history page), 'auto' or a
     positive number of pages (OOMBConfig.sparse.research.normaliser_pages)."""

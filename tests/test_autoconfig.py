@@ -456,14 +456,14 @@ def test_cpu_prediction_counts_every_term_as_host_memory_and_prefers_replay():
 
 
 def test_refusal_of_a_grown_sparse_budget_says_whether_the_fixed_budget_fits():
-    """At 2M on an H200 the default share (at least 35 % of the history) does not fit, the fixed budget does: the
-    refusal offers that trade with the share it reads, and never makes it itself."""
+    """At 2M on an H200 the defaults (35 % of the history and the first 5 of 28 layers whole: 46.7 % read) do not
+    fit, the fixed budget does: the refusal offers that trade with the share it reads, and never makes it itself."""
     workload = Workload(SHAPES["qwen2.5-7b"], 2 * M, lora_rank=16)
     with pytest.raises(NoConfigFitsError) as err:
         choose_config(workload, H200, {"attention": "sparse"})
     message = str(err.value)
     assert ("with the fixed budget (--sparse-read-share none: 64 pages per query block, 0.8% of the history at 2M "
-            "instead of at least 35%) it fits: offload (14 of 28 layers resident") in message
+            "instead of 46.7%) it fits: offload (14 of 28 layers resident") in message
     fixed = choose_config(workload, H200, {"attention": "sparse", "sparse.read_share": None})
     assert f"host {fixed.host_bytes / GIB:.1f} GiB); docs/sparse.md" in message
     # Dense steps and fixed budgets get no such line.

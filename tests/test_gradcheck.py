@@ -176,8 +176,12 @@ def test_compare_groups_by_layer():
 def test_history_read():
     config = OOMBConfig(chunk_size=64, page_size=16, attention="sparse", sparse=SparseConfig(budget=1, sink_pages=1))
     # Chunks of 4 blocks with 0, 4, 8 history pages: read 0, 2, 2 of them per block.
-    assert history_read(192, config) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
-    assert history_read(64, config) == 1.0
+    assert history_read(192, config, 1) == pytest.approx((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8))
+    assert history_read(64, config, 1) == 1.0
+    # a dense layer reads every page: with layer 1 of 2 dense, the mean of the two
+    dense_one = OOMBConfig(chunk_size=64, page_size=16, attention="sparse",
+                           sparse=SparseConfig(budget=1, sink_pages=1, dense_layers=(1,)))
+    assert history_read(192, dense_one, 2) == pytest.approx(((4 * 2 + 4 * 2) / (4 * 4 + 4 * 8) + 1) / 2)
 
 
 def test_gradcheck_reads_curve_marks_the_defaults_and_repeats_after_a_warm_up():
@@ -199,8 +203,12 @@ def test_gradcheck_reads_curve_marks_the_defaults_and_repeats_after_a_warm_up():
     assert history_read(512, probe, 2) < 0.25
     # page 32 is not the default page size, so no row runs the defaults; at page 128 the default arm does
     assert not any(r["defaults"] for r in rows)
-    assert is_default_sparse(OOMBConfig(attention="sparse", chunk_size=1024))
-    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32)))
+    assert is_default_sparse(OOMBConfig(attention="sparse", chunk_size=1024), 30)
+    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(budget=32)), 30)
+    # the default share written out keeps the default dense layers; written out, they are the defaults too
+    assert is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=0.35)), 30)
+    assert is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(dense_layers=tuple(range(6)))), 30)
+    assert not is_default_sparse(OOMBConfig(attention="sparse", sparse=SparseConfig(dense_layers=())), 30)
     shipped = [r["cosine"] for r in rows if r["model_state"] == "as shipped"]
     warmed = [r["cosine"] for r in rows if r["model_state"] != "as shipped"]
     assert shipped != warmed  # the warm-up changed the model the second comparison sees

@@ -400,7 +400,7 @@ def test_auto_score_is_rerank_unless_another_pooling():
     assert OOMBConfig(attention="sparse", sparse=SparseConfig(leak_free=True)).sparse.resolved_score == "rerank"
     assert SparseConfig(research=SparseResearch(pooling="softmax_max")).resolved_score == "minmax"
     assert OOMBConfig(attention="sparse", sparse=SparseConfig(score="mean")).sparse.resolved_score == "mean"
-    assert (OOMBConfig(attention="sparse")).resolved_sparse().score == "rerank"
+    assert (OOMBConfig(attention="sparse")).resolved_sparse(4).score == "rerank"
 
 
 def _filled_store(B, Hkv, D, P, spans, seed, summaries=("key_min", "key_max")):
@@ -525,7 +525,7 @@ def test_rerank_with_mean_candidates_reranks_the_mean_keys_top_pages():
     scores = oomb.sparse.rerank_block_scores(q, store.layers[0].k, store.page_table, spans[1], candidates, options)
     assert torch.equal(select_pages(q, store, 0, spans[1], options), top_pages(scores, options))
     config = OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(rerank_candidates="mean")))
-    assert page_summaries(config.resolved_sparse()) == ("key_mean",)
+    assert page_summaries(config.resolved_sparse(4)) == ("key_mean",)
     with pytest.raises(ValueError, match="sparse.research.rerank_candidates='median'"):
         OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(rerank_candidates="median")))
     store.free_all()
@@ -574,11 +574,12 @@ def test_candidates_pooled_by_softmax_max_rank_each_rows_normalised_scores():
     assert not torch.equal(got, oomb.sparse.propose_candidates(q, summaries, P, options, 0, scale))
     config = OOMBConfig(attention="sparse",
                         sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max")))
-    assert (config).resolved_sparse().research.candidate_pooling == "softmax_max"
-    assert (OOMBConfig(attention="sparse")).resolved_sparse().research.candidate_pooling == "softmax_max"  # "auto"
+    assert (config).resolved_sparse(4).research.candidate_pooling == "softmax_max"
+    assert (OOMBConfig(attention="sparse")).resolved_sparse(4).research.candidate_pooling == "softmax_max"  # "auto"
     assert OOMBConfig(attention="sparse",
                       sparse=SparseConfig(score="minmax")).sparse.resolved_candidate_pooling == "max"
-    assert SparseConfig(research=SparseResearch(candidate_pooling="max")).resolved().research.candidate_pooling == "max"
+    max_pooling = SparseConfig(research=SparseResearch(candidate_pooling="max"))
+    assert max_pooling.resolved(4).research.candidate_pooling == "max"
     with pytest.raises(ValueError, match="sparse.research.candidate_pooling='softmax'"):
         OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax")))
     with pytest.raises(ValueError, match="does not apply to sparse.score='minmax'"):
@@ -623,15 +624,15 @@ def test_bounded_normaliser_config():
     config = OOMBConfig(attention="sparse",
                         sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max",
                                                                     normaliser_pages=100)))
-    assert (config).resolved_sparse().research.normaliser_pages == 100
-    assert (OOMBConfig(attention="sparse")).resolved_sparse().research.normaliser_pages == 256
+    assert (config).resolved_sparse(4).research.normaliser_pages == 100
+    assert (OOMBConfig(attention="sparse")).resolved_sparse(4).research.normaliser_pages == 256
     full = OOMBConfig(attention="sparse",
                       sparse=SparseConfig(research=SparseResearch(normaliser_pages=None)))  # every history page
-    assert (full).resolved_sparse().research.normaliser_pages is None
+    assert (full).resolved_sparse(4).research.normaliser_pages is None
     for no_normaliser in (SparseConfig(research=SparseResearch(candidate_pooling="max")), SparseConfig(score="minmax"),
                           SparseConfig(score="exact", research=SparseResearch(pooling="softmax_max"))):
         config = OOMBConfig(attention="sparse", sparse=no_normaliser)
-        assert config.resolved_sparse().research.normaliser_pages is None
+        assert config.resolved_sparse(4).research.normaliser_pages is None
     with pytest.raises(ValueError, match="bounds the softmax_max pooling's normaliser"):
         OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="max",
                                                                                    normaliser_pages=256)))
@@ -642,7 +643,7 @@ def test_bounded_normaliser_config():
     minmax = OOMBConfig(attention="sparse", sparse=SparseConfig(score="minmax",
                                                                 research=SparseResearch(pooling="softmax_max",
                                                                                         normaliser_pages=4)))
-    assert (minmax).resolved_sparse().research.normaliser_pages == 4
+    assert (minmax).resolved_sparse(4).research.normaliser_pages == 4
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="positive number of pages"):
             OOMBConfig(attention="sparse", sparse=SparseConfig(research=SparseResearch(candidate_pooling="softmax_max",
@@ -1061,5 +1062,5 @@ def test_kept_selections_are_the_bytes_the_memory_model_counts(sparse, recorded)
     for layer in range(model.config.num_hidden_layers):
         kept = [s for (lay, _), (_, s) in selections.items() if lay == layer and s is not None]
         storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in kept}
-        assert sum(storages.values()) == selection_bytes(sparse, TOKENS, CHUNK, PAGE, 2,
+        assert sum(storages.values()) == selection_bytes(sparse.resolved(), TOKENS, CHUNK, PAGE, 2,
                                                          model.config.num_key_value_heads, layer) > 0

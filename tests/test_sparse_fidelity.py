@@ -10,7 +10,7 @@ from oomb.sparse_fidelity import MEASURED, FidelityPoint, budget_for_read, descr
 
 def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
     config = OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None))  # 64 pages of 128 tokens, 1 sink
-    shares = [history_read(tokens, config) for tokens in (32768, 131072, 1 << 20)]
+    shares = [history_read(tokens, config, 28) for tokens in (32768, 131072, 1 << 20)]
     assert shares[0] > shares[1] > shares[2]
     # at 1M the average query block has ~4,096 history pages and reads 65 of them
     assert shares[2] == pytest.approx(65 / 4096, rel=0.02)
@@ -18,23 +18,36 @@ def test_a_fixed_budget_reads_a_shrinking_share_of_a_growing_history():
 
 def test_the_default_reads_its_share_at_every_length():
     """read_share "auto" over the default budget: 35 % of every block's history (more while the budget's floor
-    of 64 pages covers more); a budget set on purpose stays fixed."""
+    of 64 pages covers more) and the first fifth of the layers whole; a budget set on purpose stays fixed."""
     default = OOMBConfig(attention="sparse")
     assert default.sparse.resolved_read_share == 0.35
     for tokens in (131072, 1 << 20, 1 << 21):
-        assert 0.35 <= history_read(tokens, default) < 0.38
-    assert history_read(32768, default) > 0.35  # the floor of 64 pages
+        assert 0.35 <= history_read(tokens, default, 4) < 0.38  # a fifth of 4 layers rounds down to none
+        assert 0.48 <= history_read(tokens, default, 30) < 0.51  # 24 layers at 35 %, 6 whole
+    assert history_read(32768, default, 4) > 0.35  # the floor of 64 pages
     assert SparseConfig(budget=32).resolved_read_share is None
     assert SparseConfig(budget=32, read_share=0.5).resolved_read_share == 0.5
-    assert SparseConfig().resolved().read_share == 0.35
+    assert SparseConfig().resolved(30).read_share == 0.35
+    assert SparseConfig().resolved(30).dense_layers == (0, 1, 2, 3, 4, 5)
+    assert SparseConfig().resolved(28).dense_layers == (0, 1, 2, 3, 4)
+    assert SparseConfig(read_share=0.35).resolved(30).dense_layers == (0, 1, 2, 3, 4, 5)  # the default, written
+    assert SparseConfig(dense_layers=()).resolved(30).dense_layers == ()  # every layer sparse, asked for
+    for other in (SparseConfig(read_share=0.5), SparseConfig(read_share=None), SparseConfig(budget=32),
+                  SparseConfig(layer_budgets=(64,) * 30)):
+        assert other.resolved(30).dense_layers == ()  # a share, budget or plan of one's own keeps no dense layers
+        assert other.resolved().dense_layers == ()  # which needs no layer count
+    with pytest.raises(ValueError, match="number of decoder layers"):
+        SparseConfig().resolved()
+    with pytest.raises(ValueError, match="resolved"):
+        SparseConfig().num_selected(100, 0)
 
 
 def test_budget_for_read_is_the_smallest_budget_reaching_the_share():
     config = OOMBConfig(attention="sparse")
-    budget = budget_for_read(131072, config, 0.25)
-    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget)), 1) >= 0.25
-    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget - 1)), 1) < 0.25
-    assert budget_for_read(8192, config, 1.0) <= 8192 // 128
+    budget = budget_for_read(131072, config, 0.25, 28)
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget)), 28) >= 0.25
+    assert history_read(131072, OOMBConfig(attention="sparse", sparse=SparseConfig(budget=budget - 1)), 28) < 0.25
+    assert budget_for_read(8192, config, 1.0, 28) <= 8192 // 128
 
 
 def test_nearest_weighs_length_and_share_by_doublings():
@@ -54,7 +67,8 @@ def test_nearest_weighs_length_and_share_by_doublings():
 
 def test_describe_states_the_share_and_the_measurement():
     line = describe(1 << 20, OOMBConfig(attention="sparse"), 28)
-    assert line.startswith("sparse reads 35 % of the history at 1M tokens; nearest measurement:")
+    assert line.startswith("sparse reads 47 % of the history at 1M tokens; nearest measurement:")
+    assert "layers 0-5 dense" in line  # the nearest point is the defaults' own
     fixed = describe(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None)), 28)
     assert fixed.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
     assert "gradient cosine" in line and "near-dense mark" in line
@@ -67,7 +81,7 @@ def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
     assert sparse_pages_read(fixed, 1 << 20, 128) == 65
     assert sparse_pages_read(grown, 1 << 20, 128) == 1 + 2048  # a quarter of 8,192 pages
     assert sparse_pages_read(grown, 8192, 128) == 65  # the budget is the floor while the history is short
-    read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=0.25)))
+    read = history_read(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=0.25)), 28)
     assert 0.25 <= read < 0.27
 
 

@@ -181,7 +181,7 @@ def test_spec_from_config():
                         precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
     spec = StepSpec.from_config(shape, 65536, config)
     assert (spec.mode, spec.sparse.budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
-    assert spec.sparse == config.sparse
+    assert spec.sparse == config.sparse.resolved(shape.num_layers)  # "auto" options as the step resolves them
     assert StepSpec.from_config(shape, 65536, None).mode == "hf"
     kept = config.with_options({"performance.keep_attention_outputs": True})
     assert StepSpec.from_config(shape, 65536, kept) \

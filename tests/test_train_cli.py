@@ -260,6 +260,18 @@ def test_cli_embedded_default_round_trip(tmp_path, capsys):
     assert (again / "final" / "model.safetensors").is_file()
 
 
+def test_header_names_the_layers_sparse_reads_whole(tmp_path, capsys):
+    """A sparse run's header says which layers read every page: the defaults' first fifth (here 2 of 10)."""
+    path = tmp_path / "ten_layers"
+    build_tiny_model("qwen2", vocab_size=BYTE_VOCAB + 1, num_hidden_layers=10).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    args = ["train", "--model", str(path), "--seq-len", "256", "--steps", "1", "--attention", "sparse", *FAST]
+    assert cli_main([*args, "--output-dir", str(tmp_path / "out")]) == 0
+    assert "35% of the history, at least 64 pages; layers 0-1 of 10 read every page" in capsys.readouterr().out
+    assert cli_main([*args, "--output-dir", str(tmp_path / "fixed"), "--sparse-read-share", "none"]) == 0
+    assert "read every page" not in capsys.readouterr().out  # a fixed budget reads every layer sparsely
+
+
 def test_header_names_how_rerank_ranks_its_candidates():
     """The run header says which candidate pooling and normaliser a sparse run uses (they changed default)."""
     from oomb.training.cli import _candidates

@@ -776,10 +776,11 @@ def _fixed_budget_hint(workload: Workload, resources: Resources, base: OOMBConfi
                               fixed_budget)
     except NoConfigFitsError:
         return []
-    tokens = workload.seq_len
-    read = sparse_fidelity.history_read(tokens, fixed_budget)
+    tokens, layers = workload.seq_len, workload.shape.num_layers
+    read = sparse_fidelity.history_read(tokens, fixed_budget, layers)
+    wanted = sparse_fidelity.history_read(tokens, base, layers)
     return [f"  with the fixed budget (--sparse-read-share none: {fixed_budget.sparse.budget} pages per query block, "
-            f"{read:.1%} of the history at {format_tokens(tokens)} instead of at least {share:.0%}) it fits: "
+            f"{read:.1%} of the history at {format_tokens(tokens)} instead of {wanted:.1%}) it fits: "
             f"{other.chosen.summary(workload.shape.num_layers)} (GPU {other.gpu_bytes / GIB:.1f} GiB, host "
             f"{other.host_bytes / GIB:.1f} GiB); docs/sparse.md gives the fidelity measured at each share"]
 

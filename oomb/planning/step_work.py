@@ -169,7 +169,7 @@ class StepSpec:
                    page_size=config.page_size, checkpoint_layers=config.performance.checkpoint_layers,
                    lora_rank=lora_rank,
                    offload=config.offload, kv_bytes=dtype.itemsize, grad_bytes=config.precision.grad_dtype.itemsize,
-                   sparse=config.sparse,
+                   sparse=config.sparse.resolved(shape.num_layers),
                    recompute_logits=config.performance.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.performance.keep_attention_outputs)
 
@@ -244,7 +244,8 @@ def dense_layer_indices(spec: StepSpec) -> list[int]:
     if spec.mode != "sparse":
         return []
     sliding = set(spec.shape.window_layer_ids()) if spec.shape.sliding_window_layers else set()
-    return [layer for layer in spec.sparse.dense_layers if layer < spec.shape.num_layers and layer not in sliding]
+    dense = spec.sparse.resolved_dense_layers(spec.shape.num_layers)
+    return [layer for layer in dense if layer < spec.shape.num_layers and layer not in sliding]
 
 
 def as_dense(spec: StepSpec) -> StepSpec:

@@ -80,7 +80,8 @@ class GradcheckOptions:
     scores: list[str] = field(default_factory=lambda: [OOMBConfig().sparse.resolved_score])
     poolings: list[str] = field(default_factory=lambda: ["max"])
     layer_budgets: list[int] | None = None
-    dense_layers: list[int] = field(default_factory=list)
+    dense_layers: list[int] | str = "auto"
+    """Layers read densely; "auto": as the step's default (the first fifth with the default budget and share)."""
     sparse_plan: str | None = None
     sink_pages: int = 1
     selection: str = "kv_head"
@@ -204,11 +205,12 @@ def model_layers(model: torch.nn.Module) -> int:
     return getattr(config, "num_hidden_layers", 1)
 
 
-def is_default_sparse(config: OOMBConfig) -> bool:
-    """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs."""
+def is_default_sparse(config: OOMBConfig, num_layers: int) -> bool:
+    """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs in a
+    model of ``num_layers`` decoder layers."""
     default = OOMBConfig(attention="sparse", chunk_size=config.chunk_size)
     return (config.page_size == default.page_size
-            and config.resolved_sparse() == default.resolved_sparse())
+            and config.resolved_sparse(num_layers) == default.resolved_sparse(num_layers))
 
 
 def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progress: bool) -> tuple[dict, dict]:
@@ -357,7 +359,7 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
             run = {"model_state": state, "seq_len": ids.shape[1], "score": arm["name"], "pooling": arm["pooling"],
                    "budget": arm["budget"],
                    "target_read": arm["target_read"], "history_read": history_read(ids.shape[1], config, num_layers),
-                   "defaults": is_default_sparse(config), "cosine": groups["total"]["cosine"],
+                   "defaults": is_default_sparse(config, num_layers), "cosine": groups["total"]["cosine"],
                    "loss": loss, "dense_loss": dense_loss, "loss_gap": (loss - dense_loss) / dense_loss,
                    "normaliser_pages": config.sparse.resolved_normaliser_pages,
                    "seconds": time.perf_counter() - start, "groups": groups}
@@ -435,7 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--sparse-layer-budgets", "--layer-budgets", dest="layer_budgets", type=int, nargs="+",
                default=None, help="a budget per layer")
     add_option(parser, "--sparse-dense-layers", "--dense-layers", dest="dense_layers", type=int, nargs="*",
-               default=[], help="layers read densely")
+               default=None, help="layers read densely (default: as the step's sparse.dense_layers='auto', the "
+               "first fifth of the layers with the default budget and share; the option alone: none)")
     parser.add_argument("--sparse-plan", default=None, help="a plan from `oomb calibrate` (per-layer budgets)")
     add_option(parser, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=d.sink_pages)
     add_option(parser, "--sparse-selection", "--selection", dest="selection", choices=SPARSE_SELECTIONS,
@@ -496,7 +499,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     names = {f for f in GradcheckOptions.__dataclass_fields__}
-    options = GradcheckOptions(**{k: v for k, v in vars(args).items() if k in names})
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("dense_layers", "") is None:  # the option not given: the step's default
+        del given["dense_layers"]
+    options = GradcheckOptions(**given)
     command = "oomb " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["gradcheck"] else None
     progress = args.progress if getattr(args, "progress", None) is not None else sys.stderr.isatty()
 

@@ -23,8 +23,9 @@ from ..config import (
     SPARSE_SCORES,
     OOMBConfig,
 )
+from ..models import num_decoder_layers, unwrap_causal_lm
 from ..planning.choose import NoConfigFitsError
-from ..units import parse_tokens
+from ..units import format_indices, parse_tokens
 from .config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
 
@@ -243,6 +244,10 @@ def _header(trainer: Trainer) -> str:
     share = o.sparse.resolved_read_share
     pages = (f"{share:.0%} of the history, at least {o.sparse.budget} pages" if share is not None
              else f"{o.sparse.budget} pages")
+    if o.attention == "sparse":
+        layers = num_decoder_layers(unwrap_causal_lm(trainer.model))
+        dense = o.sparse.resolved_dense_layers(layers)
+        pages += f"; layers {format_indices(dense)} of {layers} read every page" if dense else ""
     attention = (f", sparse attention ({pages} + {o.sparse.sink_pages} sink pages per block, "
                  f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
