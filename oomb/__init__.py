@@ -7,7 +7,7 @@ Layers, each importing only those above it in this list (tests/test_layers.py; d
     kv/          the paged store and its host tier; context_parallel.py
     sparse.py    page selection
     the step     attention/function.py, models.py, loss.py, loss_gradient.py, moe.py, compiled_layers.py,
-                 carried_gradients.py, parallel.py
+                 parallel.py
     engine.py    forward_backward; shared_context.py (many continuations of one context, the context once);
                  evaluate.py (stage 1 alone: per-token log-probabilities) with
                  perplexity.py and passkey.py; sparse_fidelity.py (the share of the history a sparse step reads)

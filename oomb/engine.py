@@ -35,7 +35,6 @@ from .attention.backend import AttentionBackend, select_backend
 from .attention.context_sparse import share_backend
 from .attention.function import KeptOutputs
 from .attention.variants import check_backend_supports
-from .carried_gradients import carried_weight_gradients
 from .compiled_layers import compiled_layers, layer_inputs_requiring_grad, resolve_compile_layers
 from .config import OOMBConfig, SparseConfig
 from .documents import Documents, resolve_documents
@@ -50,7 +49,6 @@ from .models import (
     Stage,
     StepState,
     attention_variants,
-    decoder_layers,
     history_start,
     layer_checkpointing,
     layer_windows,
@@ -230,19 +228,17 @@ class GradientRouting:
     """Stage 2's gradient routing, entered once around the reverse pass (``gradient_routing``): the backward
     of one chunk's loss with its parameter gradients collected."""
 
-    def __init__(self, accumulator: Fp32GradAccumulator, carried) -> None:
-        self.accumulator, self.carried = accumulator, carried
+    def __init__(self, accumulator: Fp32GradAccumulator) -> None:
+        self.accumulator = accumulator
 
     def backward(self, loss: torch.Tensor, hidden: torch.Tensor) -> None:
         """``loss.backward()`` of one chunk (or, when the chunk has no counted label, a backward that still
         pushes later chunks' page gradients through it), then its parameter gradients collected."""
-        self.carried.release()  # the graph holds each carried .grad: autograd stores the sums
         if loss.requires_grad:  # False when the chunk has no counted label
             loss.backward()
         else:
             # Still push the page gradients of later chunks through this chunk.
             _backward_without_loss(hidden)
-        self.carried.restore()
         self.accumulator.collect()
 
 
@@ -272,9 +268,9 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
                      sums: Fp32GradAccumulator | None = None) -> Iterator[GradientRouting]:
     """Where stage 2's chunk backward passes put the parameter gradients. Without float32 sums, linear
     weights' chunk gradients go into .grad by their GEMMs (fp32_linear.py): the head's always, the decoder's
-    where layers run eager (a routed linear breaks a compiled graph); compiled layers' linears carry .grad
-    through the chunk's graph into their products (carried_gradients.py), and take inputs that require grad
-    (compiled_layers.layer_inputs_requiring_grad). Under FSDP the chunks' gradients
+    where layers run eager (a routed linear breaks a compiled graph); compiled layers' weight gradients are
+    added by autograd, and their inputs require grad (compiled_layers.layer_inputs_requiring_grad). Under FSDP
+    the chunks' gradients
     are summed (in fp32) by FSDP until the last backward. Layer checkpointing and the tensor-parallel loss
     context are entered here too. ``sums``: the step's step_gradient_sums, for a step that routes several
     reverse passes; by default the routing owns them (written out on a normal exit, dropped on an error)."""
@@ -290,9 +286,8 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
             float32_weight_gradients(model, sums, enabled=parallel.tp == 1), \
             in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, sums,
                                       enabled=in_place), \
-            carried_weight_gradients(decoder_layers(decoder), compile_layers) as carried, \
             layer_inputs_requiring_grad(causal_lm, compile_layers):
-        yield GradientRouting(sums, carried)
+        yield GradientRouting(sums)
 
 
 def _router_term(term: torch.Tensor, causal_lm, lm_head) -> torch.Tensor:

@@ -9,7 +9,6 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 
 import oomb
-import oomb.carried_gradients
 from oomb.attention.function import KeptOutputs
 from oomb.compiled_layers import COMPILED_CALL, resolve_compile_layers
 from oomb.config import PerformanceConfig
@@ -224,124 +223,6 @@ def test_kept_attention_outputs_compile_no_more_graphs():
     assert graphs[False] > 0 and graphs[True] == graphs[False]
     assert not issubclass(KeptOutputs, dict)
     _assert_close(results[True][1], results[False][1])
-
-
-def _carry(monkeypatch, carry: bool) -> None:
-    """Carry the compiled layers' weight gradients through their graphs (the engine's way) or not (autograd's
-    adds, the comparison)."""
-    real = oomb.carried_gradients.carried_weight_gradients  # the module's, never patched
-    monkeypatch.setattr(oomb.engine, "carried_weight_gradients",
-                        lambda layers, enabled=True: real(layers, enabled and carry))
-
-
-def _accumulating_ops(model, ids, monkeypatch, carry: bool) -> tuple[dict, dict]:
-    """Calls of aten::add_ (autograd adding a chunk's gradient into an existing .grad), aten::addmm and aten::copy_
-    in a compiled step, and the gradients, with the compiled layers' weight gradients carried through their
-    graphs or not."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _carry(monkeypatch, carry)
-    torch._dynamo.reset()
-    _step(model, ids, compile_layers=True)  # compiles: the profiled step runs the compiled code alone
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, got = _step(model, ids, compile_layers=True)
-    counts = {e.key: e.count for e in prof.key_averages()}
-    return {op: counts.get(f"aten::{op}", 0) for op in ("add_", "addmm", "copy_")}, got
-
-
-@pytest.mark.slow
-def test_compiled_layers_carry_weight_gradients_into_their_products(monkeypatch):
-    """carried_gradients.py: each chunk's weight gradient of a compiled layer's linear joins the gradient so far
-    inside the compiled backward (one addmm), so autograd adds no chunk's gradient into those weights' .grad:
-    at least one add_ fewer and one addmm more per linear weight and chunk after the first, and no more copies
-    than adds removed; the gradients stay the eager step's."""
-    from oomb.carried_gradients import carriable_linears
-
-    model = build_tiny_model("qwen2")
-    ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(2))
-    _, eager = _step(model, ids, compile_layers=False)
-    ops_off, off = _accumulating_ops(model, ids, monkeypatch, carry=False)
-    ops_on, on = _accumulating_ops(model, ids, monkeypatch, carry=True)
-    linears = carriable_linears(decoder_layers(model.model))
-    carried = len(linears) * (640 // 128 - 1)  # every weight, every chunk after the first
-    assert len(linears) == 7 * model.config.num_hidden_layers
-    assert ops_off["add_"] - ops_on["add_"] >= carried, (ops_off, ops_on)
-    assert ops_on["addmm"] - ops_off["addmm"] >= carried, (ops_off, ops_on)  # the sums went into the GEMMs
-    # the addmm writes a new tensor, into which it copies the old gradient first: a copy_ where the add_ was
-    # (the saving is a pass of two tensors instead of three; docs/design.md "Compiled layers")
-    assert ops_on["copy_"] - ops_off["copy_"] <= ops_off["add_"] - ops_on["add_"], (ops_off, ops_on)
-    _assert_close(on, eager)
-    _assert_close(off, eager)
-    assert all("forward" not in vars(m) for m in linears)  # restored
-
-
-def test_carried_gradients_choose_release_and_restore():
-    """Only plain trained linears that nothing routes carry; release clears their .grad for the backward and
-    lets the old gradient go once the new one is stored; restore gives back the gradient of a weight the
-    backward did not reach; the forwards and hooks are removed afterwards."""
-    from torch import nn
-
-    from oomb.carried_gradients import carriable_linears, carried_weight_gradients
-
-    layer = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    layer[1].weight.requires_grad_(False)
-    layer[2].forward = lambda x: x  # routed elsewhere (fp32_linear.py replaces forwards)
-    layer[3].weight.register_hook(lambda g: g)  # a gradient hook must see the gradient
-    assert carriable_linears([layer]) == [layer[0]]
-    del layer[2].forward
-    x = torch.randn(3, 4)
-    with carried_weight_gradients([layer], enabled=True) as carried:
-        layer(x).sum().backward()
-        first = layer[0].weight.grad.clone()
-        out = layer(x).sum()
-        carried.release()
-        assert layer[0].weight.grad is None
-        out.backward()
-        assert not carried._released  # the old gradient let go once the new one was stored
-        carried.restore()
-        torch.testing.assert_close(layer[0].weight.grad, 2 * first)
-        layer(x)  # a chunk whose backward never reaches the weight
-        carried.release()
-        carried.restore()
-        torch.testing.assert_close(layer[0].weight.grad, 2 * first)
-    assert "forward" not in vars(layer[0]) and not layer[0].weight._post_accumulate_grad_hooks
-    with carried_weight_gradients([layer], enabled=False) as carried:
-        assert carried.weights == [] and "forward" not in vars(layer[0])
-
-
-@pytest.mark.gpu
-def test_carried_weight_gradients_on_the_gpu_leave_no_add_kernels(monkeypatch):
-    """On CUDA, bf16 (as the 7B steps run): with the weight gradients carried, the compiled backward's GEMMs
-    take the sums (inductor's addmm) and the step launches at least one bf16 add kernel fewer per linear weight
-    and chunk after the first; the gradients agree with the uncarried step's to bf16 rounding."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from oomb.carried_gradients import carriable_linears
-
-    model = build_tiny_model("qwen2").cuda().to(torch.bfloat16)
-    ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(3)).cuda()
-    adds, fused_adds, copies, results = {}, {}, {}, {}
-    for carry in (False, True):
-        _carry(monkeypatch, carry)
-        torch._dynamo.reset()
-        _step(model, ids, True, {"precision.fp32_grad_accumulation": False})  # compiles
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _, results[carry] = _step(model, ids, True, {"precision.fp32_grad_accumulation": False})
-        events = prof.key_averages()
-        adds[carry] = sum(e.count for e in events if "CUDAFunctor_add<c10::BFloat16>" in e.key)
-        fused_adds[carry] = sum(e.count for e in events if e.key.startswith("triton") and "add" in e.key)
-        copies[carry] = sum(e.count for e in events if "copy_kernel" in e.key)
-    linears = carriable_linears(decoder_layers(model.model))
-    assert adds[False] - adds[True] >= len(linears) * (640 // 128 - 1), adds
-    assert fused_adds[True] <= fused_adds[False], fused_adds  # the sums are in the GEMMs, not in new kernels
-    # addmm into a new tensor may copy the old gradient there first (torch does on the CPU): at most one copy per
-    # add removed, none more (autograd stores the GEMMs' results as they are, without a clone)
-    assert copies[True] - copies[False] <= adds[False] - adds[True], (copies, adds)
-    # bf16 rounding of the chunks' sums differs (a few 1e-3 relative); a chunk's gradient lost or counted twice
-    # would be about 0.2 (one of five chunks)
-    for name, g in results[True].items():
-        want = results[False][name].float()
-        assert float((g.float() - want).norm() / want.norm().clamp_min(1e-30)) <= 2e-2, name
 
 
 def test_compile_seconds_counts_what_torch_compiles():

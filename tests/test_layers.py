@@ -8,7 +8,7 @@ still an arrow). The order, lowest first (docs/design.md, "Layout"):
     kv         kv/ (the paged store and its host tier), context_parallel (which pages a rank owns)
     sparse     sparse (page selection), sparse_fidelity (the share of the history a selection reads)
     step       attention/function.py (the autograd Function that selects pages and calls a backend),
-               models, loss, loss_gradient, moe, compiled_layers, carried_gradients, parallel
+               models, loss, loss_gradient, moe, compiled_layers, parallel
     engine     engine (forward_backward), shared_context (continuations of one context), evaluate (stage 1
                alone) with perplexity and passkey
     planning   planning/ (memory model, fit, the chooser)
@@ -32,7 +32,7 @@ LAYERS = [
     ("kv", ["oomb.kv", "oomb.context_parallel"]),
     ("sparse", ["oomb.sparse", "oomb.sparse_fidelity"]),
     ("step", ["oomb.attention.function", "oomb.models", "oomb.loss", "oomb.loss_gradient", "oomb.moe",
-              "oomb.compiled_layers", "oomb.carried_gradients", "oomb.parallel"]),
+              "oomb.compiled_layers", "oomb.parallel"]),
     ("engine", ["oomb.engine", "oomb.shared_context", "oomb.evaluate", "oomb.passkey", "oomb.perplexity"]),
     ("planning", ["oomb.planning"]),
     ("training", ["oomb.training", "oomb.real_model", "oomb.cli_options"]),

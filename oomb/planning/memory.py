@@ -439,7 +439,7 @@ def predict(
     # Linear layers whose gradients go to float32 sums (fp32_linear.py) break the compiled graphs: the MLP's
     # product is then saved after all, so nothing of the compiled saving is counted there.
     compiled = setup.compiled_layers and not (config.precision.fp32_grad_accumulation and trainable_low_precision)
-    if compiled:  # carried_gradients.py: a layer's new gradients before its old ones go
+    if compiled:  # a compiled backward returns its layer's weight gradients together, before autograd adds them
         gpu["param grads"] += layer_grad
     fused = setup.dtype if setup.fused_loss else None
     gpu["activations"] = (chunk_activation_bytes(shape, chunk_len * B, config, setup.dtype, compiled)
