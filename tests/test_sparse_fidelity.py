@@ -85,6 +85,28 @@ def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
     assert 0.25 <= read < 0.27
 
 
+def test_the_memory_model_counts_each_layers_selections():
+    """Layers that read alike are counted once (the default's dense layers keep no selection, per-layer budgets
+    their own), and the total is each layer's selection_bytes summed."""
+    from oomb.config import OffloadConfig
+    from oomb.planning.memory import predict, selection_bytes
+    from oomb.tools.plan import load_model_shape
+
+    shape = load_model_shape("qwen2.5-7b")
+    tokens, resident = 1 << 19, 3
+    budgets = tuple(64 + 16 * (layer % 3) for layer in range(shape.num_layers))
+    for sparse in (SparseConfig(), SparseConfig(layer_budgets=budgets, dense_layers=(1, 4))):
+        config = OOMBConfig(attention="sparse", sparse=sparse, offload=OffloadConfig(enabled=True,
+                                                                                     resident_layers=resident))
+        resolved = sparse.resolved(shape.num_layers)
+        each = [selection_bytes(resolved, tokens, config.chunk_size, config.page_size, 1, shape.num_kv_heads, layer)
+                for layer in range(shape.num_layers)]
+        assert predict("sparse+offload", shape, tokens, config).host["selections"] == sum(each[resident:])
+        dense = resolved.dense_layers
+        assert dense and all(each[layer] == 0 for layer in dense)  # a dense layer keeps no selection
+        assert all(each[layer] > 0 for layer in range(shape.num_layers) if layer not in dense)
+
+
 def test_every_measured_point_is_in_its_results_file():
     """The plan quotes these numbers: each must be a row of the JSON it names (read, cosine, loss gap)."""
     import json

@@ -499,9 +499,16 @@ def predict(
         # Stage 1's selections, kept for stage 2; offloaded layers (all but the first `resident`) keep theirs
         # in host memory until stage 2.
         resident = min(offload.resident_layers, L) if mode.offload else L
-        uniform = not sparse.layer_budgets and not sparse.dense_layers  # every layer reads alike
-        selection = [selection_bytes(sparse, tokens, config.chunk_size, P, B, shape.num_kv_heads, layer)
-                     for layer in range(1 if uniform else L)] * (L if uniform else 1)
+        # Layers that read alike keep alike: one count per dense flag and budget, not per layer.
+        kept: dict[tuple[bool, int], int] = {}
+        selection = []
+        for layer in range(L):
+            budgets = sparse.layer_budgets
+            alike = (layer in sparse.dense_layers,
+                     budgets[layer] if budgets is not None and layer < len(budgets) else sparse.budget)
+            if alike not in kept:
+                kept[alike] = selection_bytes(sparse, tokens, config.chunk_size, P, B, shape.num_kv_heads, layer)
+            selection.append(kept[alike])
         if mode.offload:
             host["selections"] = sum(selection[resident:])
         gpu["page summaries"] = summaries + sum(selection[:resident])
