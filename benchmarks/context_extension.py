@@ -60,7 +60,7 @@ recomputed forward and the backward, about 4.5 forwards of 2 x T^2 x 576 x 30 ca
 32K) at about 300 TFLOP/s is 0.56 s at 32K; the rest grows 4x to 128K, the attention 16x:
 
     dense   4 x (3.92 - 0.56) + 16 x 0.56                        = 22 s a step
-    sparse  4 x (5.95 - 0.32) + 16 x (0.35 x 0.56 + 0.06 scoring)  = 27 s a step (35 % read, the defaults)
+    sparse  4 x (5.95 - 0.32) + 16 x (0.35 x 0.56 + 0.06 scoring)  = 27 s a step (a uniform 35 % read)
 
 The steps `oomb gradcheck` timed on SmolLM2 at 128K on an H100 (full-weight gradients, chunk 4096, page 128;
 benchmarks/results/real_model/gradcheck_smollm2_128k*_h100.json) took 12.8-18.3 s dense and 14.2-25.5 s at

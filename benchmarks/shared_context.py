@@ -79,7 +79,7 @@ from oomb.compiled_layers import may_compile  # noqa: E402
 from oomb.engine import store_options, window_store_options  # noqa: E402
 from oomb.kv.offload import HostSlabs, reserve_host_slabs  # noqa: E402
 from oomb.loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels  # noqa: E402
-from oomb.models import fused_loss_possible, loss_head, num_decoder_layers, unwrap_causal_lm  # noqa: E402
+from oomb.models import fused_loss_possible, loss_head, resolved_sparse, unwrap_causal_lm  # noqa: E402
 from oomb.planning.choose import Resources, Workload, choose_config  # noqa: E402
 from oomb.planning.memory import GIB  # noqa: E402
 from oomb.planning.model_shape import ModelShape  # noqa: E402
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warm-up {arm} ({format_tokens(warmup_tokens)} context): {warmup[arm]}", flush=True)
     if slabs is not None:  # pin a full-length step's host pages outside the timing
         causal_lm = unwrap_causal_lm(model)
-        sparse = config.resolved_sparse(num_decoder_layers(causal_lm))
+        sparse = resolved_sparse(config, causal_lm)
         options = store_options(causal_lm, 1, sequence, config, device, sparse)
         reserve_host_slabs(slabs, resident_layers=config.offload.resident_layers, chunk_size=config.chunk_size,
                            **options, **window_store_options(causal_lm, sequence, options["context"]))

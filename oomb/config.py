@@ -155,9 +155,9 @@ class SparseConfig:
     """A budget per decoder layer (e.g. from `oomb calibrate`); None: budget everywhere."""
     dense_layers: tuple[int, ...] | Literal["auto"] = "auto"
     """Decoder layers that read every earlier page (dense attention in a sparse step). "auto": the first
-    DEFAULT_DENSE_LAYER_SHARE of the layers (rounded down) with the default budget and read share (35 %, written
-    or "auto"), none with any other budget, share or layer_budgets (resolved against the model's layer count:
-    resolved_dense_layers). () reads every layer sparsely."""
+    DEFAULT_DENSE_LAYER_SHARE of the layers (rounded down; sliding-window layers among them left out) with the
+    default budget and read share (35 %, written or "auto"), none with any other budget, share or layer_budgets
+    (resolved against the model's layers: resolved_dense_layers). () reads every layer sparsely."""
     score: Literal["auto", "rerank", "minmax", "mean", "exact"] = "auto"
     """How a query block chooses its pages. "rerank": page summaries propose research.rerank_factor x budget
     candidates, then each query's true attention probability over them picks the budget (with offload the
@@ -256,11 +256,11 @@ class SparseConfig:
         return ((score == "rerank" and self.resolved_candidate_pooling == "softmax_max")
                 or (score in ("minmax", "mean") and self.research.pooling == "softmax_max"))
 
-    def resolved_dense_layers(self, num_layers: int | None) -> tuple[int, ...]:
+    def resolved_dense_layers(self, num_layers: int | None, window_layers: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The layers that read every page in a model of ``num_layers`` decoder layers: dense_layers, with
         "auto" resolved (the first DEFAULT_DENSE_LAYER_SHARE of them with the default budget and read share,
-        else none).
-        ``num_layers`` may be None only where the answer does not depend on it."""
+        else none; sliding-window layers, ``window_layers``, left out: they read their window densely
+        anyway). ``num_layers`` may be None only where the answer does not depend on it."""
         if self.dense_layers != "auto":
             return self.dense_layers
         if not (self.resolved_read_share == DEFAULT_READ_SHARE and self.budget == DEFAULT_BUDGET
@@ -269,15 +269,17 @@ class SparseConfig:
         if num_layers is None:
             raise ValueError("sparse.dense_layers='auto' with the default read share depends on the model's number "
                              "of decoder layers: pass num_layers")
-        return tuple(range(int(round(num_layers * DEFAULT_DENSE_LAYER_SHARE, 6))))
+        first = int(round(num_layers * DEFAULT_DENSE_LAYER_SHARE, 6))
+        return tuple(layer for layer in range(first) if layer not in window_layers)
 
-    def resolved(self, num_layers: int | None = None) -> SparseConfig:
+    def resolved(self, num_layers: int | None = None, window_layers: tuple[int, ...] = ()) -> SparseConfig:
         """The same options with every "auto" replaced by what runs in a model of ``num_layers`` decoder
-        layers: what the selection reads (``num_layers`` as in resolved_dense_layers)."""
+        layers, ``window_layers`` of them sliding-window: what the selection reads (as in
+        resolved_dense_layers)."""
         research = replace(self.research, candidate_pooling=self.resolved_candidate_pooling,
                            normaliser_pages=self.resolved_normaliser_pages)
         return replace(self, score=self.resolved_score, read_share=self.resolved_read_share, research=research,
-                       dense_layers=self.resolved_dense_layers(num_layers))
+                       dense_layers=self.resolved_dense_layers(num_layers, window_layers))
 
     def budget_of(self, layer: int = 0, history_pages: int = 0) -> int:
         """Top-scored pages a block of ``layer`` reads besides the sinks, with ``history_pages`` before its chunk:
@@ -289,12 +291,9 @@ class SparseConfig:
         return read_share_budget(budget, self.resolved_read_share, history_pages)
 
     def num_selected(self, history_pages: int, layer: int = 0) -> int:
-        """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all (options
-        resolved for a model: dense_layers "auto" needs its layer count)."""
-        if self.dense_layers == "auto":
-            raise ValueError("sparse.dense_layers='auto' depends on the model's layer count: read the options of "
-                             "SparseConfig.resolved(num_layers)")
-        if layer in self.dense_layers:
+        """Pages of the history each block of ``layer`` reads: the sinks plus the budget, at most all (dense_layers
+        "auto" with the default budget and share needs the model's layers: read SparseConfig.resolved(...)'s)."""
+        if layer in self.resolved_dense_layers(None):
             return history_pages
         return min(history_pages, self.sink_pages + self.budget_of(layer, history_pages))
 
@@ -599,10 +598,10 @@ class OOMBConfig:
             return self.option(FLAT_KEYS[name])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def resolved_sparse(self, num_layers: int | None) -> SparseConfig | None:
-        """The sparse options a step of a model with ``num_layers`` decoder layers runs (SparseConfig.resolved);
-        None in dense mode."""
-        return self.sparse.resolved(num_layers) if self.attention == "sparse" else None
+    def resolved_sparse(self, num_layers: int | None, window_layers: tuple[int, ...] = ()) -> SparseConfig | None:
+        """The sparse options a step of a model with ``num_layers`` decoder layers (``window_layers`` of them
+        sliding-window) runs (SparseConfig.resolved); None in dense mode."""
+        return self.sparse.resolved(num_layers, window_layers) if self.attention == "sparse" else None
 
     def option(self, path: str) -> Any:
         """The value of a dotted option path: config.option("sparse.budget") is config.sparse.budget."""

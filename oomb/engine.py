@@ -53,8 +53,8 @@ from .models import (
     layer_checkpointing,
     layer_windows,
     loss_head,
-    num_decoder_layers,
     oomb_attention,
+    resolved_sparse,
     step_window_bounds,
     unwrap_causal_lm,
 )
@@ -131,7 +131,7 @@ def forward_backward(
     if num_targets == 0:
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
     chunks = split_into_chunks(num_tokens, config.chunk_size)
-    sparse = config.resolved_sparse(num_decoder_layers(causal_lm))  # None in dense mode
+    sparse = resolved_sparse(config, causal_lm)  # None in dense mode
     context_parallel = parallel.context_shard(config.chunk_size) is not None  # cp > 1, or a group of one
     if config.performance.keep_attention_outputs and context_parallel:  # before any page is allocated
         raise ValueError("keep_attention_outputs=True is not supported with context parallelism")

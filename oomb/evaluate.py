@@ -35,8 +35,8 @@ from .models import (
     StepState,
     layer_checkpointing,
     loss_head,
-    num_decoder_layers,
     oomb_attention,
+    resolved_sparse,
     step_window_bounds,
     unwrap_causal_lm,
 )
@@ -65,7 +65,7 @@ def run_stage_one(model: torch.nn.Module, input_ids: torch.Tensor, on_chunk: Chu
     device = causal_lm.get_input_embeddings().weight.device
     input_ids, _ = validated_inputs(causal_lm, input_ids, None, device)
     batch, num_tokens = input_ids.shape
-    sparse = config.resolved_sparse(num_decoder_layers(causal_lm))
+    sparse = resolved_sparse(config, causal_lm)
     backend, _, windows = attention_setup(causal_lm, config, device, num_tokens, None)
     store = make_step_store(causal_lm, batch, num_tokens, config, device, sparse, host_slabs)
     chunks = split_into_chunks(num_tokens, config.chunk_size)

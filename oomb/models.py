@@ -271,6 +271,17 @@ def num_decoder_layers(causal_lm: nn.Module) -> int:
     return len(decoder_layers(causal_lm.get_decoder()))
 
 
+def window_layer_ids(causal_lm: nn.Module) -> tuple[int, ...]:
+    """The decoder layers with a sliding window (layer_windows)."""
+    return tuple(i for i, window in enumerate(layer_windows(causal_lm)) if window)
+
+
+def resolved_sparse(config, causal_lm: nn.Module):
+    """The sparse options a step of ``causal_lm`` runs (OOMBConfig.resolved_sparse over its decoder layers and
+    their sliding windows); None in dense mode."""
+    return config.resolved_sparse(num_decoder_layers(causal_lm), window_layer_ids(causal_lm))
+
+
 @contextlib.contextmanager
 def layer_checkpointing(decoder: nn.Module, enabled: bool):
     """Switch per-layer recomputation (transformers' GradientCheckpointingLayer) on or off for a stage.

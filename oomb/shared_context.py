@@ -64,8 +64,8 @@ from .models import (
     StepState,
     layer_checkpointing,
     loss_head,
-    num_decoder_layers,
     oomb_attention,
+    resolved_sparse,
     unwrap_causal_lm,
 )
 from .moe import RouterBalanceLoss
@@ -206,7 +206,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
         raise NotImplementedError(f"shared_context_backward does not support sliding-window layers shorter than a "
                                   f"row (windows {sorted({w for w in windows if w is not None})}, rows up to "
                                   f"{num_tokens} tokens): use forward_backward on each row")
-    sparse = config.resolved_sparse(num_decoder_layers(causal_lm))
+    sparse = resolved_sparse(config, causal_lm)
     store = make_step_store(causal_lm, 1, num_tokens, config, device, sparse, host_slabs, parallel)
     if hasattr(store, "prefetch_across_chunks"):  # offload: the chunks do not run in the two-stage order
         store.prefetch_across_chunks = False

@@ -17,11 +17,11 @@ from .config import OOMBConfig
 from .units import format_tokens
 
 
-def history_read(num_tokens: int, config: OOMBConfig, num_layers: int) -> float:
+def history_read(num_tokens: int, config: OOMBConfig, num_layers: int, window_layers: tuple[int, ...] = ()) -> float:
     """Fraction of (layer, query block, earlier page) triples a sparse step of a model with ``num_layers``
-    decoder layers reads, dense layers included: 1.0 is dense. A chunk's own pages are not history and not
-    counted."""
-    sparse = config.resolved_sparse(num_layers)
+    decoder layers (``window_layers`` of them sliding-window, counted as the selection reads) reads, dense
+    layers included: 1.0 is dense. A chunk's own pages are not history and not counted."""
+    sparse = config.resolved_sparse(num_layers, window_layers)
     P, C = config.page_size, config.chunk_size
     read = total = 0
     for layer in range(num_layers):
@@ -120,9 +120,9 @@ def nearest(seq_len: int, read: float, points: tuple[FidelityPoint, ...] = MEASU
                                                 READ_WEIGHT * math.log2(max(p.read, 1e-6) / max(read, 1e-6))))
 
 
-def describe(seq_len: int, config: OOMBConfig, num_layers: int) -> str:
+def describe(seq_len: int, config: OOMBConfig, num_layers: int, window_layers: tuple[int, ...] = ()) -> str:
     """One line for a sparse plan: the share of the history it reads and the nearest measured fidelity."""
-    read = history_read(seq_len, config, num_layers)
+    read = history_read(seq_len, config, num_layers, window_layers)
     line = f"sparse reads {100 * read:.2g} % of the history at {format_tokens(seq_len)} tokens"
     point = nearest(seq_len, read)
     if point is None:

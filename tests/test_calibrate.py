@@ -110,7 +110,7 @@ def test_allocate_spends_pages_where_they_buy_the_most_recall():
 
 def test_calibrated_plan_round_trips_into_a_sparse_step(tmp_path):
     model, ids, _ = _recorded(seed=6)
-    base = SparseConfig(budget=0, sink_pages=1, score="minmax").resolved()
+    base = SparseConfig(budget=0, sink_pages=1, score="minmax")  # unresolved, as `oomb calibrate` builds it
     curves = recall_curves(model, ids, CHUNK, PAGE, base, grid=(1, 2, 4), progress=False)
     assert len(curves) == model.config.num_hidden_layers
     assert all(c.budgets[-1] == DENSE and c.recall[-1] == 1.0 for c in curves)

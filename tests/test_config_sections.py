@@ -159,3 +159,6 @@ def test_an_old_checkpoints_config_resumes_as_the_same_run():
     with pytest.warns(DeprecatedConfigKey):
         old["oomb"] = nested_options(old["oomb"])  # as Checkpointing._restore reads it
     assert _changed_keys(old, cfg.to_dict()) == []
+    # a changed option is named by its path, not by its section
+    old["oomb"]["sparse"]["dense_layers"] = []
+    assert _changed_keys(old, cfg.to_dict()) == ["oomb.sparse.dense_layers"]

@@ -38,8 +38,12 @@ def test_the_default_reads_its_share_at_every_length():
         assert other.resolved().dense_layers == ()  # which needs no layer count
     with pytest.raises(ValueError, match="number of decoder layers"):
         SparseConfig().resolved()
-    with pytest.raises(ValueError, match="resolved"):
+    with pytest.raises(ValueError, match="number of decoder layers"):
         SparseConfig().num_selected(100, 0)
+    assert SparseConfig(budget=4).num_selected(100, 0) == 5  # no layer count needed: every layer sparse
+    # a sliding-window layer reads its window densely anyway: "auto" leaves it out (gemma3: layers 0-4 sliding)
+    assert SparseConfig().resolved(30, window_layers=(0, 1, 2, 3, 4, 6)).dense_layers == (5,)
+    assert SparseConfig(dense_layers=(0, 1)).resolved(30, window_layers=(0,)).dense_layers == (0, 1)  # as written
 
 
 def test_budget_for_read_is_the_smallest_budget_reaching_the_share():

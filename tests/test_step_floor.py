@@ -181,7 +181,9 @@ def test_spec_from_config():
                         precision=PrecisionConfig(kv_grad_dtype="bfloat16"))
     spec = StepSpec.from_config(shape, 65536, config)
     assert (spec.mode, spec.sparse.budget, spec.checkpoint_layers, spec.grad_bytes) == ("sparse", 32, False, 2)
-    assert spec.sparse == config.sparse.resolved(shape.num_layers)  # "auto" options as the step resolves them
+    assert spec.sparse.dense_layers == () and spec.sparse.read_share is None  # budget 32: fixed, every layer sparse
+    default = StepSpec.from_config(shape, 65536, OOMBConfig(attention="sparse"))
+    assert default.sparse.dense_layers == (0, 1, 2, 3, 4) and default.sparse.read_share == 0.35  # 5 of 28 whole
     assert StepSpec.from_config(shape, 65536, None).mode == "hf"
     kept = config.with_options({"performance.keep_attention_outputs": True})
     assert StepSpec.from_config(shape, 65536, kept) \

@@ -304,6 +304,8 @@ class Choice:
     """The predicted step time (planning/step_time.py); None on a CPU."""
     other_mode_time: StepTime | None = None
     """The same plan's step time with the other attention mode (dense <-> sparse), for comparison."""
+    window_layers: tuple[int, ...] = ()
+    """The model's sliding-window layers (what sparse.dense_layers="auto" leaves out)."""
 
     def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
@@ -316,7 +318,7 @@ class Choice:
             also = (f"; {other} attention: {self.other_mode_time}" if self.other_mode_time is not None else "")
             lines.append(f"  step time: {self.step_time}{also}")
         if self.config.attention == "sparse" and self.seq_len:
-            lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers)}")
+            lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers, self.window_layers)}")
         if self.compiled_layers:
             lines.append("  layers: compiled for the step (no layer replay; on one process, without an active "
                          "dropout; the first step compiles them: about 30 s for a 7B model on a fresh H100, less "
@@ -627,7 +629,8 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
                                fused_loss=best.fused_loss, relative_time=best.relative_time)
              for config in (best.config, other)]
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
-                  workload.shape.num_layers, compiled, workload.seq_len, *times)
+                  workload.shape.num_layers, compiled, workload.seq_len, *times,
+                  window_layers=workload.shape.window_layer_ids())
 
 
 def _lean_on_cpu(fitting: list[Candidate], resources: Resources) -> Candidate:
@@ -776,9 +779,9 @@ def _fixed_budget_hint(workload: Workload, resources: Resources, base: OOMBConfi
                               fixed_budget)
     except NoConfigFitsError:
         return []
-    tokens, layers = workload.seq_len, workload.shape.num_layers
-    read = sparse_fidelity.history_read(tokens, fixed_budget, layers)
-    wanted = sparse_fidelity.history_read(tokens, base, layers)
+    tokens, layers, windows = workload.seq_len, workload.shape.num_layers, workload.shape.window_layer_ids()
+    read = sparse_fidelity.history_read(tokens, fixed_budget, layers, windows)
+    wanted = sparse_fidelity.history_read(tokens, base, layers, windows)
     return [f"  with the fixed budget (--sparse-read-share none: {fixed_budget.sparse.budget} pages per query block, "
             f"{read:.1%} of the history at {format_tokens(tokens)} instead of {wanted:.1%}) it fits: "
             f"{other.chosen.summary(workload.shape.num_layers)} (GPU {other.gpu_bytes / GIB:.1f} GiB, host "

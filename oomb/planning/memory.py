@@ -389,7 +389,7 @@ def predict(
     config = config or OOMBConfig()
     setup = setup or TrainingSetup()
     offload = config.offload
-    sparse = config.sparse.resolved(shape.num_layers)
+    sparse = config.sparse.resolved(shape.num_layers, shape.window_layer_ids())
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} must be a positive integer")
     if setup.context_parallel > 1 and mode.attention == "hf":

@@ -169,7 +169,7 @@ class StepSpec:
                    page_size=config.page_size, checkpoint_layers=config.performance.checkpoint_layers,
                    lora_rank=lora_rank,
                    offload=config.offload, kv_bytes=dtype.itemsize, grad_bytes=config.precision.grad_dtype.itemsize,
-                   sparse=config.sparse.resolved(shape.num_layers),
+                   sparse=config.sparse.resolved(shape.num_layers, shape.window_layer_ids()),
                    recompute_logits=config.performance.recompute_logits,
                    fused_loss=fused_loss, keep_attention_outputs=config.performance.keep_attention_outputs)
 
@@ -244,7 +244,7 @@ def dense_layer_indices(spec: StepSpec) -> list[int]:
     if spec.mode != "sparse":
         return []
     sliding = set(spec.shape.window_layer_ids()) if spec.shape.sliding_window_layers else set()
-    dense = spec.sparse.resolved_dense_layers(spec.shape.num_layers)
+    dense = spec.sparse.resolved_dense_layers(spec.shape.num_layers, spec.shape.window_layer_ids())
     return [layer for layer in dense if layer < spec.shape.num_layers and layer not in sliding]
 
 

@@ -212,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
     model, ids, model_text, source = load_sequence(options)
     model.set_attn_implementation("sdpa")
     base = SparseConfig(budget=0, sink_pages=args.sink_pages, score=args.score, leak_free=args.leak_free,
-                        research=SparseResearch(pooling=args.pooling))
+                        dense_layers=(), research=SparseResearch(pooling=args.pooling))
     curves = recall_curves(model, ids, args.chunk_size, args.page_size, base, tuple(sorted(set(args.grid))))
     choice = allocate(curves, args.max_read)
     meta = {"model": model_text, "sequence": source, "tokens": ids.shape[1], "chunk_size": args.chunk_size,

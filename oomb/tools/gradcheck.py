@@ -49,6 +49,7 @@ from ..config import (
     resolve_dtype,
 )
 from ..engine import forward_backward
+from ..models import num_decoder_layers, unwrap_causal_lm, window_layer_ids
 from ..real_model import english_text, stdlib_source, with_yarn
 from ..sparse_fidelity import budget_for_read, history_read
 from ..training import presets
@@ -200,17 +201,12 @@ def load_sequence(options: GradcheckOptions):
     return model, ids.to(device), f"{options.model} ({weights}, {str(dtype).removeprefix('torch.')}, {device})", source
 
 
-def model_layers(model: torch.nn.Module) -> int:
-    config = model.config
-    return getattr(config, "num_hidden_layers", 1)
-
-
-def is_default_sparse(config: OOMBConfig, num_layers: int) -> bool:
+def is_default_sparse(config: OOMBConfig, num_layers: int, window_layers: tuple[int, ...] = ()) -> bool:
     """Whether ``config``'s sparse settings (and page size) are what OOMBConfig(attention="sparse") runs in a
-    model of ``num_layers`` decoder layers."""
+    model of ``num_layers`` decoder layers (``window_layers`` of them sliding-window)."""
     default = OOMBConfig(attention="sparse", chunk_size=config.chunk_size)
     return (config.page_size == default.page_size
-            and config.resolved_sparse(num_layers) == default.resolved_sparse(num_layers))
+            and config.resolved_sparse(num_layers, window_layers) == default.resolved_sparse(num_layers, window_layers))
 
 
 def _dense_step(model, ids, base: OOMBConfig, options: GradcheckOptions, progress: bool) -> tuple[dict, dict]:
@@ -318,7 +314,8 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
     ids = rows[:1]
     base = OOMBConfig(chunk_size=options.chunk_size, page_size=options.page_size).with_options(
         {"offload.enabled": options.offload, "precision.kv_grad_dtype": options.kv_grad_dtype})
-    num_layers = model_layers(model)
+    causal_lm = unwrap_causal_lm(model)
+    num_layers, windows = num_decoder_layers(causal_lm), window_layer_ids(causal_lm)
     report = {"date": date.today().isoformat(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
                          f"transformers {transformers.__version__}, Python {platform.python_version()}"
@@ -358,8 +355,10 @@ def run_gradcheck(options: GradcheckOptions, progress: bool = False,
             groups = compare(_gradients(model), dense)
             run = {"model_state": state, "seq_len": ids.shape[1], "score": arm["name"], "pooling": arm["pooling"],
                    "budget": arm["budget"],
-                   "target_read": arm["target_read"], "history_read": history_read(ids.shape[1], config, num_layers),
-                   "defaults": is_default_sparse(config, num_layers), "cosine": groups["total"]["cosine"],
+                   "target_read": arm["target_read"],
+                   "history_read": history_read(ids.shape[1], config, num_layers, windows),
+                   "dense_layers": list(config.resolved_sparse(num_layers, windows).dense_layers),
+                   "defaults": is_default_sparse(config, num_layers, windows), "cosine": groups["total"]["cosine"],
                    "loss": loss, "dense_loss": dense_loss, "loss_gap": (loss - dense_loss) / dense_loss,
                    "normaliser_pages": config.sparse.resolved_normaliser_pages,
                    "seconds": time.perf_counter() - start, "groups": groups}

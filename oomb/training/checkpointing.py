@@ -225,8 +225,16 @@ def _changed_keys(old: dict, new: dict) -> list[str]:
         section, _, name = key.partition(".")
         before, after = old.get(section, {}), new.get(section, {})
         names = [name] if name else sorted(set(before) | set(after))
-        changed += [f"{section}.{n}" for n in names if before.get(n) != after.get(n)]
+        changed += [path for n in names for path in _differences(f"{section}.{n}", before.get(n), after.get(n))]
     return changed
+
+
+def _differences(path: str, before, after) -> list[str]:
+    """The dotted paths under ``path`` where two config values differ (mappings compared key by key)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [p for key in sorted(set(before) | set(after))
+                for p in _differences(f"{path}.{key}", before.get(key), after.get(key))]
+    return [path] if before != after else []
 
 
 def _picklable(obj) -> bool:

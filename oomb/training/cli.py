@@ -23,7 +23,7 @@ from ..config import (
     SPARSE_SCORES,
     OOMBConfig,
 )
-from ..models import num_decoder_layers, unwrap_causal_lm
+from ..models import num_decoder_layers, resolved_sparse, unwrap_causal_lm
 from ..planning.choose import NoConfigFitsError
 from ..units import format_indices, parse_tokens
 from .config import TrainerConfig
@@ -165,6 +165,10 @@ def annotated_config(config: TrainerConfig) -> str:
     resolved.update({"sparse.score": o.sparse.resolved_score,
                      "sparse.research.candidate_pooling": o.sparse.resolved_candidate_pooling,
                      "sparse.research.normaliser_pages": _yaml_value(o.sparse.resolved_normaliser_pages)})
+    if choice is not None:  # the model's layers are known
+        dense = o.sparse.resolved_dense_layers(choice.num_layers, choice.window_layers)
+        resolved.update({"sparse.read_share": _yaml_value(o.sparse.resolved_read_share),
+                         "sparse.dense_layers": _yaml_value(list(dense))})
     lines, path = [], []  # path: (indent, key) of the mappings the line is in
     for line in text.splitlines():
         indent = len(line) - len(line.lstrip())
@@ -245,9 +249,9 @@ def _header(trainer: Trainer) -> str:
     pages = (f"{share:.0%} of the history, at least {o.sparse.budget} pages" if share is not None
              else f"{o.sparse.budget} pages")
     if o.attention == "sparse":
-        layers = num_decoder_layers(unwrap_causal_lm(trainer.model))
-        dense = o.sparse.resolved_dense_layers(layers)
-        pages += f"; layers {format_indices(dense)} of {layers} read every page" if dense else ""
+        causal_lm = unwrap_causal_lm(trainer.model)
+        dense = resolved_sparse(o, causal_lm).dense_layers
+        pages += f"; layers {format_indices(dense)} of {num_decoder_layers(causal_lm)} read every page" if dense else ""
     attention = (f", sparse attention ({pages} + {o.sparse.sink_pages} sink pages per block, "
                  f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
