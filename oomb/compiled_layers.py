@@ -51,7 +51,13 @@ RECOMPILE_LIMIT = 64
 layer's and attention module's forward in one shared decorator function, and grad mode, the last
 chunk's length and the layer kind each add versions; past the limit torch would run that frame eager,
 and stage 1 and stage 2 must run the same code (with a dropout, the same masks), so the step raises
-instead."""
+instead. A float that differs from layer to layer (PEFT's per-layer ``alpha_pattern`` or ``rank_pattern``: each
+LoRA layer's scaling) is a constant of the graph, so every distinct value compiles versions of its own (two per
+value and stage pair on a CPU probe): the limit is at least RECOMPILES_PER_LAYER per decoder layer."""
+
+RECOMPILES_PER_LAYER = 4
+"""Compiled versions per code object allowed for each decoder layer (see RECOMPILE_LIMIT): a 36-layer LoRA model
+with a distinct alpha per layer went past 64 and raised."""
 
 
 def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn.Module) -> bool:
@@ -163,11 +169,12 @@ def compiled_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    compiled = []
+    compiled, layers = [], decoder_layers(decoder)
+    limit = max(RECOMPILE_LIMIT, RECOMPILES_PER_LAYER * len(layers))
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True,
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True,
                                         specialize_float=True):
-            for layer in decoder_layers(decoder):
+            for layer in layers:
                 if getattr(layer, COMPILED_CALL, None) is None:
                     compiled.append(layer)
                     layer.compile(dynamic=True)

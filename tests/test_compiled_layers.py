@@ -277,3 +277,26 @@ def test_frozen_embeddings_compile_stage_2_once(monkeypatch):
         graphs[hook] = counters["stats"]["unique_graphs"]
     assert 0 < graphs[True] < graphs[False]
     _assert_close(results[True][1], results[False][1])
+
+
+def test_a_distinct_lora_scaling_per_layer_stays_within_the_recompile_limit(monkeypatch):
+    """PEFT's alpha_pattern gives each layer its own scaling, a constant of the compiled graph: every distinct value
+    compiles versions of its own. The limit grows with the layers (RECOMPILES_PER_LAYER), so such a model compiles
+    where a fixed limit raised (here the fixed limit is made small: a 36-layer model went past 64 on a CPU)."""
+    import oomb.compiled_layers as compiled_layers
+
+    layers = 4
+    model = get_peft_model(build_tiny_model("qwen2", num_hidden_layers=layers), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        alpha_pattern={f"layers.{i}.self_attn.q_proj": 8 + 4 * i for i in range(layers)}))
+    ids = torch.randint(0, model.config.vocab_size, (1, 384), generator=torch.Generator().manual_seed(5))
+    _, eager = _step(model, ids, False)
+    monkeypatch.setattr(compiled_layers, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(compiled_layers, "RECOMPILES_PER_LAYER", 1)  # a limit of 4 versions: too few
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="recompile_limit"):
+        _step(model, ids, True)
+    monkeypatch.setattr(compiled_layers, "RECOMPILES_PER_LAYER", 4)
+    torch._dynamo.reset()
+    _, compiled = _step(model, ids, True)
+    _assert_close(compiled, eager)
