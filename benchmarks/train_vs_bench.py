@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", help="oomb train's data (default: its embedded corpus, packed documents)")
     p.add_argument("--sparse-budget", help="given to both arms")
     p.add_argument("--sparse-read-share", help="given to both arms (e.g. none: the fixed budget)")
+    p.add_argument("--progress", action="store_true",
+                   help="oomb train's progress bar in its log, with the stage and chunk of the step in progress (where "
+                        "a long step's time goes: stage 1 against stage 2, chunk by chunk)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--timeout", type=float, help="seconds allowed to each arm's process (default: none)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "out/train_vs_bench")
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_dir = work / "train"
     train_cmd = [py, "-m", "oomb", "train", "--preset", args.preset, "--seq-len", str(tokens), "--attention",
                  args.attention, "--steps", str(args.steps), "--device", args.device, "--output-dir", str(train_dir),
-                 "--overwrite", "--set", "logging.progress=false", *sparse]
+                 "--overwrite", *sparse]
+    train_cmd += ["--set", f"logging.progress={str(args.progress).lower()}"]
     train_cmd += ["--lora"] if args.lora else []
     train_cmd += ["--data", args.data] if args.data else []
     train = {"arm": "oomb train", "command": shlex.join(train_cmd[1:]),

@@ -12,7 +12,7 @@ def test_both_arms_run_and_the_ratio_is_theirs(tmp_path):
     script = load_script("benchmarks/train_vs_bench.py")
     report = script.main(["--preset", "tiny-qwen2", "--seq-len", "4K", "--device", "cpu", "--steps", "2",
                           "--attention", "sparse", "--sparse-read-share", "none", "--out-dir", str(tmp_path),
-                          "--work-dir", str(tmp_path / "work"), "--name", "tvb.json"])
+                          "--work-dir", str(tmp_path / "work"), "--name", "tvb.json", "--progress"])
     assert json.loads((tmp_path / "tvb.json").read_text()) == report
     bench, train = report["bench"], report["train"]
     assert bench["status"] == "ok" and train["status"] == "ok" and len(train["step_seconds"]) == 2
@@ -20,6 +20,7 @@ def test_both_arms_run_and_the_ratio_is_theirs(tmp_path):
     assert train["plan"]["sparse.read_share"] is None and bench["plan"]["sparse.read_share"] is None
     assert set(report["plans_differ"]) <= set(script.PLAN_KEYS)
     assert set(train["steady_step_parts_s"]) == {"data_s", "forward_backward_s", "update_s"}
+    assert "stage 2, chunk" in (tmp_path / "train.log").read_text()  # --progress: chunks within a step, in the log
 
 
 def test_each_arm_gets_empty_compile_caches_of_its_own(tmp_path):
