@@ -503,9 +503,7 @@ def predict(
         kept: dict[tuple[bool, int], int] = {}
         selection = []
         for layer in range(L):
-            budgets = sparse.layer_budgets
-            alike = (layer in sparse.dense_layers,
-                     budgets[layer] if budgets is not None and layer < len(budgets) else sparse.budget)
+            alike = (layer in sparse.dense_layers, sparse.budget_of(layer))
             if alike not in kept:
                 kept[alike] = selection_bytes(sparse, tokens, config.chunk_size, P, B, shape.num_kv_heads, layer)
             selection.append(kept[alike])

@@ -243,8 +243,8 @@ def dense_layer_indices(spec: StepSpec) -> list[int]:
     reads its window whatever the setting)."""
     if spec.mode != "sparse":
         return []
-    sliding = set(spec.shape.window_layer_ids()) if spec.shape.sliding_window_layers else set()
-    dense = spec.sparse.resolved_dense_layers(spec.shape.num_layers, spec.shape.window_layer_ids())
+    sliding = spec.shape.window_layer_ids()
+    dense = spec.sparse.resolved_dense_layers(spec.shape.num_layers, sliding)
     return [layer for layer in dense if layer < spec.shape.num_layers and layer not in sliding]
 
 
