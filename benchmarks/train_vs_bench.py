@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", action="store_true",
                    help="oomb train's progress bar in its log, with the stage and chunk of the step in progress (where "
                         "a long step's time goes: stage 1 against stage 2, chunk by chunk)")
+    p.add_argument("--train-first", action="store_true",
+                   help="run oomb train before the bench (when a call may end early, its arm is the one to keep)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--timeout", type=float, help="seconds allowed to each arm's process (default: none)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "out/train_vs_bench")
@@ -128,6 +130,28 @@ def fresh_compile_caches(env: dict, arm_dir: Path) -> dict:
     return {**env, **{name: str(folder) for name, folder in caches.items()}}
 
 
+def comparison(args: argparse.Namespace, argv: list[str] | None, tokens: int, mode: str, bench: dict,
+               train: dict) -> dict:
+    """The results JSON of the arms run so far (an arm not run yet has only its command)."""
+    differ = {k: {"bench": bench.get("plan", {}).get(k), "train": train.get("plan", {}).get(k)} for k in PLAN_KEYS
+              if str(bench.get("plan", {}).get(k)) != str(train.get("plan", {}).get(k))}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": bench.get("machine"),
+        "commit": os.environ.get("OOMB_GIT_COMMIT"),
+        "command": shlex.join(["python", "benchmarks/train_vs_bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "workload": {"preset": args.preset, "seq_len": tokens, "attention": args.attention, "bench_mode": mode,
+                     "lora": args.lora, "steps": args.steps, "data": args.data or "embedded corpus (packed documents)"},
+        "timing": "each arm with empty compile caches of its own. bench: one step after a warm-up step, perf_counter "
+                  "with synchronisation, every weight's gradient, "
+                  "no optimizer. train: summary.json steady_step_s (median of the steps after the first; data, "
+                  "LoRA or full AdamW, metrics included); the first step reported apart.",
+        "bench": bench, "train": train, "plans_differ": differ,
+        "train_over_bench": ratio(train.get("steady_step_s"), bench.get("step_seconds")),
+        "first_train_step_over_bench": ratio(train.get("first_step_s"), bench.get("step_seconds")),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -149,11 +173,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     bench_cmd = [py, "-m", "oomb", "bench", "--chosen", "--preset", args.preset, "--contexts", str(tokens),
                  "--modes", mode, "--device", args.device, "--out-dir", str(work / "bench"), "--name", "bench", *sparse]
-    (work / "bench" / "bench.json").unlink(missing_ok=True)
-    bench = {"arm": "oomb bench --chosen", "command": shlex.join(bench_cmd[1:]),
-             **run("bench", bench_cmd, out / "bench.log", fresh_compile_caches(env, work / "bench"), args.timeout)}
-    bench.update(bench_row(work / "bench" / "bench.json", tokens, mode))
-
     train_dir = work / "train"
     train_cmd = [py, "-m", "oomb", "train", "--preset", args.preset, "--seq-len", str(tokens), "--attention",
                  args.attention, "--steps", str(args.steps), "--device", args.device, "--output-dir", str(train_dir),
@@ -161,38 +180,34 @@ def main(argv: list[str] | None = None) -> dict:
     train_cmd += ["--set", f"logging.progress={str(args.progress).lower()}"]
     train_cmd += ["--lora"] if args.lora else []
     train_cmd += ["--data", args.data] if args.data else []
-    train = {"arm": "oomb train", "command": shlex.join(train_cmd[1:]),
-             **run("train", train_cmd, out / "train.log", fresh_compile_caches(env, work / "train_caches"),
-                   args.timeout)}
-    train.update(train_result(train_dir))
-    if train.get("plan", {}).get("performance.compile_layers") is None and "plan" in train:
-        train["plan"]["performance.compile_layers"] = compiled_in_log(out / "train.log")
+    bench = {"arm": "oomb bench --chosen", "command": shlex.join(bench_cmd[1:])}
+    train = {"arm": "oomb train", "command": shlex.join(train_cmd[1:])}
 
-    differ = {k: {"bench": bench.get("plan", {}).get(k), "train": train.get("plan", {}).get(k)} for k in PLAN_KEYS
-              if str(bench.get("plan", {}).get(k)) != str(train.get("plan", {}).get(k))}
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": bench.get("machine"),
-        "commit": os.environ.get("OOMB_GIT_COMMIT"),
-        "command": shlex.join(["python", "benchmarks/train_vs_bench.py", *(sys.argv[1:] if argv is None else argv)]),
-        "workload": {"preset": args.preset, "seq_len": tokens, "attention": args.attention, "bench_mode": mode,
-                     "lora": args.lora, "steps": args.steps, "data": args.data or "embedded corpus (packed documents)"},
-        "timing": "each arm with empty compile caches of its own. bench: one step after a warm-up step, perf_counter "
-                  "with synchronisation, every weight's gradient, "
-                  "no optimizer. train: summary.json steady_step_s (median of the steps after the first; data, "
-                  "LoRA or full AdamW, metrics included); the first step reported apart.",
-        "bench": bench, "train": train, "plans_differ": differ,
-        "train_over_bench": ratio(train.get("steady_step_s"), bench.get("step_seconds")),
-        "first_train_step_over_bench": ratio(train.get("first_step_s"), bench.get("step_seconds")),
-    }
+    def run_bench() -> None:
+        (work / "bench" / "bench.json").unlink(missing_ok=True)
+        bench.update(run("bench", bench_cmd, out / "bench.log", fresh_compile_caches(env, work / "bench"),
+                         args.timeout))
+        bench.update(bench_row(work / "bench" / "bench.json", tokens, mode))
+
+    def run_train() -> None:
+        train.update(run("train", train_cmd, out / "train.log", fresh_compile_caches(env, work / "train_caches"),
+                         args.timeout))
+        train.update(train_result(train_dir))
+        if train.get("plan", {}).get("performance.compile_layers") is None and "plan" in train:
+            train["plan"]["performance.compile_layers"] = compiled_in_log(out / "train.log")
+
     length = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-    name = args.name or f"train_vs_bench_{args.preset}_{length}_{args.attention}.json"
-    (out / name).write_text(json.dumps(result, indent=1) + "\n")
+    path = out / (args.name or f"train_vs_bench_{args.preset}_{length}_{args.attention}.json")
+    for arm in ((run_train, run_bench) if args.train_first else (run_bench, run_train)):
+        arm()
+        result = comparison(args, argv, tokens, mode, bench, train)
+        path.write_text(json.dumps(result, indent=1) + "\n")  # after each arm: a call cut short keeps the first
     print(f"bench {bench.get('status')}: {bench.get('step_seconds')} s; train {train.get('status')}: steps "
           f"{train.get('step_seconds')} s (steady {train.get('steady_step_s')}, "
           f"predicted {train.get('predicted_step_s')})")
-    print(f"train_over_bench {result['train_over_bench']}; plans differ in {sorted(differ) or 'nothing'}")
-    print(f"wrote {out / name}")
+    differ = sorted(result["plans_differ"]) or "nothing"
+    print(f"train_over_bench {result['train_over_bench']}; plans differ in {differ}")
+    print(f"wrote {path}")
     return result
 
 

@@ -12,7 +12,8 @@ def test_both_arms_run_and_the_ratio_is_theirs(tmp_path):
     script = load_script("benchmarks/train_vs_bench.py")
     report = script.main(["--preset", "tiny-qwen2", "--seq-len", "4K", "--device", "cpu", "--steps", "2",
                           "--attention", "sparse", "--sparse-read-share", "none", "--out-dir", str(tmp_path),
-                          "--work-dir", str(tmp_path / "work"), "--name", "tvb.json", "--progress"])
+                          "--work-dir", str(tmp_path / "work"), "--name", "tvb.json", "--progress",
+                          "--train-first"])
     assert json.loads((tmp_path / "tvb.json").read_text()) == report
     bench, train = report["bench"], report["train"]
     assert bench["status"] == "ok" and train["status"] == "ok" and len(train["step_seconds"]) == 2
@@ -35,3 +36,14 @@ def test_each_arm_gets_empty_compile_caches_of_its_own(tmp_path):
     assert env["TRITON_CACHE_DIR"] != other["TRITON_CACHE_DIR"]
     assert all(not any((tmp_path / arm / cache).iterdir()) for arm in ("bench", "train")
                for cache in ("inductor_cache", "triton_cache"))
+
+
+def test_a_comparison_cut_short_keeps_the_arm_that_ran():
+    script = load_script("benchmarks/train_vs_bench.py")
+    args = script.parse_args(["--seq-len", "1M", "--attention", "sparse", "--train-first"])
+    train = {"arm": "oomb train", "command": "oomb train ...", "status": "ok", "steady_step_s": 230.0,
+             "plan": {"precision.kv_grad_dtype": "float32"}}
+    result = script.comparison(args, [], 1 << 20, "sparse", {"arm": "oomb bench --chosen", "command": "oomb bench"},
+                               train)
+    assert result["train"]["steady_step_s"] == 230.0 and result["train_over_bench"] is None
+    assert result["plans_differ"]["precision.kv_grad_dtype"] == {"bench": None, "train": "float32"}
