@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -130,6 +131,16 @@ def fresh_compile_caches(env: dict, arm_dir: Path) -> dict:
     return {**env, **{name: str(folder) for name, folder in caches.items()}}
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (no CUDA context in this process: the arms need the memory), or None."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()[0].strip() if done.stdout.strip() else None
+
+
 def comparison(args: argparse.Namespace, argv: list[str] | None, tokens: int, mode: str, bench: dict,
                train: dict) -> dict:
     """The results JSON of the arms run so far (an arm not run yet has only its command)."""
@@ -137,7 +148,7 @@ def comparison(args: argparse.Namespace, argv: list[str] | None, tokens: int, mo
               if str(bench.get("plan", {}).get(k)) != str(train.get("plan", {}).get(k))}
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": bench.get("machine"),
+        "machine": bench.get("machine") or {"gpu": gpu_name()},
         "commit": os.environ.get("OOMB_GIT_COMMIT"),
         "command": shlex.join(["python", "benchmarks/train_vs_bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "workload": {"preset": args.preset, "seq_len": tokens, "attention": args.attention, "bench_mode": mode,

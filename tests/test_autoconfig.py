@@ -24,6 +24,7 @@ from oomb.planning.choose import (
     choose_config,
     fixed_from_options,
     lora_no_replay_bytes,
+    predict_candidate,
 )
 from oomb.planning.memory import GIB
 from oomb.planning.model_shape import ModelShape
@@ -386,7 +387,7 @@ def test_log_probabilities_are_kept_only_where_they_fit_next_to_the_plan():
     workload = Workload(SHAPES["qwen2.5-7b"], 128 * 1024, lora_rank=16)
     kept = choose_config(workload, H200)
     assert kept.config.performance.recompute_logits is False and "log-probabilities kept" in kept.reason
-    assert kept.chosen.relative_time < SPEED_FACTS["recompute_logits_dense"].factor
+    assert "recompute_logits_dense" not in kept.chosen.factors
     recomputed = choose_config(workload, H200, {"performance.recompute_logits": True})
     assert recomputed.config.performance.recompute_logits is True
     assert "performance.recompute_logits=True as set" in recomputed.reason
@@ -471,3 +472,22 @@ def test_refusal_of_a_grown_sparse_budget_says_whether_the_fixed_budget_fits():
         choose_config(dataclasses.replace(workload, seq_len=4 * M), H200,
                       {"attention": "sparse", "sparse.read_share": None})
     assert "with the fixed budget" not in str(err.value)
+
+
+def test_eager_layers_cost_their_measured_factor_on_a_gpu():
+    """Layer replay runs the decoder layers eager (compiled_layers.py): the prediction counts what eager layers were
+    measured to cost against compiled ones, more with LoRA's small kernels; a workload that may compile pays
+    nothing without replay, and a CPU step never pays it (nothing compiles there)."""
+    shape = SHAPES["qwen2.5-7b"]
+    replay, no_replay = ({"performance.checkpoint_layers": on} for on in (True, False))
+    for lora, fact in ((16, "eager_layers_lora"), (0, "eager_layers")):
+        workload = Workload(shape, 128 * 1024, lora_rank=lora, may_compile=True)
+        eager = predict_candidate(workload, H200, OOMBConfig().with_options(replay))
+        compiled = predict_candidate(workload, H200, OOMBConfig().with_options(no_replay))
+        assert fact in eager.factors and not any(f.startswith("eager") for f in compiled.factors)
+        replay_only = eager.relative_time / SPEED_FACTS[fact].factor
+        assert replay_only == pytest.approx(compiled.relative_time * SPEED_FACTS["replay_dense"].factor)
+    assert SPEED_FACTS["eager_layers_lora"].factor > SPEED_FACTS["eager_layers"].factor > 1
+    cpu = predict_candidate(Workload(shape, 8192, lora_rank=16), Resources("cpu", None, 64 * GIB),
+                            OOMBConfig().with_options(replay))
+    assert not any(f.startswith("eager") for f in cpu.factors)

@@ -131,6 +131,14 @@ SPEED_FACTS: dict[str, SpeedFact] = {
         38.870 / 45.299, "dense 128K, the chooser's plan (cudnn, no replay, compiled layers): attention outputs kept "
         "from stage 1 38.87 s vs recomputed 45.30 s (one run each, one call; HF 41.89 s in the call before)",
         "dense_chosen_kept_128k_h200_2026-12-04.json, dense_chosen_128k_h200_2026-12-04.json"),
+    "eager_layers": SpeedFact(
+        25.386 / 23.48, "sparse 128K, 7B, every weight trained, no replay: eager decoder layers 25.39 s vs compiled "
+        "23.48 s (one call, H200)",
+        "eager_layers_128k_h200_2026-12-03.json, compiled_layers_128k_h200_2026-12-03.json"),
+    "eager_layers_lora": SpeedFact(
+        32.541 / 24.208, "dense 128K, 7B with LoRA, oomb train's steady step: eager decoder layers 32.54 s vs compiled "
+        "24.21 s (one H100 machine, one after the other; PEFT's adapters add many small kernels a graph fuses)",
+        "first_step/train_128k_lora_eager_h100.json, first_step/train_128k_lora_compiled_cold_h100.json"),
     "replay_cpu": SpeedFact(
         1.03, "CPU, SmolLM2-135M LoRA r=16, 8K, float32, torch backend: layer replay took 3 % more time and "
         "7.9 GiB of peak RSS against 16.5 GiB without",
@@ -388,7 +396,8 @@ def predict_candidate(workload: Workload, resources: Resources, config: OOMBConf
     counted = gpu_bytes - (gpu["weights"] if resources.weights_loaded else 0)
     host_bytes = p.host_total
     time, factors = relative_time(config, workload.shape.num_layers,
-                                  not loss_keeps_nothing(setup.fused_loss), resources.device)
+                                  not loss_keeps_nothing(setup.fused_loss), resources.device, compiled=compiled,
+                                  lora=bool(workload.lora_rank))
     prediction = MemoryPrediction(p.mode, p.tokens, gpu, dict(p.host))
     return Candidate(config, gpu_bytes, counted, host_bytes, time, factors, prediction, setup.fused_loss,
                      head_trained=not workload.lora_rank, device=resources.device)
@@ -420,13 +429,20 @@ def _grad_bytes(workload: Workload, config: OOMBConfig) -> tuple[int, int]:
 
 
 def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool = True,
-                  device: Literal["cuda", "cpu"] = "cuda") -> tuple[float, tuple[str, ...]]:
-    """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, log-probabilities
-    kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn). ``loss_may_recompute`` False: the
-    loss recomputes nothing whatever recompute_logits says (Candidate.loss_keeps_nothing). On a CPU layer replay
-    costs what it was measured to cost there (replay_cpu)."""
+                  device: Literal["cuda", "cpu"] = "cuda", *, compiled: bool = True,
+                  lora: bool = False) -> tuple[float, tuple[str, ...]]:
+    """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, compiled decoder
+    layers, log-probabilities kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn).
+    ``loss_may_recompute`` False: the loss recomputes nothing whatever recompute_logits says
+    (Candidate.loss_keeps_nothing). ``compiled`` False on a GPU (layer replay, or a step that may not compile):
+    eager layers cost what they were measured to cost, more with LoRA (``lora``). On a CPU layer replay costs
+    what it was measured to cost there (replay_cpu), and nothing compiles."""
     sparse = config.attention == "sparse"
     time, factors = 1.0, []
+    if device == "cuda" and not compiled:
+        key = "eager_layers_lora" if lora else "eager_layers"
+        time *= SPEED_FACTS[key].factor
+        factors.append(key)
     if config.performance.backend == "triton":
         key = "triton_vs_cudnn_sparse" if sparse else "triton_vs_cudnn_dense"
         time *= SPEED_FACTS[key].factor

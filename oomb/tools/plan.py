@@ -107,7 +107,8 @@ _DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_p
 def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[str, bool]:
     """Workload.may_compile and may_fuse_loss as `oomb train` would find them for this model on this
     machine: one process only (tensor- or context-parallel steps keep both off, their heads being
-    sharded); compiled layers where this machine compiles, for a model without experts or active dropout;
+    sharded); compiled layers where this machine compiles (a GPU planned from a machine without one is
+    assumed to, Triton coming with oomb[gpu]), for a model without experts or active dropout;
     the fused loss for a plain linear head that softcaps no logits, not in float16. So the plan is the one
     training picks. A model whose config cannot be read counts neither (never less memory)."""
     try:
@@ -118,7 +119,8 @@ def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[s
         return {"may_compile": False, "may_fuse_loss": False}
     rates = [getattr(cfg, name, None) for name in _DROPOUT_FIELDS]
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
-    compile_ok = can_compile() and compile_problem() is None and not shape.num_experts and not dropout
+    here_or_elsewhere = can_compile() or not torch.cuda.is_available()  # a GPU planned from a CPU: oomb[gpu] compiles
+    compile_ok = here_or_elsewhere and compile_problem() is None and not shape.num_experts and not dropout
     return {"may_compile": compile_ok, "may_fuse_loss": fused_loss_possible_for_config(cfg, setup.dtype)}
 
 
