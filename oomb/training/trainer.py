@@ -148,6 +148,9 @@ class TrainResult:
     first_step_compile_s: float | None = None
     """Of first_step_s, the seconds torch.compile spent compiling the decoder layers (compiled_layers.compile_seconds;
     None where torch keeps no compile-time metrics)."""
+    first_step_pin_s: float | None = None
+    """Of first_step_s, the seconds spent allocating and page-locking the host memory of offloaded pages (None
+    without offload)."""
     setup_s: float | None = None
     """Seconds before the first step: model load, plan, pinned host memory."""
     checkpoint_s: float = 0.0
@@ -200,6 +203,7 @@ class Trainer(Checkpointing):
         self._step_times: list[float] = []  # this session's step times (first step reported apart)
         self._step_parts: list[dict[str, float]] = []  # each step's seconds by part (metrics' *_s parts)
         self._step_compile_s: list[float | None] = []  # each step's seconds of torch.compile
+        self._step_pin_s: list[float | None] = []  # each step's seconds pinning host memory (offload)
         self.setup_s: float | None = None  # seconds setup() took: model load, plan, pinned host memory
         self.checkpoint_s = 0.0  # seconds this session spent writing checkpoints
         self.parallel = ParallelSetup()
@@ -586,6 +590,7 @@ class Trainer(Checkpointing):
         cfg = self.config
         start = time.perf_counter()
         compiled_before = compile_seconds()
+        pinned_before = self.host_slabs.pin_seconds if self.host_slabs is not None else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, tokens, documents, epoch = [], 0, 0, 0
@@ -653,6 +658,9 @@ class Trainer(Checkpointing):
                        "compile_s": (compiled_after - compiled_before
                                      if compiled_before is not None and compiled_after is not None else None)}
             self._step_compile_s.append(metrics["compile_s"])
+            if pinned_before is not None:
+                metrics["pin_s"] = self.host_slabs.pin_seconds - pinned_before
+            self._step_pin_s.append(metrics.get("pin_s"))
             if self.device.type == "cuda":
                 metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
                 self._peak_gpu = max(self._peak_gpu, metrics["gpu_peak_gib"])
@@ -717,6 +725,7 @@ class Trainer(Checkpointing):
             peak_gpu_gib=gpu, peak_host_gib=machine.peak_rss_bytes() / GIB,
             first_step_s=self._step_times[0] if self._step_times else None,
             first_step_compile_s=self._step_compile_s[0] if self._step_compile_s else None,
+            first_step_pin_s=self._step_pin_s[0] if self._step_pin_s else None,
             steady_step_s=statistics.median(self._step_times[1:]) if len(self._step_times) > 1 else None,
             predicted_step_s=(self.choice.step_time.seconds
                               if self.choice is not None and self.choice.step_time is not None else None),
