@@ -100,7 +100,8 @@ def train_result(run_dir: Path) -> dict:
     if summary_file.exists():
         s = json.loads(summary_file.read_text())
         out.update({k: s.get(k) for k in ("first_step_s", "steady_step_s", "predicted_step_s", "steady_step_parts_s",
-                                          "setup_s", "checkpoint_s", "peak_gpu_gib", "peak_host_gib", "losses")})
+                                          "setup_s", "checkpoint_s", "peak_gpu_gib", "peak_host_gib", "losses",
+                                          "first_step_compile_s", "first_step_pin_s")})
         if s.get("first_step_s") is not None and s.get("steady_step_s") is not None:
             out["first_step_overhead_s"] = round(max(0.0, s["first_step_s"] - s["steady_step_s"]), 2)
     metrics_file = run_dir / "metrics.jsonl"
