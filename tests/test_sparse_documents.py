@@ -204,3 +204,42 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
     skipped = sum(len(selected) - len(history) for _, _, history, selected in staged)
     assert skipped > 0  # chunk 3 holds blocks of a document with too few history pages (and chunks 4-6)
     assert sum(len(history) for _, _, history, _ in staged) < sum(len(selected) for *_, selected in staged)
+
+
+@pytest.mark.parametrize("score", ["minmax", "rerank"])
+def test_stage_one_with_documents_stages_in_place_without_reading_selections_bitwise(score, monkeypatch):
+    """One selection per chunk (what the chooser gives sparse offload): stage 1 of a step with packed documents
+    stages its selected pages (and rerank's candidate keys) in place, by index on the device, so the host never
+    reads a selection there (on a GPU, each read is a device synchronisation per layer and chunk); the pages a
+    selection fills up with before its document move too and are masked. Stage 2 keeps the union of the pages
+    some query sees. Gradients equal sparse without offload bit for bit."""
+    in_place, union = [], []
+
+    class Recording(OffloadedKVStore):
+        def _stage_in_place(self, index, layer, chunk, pages, kinds, fresh):
+            in_place.append((layer, chunk.index, kinds))
+            return super()._stage_in_place(index, layer, chunk, pages, kinds, fresh)
+
+        def _selected_columns(self, layer, chunk, selection):
+            union.append((layer, chunk.index, (layer, chunk.index) in self._fresh_kv))
+            return super()._selected_columns(layer, chunk, selection)
+
+    monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
+    model = build_tiny_model("qwen2", seed=55)
+    ids = random_ids(2, TOKENS, seed=55)
+    cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
+    config = CONFIG.with_options({"sparse.query_block_pages": CHUNK // PAGE, "sparse.score": score})
+    results = []
+    for step_config, slabs in ((config, None), (config.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
+        model.zero_grad(set_to_none=True)
+        results.append((oomb.forward_backward(model, ids, None, step_config, cu_seqlens=cu, host_slabs=slabs),
+                        grads(model)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    assert ("k", "v") in {kinds for *_, kinds in in_place}  # stage 1's selected pages
+    if score == "rerank":
+        assert ("k",) in {kinds for *_, kinds in in_place}  # stage 1's candidate keys
+    # The host reads selections in stage 2 only, but for the last chunk: one block (200 = 6 x 32 + 8), whose
+    # selection is not a stride-0 view over blocks.
+    assert union and {chunk for _, chunk, stage_one in union if stage_one} == {TOKENS // CHUNK}

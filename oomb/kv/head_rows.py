@@ -22,8 +22,9 @@ scoring masks the last history page by its position, so its candidates keep thei
 without the union's sync by kv/sparse_staging.py's in-place path).
 
 Why: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it against
-33.61 s with the union (``offload-staging-1m`` in docs/results.md). Context parallelism and packed
-documents keep the union (their selections point at pages of other ranks or documents).
+33.61 s with the union (``offload-staging-1m`` in docs/results.md). Context parallelism keeps the union
+(its selections point at pages of other ranks), and so do packed documents, whose backends read a
+document's first page by its position; their stage 1 stages in place (kv/sparse_staging.py).
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ class HeadRowStaging:
     """Methods of ``OffloadedKVStore`` (through kv/sparse_staging.py's ``SparseStaging``) that stage a
     call's selection as (page, head) rows; they read the store's host tensors and bookkeeping."""
 
-    def _gathers_by_device_index(self) -> bool:
+    def _gathers_by_device_index(self, real_positions: bool = False) -> bool:
         """Whether pages can move by index tensors on the device, without the host reading the positions:
-        kernels that read host memory (mapped slabs, or a CPU device), and neither context parallelism
-        nor packed documents (their selections point at pages of other ranks or documents). Otherwise
-        copies run by run, or the union, stage them."""
-        if self.context is not None or self.document_starts is not None:
+        kernels that read host memory (mapped slabs, or a CPU device), and no context parallelism (a
+        selection points at pages other ranks hold). Packed documents only where the pages keep their
+        ``real_positions`` in the page table (kv/sparse_staging.py's in-place path): a block whose document
+        holds fewer history pages than it reads fills its selection up with earlier pages, which the
+        backend masks by position (cudnn never reads them), so they may move too; virtual positions
+        (head rows) would hide where each page's document starts. Otherwise copies run by run, or the
+        union, stage them."""
+        if self.context is not None or (self.document_starts is not None and not real_positions):
             return False
         return self.mapped_host is not None or self.device.type != "cuda"
 

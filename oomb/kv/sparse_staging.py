@@ -15,13 +15,14 @@ backward the history pages' gradients go back to the host and the chunk's own ar
   (kv/head_rows.py; leak-free rerank's candidate keys, which keep their page layout) is staged as it
   lies on the GPU, every KV head's pages in turn, gathered by index from the host and placed in the
   page table by a scatter: the host never reads it. A page several heads chose moves once per head (the
-  same bytes, so any of its slots is read alike). Other selections, packed documents and context
-  parallelism take the union (``_selected_columns``), whose positions the host reads: one sync per layer
-  and chunk.
+  same bytes, so any of its slots is read alike). Packed documents take it too (the pages keep their
+  positions); other selections and context parallelism take the union (``_selected_columns``), whose
+  positions the host reads: one sync per layer and chunk, two with rerank's candidate keys.
 * Packed documents: a query block whose document holds fewer history pages than it reads fills its
-  selection up with pages wholly before the document (oomb/sparse.py), which the backend masks. Those
-  stay on the host: the page table sends them to one zero page after every sequence's rows (the result
-  is bit-identical to reading the real pages).
+  selection up with pages wholly before the document (oomb/sparse.py), which the backend masks. The
+  union leaves those on the host: the page table sends them to one zero page after every sequence's rows
+  (the result is bit-identical to reading the real pages); the in-place path moves them, as it must not
+  read the selection to leave them out.
 * Context parallel: only this rank's selected pages and, on its owner, the chunk's own move; the
   selected pages of other ranks point at the zero page too.
 
@@ -234,8 +235,9 @@ class SparseStaging(HeadRowStaging):
         """(B, Hkv * K) int64 page positions, on the device, of a selection or candidate set (B, Hkv,
         n_blocks, K) that one group shares over the chunk's blocks, when stage 1 can stage them without
         reading them on the host (module docstring); else None. Needs kernels that gather from host
-        memory (mapped slabs, or a CPU device) and neither context parallelism nor packed documents."""
-        if not shared_by_all_blocks(pages) or not self._gathers_by_device_index():
+        memory (mapped slabs, or a CPU device) and no context parallelism. With packed documents the
+        pages a selection fills up with (wholly before its document) move too: the backend masks them."""
+        if not shared_by_all_blocks(pages) or not self._gathers_by_device_index(real_positions=True):
             return None
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
