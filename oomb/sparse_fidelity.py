@@ -120,14 +120,21 @@ def nearest(seq_len: int, read: float, points: tuple[FidelityPoint, ...] = MEASU
                                                 READ_WEIGHT * math.log2(max(p.read, 1e-6) / max(read, 1e-6))))
 
 
+def format_share(share: float) -> str:
+    """A share of the history as a percentage: two significant digits below 10 % (1.6 %, 0.82 %), three above
+    (12.5 %, 47 %, 100 %)."""
+    percent = 100 * share
+    return f"{percent:.2g} %" if percent < 10 else f"{percent:.3g} %"
+
+
 def describe(seq_len: int, config: OOMBConfig, num_layers: int, window_layers: tuple[int, ...] = ()) -> str:
     """One line for a sparse plan: the share of the history it reads and the nearest measured fidelity."""
     read = history_read(seq_len, config, num_layers, window_layers)
-    line = f"sparse reads {100 * read:.2g} % of the history at {format_tokens(seq_len)} tokens"
+    line = f"sparse reads {format_share(read)} of the history at {format_tokens(seq_len)} tokens"
     point = nearest(seq_len, read)
     if point is None:
         return line + "; no fidelity measured near it"
     mark = "meets" if point.cosine >= NEAR_DENSE_COSINE and abs(point.loss_gap) <= NEAR_DENSE_LOSS_GAP else "misses"
-    return (f"{line}; nearest measurement: {format_tokens(point.seq_len)} tokens reading {100 * point.read:.2g} % "
+    return (f"{line}; nearest measurement: {format_tokens(point.seq_len)} tokens reading {format_share(point.read)} "
             f"({point.setting}): gradient cosine {point.cosine:.4f}, loss {100 * point.loss_gap:+.2f} %, {mark} "
             f"the near-dense mark (docs/sparse.md)")

@@ -71,7 +71,7 @@ def test_nearest_weighs_length_and_share_by_doublings():
 
 def test_describe_states_the_share_and_the_measurement():
     line = describe(1 << 20, OOMBConfig(attention="sparse"), 28)
-    assert line.startswith("sparse reads 47 % of the history at 1M tokens; nearest measurement:")
+    assert line.startswith("sparse reads 46.8 % of the history at 1M tokens; nearest measurement:")
     assert "layers 0-5 dense" in line  # the nearest point is the defaults' own
     fixed = describe(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None)), 28)
     assert fixed.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
@@ -127,3 +127,9 @@ def test_every_measured_point_is_in_its_results_file():
             rows.append((row["history_read"], cosine, gap))
         assert any(abs(read - point.read) < 1e-3 and abs(cosine - point.cosine) < 1e-4 and abs(gap - point.loss_gap)
                    < 1e-4 for read, cosine, gap in rows), (point, rows)
+
+
+def test_shares_print_as_percentages_a_reader_expects():
+    from oomb.sparse_fidelity import format_share
+
+    assert [format_share(s) for s in (1.0, 0.125, 0.47, 0.016, 0.0082)] == ["100 %", "12.5 %", "47 %", "1.6 %", "0.82 %"]
