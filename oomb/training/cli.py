@@ -277,14 +277,14 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
             timing += f", then {result.steady_step_s:,.2f} s per step (median)"
             overhead = result.first_step_overhead_s
             if overhead > max(FIRST_STEP_NOISE_S, FIRST_STEP_NOISE * result.steady_step_s):
-                timing += (f": the first step's overhead (compilation, kernel tuning, pinning, warm-up) was "
-                           f"{overhead:,.2f} s")
+                timing += f": the first step's overhead was {overhead:,.2f} s"
                 shares = [f"torch.compile of the layers {result.first_step_compile_s:,.1f} s"
                           if result.first_step_compile_s else "",
                           f"pinning host memory for the pages {result.first_step_pin_s:,.1f} s"
                           if result.first_step_pin_s else ""]
                 if any(shares):
                     timing += ", of which " + " and ".join(share for share in shares if share)
+                timing += " (the rest: kernel tuning, allocator and cache warm-up)" if any(shares) else ""
             else:  # nothing compiled or tuned (a CPU run): a difference within the steps' own spread means nothing
                 timing += ": the first step took no longer than the others"
         if result.predicted_step_s is not None:
