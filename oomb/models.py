@@ -229,6 +229,17 @@ def final_logit_softcap(config) -> float | None:
     return cap if config.model_type in ("gemma2", "gemma3_text") and cap is not None else None
 
 
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+                  "hidden_dropout_prob", "attention_probs_dropout_prob")
+"""Config fields by which families put dropout in their layers (compiled layers refuse an active one)."""
+
+
+def config_has_dropout(config) -> bool:
+    """Whether a model built from ``config`` drops anything in training (any of DROPOUT_FIELDS above 0)."""
+    rates = [getattr(config, name, None) for name in DROPOUT_FIELDS]
+    return any(isinstance(p, (int, float)) and p > 0 for p in rates)
+
+
 def fused_loss_possible_for_config(config, dtype: torch.dtype) -> bool:
     """fused_loss_possible before a model is loaded, from its config (`oomb plan`, `oomb bench`): one
     process, a plain linear head, which Hugging Face builds unless the family softcaps its final logits;

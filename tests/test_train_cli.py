@@ -384,3 +384,16 @@ def test_merge_on_export_needs_lora_and_an_export():
     with pytest.raises(ValueError, match="checkpoint.export is false"):
         TrainerConfig.load(None, ["lora.merge_on_export=true", "lora.enabled=true", "checkpoint.export=false"])
     assert TrainerConfig.load(None, ["lora.merge_on_export=true", "lora.enabled=true"]).lora.merge_on_export
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora"]])
+def test_print_config_shows_the_plan_the_run_prints(lora, tmp_path, capsys):
+    """--print-config plans from the model's config alone, the run from the built model: both count the fused
+    loss (and compiled layers where they apply) alike, so the plan shown is the plan that runs."""
+    args = ["train", "--seq-len", "4K", "--chunk-size", "1K", "--steps", "1", "--set", "train.device=cpu",
+            "--output-dir", str(tmp_path / "out"), *lora]
+    assert cli_main([*args, "--print-config"]) == 0
+    shown = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# configuration:"))
+    assert cli_main([*args, "--set", "logging.progress=false"]) == 0
+    ran = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("configuration:"))
+    assert shown.removeprefix("# ").strip() == ran.strip() and "loss fused" in ran

@@ -38,7 +38,7 @@ from ..config import (
     SparseConfig,
     resolve_dtype,
 )
-from ..models import fused_loss_possible_for_config
+from ..models import config_has_dropout, fused_loss_possible_for_config
 from ..planning.choose import (
     AUTO_FIELDS,
     Choice,
@@ -99,9 +99,6 @@ def load_model_shape(model: str) -> ModelShape:
     return ModelShape.from_hf_config(model_config(model))
 
 
-_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
-                   "hidden_dropout_prob", "attention_probs_dropout_prob")
-"""Config fields by which families put dropout in their layers (compiled layers refuse an active one)."""
 
 
 def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[str, bool]:
@@ -117,8 +114,7 @@ def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[s
         return {"may_compile": False, "may_fuse_loss": False}
     if shape.tp > 1 or setup.context_parallel > 1:
         return {"may_compile": False, "may_fuse_loss": False}
-    rates = [getattr(cfg, name, None) for name in _DROPOUT_FIELDS]
-    dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
+    dropout = config_has_dropout(cfg)
     here_or_elsewhere = can_compile() or not torch.cuda.is_available()  # a GPU planned from a CPU: oomb[gpu] compiles
     compile_ok = here_or_elsewhere and compile_problem() is None and not shape.num_experts and not dropout
     return {"may_compile": compile_ok, "may_fuse_loss": fused_loss_possible_for_config(cfg, setup.dtype)}

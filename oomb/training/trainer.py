@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from .. import machine
-from ..compiled_layers import compile_seconds, may_compile
+from ..compiled_layers import can_compile, compile_problem, compile_seconds, may_compile
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
-from ..models import fused_loss_possible, unwrap_causal_lm
+from ..models import config_has_dropout, fused_loss_possible, fused_loss_possible_for_config, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from ..planning.choose import (
     MEMORY_HEADROOM,
@@ -99,19 +99,25 @@ def chooser_fixed(cfg: TrainerConfig, cuda: bool, shape: ModelShape) -> dict:
 def preview_choice(cfg: TrainerConfig) -> Choice | None:
     """What the chooser would pick for ``cfg``'s oomb options left ``auto`` on this machine now, from the model's
     config alone (nothing is built: ``oomb train --print-config``). The weights count against the free memory,
-    the LoRA adapters are PEFT's all-linear ones, and nothing is counted compiled or fused, so the trainer,
-    which knows the built model, may choose a little more generously. None: nothing is left to the chooser.
-    Raises NoConfigFitsError when nothing fits."""
+    the LoRA adapters are PEFT's all-linear ones, and the compiled layers and the fused loss are counted where
+    the config allows them (one process, a machine that compiles, no dropout; a plain head), as the trainer
+    finds them on the built model. None: nothing is left to the chooser. Raises NoConfigFitsError when
+    nothing fits."""
     if not cfg.train.auto_config or not cfg.oomb_auto:
         return None
     device = _resolve_device(cfg.train.device)
     dtype = _resolve_dtype(cfg.model.dtype, device)
     cuda = device.type == "cuda"
-    shape = ModelShape.from_hf_config(load_model_config(cfg.model, cfg.data.seq_len)).per_rank(cfg.parallel.tp)
+    model_config = load_model_config(cfg.model, cfg.data.seq_len)
+    shape = ModelShape.from_hf_config(model_config).per_rank(cfg.parallel.tp)
     lora = cfg.lora.r if cfg.lora.enabled else 0
+    one_process = cfg.parallel.tp == 1 and cfg.parallel.cp == 1 and cfg.parallel.dp in (None, 1)
+    dropout = config_has_dropout(model_config) or (cfg.lora.enabled and cfg.lora.dropout > 0)
     workload = Workload(shape, cfg.data.seq_len, 1, dtype, lora, master_weights=cfg.optim.master_weights,
                         trainable_params=shape.lora_params(lora) if lora else shape.num_params(),
                         fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
+                        may_compile=(one_process and not dropout and can_compile() and compile_problem() is None),
+                        may_fuse_loss=one_process and fused_loss_possible_for_config(model_config, dtype),
                         context_parallel=cfg.parallel.cp > 1)
     resources = Resources.free_on(device, machine.gpu_free_bytes(device) if cuda else None, host_available_bytes())
     return choose_config(workload, resources, chooser_fixed(cfg, cuda, shape), cfg.oomb)
