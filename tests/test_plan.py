@@ -204,7 +204,8 @@ def test_index_runs():
 
 
 def test_cli_table(capsys):
-    rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139", "--host-gib", "125"])
+    rc = cli.main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139", "--host-gib", "125",
+                   "--no-master-weights"])
     out = capsys.readouterr().out
     assert rc == 0  # no mode fits 1M tokens with the options above, but the chooser's plan does: train runs it
     for text in ("dense+offload", "sparse+offload", "implemented", "largest context", "KV grad pages",
@@ -316,7 +317,7 @@ def test_cli_keep_attention_outputs(capsys):
     the JSON; --keep-attention-outputs counts them in the table's modes without offload (refused with offload),
     --no-keep-attention-outputs keeps the chooser from them."""
     common = ["--model", "qwen2.5-7b", "--context", "128K", "--gpu-gib", "139", "--host-gib", "125", "--optimizer",
-              "none", "--attention", "sparse", "--json"]
+              "none", "--attention", "sparse", "--json", "--no-master-weights"]
     assert cli.main(["plan", *common]) == 0
     chosen = json.loads(capsys.readouterr().out)
     assert chosen["choice"]["performance.keep_attention_outputs"] is True
@@ -404,3 +405,13 @@ def test_plan_counts_the_step_kernels_training_would_run(tmp_path, monkeypatch):
     kernels = plan_module._step_kernels(str(tmp_path), plan_module.load_model_shape(str(tmp_path)), bf16)
     assert kernels == {"may_compile": False, "may_fuse_loss": True}
     assert plan_module._step_kernels("no-such-model", shape, bf16) == {"may_compile": False, "may_fuse_loss": False}
+
+
+def test_cli_plans_the_optimizer_oomb_train_runs_by_default(capsys):
+    """Full fine-tuning: oomb train keeps fp32 master weights by default (optim.master_weights), so oomb plan
+    plans them unless told otherwise; --no-master-weights plans without."""
+    common = ["plan", "--model", "qwen2.5-0.5b", "--context", "8K", "--gpu-gib", "79.6", "--host-gib", "120"]
+    assert cli.main(common) == 0
+    assert "fp32 master weights" in capsys.readouterr().out
+    assert cli.main([*common, "--no-master-weights"]) == 0
+    assert "fp32 master weights" not in capsys.readouterr().out

@@ -64,7 +64,7 @@ from ..planning.memory import (
 from ..planning.model_shape import ModelShape
 from ..planning.step_time import GPU_MEMORY_GIB, gpu_kind
 from ..training import presets
-from ..training.config import LoraSection
+from ..training.config import LoraSection, OptimSection
 from ..units import TOKEN_SUFFIXES, format_tokens, parse_tokens  # noqa: F401 - re-exported
 
 GROWTH_TOKENS = 10_000
@@ -469,7 +469,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", help="weights, activations and K/V pages (default: bfloat16 on a GPU, float32 on a "
                                        "CPU, as `oomb train`)")
     group.add_argument("--optimizer", choices=["adamw", "none"], default=setup.optimizer)
-    group.add_argument("--master-weights", action="store_true", help="fp32 master copy of trainable weights")
+    group.add_argument("--master-weights", action=argparse.BooleanOptionalAction,
+                       default=OptimSection().master_weights,
+                       help="fp32 master copy of trainable weights (default as oomb train: optim.master_weights)")
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel degree: predict one GPU's share of weights, KV heads and activations")
     group.add_argument("--cp", type=int, default=1,
