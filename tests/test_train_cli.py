@@ -397,3 +397,11 @@ def test_print_config_shows_the_plan_the_run_prints(lora, tmp_path, capsys):
     assert cli_main([*args, "--set", "logging.progress=false"]) == 0
     ran = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("configuration:"))
     assert shown.removeprefix("# ").strip() == ran.strip() and "loss fused" in ran
+
+
+def test_sparse_flags_on_a_dense_run_are_named_not_ignored(capsys):
+    assert cli_main(["train", "--sparse-budget", "8", "--sparse-read-share", "0.35", "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert "--sparse-budget, --sparse-read-share apply to sparse attention only; this run is dense" in err
+    assert cli_main(["train", "--attention", "sparse", "--sparse-budget", "8", "--print-config"]) == 0
+    assert "apply to sparse attention only" not in capsys.readouterr().err

@@ -198,9 +198,21 @@ def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
+def unused_sparse_flags(args: argparse.Namespace, config: TrainerConfig) -> list[str]:
+    """The --sparse-* flags given to a dense run (they would change nothing, silently)."""
+    if config.oomb.attention == "sparse":
+        return []
+    given = [name for name in (*SPARSE_FLAGS, "sparse_read_share") if getattr(args, name, None) is not None]
+    return ["--" + name.replace("_", "-") for name in given]
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `oomb train`: 0 when done, 130 when interrupted (state saved), 3 when memory is short."""
     config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
+    unused = unused_sparse_flags(args, config)
+    if unused:
+        print(f"oomb train: warning: {', '.join(unused)} apply to sparse attention only; this run is dense "
+              "(add --attention sparse)", file=sys.stderr)
     if args.print_config:
         print(annotated_config(config), end="")
         return 0
