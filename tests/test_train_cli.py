@@ -405,3 +405,17 @@ def test_sparse_flags_on_a_dense_run_are_named_not_ignored(capsys):
     assert "--sparse-budget, --sparse-read-share apply to sparse attention only; this run is dense" in err
     assert cli_main(["train", "--attention", "sparse", "--sparse-budget", "8", "--print-config"]) == 0
     assert "apply to sparse attention only" not in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_starts_again_and_keeps_the_old_metrics(tmp_path, capsys, caplog):
+    """A run killed before its first checkpoint: --resume starts it again from step 0 (what a scheduler's restart
+    wants), and the metrics it had logged move to output_dir/superseded instead of being overwritten."""
+    out = tmp_path / "out"
+    out.mkdir()
+    old = '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
+    (out / "metrics.jsonl").write_text(old)
+    args = ["train", "--seq-len", "256", "--steps", "1", "--output-dir", str(out), *FAST, "--resume"]
+    assert cli_main(args) == 0
+    assert (out / "superseded" / "metrics.jsonl").read_text() == old
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert "moved to" in caplog.text and "starting from step 0" in caplog.text

@@ -329,9 +329,16 @@ class Trainer(Checkpointing):
             return self._intact_checkpoint(), []
         if resume is not None and resume != "latest":
             return self._checked_resume_path(Path(resume)), []
-        if resume == "latest":
-            logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0", self.checkpoint_dir)
-            return None, artifacts  # a run that died before its first checkpoint: start it again
+        if resume == "latest":  # a run that died before its first checkpoint: start it again, its metrics kept
+            kept = ""
+            if metrics.exists() and metrics.stat().st_size and self.parallel.is_main:
+                aside = self.output_dir / "superseded"
+                aside.mkdir(exist_ok=True)
+                metrics.rename(aside / metrics.name)
+                kept = f"; the metrics of the run it replaces moved to {aside / metrics.name}"
+            logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0%s", self.checkpoint_dir,
+                           kept)
+            return None, [p for p in artifacts if p.name not in ("superseded", metrics.name)]
         if (latest is not None or metrics.exists()) and not self.config.train.overwrite:
             found = latest.name if latest is not None else metrics.name
             raise ValueError(
