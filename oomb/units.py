@@ -68,3 +68,8 @@ def parse_normaliser_pages(text: str) -> int | str | None:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"a positive number of pages, 'auto' or 'all', not {text!r}")
     return int(text)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 layer', '9 layers', '1 sink page' (``plural``: the plural where adding 's' is wrong)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

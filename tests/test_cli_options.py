@@ -140,7 +140,7 @@ def test_plan_writes_json_to_a_path_or_prints_it(tmp_path, capsys):
 
     from oomb import cli
 
-    args = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100"]
+    args = ["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--no-master-weights"]
     cli.main([*args, "--json"])
     assert json.loads(capsys.readouterr().out)["model"] == "qwen2.5-7b"
     out = tmp_path / "plan.json"

@@ -352,7 +352,7 @@ def test_plan_with_cp_divides_the_pages():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     plan = plan_from_args(parser.parse_args(["--model", "qwen2.5-7b", "--context", "1M", "--gpu-gib", "139",
-                                             "--host-gib", "125", "--cp", "4"]))
+                                             "--host-gib", "125", "--cp", "4", "--no-master-weights"]))
     assert [r.mode.name for r in plan.reports] == [m for m in MODES if m != "hf"]
     dense = next(r for r in plan.reports if r.mode.name == "dense")
     assert dense.fits and dense.prediction.gpu["KV working set"] == predict(

@@ -292,7 +292,7 @@ def test_eval_takes_a_lora_adapter_directory(model_dir, data_file, tmp_path, cap
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
     capsys.readouterr()
     assert cli.main(["eval", "--model", str(adapter), "--data", str(data_file), "--seq-len", "1K"]) == 2
-    assert "is a LoRA adapter whose base model (None)" in capsys.readouterr().err
+    assert "is a LoRA adapter whose base model (none recorded)" in capsys.readouterr().err
 
 
 def test_short_eval_data_is_refused_without_the_training_warning(model_dir, tmp_path, caplog, capsys):

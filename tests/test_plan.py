@@ -415,3 +415,10 @@ def test_cli_plans_the_optimizer_oomb_train_runs_by_default(capsys):
     assert "fp32 master weights" in capsys.readouterr().out
     assert cli.main([*common, "--no-master-weights"]) == 0
     assert "fp32 master weights" not in capsys.readouterr().out
+
+
+def test_longest_context_says_none_fits_instead_of_zero_tokens():
+    from oomb.tools.plan import _longest
+
+    assert _longest("dense", 1_061_632) == "dense 1,061,632 tokens (~1.01M)"
+    assert _longest("sparse", 0) == "sparse: none fits"

@@ -132,4 +132,5 @@ def test_every_measured_point_is_in_its_results_file():
 def test_shares_print_as_percentages_a_reader_expects():
     from oomb.sparse_fidelity import format_share
 
-    assert [format_share(s) for s in (1.0, 0.125, 0.47, 0.016, 0.0082)] == ["100 %", "12.5 %", "47 %", "1.6 %", "0.82 %"]
+    shares = (1.0, 0.125, 0.47, 0.016, 0.0082)
+    assert [format_share(s) for s in shares] == ["100 %", "12.5 %", "47 %", "1.6 %", "0.82 %"]

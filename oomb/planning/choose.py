@@ -278,7 +278,9 @@ class Candidate:
 
     def summary(self, num_layers: int) -> str:
         c = self.config
-        if c.offload.enabled:
+        if c.offload.enabled and self.device != "cuda":
+            where = "offload (on a CPU every page is in host memory either way)"
+        elif c.offload.enabled:
             where = f"offload ({c.offload.resident_layers} of {num_layers} layers resident on the GPU)"
         else:
             where = "pages on the GPU" if self.device == "cuda" else "pages in host memory"

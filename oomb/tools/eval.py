@@ -117,7 +117,8 @@ def lora_adapter(path: Path) -> str | None:
         return None
     base = json.loads(config_file.read_text()).get("base_model_name_or_path")
     if not base or not Path(base).expanduser().is_dir():
-        raise ValueError(f"--model {str(path)!r} is a LoRA adapter whose base model ({base!r}) is not a local "
+        recorded = repr(base) if base else "none recorded"
+        raise ValueError(f"--model {str(path)!r} is a LoRA adapter whose base model ({recorded}) is not a local "
                          "directory here (an adapter trained on a preset's random weights cannot be rebuilt): evaluate "
                          "the merged model that lora.merge_on_export=true writes to output_dir/final-merged")
     return str(Path(base).expanduser())

@@ -432,7 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--sparse-score", "--scores", dest="scores", nargs="+", choices=SPARSE_SCORES,
                default=d.scores, help="score rules to compare (default: the one OOMBConfig() runs)")
     add_option(parser, "--sparse-pooling", "--poolings", dest="poolings", nargs="+", choices=SPARSE_POOLINGS,
-               default=d.poolings, help="how a block's rows combine into a page score (max, softmax)")
+               default=d.poolings, help="how a block's rows combine into a page score (max, softmax, softmax_max)")
     add_option(parser, "--sparse-layer-budgets", "--layer-budgets", dest="layer_budgets", type=int, nargs="+",
                default=None, help="a budget per layer")
     add_option(parser, "--sparse-dense-layers", "--dense-layers", dest="dense_layers", type=int, nargs="*",

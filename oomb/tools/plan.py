@@ -322,7 +322,7 @@ def format_plan(plan: Plan) -> str:
         f"oomb: chunk {cfg.chunk_size}, page {cfg.page_size}, KV grads {_dtype(cfg.precision.grad_dtype)}, "
         "fp32 grad sums "
         f"{'on' if cfg.precision.fp32_grad_accumulation else 'off'}, "
-        f"layer checkpointing {'on' if cfg.performance.checkpoint_layers else 'off'}",
+        f"layer replay {'on' if cfg.performance.checkpoint_layers else 'off'}",
         f"budget: GPU {budget.gpu_bytes / GIB:.1f} GiB ({budget.gpu_source}) -> {budget.gpu_limit / GIB:.1f} GiB "
         f"usable; host {budget.host_bytes / GIB:.1f} GiB ({budget.host_source}) -> {budget.host_limit / GIB:.1f} GiB "
         f"usable ({budget.margin:.0%} margin, {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context)",
@@ -381,7 +381,7 @@ def format_plan(plan: Plan) -> str:
             f"summary vectors per page and KV head)")
     if plan.longest:
         lines.append("longest context oomb train fits here, by its chooser: " + ", ".join(
-            f"{mode} {tokens:,} tokens (~{tokens / 2**20:.2f}M)" for mode, tokens in plan.longest.items()))
+            _longest(mode, tokens) for mode, tokens in plan.longest.items()))
     if plan.choice is not None:
         lines += ["", f"oomb train would run ({plan.choice.config.attention} attention, options you set kept):",
                   plan.choice.describe()]
@@ -627,9 +627,14 @@ def cpu_plan(args: argparse.Namespace) -> tuple[str, dict, bool]:
         report["choice_error"] = str(err)
     longest = {mode: longest_context(workload, resources, {**fixed, "attention": mode}) for mode in ATTENTION_MODES}
     lines.append("longest context oomb train fits here, by its chooser: " + ", ".join(
-        f"{mode} {tokens:,} tokens (~{tokens / 2**20:.2f}M)" for mode, tokens in longest.items()))
+        _longest(mode, tokens) for mode, tokens in longest.items()))
     report["longest"] = longest
     return "\n".join(lines), report, choice is not None
+
+
+def _longest(mode: str, tokens: int) -> str:
+    """'dense 1,061,632 tokens (~1.01M)', or 'sparse: none fits' where not even a page of tokens does."""
+    return f"{mode} {tokens:,} tokens (~{tokens / 2**20:.2f}M)" if tokens > 0 else f"{mode}: none fits"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from ..config import (
 )
 from ..models import num_decoder_layers, resolved_sparse, unwrap_causal_lm
 from ..planning.choose import NoConfigFitsError
-from ..units import format_indices, parse_tokens
+from ..units import count, format_indices, parse_tokens
 from .config import TrainerConfig
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
 
@@ -264,15 +264,18 @@ def _header(trainer: Trainer) -> str:
         causal_lm = unwrap_causal_lm(trainer.model)
         dense = resolved_sparse(o, causal_lm).dense_layers
         pages += f"; layers {format_indices(dense)} of {num_decoder_layers(causal_lm)} read every page" if dense else ""
-    attention = (f", sparse attention ({pages} + {o.sparse.sink_pages} sink pages per block, "
+    attention = (f", sparse attention ({pages} + {count(o.sparse.sink_pages, 'sink page')} per block, "
                  f"{o.sparse.resolved_score}{_candidates(o)}{', leak-free' if o.sparse.leak_free else ''})"
                  if o.attention == "sparse" else "")
-    if o.offload.enabled:
-        attention += f", KV pages in pinned host memory ({o.offload.resident_layers} layers resident on the GPU)"
+    if o.offload.enabled and trainer.device.type == "cuda":
+        attention += (f", KV pages in pinned host memory ({count(o.offload.resident_layers, 'layer')} resident on "
+                      "the GPU)")
+    elif o.offload.enabled:
+        attention += ", KV pages offloaded (on a CPU every page is in host memory either way)"
     choice = f"\n  {trainer.choice.describe()}" if trainer.choice is not None else ""
     return (f"oomb train: {source}, {trainer.total_params / 1e6:,.2f} M parameters ({mode}, "
             f"{trainer.trainable / 1e6:,.2f} M trainable), {trainer.dtype} on {trainer.device}{ranks}\n"
-            f"  data: {data}; {cfg.train.max_steps} steps x {cfg.train.grad_accum} sequence(s) x "
+            f"  data: {data}; {count(cfg.train.max_steps, 'step')} x {count(cfg.train.grad_accum, 'sequence')} x "
             f"{cfg.data.seq_len:,} tokens, chunk {o.chunk_size}, page {o.page_size}{attention}, "
             f"lr {trainer.lr:g}{start}{choice}\n  output: {cfg.train.output_dir}")
 
@@ -281,7 +284,7 @@ def _summary(result: TrainResult, trainer: Trainer) -> str:
     out = trainer.output_dir
     losses = result.losses
     trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step"
-    lines = [f"oomb train: {'interrupted after' if result.interrupted else 'done,'} {result.steps} steps, "
+    lines = [f"oomb train: {'interrupted after' if result.interrupted else 'done,'} {count(result.steps, 'step')}, "
              f"{result.tokens:,} tokens in {result.elapsed_s:,.1f} s ({result.tokens_per_s:,.0f} tokens/s); {trend}"]
     if result.first_step_s is not None:
         timing = f"  step time: first {result.first_step_s:,.2f} s"
