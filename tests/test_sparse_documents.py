@@ -145,18 +145,23 @@ def test_a_full_budget_with_documents_is_dense_bitwise():
     assert all(torch.equal(grads(model)[n], dense[n]) for n in dense)
 
 
-def test_sparse_documents_with_offload_equal_without_bitwise():
-    model = build_tiny_model("qwen2", seed=53)
-    ids = random_ids(2, TOKENS, seed=53)
+def _assert_offload_bitwise(config: OOMBConfig, seed: int) -> None:
+    """Two rows of packed documents: the step with offload equals the step without, bit for bit."""
+    model = build_tiny_model("qwen2", seed=seed)
+    ids = random_ids(2, TOKENS, seed=seed)
     cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
     results = []
-    for config, slabs in ((CONFIG, None), (CONFIG.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
+    for step_config, slabs in ((config, None), (config.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
         model.zero_grad(set_to_none=True)
-        results.append((oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
+        results.append((oomb.forward_backward(model, ids, None, step_config, cu_seqlens=cu, host_slabs=slabs),
                         grads(model)))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_sparse_documents_with_offload_equal_without_bitwise():
+    _assert_offload_bitwise(CONFIG, seed=53)
 
 
 @pytest.mark.parametrize(("backend", "staging", "rows"), [
@@ -225,18 +230,8 @@ def test_stage_one_with_documents_stages_in_place_without_reading_selections_bit
             return super()._selected_columns(layer, chunk, selection)
 
     monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
-    model = build_tiny_model("qwen2", seed=55)
-    ids = random_ids(2, TOKENS, seed=55)
-    cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
-    config = CONFIG.with_options({"sparse.query_block_pages": CHUNK // PAGE, "sparse.score": score})
-    results = []
-    for step_config, slabs in ((config, None), (config.with_options({"offload.enabled": True}), HostSlabs(pin=False))):
-        model.zero_grad(set_to_none=True)
-        results.append((oomb.forward_backward(model, ids, None, step_config, cu_seqlens=cu, host_slabs=slabs),
-                        grads(model)))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    _assert_offload_bitwise(CONFIG.with_options({"sparse.query_block_pages": CHUNK // PAGE, "sparse.score": score}),
+                            seed=55)
     assert ("k", "v") in {kinds for *_, kinds in in_place}  # stage 1's selected pages
     if score == "rerank":
         assert ("k",) in {kinds for *_, kinds in in_place}  # stage 1's candidate keys
