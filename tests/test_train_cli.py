@@ -419,3 +419,28 @@ def test_resume_without_a_checkpoint_starts_again_and_keeps_the_old_metrics(tmp_
     assert (out / "superseded" / "metrics.jsonl").read_text() == old
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert "moved to" in caplog.text and "starting from step 0" in caplog.text
+
+
+def test_cli_sigterm_is_handled_as_ctrl_c(tmp_path, model_dir, capsys, monkeypatch):
+    """A scheduler's or `timeout`'s SIGTERM stops the run as Ctrl-C does: exit 130, the last complete step
+    checkpointed, and the handler the process had before is back afterwards."""
+    import os
+    import signal
+
+    real = oomb.training.trainer.forward_backward
+    calls = []
+
+    def terminated_in_step_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", terminated_in_step_two)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    assert cli_main(["train", "--model", str(model_dir), "--seq-len", "256", "--steps", "3", "--output-dir", str(out),
+                     *FAST]) == 130
+    assert "interrupted after 1 step" in capsys.readouterr().out
+    assert (out / "checkpoints" / "step-000001" / "trainer_state.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before

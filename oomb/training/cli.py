@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 import torch
 import yaml
@@ -27,7 +29,7 @@ from ..models import num_decoder_layers, resolved_sparse, unwrap_causal_lm
 from ..planning.choose import NoConfigFitsError
 from ..units import count, format_indices, parse_tokens
 from .config import TrainerConfig
-from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice
+from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice, terminate_as_interrupt
 
 SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_pooling", "sparse_candidate_pooling",
                 "sparse_query_block_pages")
@@ -218,9 +220,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     _quiet_transformers()
     trainer = Trainer(config)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main_thread else None
     try:
         return _run(trainer)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         trainer.close()  # leave torchrun's process group before the interpreter exits
 
 

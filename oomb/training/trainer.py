@@ -747,18 +747,27 @@ class Trainer(Checkpointing):
             setup_s=self.setup_s, checkpoint_s=self.checkpoint_s)
 
 
+def terminate_as_interrupt(signum, frame) -> None:
+    """A SIGTERM handler (`oomb train` installs it): a scheduler's or `timeout`'s stop is handled as Ctrl-C is,
+    the partial step dropped and the last complete one checkpointed."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def _sigint_deferred():
-    """Hold Ctrl-C until the block is done (main thread only), then raise it."""
+    """Hold Ctrl-C (and SIGTERM where terminate_as_interrupt handles it) until the block is done (main thread
+    only), then raise it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    kinds = [signal.SIGINT] + ([signal.SIGTERM] if signal.getsignal(signal.SIGTERM) is terminate_as_interrupt else [])
+    previous = {kind: signal.signal(kind, lambda signum, frame: received.append(signum)) for kind in kinds}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
     if received:
         raise KeyboardInterrupt
 
