@@ -2,8 +2,8 @@
 
     # a tiny random Llama and random tokens: runs on a CPU in seconds
     python examples/shared_context_dpo.py
-    # a local model, a longer context, on the GPU
-    python examples/shared_context_dpo.py --model /models/SmolLM2-135M --context 131072 --chunk 4096 --device cuda
+    # the real SmolLM2-135M (converted once from its wheel), or any local model directory, on the GPU
+    python examples/shared_context_dpo.py --model smollm2 --context 131072 --chunk 4096 --device cuda
 
 Each step takes one context and P (chosen, rejected) pairs of answers to it, computes the reference
 model's summed log-probabilities with ``oomb.shared_context_logprobs`` (stage 1 alone), then one
@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import oomb
+from oomb.cli_options import resolve_model
 from oomb.shared_context import dpo_sigmoid_loss
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=160,
@@ -29,7 +30,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a local model directory (default: a tiny random Llama)")
+    parser.add_argument("--model", help="a local model directory, or smollm2 (default: a tiny random Llama)")
     parser.add_argument("--context", type=int, default=1000, help="context tokens")
     parser.add_argument("--pairs", type=int, default=2, help="preference pairs per context")
     parser.add_argument("--answer", type=int, default=40, help="tokens per answer")
@@ -45,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_model(args) -> torch.nn.Module:
     if args.model:
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
+        return AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).to(args.device)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**TINY)).to(args.device)
 
