@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .models import decoder_layers
+from .models import config_has_dropout, decoder_layers
 
 COMPILED_CALL = "_compiled_call_impl"
 """The attribute nn.Module.compile sets and nn.Module.__call__ reads (torch >= 2.2)."""
@@ -97,6 +97,15 @@ def may_compile(causal_lm: nn.Module, single_process: bool = True) -> bool:
     machine where torch can compile, and no active dropout. The planner counts compiled layers' activations
     only where these hold."""
     return single_process and active_dropout(causal_lm) is None and compile_problem() is None and can_compile()
+
+
+def may_compile_config(model_config, one_process: bool, extra_dropout: bool = False,
+                       compiles_elsewhere: bool = False) -> bool:
+    """may_compile before a model is built, from its Hugging Face config (`oomb plan`, `--print-config`): one
+    process, no dropout in the config (nor ``extra_dropout``, e.g. LoRA's), and torch able to compile here, or
+    ``compiles_elsewhere`` (a GPU planned from a machine without one)."""
+    return (one_process and not extra_dropout and not config_has_dropout(model_config)
+            and (can_compile() or compiles_elsewhere) and compile_problem() is None)
 
 
 def active_dropout(model: nn.Module) -> str | None:

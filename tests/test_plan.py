@@ -388,10 +388,11 @@ def test_plan_counts_the_step_kernels_training_would_run(tmp_path, monkeypatch):
     """`oomb plan`'s chooser counts compiled layers and the fused loss where `oomb train` would run them on
     this machine (a machine that compiles is stood in for): not under tensor parallelism, not for a model
     with active dropout (compiled layers), not for a softcapped head or float16 (the fused loss)."""
+    import oomb.compiled_layers
     import oomb.tools.plan as plan_module
     from oomb.planning.memory import TrainingSetup
 
-    monkeypatch.setattr(plan_module, "can_compile", lambda: True)
+    monkeypatch.setattr(oomb.compiled_layers, "can_compile", lambda: True)
     bf16 = TrainingSetup(torch.bfloat16)
     shape = plan_module.load_model_shape("qwen2.5-7b")
     assert plan_module._step_kernels("qwen2.5-7b", shape, bf16) == {"may_compile": True, "may_fuse_loss": True}

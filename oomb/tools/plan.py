@@ -27,7 +27,7 @@ import torch
 
 from .. import machine
 from ..cli_options import add_option, parse_read_share, read_share_setting, resolve_model
-from ..compiled_layers import can_compile, compile_problem
+from ..compiled_layers import may_compile_config
 from ..config import (
     ATTENTION_MODES,
     BACKENDS,
@@ -38,7 +38,7 @@ from ..config import (
     SparseConfig,
     resolve_dtype,
 )
-from ..models import config_has_dropout, fused_loss_possible_for_config
+from ..models import fused_loss_possible_for_config
 from ..planning.choose import (
     AUTO_FIELDS,
     Choice,
@@ -114,9 +114,8 @@ def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[s
         return {"may_compile": False, "may_fuse_loss": False}
     if shape.tp > 1 or setup.context_parallel > 1:
         return {"may_compile": False, "may_fuse_loss": False}
-    dropout = config_has_dropout(cfg)
-    here_or_elsewhere = can_compile() or not torch.cuda.is_available()  # a GPU planned from a CPU: oomb[gpu] compiles
-    compile_ok = here_or_elsewhere and compile_problem() is None and not shape.num_experts and not dropout
+    elsewhere = not torch.cuda.is_available()  # a GPU planned from a machine without one
+    compile_ok = may_compile_config(cfg, True, compiles_elsewhere=elsewhere) and not shape.num_experts
     return {"may_compile": compile_ok, "may_fuse_loss": fused_loss_possible_for_config(cfg, setup.dtype)}
 
 

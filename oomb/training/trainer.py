@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from .. import machine
-from ..compiled_layers import can_compile, compile_problem, compile_seconds, may_compile
+from ..compiled_layers import compile_seconds, may_compile, may_compile_config
 from ..engine import forward_backward
 from ..kv.offload import HostSlabs
-from ..models import config_has_dropout, fused_loss_possible, fused_loss_possible_for_config, unwrap_causal_lm
+from ..models import fused_loss_possible, fused_loss_possible_for_config, unwrap_causal_lm
 from ..parallel import ParallelSetup, clip_grad_norm, full_tensor, init_distributed, setup_parallel
 from ..planning.choose import (
     MEMORY_HEADROOM,
@@ -112,11 +112,11 @@ def preview_choice(cfg: TrainerConfig) -> Choice | None:
     shape = ModelShape.from_hf_config(model_config).per_rank(cfg.parallel.tp)
     lora = cfg.lora.r if cfg.lora.enabled else 0
     one_process = cfg.parallel.tp == 1 and cfg.parallel.cp == 1 and cfg.parallel.dp in (None, 1)
-    dropout = config_has_dropout(model_config) or (cfg.lora.enabled and cfg.lora.dropout > 0)
     workload = Workload(shape, cfg.data.seq_len, 1, dtype, lora, master_weights=cfg.optim.master_weights,
                         trainable_params=shape.lora_params(lora) if lora else shape.num_params(),
                         fp32_targets=cfg.optim.master_weights and not cfg.optim.offload,
-                        may_compile=(one_process and not dropout and can_compile() and compile_problem() is None),
+                        may_compile=may_compile_config(model_config, one_process,
+                                                       extra_dropout=cfg.lora.enabled and cfg.lora.dropout > 0),
                         may_fuse_loss=one_process and fused_loss_possible_for_config(model_config, dtype),
                         context_parallel=cfg.parallel.cp > 1)
     resources = Resources.free_on(device, machine.gpu_free_bytes(device) if cuda else None, host_available_bytes())
