@@ -25,6 +25,19 @@ GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE = 7
 and up, sigmoid(alpha gate), the gated product and up + 1 (measured as above)."""
 
 
+def _peft_adapts_dense_mlp_of_moe() -> bool:
+    """Whether the installed PEFT adapts a dense MLP inside a qwen3_moe model (see
+    ModelShape.lora_dense_mlp_of_moe); read from its version, not by importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("peft")) >= Version("0.22")
+    except PackageNotFoundError:
+        return True
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The dimensions of a decoder-only transformer that memory depends on.
@@ -83,9 +96,12 @@ class ModelShape:
     for gpt-oss)."""
     lora_expert_adapters: bool = False
     """PEFT's "all-linear" also adapts the MoE experts and router through its parameter targets
-    (``target_parameters``; PEFT 0.21 does for qwen3_moe: the fused gate_up_proj at rank 2 r and
-    down_proj at rank r per expert, the router at rank r, and then of the linear layers only q, k, v, o;
-    not for gpt-oss)."""
+    (``target_parameters``; PEFT does for qwen3_moe: the fused gate_up_proj at rank 2 r and
+    down_proj at rank r per expert, the router at rank r; not for gpt-oss)."""
+    lora_dense_mlp_of_moe: bool = True
+    """With ``lora_expert_adapters``, whether the dense MLP of an ``mlp_only_layers`` layer is adapted
+    too: PEFT 0.22 keeps its gate, up and down projections as module targets; PEFT 0.21 turned those
+    names into expert parameter targets and left the dense MLP unadapted."""
     sliding_window: int = 0
     """Window of the sliding-window layers (0: none): without offload their pages are bounded by it,
     with offload what they stage (see memory.predict)."""
@@ -116,6 +132,7 @@ class ModelShape:
                        expert_intermediate_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
                        moe_bias=model_type == "gpt_oss", shared_expert_intermediate_size=shared,
                        dense_mlp_layers=L - moe_layers, lora_expert_adapters=model_type == "qwen3_moe",
+                       lora_dense_mlp_of_moe=_peft_adapts_dense_mlp_of_moe(),
                        expert_saved_intermediates=GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE if model_type == "gpt_oss"
                        else MOE_ROUTED_ROW_SAVED_INTERMEDIATE)
         window = getattr(cfg, "sliding_window", None) or 0
@@ -272,7 +289,8 @@ class ModelShape:
         if self.lora_expert_adapters:  # fused gate_up at rank 2r, down at rank r, for every expert
             e, ie = self.num_experts, self.expert_intermediate_size
             moe += e * 2 * (h + 2 * ie) + e * (ie + h) + (h + e)
-            dense = attention  # PEFT's fixed qwen3_moe list: q, k, v, o (a dense layer's MLP unadapted)
+            if not self.lora_dense_mlp_of_moe:
+                dense = attention
         return rank * (self.moe_layers * moe + (self.num_layers - self.moe_layers) * dense)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
