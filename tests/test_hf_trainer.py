@@ -177,10 +177,16 @@ def test_real_model_chat_sft_with_lora(tmp_path, smollm2_path):
     the learning rate in the direction of its gradient's sign, and where two elements' gradients nearly
     cancel (or vanish), float noise of 2e-5 relative between two exact attention implementations (30 layers,
     fp32) flips that sign (measured: 1.5e-3 apart with AdamW at lr 1e-3, identical losses and gradient norms).
+
+    The plain trainer takes the model's own loss (``compute_loss_func``), the one oomb's step reproduces. TRL's
+    SFTTrainer otherwise computes it through its fused LM head, which rounds it differently: on this batch the
+    model's own float32 loss (torch's CPU log-softmax) lies 1.3e-5 below the float64 loss and the fused head's
+    2e-7 above it (measured), more than TOL apart for two correct float32 losses.
     """
     peft = pytest.importorskip("peft")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
     chats = [
         ("What is the capital of France?", "The capital of France is Paris, a city on the Seine known for its museums, "
@@ -208,7 +214,10 @@ def test_real_model_chat_sft_with_lora(tmp_path, smollm2_path):
         trainer.train()
         return trainer
 
-    plain = run(SFTTrainer, tmp_path / "a")
+    def model_loss(outputs, labels, num_items_in_batch=None):
+        return ForCausalLMLoss(outputs.logits, labels, outputs.logits.shape[-1], num_items_in_batch)
+
+    plain = run(SFTTrainer, tmp_path / "a", compute_loss_func=model_loss)
     # less work
     ours = run(OOMBSFTTrainer, tmp_path / "b", oomb_config=STEP.with_options({"performance.checkpoint_layers": False}))
     batch = next(iter(ours.get_train_dataloader()))
