@@ -14,10 +14,11 @@ cost compile time. Measured on one H100 (7B shape, LoRA, 32K, empty caches): 26 
 compilation, where the earlier carried weight gradients (a guard on whether ``.grad`` existed yet, two versions
 of every segment) and symbolic floats took 84 s (docs/design.md, "Compile time").
 
-Only without layer replay: transformers runs a layer's checkpoint inside its forward, and
-``torch.utils.checkpoint`` disables compilation for what it runs, so with replay stage 2 would run
-eager while stage 1 ran compiled (keys and values recomputed with other rounding, dropout with other
-masks). Not with an active dropout either: with trainable bf16 linear layers (bf16 LoRA adapters), stage
+With layer replay too: transformers runs a layer's checkpoint inside the layer's call (or its forward), where a
+checkpoint met while tracing would run the layer eager, so for stage 2 models.layer_checkpointing sets the
+layers' own compiled call aside and checkpoints a compiled call of what transformers replays instead: the forward
+and the recomputation in the backward run the same compiled graphs (tests/test_compiled_layers.py, with
+transformers 5.17 and newer). Not with an active dropout: with trainable bf16 linear layers (bf16 LoRA adapters), stage
 2's graphs break at the float32-gradient linear layers (fp32_linear.py) and stage 1's do not, and the
 masks differed (measured; see CHANGELOG.md and git history). The layers are compiled in place with
 ``nn.Module.compile`` only for the step and restored afterwards, so a user's own calls of the model
@@ -41,10 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .models import config_has_dropout, decoder_layers
-
-COMPILED_CALL = "_compiled_call_impl"
-"""The attribute nn.Module.compile sets and nn.Module.__call__ reads (torch >= 2.2)."""
+from .models import COMPILED_CALL, config_has_dropout, decoder_layers
 
 RECOMPILE_LIMIT = 64
 """Compiled versions per code object during the step (torch's default is 8). transformers wraps every
@@ -84,12 +82,11 @@ def resolve_compile_layers(config, device: torch.device, parallel, causal_lm: nn
 
 def compiles(config, cuda: bool, experts: bool, single_process: bool = True) -> bool:
     """The rule of OOMBConfig.performance.compile_layers without the model's and the machine's checks: the user's
-    choice (True needs checkpoint_layers=False: the config refuses the pair), else on for a single-process
-    CUDA step without layer replay of a model without experts, unless bitwise determinism is asked for."""
+    choice, else on for a single-process CUDA step of a model without experts, unless bitwise determinism is
+    asked for (with or without layer replay: models.layer_checkpointing runs the replayed layers compiled)."""
     if config.performance.compile_layers is not None:
         return config.performance.compile_layers
-    return (cuda and single_process and not experts and not config.performance.checkpoint_layers
-            and not config.precision.deterministic)
+    return cuda and single_process and not experts and not config.precision.deterministic
 
 
 def may_compile(causal_lm: nn.Module, single_process: bool = True) -> bool:

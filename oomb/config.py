@@ -360,11 +360,10 @@ class PerformanceConfig:
     memory (7B shape, 128K sparse step without layer replay on the H200: 23.48 s instead of 25.39 s, 57.2
     instead of 64.3 GiB). The first step compiles (about 25 s there). Gradients match the eager layers' to
     rounding, not bit for bit; two identical steps give the same gradients bit for bit (one dynamic-shape graph
-    for every chunk length: oomb/compiled_layers.py). Needs checkpoint_layers=False (with replay, stage 2 would
-    run eager: other rounding, other dropout masks than stage 1), and is refused while a dropout is active.
-    None: on for a single-process CUDA step without layer replay or active dropout of a model without experts, with
-    Triton installed, unless precision.deterministic=True; off on a CPU, where compiling costs more than it
-    saves. True/False fix it."""
+    for every chunk length: oomb/compiled_layers.py). With layer replay the replayed layers run compiled too,
+    forward and recomputation. Refused while a dropout is active. None: on for a single-process CUDA step without
+    active dropout of a model without experts, with Triton installed, unless precision.deterministic=True; off on
+    a CPU, where compiling costs more than it saves. True/False fix it."""
     keep_attention_outputs: bool = False
     """Stage 1 keeps every layer's attention output and log-sum-exp for stage 2, which then skips recomputing
     the attention forward (for sparse attention also its page gathers): (head dim x dtype bytes + 4) bytes
@@ -384,10 +383,6 @@ class PerformanceConfig:
         if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
             raise ValueError(f"performance.compile_layers={self.compile_layers!r} must be True, False or None "
                              f"(automatic)")
-        if self.compile_layers and self.checkpoint_layers:
-            raise ValueError("performance.compile_layers=True needs performance.checkpoint_layers=False: a replayed "
-                             "layer runs inside torch.utils.checkpoint, which does not compile, so stage 2 would "
-                             "recompute keys, values and dropout masks differently from the compiled stage 1")
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ def gradient_routing(model: torch.nn.Module, config: OOMBConfig, parallel: Paral
     causal_lm = unwrap_causal_lm(model)
     decoder = causal_lm.get_decoder()
     in_place = parallel.tp == 1 and not parallel.fsdp
-    with layer_checkpointing(decoder, config.performance.checkpoint_layers), parallel.loss_context(), \
+    with layer_checkpointing(decoder, config.performance.checkpoint_layers, compile_layers), parallel.loss_context(), \
             float32_weight_gradients(model, sums, enabled=parallel.tp == 1), \
             in_place_weight_gradients(loss_head(causal_lm) if compile_layers else model, sums,
                                       enabled=in_place), \

@@ -33,6 +33,9 @@ from .documents import Documents, window_bounds
 from .kv import ChunkSpan, PagedKVStore
 from .loss import SoftcappedHead, fused_head
 
+COMPILED_CALL = "_compiled_call_impl"
+"""The attribute nn.Module.compile sets and nn.Module.__call__ reads (torch >= 2.2)."""
+
 ATTENTION_NAME = "oomb"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
                          "olmo2", "gpt_oss")
@@ -293,30 +296,48 @@ def resolved_sparse(config, causal_lm: nn.Module):
     return config.resolved_sparse(num_decoder_layers(causal_lm), window_layer_ids(causal_lm))
 
 
+def _run_replayed(function, *args):
+    """What a compiled replay traces: transformers' replayed layer function on its inputs. One function for every
+    layer and step, so torch keeps one cache of graphs for them (the layers share their guards)."""
+    return function(*args)
+
+
 @contextlib.contextmanager
-def layer_checkpointing(decoder: nn.Module, enabled: bool):
+def layer_checkpointing(decoder: nn.Module, enabled: bool, compiled: bool = False):
     """Switch per-layer recomputation (transformers' GradientCheckpointingLayer) on or off for a stage.
 
     Only the layer modules' own flags change (their ``training`` flag too, which is what the
     checkpointing switch reads); submodules keep their train/eval state, so dropout is untouched.
     Stage 1 runs with it off: it has no backward, and a user's own checkpointing would only warn.
+
+    ``compiled`` (layers compiled for the step, compiled_layers.py): the replayed function runs compiled
+    inside the checkpoint, forward and recomputation alike. The layers' own compiled call is set aside
+    meanwhile: transformers puts the checkpoint inside the layer's call (or its forward), and a
+    checkpoint met while tracing runs what it wraps eager.
     """
     layers = decoder_layers(decoder)
-    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"), m.training)
-             for m in layers]
+    saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"), m.training,
+              m.__dict__.get(COMPILED_CALL)) for m in layers]
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    if enabled and compiled:
+        compiled_call = torch.compile(_run_replayed, dynamic=True)
+        checkpoint = partial(torch.utils.checkpoint.checkpoint, compiled_call, use_reentrant=False)
     for m in layers:
         m.gradient_checkpointing = enabled
         if enabled:
             m._gradient_checkpointing_func = checkpoint
             m.training = True
+            if compiled:
+                setattr(m, COMPILED_CALL, None)
     try:
         yield
     finally:
-        for m, flag, func, training in saved:
+        for m, flag, func, training, compiled_call in saved:
             m.gradient_checkpointing = flag
             m.training = training
             if func is None:
                 m.__dict__.pop("_gradient_checkpointing_func", None)
             else:
                 m._gradient_checkpointing_func = func
+            if compiled_call is not None:
+                setattr(m, COMPILED_CALL, compiled_call)

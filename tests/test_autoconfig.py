@@ -475,18 +475,21 @@ def test_refusal_of_a_grown_sparse_budget_says_whether_the_fixed_budget_fits():
 
 
 def test_eager_layers_cost_their_measured_factor_on_a_gpu():
-    """Layer replay runs the decoder layers eager (compiled_layers.py): the prediction counts what eager layers were
-    measured to cost against compiled ones, more with LoRA's small kernels; a workload that may compile pays
-    nothing without replay, and a CPU step never pays it (nothing compiles there)."""
+    """A step whose layers may not compile (an active dropout, several processes) runs them eager: the prediction
+    counts what eager layers were measured to cost against compiled ones, more with LoRA's small kernels. A
+    workload that may compile pays nothing, with or without layer replay (replayed layers run compiled), and a
+    CPU step never pays it (nothing compiles there)."""
     shape = SHAPES["qwen2.5-7b"]
     replay, no_replay = ({"performance.checkpoint_layers": on} for on in (True, False))
     for lora, fact in ((16, "eager_layers_lora"), (0, "eager_layers")):
         workload = Workload(shape, 128 * 1024, lora_rank=lora, may_compile=True)
-        eager = predict_candidate(workload, H200, OOMBConfig().with_options(replay))
-        compiled = predict_candidate(workload, H200, OOMBConfig().with_options(no_replay))
+        eager = predict_candidate(dataclasses.replace(workload, may_compile=False), H200,
+                                  OOMBConfig().with_options(replay))
+        compiled = predict_candidate(workload, H200, OOMBConfig().with_options(replay))
         assert fact in eager.factors and not any(f.startswith("eager") for f in compiled.factors)
-        replay_only = eager.relative_time / SPEED_FACTS[fact].factor
-        assert replay_only == pytest.approx(compiled.relative_time * SPEED_FACTS["replay_dense"].factor)
+        assert eager.relative_time == pytest.approx(compiled.relative_time * SPEED_FACTS[fact].factor)
+        without = predict_candidate(workload, H200, OOMBConfig().with_options(no_replay))
+        assert compiled.relative_time == pytest.approx(without.relative_time * SPEED_FACTS["replay_dense"].factor)
     assert SPEED_FACTS["eager_layers_lora"].factor > SPEED_FACTS["eager_layers"].factor > 1
     cpu = predict_candidate(Workload(shape, 8192, lora_rank=16), Resources("cpu", None, 64 * GIB),
                             OOMBConfig().with_options(replay))

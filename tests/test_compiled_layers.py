@@ -21,10 +21,11 @@ rounding of sums taken in another order is ~1e-7 relative; a wrong graph (a miss
 norm weight) is O(1)."""
 
 
-def _step(model, ids, compile_layers: bool, options: dict | None = None):
-    """One step without layer replay, its layers compiled or not; ``options``: other options by dotted path."""
+def _step(model, ids, compile_layers: bool, options: dict | None = None, replay: bool = False):
+    """One step, its layers compiled or not, without layer replay unless ``replay``; ``options``: other options by
+    dotted path."""
     model.zero_grad(set_to_none=True)
-    performance = PerformanceConfig(checkpoint_layers=False, compile_layers=compile_layers)
+    performance = PerformanceConfig(checkpoint_layers=replay, compile_layers=compile_layers)
     config = oomb.OOMBConfig(chunk_size=128, page_size=32, performance=performance).with_options(options or {})
     loss = oomb.forward_backward(model, ids, config=config)
     return float(loss), grads(model)
@@ -81,8 +82,8 @@ def test_automatic_choice(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_compile_layers(auto, cuda, single, model) is True
     assert resolve_compile_layers(auto, cpu, single, model) is False  # compiling costs more than it saves there
-    replay = auto.with_options({"performance.checkpoint_layers": True})  # stage 2 would run eager inside the checkpoint
-    assert resolve_compile_layers(replay, cuda, single, model) is False
+    replay = auto.with_options({"performance.checkpoint_layers": True})  # replayed layers run compiled too
+    assert resolve_compile_layers(replay, cuda, single, model) is True
     assert resolve_compile_layers(auto.with_options({"precision.deterministic": True}), cuda, single, model) is False
     assert resolve_compile_layers(auto.with_options({"performance.compile_layers": True}), cpu, single, model) is True
     assert resolve_compile_layers(auto.with_options({"performance.compile_layers": False}), cuda, single,
@@ -108,22 +109,48 @@ def test_automatic_choice(monkeypatch):
     assert resolve_compile_layers(auto, cuda, single, model) is False
 
 
-def test_compile_layers_must_be_a_bool_or_none_and_refuses_replay():
+def test_compile_layers_must_be_a_bool_or_none():
     with pytest.raises(ValueError, match="compile_layers='yes' must be True, False or None"):
         oomb.OOMBConfig(performance=PerformanceConfig(compile_layers="yes"))
-    with pytest.raises(ValueError, match="compile_layers=True needs performance.checkpoint_layers=False"):
-        oomb.OOMBConfig(performance=PerformanceConfig(compile_layers=True))
+    both = oomb.OOMBConfig(performance=PerformanceConfig(compile_layers=True, checkpoint_layers=True))
+    assert both.performance.compile_layers and both.performance.checkpoint_layers
 
 
-def test_the_chooser_keeps_replay_off_for_compiled_layers():
-    from oomb.planning.choose import Resources, Workload, choose_config
-    from oomb.planning.model_shape import ModelShape
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+def test_replayed_layers_run_compiled_and_give_the_eager_gradients(lora):
+    """With layer replay, stage 2's layers run their compiled graphs in the checkpointed forward and in the
+    recomputation (transformers puts the checkpoint inside the layer, where tracing would run it eager), and
+    the gradients are the eager replay's to float rounding; a second step compiles nothing new and repeats the
+    first bit for bit."""
+    model = build_tiny_model("qwen2")
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 640), generator=torch.Generator().manual_seed(3))
+    _, eager = _step(model, ids, False, replay=True)
+    # (traced, grad mode) of each call of a layer's first norm: a traced call repeats its record when its graph
+    # runs. The first norm's graph ends at attention, so its records are written before the recomputation stops
+    # (it stops after the last tensor the backward needs, inside the MLP's graph, before that graph's records).
+    calls = []
 
-    shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
-    tight = Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True)
-    choice = choose_config(Workload(shape, 4096, 1, torch.bfloat16, optimizer="none"), tight,
-                           {"performance.compile_layers": True})
-    assert choice.config.performance.compile_layers is True and choice.config.performance.checkpoint_layers is False
+    def record(module, args):
+        calls.append((torch.compiler.is_compiling(), torch.is_grad_enabled()))
+
+    hooks = [layer.input_layernorm.register_forward_pre_hook(record) for layer in decoder_layers(model.get_decoder())]
+    torch._dynamo.reset()
+    _, first = _step(model, ids, True, replay=True)
+    captured = counters["stats"]["calls_captured"]
+    calls.clear()
+    _, second = _step(model, ids, True, replay=True)
+    for hook in hooks:
+        hook.remove()
+    chunks, layers = 5, len(decoder_layers(model.get_decoder()))
+    stage_2 = [traced for traced, grad in calls if grad]
+    assert len(stage_2) == 2 * chunks * layers  # the checkpointed forward and the recomputation
+    assert all(stage_2) and all(traced for traced, _ in calls)
+    assert counters["stats"]["calls_captured"] == captured
+    _assert_close(first, eager)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert all(getattr(layer, COMPILED_CALL, None) is None for layer in decoder_layers(model.get_decoder()))
 
 
 @pytest.mark.slow
@@ -177,30 +204,38 @@ def test_the_plan_says_when_layers_compile():
     assert "layers: compiled for the step" in roomy.describe()
     replay = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True),
                            {"performance.checkpoint_layers": True})
-    assert not replay.compiled_layers and "layers: compiled" not in replay.describe()
+    assert replay.compiled_layers and "layers: compiled for the step" in replay.describe()
     on_cpu = choose_config(workload, Resources("cpu", None, 1 << 40))
     assert not on_cpu.compiled_layers
 
 
-def test_compile_layers_true_turns_replay_off_where_replay_was_left_to_the_defaults(tmp_path):
+def test_compile_layers_true_leaves_replay_to_the_chooser(tmp_path):
     """`oomb train --compile-layers` / `oomb.performance.compile_layers: true` and `oomb bench --compile-layers` fix
-    checkpoint_layers=False (not refused for the replay default); the chooser does not put replay back,
-    not even when nothing fits."""
+    only the compilation: replay stays the chooser's (replayed layers run compiled), and where only replay fits
+    the chooser takes it."""
     from oomb import cli
-    from oomb.planning.choose import NoConfigFitsError, Resources, Workload, choose_config
+    from oomb.planning.choose import Resources, Workload, choose_config, predict_candidate
     from oomb.planning.model_shape import ModelShape
     from oomb.tools import bench
     from oomb.training.config import TrainerConfig
 
     config = TrainerConfig.load(overrides=["oomb.performance.compile_layers=true"])
-    assert config.oomb.performance.compile_layers is True and config.oomb.performance.checkpoint_layers is False
-    assert "performance.checkpoint_layers" not in config.oomb_auto
+    assert config.oomb.performance.compile_layers is True and "performance.checkpoint_layers" in config.oomb_auto
     options = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", "--compile-layers"]))
-    assert options.compile_layers is True and options.checkpoint_layers is False
+    assert options.compile_layers is True and options.checkpoint_layers is True  # bench's default: replay
     shape = ModelShape.from_hf_config(build_tiny_model("qwen2").config)
-    with pytest.raises(NoConfigFitsError):
-        choose_config(Workload(shape, 1 << 20, 1, torch.bfloat16, optimizer="none"),
-                      Resources("cuda", 1 << 20, 1 << 20, weights_loaded=True), {"performance.compile_layers": True})
+    workload = Workload(shape, 1 << 16, 1, torch.bfloat16, optimizer="none")
+    fixed = {"performance.compile_layers": True, "performance.keep_attention_outputs": False,
+             "performance.recompute_logits": True, "chunk_size": 4096,
+             "offload.enabled": False}  # replay is what the chooser has left to save memory with
+    roomy = choose_config(workload, Resources("cuda", 1 << 50, 1 << 50, weights_loaded=True), fixed)
+    assert roomy.config.performance.compile_layers is True and not roomy.config.performance.checkpoint_layers
+    replay = roomy.config.with_options({"performance.checkpoint_layers": True})
+    need = predict_candidate(workload, Resources("cuda", 1 << 50, 1 << 50, weights_loaded=True), replay).gpu_counted
+    assert need < roomy.chosen.gpu_counted  # so a GPU between the two takes replay, compiled
+    tight = choose_config(workload, Resources("cuda", need, 1 << 50, weights_loaded=True), fixed)
+    assert tight.config.performance.compile_layers is True and tight.config.performance.checkpoint_layers
+    assert tight.compiled_layers
 
 
 @pytest.mark.slow

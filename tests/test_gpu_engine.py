@@ -77,9 +77,11 @@ def test_triton_bf16_gradients_no_worse_than_hf_bf16(fp32_model, batch, tokens, 
     # Streamed blocks must stay blocks (the history is not on the GPU), so cuDNN rounds each block's
     # dQ share to bf16: on the first sequence 1.114x HF's error, pooled over 8 sequences 1.006x.
     (1, 3000, 1024, {"offload.enabled": True, "offload.stream_block_pages": 2}),
-    # Without layer replay the layers run compiled (OOMBConfig.performance.compile_layers' automatic choice on CUDA):
-    # fused kernels keep float32 between ops that eager rounds to bf16.
+    # The layers run compiled (OOMBConfig.performance.compile_layers' automatic choice on CUDA), with layer replay
+    # (above) and without: fused kernels keep float32 between ops that eager rounds to bf16. Eager, with replay
+    # and without:
     (1, 3000, 1024, {"performance.checkpoint_layers": False}),
+    (1, 3000, 1024, {"performance.compile_layers": False}),
     (2, 1500, 512, {"performance.checkpoint_layers": False, "performance.compile_layers": False}),
     # Stage 2 taking stage 1's attention outputs, compiled layers (their stage-2 queries can differ from stage
     # 1's by rounding, and the backward pairs them with stage 1's output).

@@ -141,8 +141,8 @@ def saved_logits_bytes(shape: ModelShape, chunk_tokens: int, batch_size: int, re
 def chunk_activation_bytes(shape: ModelShape, chunk_tokens: int, config: OOMBConfig, dtype: torch.dtype,
                            compiled: bool = False) -> int:
     """Activations autograd holds for one chunk of ``chunk_tokens`` tokens (batch included) in stage 2;
-    ``compiled``: the decoder layers run compiled (only without layer replay), and the dense ones keep
-    compiled_saving_bytes_per_token less."""
+    ``compiled``: the decoder layers run compiled; without layer replay the dense ones keep
+    compiled_saving_bytes_per_token less (with replay one layer's activations exist at a time, counted whole)."""
     per_layer = max_layer_activation_bytes_per_token(shape, dtype) * chunk_tokens
     if config.performance.checkpoint_layers:
         # Layer inputs of every layer are kept, one layer's full activations exist at a time,

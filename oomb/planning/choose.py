@@ -306,16 +306,19 @@ class Choice:
     fixed: dict = field(default_factory=dict)
     num_layers: int = 0
     compiled_layers: bool = False
-    """Whether the step compiles its decoder layers (OOMBConfig.performance.compile_layers as a CUDA step without
-    replay resolves it; whether Triton is installed is checked by the step, not here)."""
+    """Whether the step compiles its decoder layers (OOMBConfig.performance.compile_layers as a CUDA step
+    resolves it; whether Triton is installed is checked by the step, not here)."""
     seq_len: int = 0
     """Tokens per sequence the choice was made for (a sparse plan's share of the history read depends on it)."""
     step_time: StepTime | None = None
     """The predicted step time (planning/step_time.py); None on a CPU."""
     other_mode_time: StepTime | None = None
-    """The same plan's step time with the other attention mode (dense <-> sparse), for comparison."""
+    """The step time of the other attention mode's own plan (dense <-> sparse, the same fixed options), for
+    comparison; None where nothing is predicted."""
     window_layers: tuple[int, ...] = ()
     """The model's sliding-window layers (what sparse.dense_layers="auto" leaves out)."""
+    other_mode_fits: bool = True
+    """Whether the other attention mode has a plan that fits (False: its step time is not given)."""
 
     def describe(self) -> str:
         """Lines for a CLI: the plan, memory, why, and the runner-up."""
@@ -325,12 +328,13 @@ class Choice:
                  f"  why: {self.reason}"]
         if self.step_time is not None:
             other = "sparse" if self.config.attention == "dense" else "dense"
-            also = (f"; {other} attention: {self.other_mode_time}" if self.other_mode_time is not None else "")
+            also = (f"; {other} attention (its own plan): {self.other_mode_time}" if self.other_mode_time is not None
+                    else f"; {other} attention: nothing fits" if not self.other_mode_fits else "")
             lines.append(f"  step time: {self.step_time}{also}")
         if self.config.attention == "sparse" and self.seq_len:
             lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers, self.window_layers)}")
         if self.compiled_layers:
-            lines.append("  layers: compiled for the step (no layer replay; on one process, without an active "
+            lines.append("  layers: compiled for the step (on one process, without an active "
                          "dropout; the first step compiles them: about 30 s for a 7B model on a fresh H100, less "
                          "with torch's compile caches)")
         if self.runner_up is not None:
@@ -436,7 +440,7 @@ def relative_time(config: OOMBConfig, num_layers: int, loss_may_recompute: bool 
     """Product of the SPEED_FACTS that apply to ``config`` (1.0: pages on the GPU, no replay, compiled decoder
     layers, log-probabilities kept, attention outputs recomputed, float32 dK/dV, chunk >= 4096, cudnn).
     ``loss_may_recompute`` False: the loss recomputes nothing whatever recompute_logits says
-    (Candidate.loss_keeps_nothing). ``compiled`` False on a GPU (layer replay, or a step that may not compile):
+    (Candidate.loss_keeps_nothing). ``compiled`` False on a GPU (a step that may not compile):
     eager layers cost what they were measured to cost, more with LoRA (``lora``). On a CPU layer replay costs
     what it was measured to cost there (replay_cpu), and nothing compiles."""
     sparse = config.attention == "sparse"
@@ -591,7 +595,7 @@ def _rank(c: Candidate) -> tuple:
 
 
 def choose_config(workload: Workload, resources: Resources, fixed: dict | None = None,
-                  base: OOMBConfig | None = None) -> Choice:
+                  base: OOMBConfig | None = None, *, other_mode: bool = True) -> Choice:
     """The fastest configuration that fits, keeping every option in ``fixed``.
 
     Args:
@@ -606,13 +610,11 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
         NoConfigFitsError: nothing fits; the message gives the smallest configuration's memory and
             the longest context that fits with it.
     """
+    given_fixed, given_base = fixed, base
     fixed = dotted_options(fixed or {})
     unknown = sorted(set(fixed) - set(OOMBConfig().options()))
     if unknown:
         raise ValueError(f"unknown OOMBConfig option(s) {unknown} in fixed")
-    compiled = base.performance.compile_layers if base is not None else None
-    if fixed.get("performance.compile_layers", compiled) is True:
-        fixed["performance.checkpoint_layers"] = False  # compiled layers run without replay (PerformanceConfig)
     base = (base or OOMBConfig()).with_options(fixed)
     if "performance.recompute_logits" not in fixed:  # decided last (_keep_logits): the search recomputes them
         base = base.with_options({"performance.recompute_logits": True})
@@ -641,14 +643,23 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
     compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
     gpu_name = (resources.gpu_name or "unknown GPU") if resources.device == "cuda" else None
-    other = dataclasses.replace(best.config, attention="sparse" if best.config.attention == "dense" else "dense")
-    times = [predict_step_time(workload.shape, workload.seq_len, config, gpu_name=gpu_name,
-                               lora_rank=workload.lora_rank, dtype=workload.dtype, batch_size=workload.batch_size,
-                               fused_loss=best.fused_loss, relative_time=best.relative_time)
-             for config in (best.config, other)]
+    step_time = other_time = None
+    other_fits = True
+    if gpu_name is not None:
+        step_time = predict_step_time(workload.shape, workload.seq_len, best.config, gpu_name=gpu_name,
+                                      lora_rank=workload.lora_rank, dtype=workload.dtype,
+                                      batch_size=workload.batch_size, fused_loss=best.fused_loss,
+                                      relative_time=best.relative_time)
+        if other_mode:  # the other attention mode's own plan: it may fit other options (replay, offload, dtype)
+            flipped = {**dotted_options(given_fixed or {}),
+                       "attention": "sparse" if best.config.attention == "dense" else "dense"}
+            try:
+                other_time = choose_config(workload, resources, flipped, given_base, other_mode=False).step_time
+            except NoConfigFitsError:
+                other_fits = False
     return Choice(best.config, best.gpu_bytes, best.host_bytes, reason, runner_up, best, fixed,
-                  workload.shape.num_layers, compiled, workload.seq_len, *times,
-                  window_layers=workload.shape.window_layer_ids())
+                  workload.shape.num_layers, compiled, workload.seq_len, step_time, other_time,
+                  window_layers=workload.shape.window_layer_ids(), other_mode_fits=other_fits)
 
 
 def _lean_on_cpu(fitting: list[Candidate], resources: Resources) -> Candidate:
@@ -769,9 +780,7 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
                      f"large ({fixes})")
     if fixed:
-        # compiled layers: no replay
-        tied = {"performance.checkpoint_layers"} if base.performance.compile_layers is True else set()
-        free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS and k not in tied}
+        free = {k: v for k, v in fixed.items() if k in AUTO_FIELDS}
         if free:
             try:
                 other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in free},

@@ -100,7 +100,7 @@ class BenchOptions:
     checkpoint_layers: bool = True
     recompute_logits: bool = True
     compile_layers: bool | None = None
-    """performance.compile_layers (None: on for a CUDA step without layer replay of a model without experts)."""
+    """performance.compile_layers (None: on for a CUDA step of a model without experts)."""
     keep_attention_outputs: bool = False
     """OOMBConfig.performance.keep_attention_outputs: stage 2 takes stage 1's attention outputs (with ``chosen`` and not
     given: the chooser's)."""
@@ -724,8 +724,6 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         values["sparse_read_share"] = read_share_setting(values["sparse_read_share"])
     if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
         values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
-    if values.get("compile_layers") is True:  # compiled layers run without replay (performance.compile_layers)
-        values.setdefault("checkpoint_layers", False)
     if values.get("keep_attention_outputs") and any(MODES[m].offload for m in values.get("modes", BENCH_MODES)):
         raise SystemExit("--keep-attention-outputs runs without offload: give --modes without the offload modes "
                          "(e.g. --modes hf dense sparse)")

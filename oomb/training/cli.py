@@ -85,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction,
                        help="oomb.performance.checkpoint_layers (layer replay in backward)")
     group.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
-                       help="oomb.performance.compile_layers: compile each decoder layer for the step (implies no "
-                            "layer replay; default: on for a single-process CUDA step without replay or dropout, "
-                            "models without experts, not deterministic)")
+                       help="oomb.performance.compile_layers: compile each decoder layer for the step (default: "
+                            "on for a single-process CUDA step without dropout, models without experts, not "
+                            "deterministic)")
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                        help="oomb.precision.deterministic: bitwise-reproducible Triton kernels instead of cuDNN's")
     group.add_argument("--fp32-grad-accumulation", action=argparse.BooleanOptionalAction,

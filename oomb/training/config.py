@@ -303,10 +303,6 @@ class TrainerConfig:
                 for path in TOKEN_KEYS[name]:
                     if _get(values, path, "auto") != "auto":
                         _set(values, path, _tokens(_get(values, path, None), f"{name}.{path}"))
-                if (_get(values, "performance.compile_layers", None) is True
-                        and _get(values, "performance.checkpoint_layers", "auto") == "auto"):
-                    # compiled layers run without replay (PerformanceConfig.compile_layers)
-                    values.setdefault("performance", {})["checkpoint_layers"] = False
                 auto = tuple(f for f in AUTO_FIELDS if _get(values, f, "auto") == "auto")
                 for f in auto:
                     _pop(values, f)
