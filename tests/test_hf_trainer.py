@@ -101,7 +101,11 @@ def test_lora_through_patch_trainer(tmp_path):
         return peft.get_peft_model(build_tiny_model("qwen2"), config)
 
     data = [{"input_ids": x} for x in token_lists(8, seed=1)]
-    args = dict(learning_rate=1e-2, max_steps=2)
+    # Plain SGD, so that the weights compare the gradients: LoRA's B starts at zero, so some of A's second-step
+    # gradients are ~1e-8, four orders below the rest, where AdamW (epsilon 1e-8) turns float noise of 1e-10 into a
+    # 1e-3 change of the normalised update (measured: one element of down_proj's A 1.26e-5 apart at lr 1e-2, every
+    # other within 5e-7; with epsilon 1e-6 other elements sat near it instead)
+    args = dict(learning_rate=0.5, max_steps=2, optim="sgd")
     plain = Trainer(model=lora_model(), args=training_args(tmp_path / "a", **args), train_dataset=data,
                     data_collator=right_padded)
     plain.train()
