@@ -596,7 +596,8 @@ def _rank(c: Candidate) -> tuple:
 
 def choose_config(workload: Workload, resources: Resources, fixed: dict | None = None,
                   base: OOMBConfig | None = None, *, other_mode: bool = True) -> Choice:
-    """The fastest configuration that fits, keeping every option in ``fixed``.
+    """The fastest configuration that fits, keeping every option in ``fixed``; with ``other_mode``, the other
+    attention mode's own plan is chosen too, for its step time (Choice.other_mode_time).
 
     Args:
         workload: model shape, sequence length, dtype, what trains.
@@ -784,7 +785,7 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
         if free:
             try:
                 other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k not in free},
-                                      base.with_options({k: OOMBConfig().option(k) for k in free}))
+                                      base.with_options({k: OOMBConfig().option(k) for k in free}), other_mode=False)
                 lines.append(f"  without the options you set ({', '.join(f'{k}={v!r}' for k, v in free.items())}) "
                              f"it fits: {other.chosen.summary(workload.shape.num_layers)} (GPU "
                              f"{other.gpu_bytes / GIB:.1f} GiB, host {other.host_bytes / GIB:.1f} GiB)")
@@ -803,7 +804,7 @@ def _fixed_budget_hint(workload: Workload, resources: Resources, base: OOMBConfi
     fixed_budget = base.with_options({"sparse.read_share": None})
     try:
         other = choose_config(workload, resources, {k: v for k, v in fixed.items() if k != "sparse.read_share"},
-                              fixed_budget)
+                              fixed_budget, other_mode=False)
     except NoConfigFitsError:
         return []
     tokens, layers, windows = workload.seq_len, workload.shape.num_layers, workload.shape.window_layer_ids()
