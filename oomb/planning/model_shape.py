@@ -9,6 +9,7 @@ chooser (choose.py) and the tools read a model's shape too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,7 @@ GPT_OSS_ROUTED_ROW_SAVED_INTERMEDIATE = 7
 and up, sigmoid(alpha gate), the gated product and up + 1 (measured as above)."""
 
 
+@functools.cache
 def _peft_adapts_dense_mlp_of_moe() -> bool:
     """Whether the installed PEFT adapts a dense MLP inside a qwen3_moe model (see
     ModelShape.lora_dense_mlp_of_moe); read from its version, not by importing it."""

@@ -99,8 +99,6 @@ def load_model_shape(model: str) -> ModelShape:
     return ModelShape.from_hf_config(model_config(model))
 
 
-
-
 def _step_kernels(model: str, shape: ModelShape, setup: TrainingSetup) -> dict[str, bool]:
     """Workload.may_compile and may_fuse_loss as `oomb train` would find them for this model on this
     machine: one process only (tensor- or context-parallel steps keep both off, their heads being
