@@ -199,7 +199,9 @@ def test_eval_command_errors_name_value_and_fix(model_dir, data_file, tmp_path, 
     assert "missing.txt' is not a file" in capsys.readouterr().err
     assert cli.main(["eval", *common, "--data", str(data_file), "--seq-len", "64K"]) == 2
     err = capsys.readouterr().err
-    assert "holds 0 whole sequence(s) of 65536 tokens" in err and "shorter sequence length" in err
+    tokens = sum(len(json.loads(line)["text"].encode()) + 1 for line in data_file.read_text().splitlines())
+    assert f"holds {tokens:,} tokens, 0 whole sequence(s) of 65536 tokens" in err  # byte tokenizer: bytes + EOS
+    assert "shorter sequence length" in err
     assert cli.main(["eval", "--model", "no-such-model", "--passkey-lengths", "300"]) == 2
     assert "--model 'no-such-model' is not a preset" in capsys.readouterr().err
     assert cli.main(["eval", *common]) == 2
@@ -301,7 +303,8 @@ def test_short_eval_data_is_refused_without_the_training_warning(model_dir, tmp_
     short.write_text("short text.\n")
     assert cli.main(["eval", "--model", str(model_dir), "--data", str(short), "--seq-len", "1K",
                      "--chunk-size", "256", "--page-size", "64"]) == 2
-    assert "holds 0 whole sequence(s)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds 13 tokens, 0 whole sequence(s)" in err  # the byte tokenizer: 12 bytes and the EOS
     assert not [r for r in caplog.records if "repeats it" in r.getMessage()]
 
 

@@ -445,6 +445,8 @@ class PackedSequences:
         self._sources: dict[int, object] = {}
         self._order_key, self._unit_order = None, None
         self._warned_small = not repeats_allowed
+        self.epoch_tokens: int | None = None
+        """Tokens in one whole epoch of the data, known once an epoch read from its start has ended."""
         self.seek(position or DataPosition())
 
     # -- position --
@@ -514,6 +516,8 @@ class PackedSequences:
                 self._warned_small = True
                 logger.warning("the data holds %d tokens per epoch, fewer than data.seq_len=%d: every sequence "
                                "repeats it", self._epoch_tokens, self.options.seq_len)
+            if self._epoch_complete:
+                self.epoch_tokens = self._epoch_tokens
             self._cursor, self._epoch_tokens, self._epoch_complete = (epoch + 1, 0, 0), 0, True
             logger.info("data: epoch %d done, starting epoch %d", epoch, epoch + 1)
             return

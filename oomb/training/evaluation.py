@@ -40,10 +40,11 @@ def held_out_sequences(path: str, tokenizer, seq_len: int, count: int) -> list[t
         for _ in range(count):
             sequences.append(next(stream).input_ids)
             if stream.position.epoch > 0:  # the stream wrapped around: the file is shorter than asked
+                held = f"{stream.epoch_tokens:,} tokens, " if stream.epoch_tokens is not None else ""
                 raise ValueError(
-                    f"eval data {path!r} holds {len(sequences) - 1} whole sequence(s) of {seq_len} tokens, fewer than "
-                    f"the {count} asked ({count * seq_len} tokens): give a longer file, fewer sequences or a shorter "
-                    "sequence length")
+                    f"eval data {path!r} holds {held}{len(sequences) - 1} whole sequence(s) of {seq_len} tokens, "
+                    f"fewer than the {count} asked ({count * seq_len:,} tokens): give a longer file, fewer sequences "
+                    "or a shorter sequence length")
     finally:
         stream.close()
     return sequences
