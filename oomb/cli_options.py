@@ -79,3 +79,12 @@ def positive_int(text: str) -> int:
 def read_share_setting(given: float | str) -> float | str | None:
     """The ``sparse.read_share`` value of a parsed --sparse-read-share: "none" is null (the fixed budget)."""
     return None if given == "none" else given
+
+
+def flag_read_share(share: float | str | None, budget: int | None) -> float | str | None:
+    """``sparse.read_share`` from the command line: --sparse-read-share where given; else a --sparse-budget given
+    alone is a fixed budget (None), even when it equals the default budget (whose own default is a read share);
+    else "auto"."""
+    if share is not None:
+        return read_share_setting(share)
+    return None if budget is not None else "auto"

@@ -215,6 +215,10 @@ def test_sparse_options_reach_the_step_config_and_the_prediction():
     assert options.progress and not default.progress
     config = options.oomb_config()
     assert (config.sparse.budget, config.sparse.query_block_pages) == (5, 4)
+    for flags, want in ((["--sparse-budget", "64"], None),  # a budget given alone is fixed, the default one too
+                        (["--sparse-budget", "64", "--sparse-read-share", "0.5"], 0.5), ([], "auto")):
+        given = bench.options_from_args(cli.build_parser().parse_args(["bench", "--quick", *flags]))
+        assert given.oomb_config().sparse.read_share == want
     with pytest.raises(ValueError, match="sparse.budget=-1"):
         bench.BenchOptions(sparse_budget=-1)
     pooled = bench.options_from_args(cli.build_parser().parse_args(

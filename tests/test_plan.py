@@ -232,6 +232,10 @@ def test_cli_sparse_read_share_as_in_train(capsys):
     assert "reads 1.6 % of the history" in lines["none"]
     assert "reads 46.8 % of the history" in lines["auto"]  # 35 %, and 5 of 28 layers whole
     assert "reads 10.2 % of the history" in lines["0.1"]  # 10 % of each block's history, at least 64 pages
+    assert cli.main([*common, "--sparse-budget", "64"]) == 0  # a budget given alone is fixed, the default too
+    assert next(x for x in capsys.readouterr().out.splitlines() if "sparse reads" in x) == lines["none"]
+    assert cli.main([*common, "--sparse-budget", "64", "--sparse-read-share", "auto"]) == 0
+    assert next(x for x in capsys.readouterr().out.splitlines() if "sparse reads" in x) == lines["auto"]
 
 
 def test_cli_named_gpu_plans_that_card_on_any_machine(capsys, monkeypatch):

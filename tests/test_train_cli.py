@@ -135,6 +135,23 @@ def test_sparse_read_share_flag(capsys):
     assert "(0, 1]" in capsys.readouterr().err
 
 
+def test_model_flag_takes_a_preset_name(capsys):
+    """`oomb train --model qwen2.5-7b` trains the preset, as `oomb plan --model` and `oomb eval --model` read it."""
+    assert cli_main(["train", "--model", "qwen2.5-7b", "--lora", "--print-config"]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (model["path"], model["preset"]) == (None, "qwen2.5-7b")
+
+
+def test_sparse_budget_flag_alone_is_a_fixed_budget(capsys):
+    """--sparse-budget N without --sparse-read-share is a fixed budget, N = the default (64) too: "auto" would
+    read the default share over the default budget (7x the step at 1M); with both flags the share is kept."""
+    for flags, want in ((["--sparse-budget", "64"], None), (["--sparse-budget", "32"], None),
+                        (["--sparse-budget", "64", "--sparse-read-share", "0.35"], 0.35), ([], "auto")):
+        assert cli_main(["train", "--attention", "sparse", *flags, "--print-config"]) == 0
+        sparse = yaml.safe_load(capsys.readouterr().out)["oomb"]["sparse"]
+        assert sparse["read_share"] == want and sparse["budget"] == int(flags[1] if flags else 64)
+
+
 def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
     """Each oomb option left auto carries what it resolves to on this machine, and the chooser's plan follows
     as comments; the output still loads as the same config (those options left auto again)."""
@@ -403,8 +420,10 @@ def test_sparse_flags_on_a_dense_run_are_named_not_ignored(capsys):
     assert cli_main(["train", "--sparse-budget", "8", "--sparse-read-share", "0.35", "--print-config"]) == 0
     err = capsys.readouterr().err
     assert "--sparse-budget, --sparse-read-share apply to sparse attention only; this run is dense" in err
+    assert cli_main(["train", "--sparse-budget", "8", "--print-config"]) == 0
+    assert "--sparse-budget applies to sparse attention only" in capsys.readouterr().err
     assert cli_main(["train", "--attention", "sparse", "--sparse-budget", "8", "--print-config"]) == 0
-    assert "apply to sparse attention only" not in capsys.readouterr().err
+    assert "to sparse attention only" not in capsys.readouterr().err
 
 
 def test_resume_without_a_checkpoint_starts_again_and_keeps_the_old_metrics(tmp_path, capsys, caplog):

