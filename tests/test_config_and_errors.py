@@ -106,6 +106,13 @@ def test_backend_selection():
         select_backend("cuda", cpu)
 
 
+def test_triton_backend_on_a_cpu_is_refused_unless_interpreted(monkeypatch):
+    """backend='triton' on a CPU is a one-line error naming the fix (it ended in a RuntimeError mid-step)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="backend='triton' needs a CUDA device; got cpu .*use backend 'torch'"):
+        select_backend("triton", torch.device("cpu"))
+
+
 @pytest.fixture(scope="module")
 def model():
     return build_tiny_model("llama")

@@ -83,6 +83,7 @@ def test_chat_messages_rendered_with_the_chat_template(tmp_path, tokenizer):
     ("line", "message"),
     [('{"title": "x"}', r"d\.jsonl:2: record has neither 'text' nor 'messages' \(keys: \['title'\]\); set data"),
      ("{oops", r"d\.jsonl:2: not valid JSON"),
+     ('{"text": "a\tb"}', r"d\.jsonl:2: not valid JSON \(Invalid control character at column 12\)"),
      ('{"text": 3}', r"field 'text' must be a string, got int")],
 )
 def test_bad_records_name_file_line_and_fix(tmp_path, tokenizer, line, message):

@@ -448,12 +448,16 @@ def test_model_directory_errors(tmp_path, model_dir, data_file):
         setup(gpt2)
 
 
-def test_empty_data_is_refused_before_training(tmp_path, model_dir):
+def test_empty_data_is_refused_before_training(tmp_path, model_dir, data_file):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     trainer = Trainer(make_config(tmp_path / "out", model_dir, empty))
     with pytest.raises(ValueError, match="the data has no tokens"):
         trainer.train()
+    # What the failed setup left (config.yaml, an empty metrics.jsonl) is no run: the corrected retry starts.
+    assert (tmp_path / "out" / "metrics.jsonl").stat().st_size == 0
+    retry = Trainer(make_config(tmp_path / "out", model_dir, data_file, train={"max_steps": 1}))
+    assert retry.train().steps == 1
 
 
 def test_an_existing_run_is_not_overwritten_by_accident(tmp_path, model_dir, data_file):

@@ -4,6 +4,7 @@ following reference_sparse.py's."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,4 +102,7 @@ def select_backend(name: str, device: torch.device, *, dtype: torch.dtype | None
         except ImportError as err:
             logger.warning("triton backend unavailable (%s); using the torch reference backend", err)
             return TORCH_BACKEND
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"backend='triton' needs a CUDA device; got {device} (its kernels run on a CPU only under "
+                         "TRITON_INTERPRET=1, for tests): use backend 'torch' or 'auto' there")
     return _triton_backend()

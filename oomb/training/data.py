@@ -268,7 +268,8 @@ def _parse_line(line: bytes, where: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+        message = err.msg.removesuffix(" at")  # json's "Invalid control character at" names no position itself
+        raise ValueError(f"{where}: not valid JSON ({message} at column {err.colno})") from err
     except UnicodeDecodeError as err:
         raise ValueError(f"{where}: not UTF-8 (byte {err.start} of the line): save the file as UTF-8") from None
 

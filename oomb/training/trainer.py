@@ -339,7 +339,8 @@ class Trainer(Checkpointing):
             logger.warning("checkpoint.resume=latest: no checkpoint in %s, starting from step 0%s", self.checkpoint_dir,
                            kept)
             return None, [p for p in artifacts if p.name not in ("superseded", metrics.name)]
-        if (latest is not None or metrics.exists()) and not self.config.train.overwrite:
+        recorded = metrics.exists() and metrics.stat().st_size > 0  # an empty file: a run that failed in its setup
+        if (latest is not None or recorded) and not self.config.train.overwrite:
             found = latest.name if latest is not None else metrics.name
             raise ValueError(
                 f"train.output_dir={str(self.output_dir)!r} already holds a run ({found}); continue it with "
