@@ -74,7 +74,7 @@ def test_incomplete_directories_are_never_picked(tmp_path):
     (tmp_path / "notes").mkdir()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002"]
     assert latest_checkpoint(tmp_path).name == "step-000002"
-    with pytest.raises(FileNotFoundError, match="not a complete oomb checkpoint"):
+    with pytest.raises(FileNotFoundError, match="not a complete oomb checkpoint .*no complete checkpoint there"):
         load_checkpoint(tmp_path / "step-000005")
     save_checkpoint(make_checkpoint(3), tmp_path)
     assert not (tmp_path / "step-000009.tmp").exists()  # stale temporaries are cleaned by the next save
@@ -180,3 +180,14 @@ def test_required_state_keys_of_the_caller(tmp_path):
     assert load_checkpoint(path, ("tokens", "losses")).state["tokens"] == 10
     with pytest.raises(DamagedCheckpointError, match="expected the keys .*'elapsed_s'"):
         load_checkpoint(path, ("tokens", "elapsed_s"))
+
+
+def test_resume_paths_that_are_not_checkpoints_say_where_one_is(tmp_path):
+    """A path that does not exist says so; a run's directory (or its checkpoints/) names its newest checkpoint."""
+    with pytest.raises(FileNotFoundError, match="checkpoint '.*missing' does not exist: give a checkpoint directory"):
+        load_checkpoint(tmp_path / "missing")
+    newest = save_checkpoint(make_checkpoint(4), tmp_path / "run" / "checkpoints")
+    save_checkpoint(make_checkpoint(2), tmp_path / "run" / "checkpoints")
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        with pytest.raises(FileNotFoundError, match=f"the newest complete checkpoint there is '{newest}'"):
+            load_checkpoint(given)

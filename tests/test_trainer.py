@@ -143,6 +143,10 @@ def test_killed_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, model
     assert got.resumed_from.endswith("step-000002")
     assert got.losses == want.losses  # exactly: CPU fp32 is deterministic
     assert_bitwise_equal(trainable_state(resumed), want_weights)
+    assert "nothing to train" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"):  # resumed once more, already done
+        Trainer(config).train()
+    assert f"already train.max_steps={config.train.max_steps}: nothing to train (raise --steps" in caplog.text
     assert [m["step"] for m in metric_lines(out)] == [1, 2, 3, 4]
 
 

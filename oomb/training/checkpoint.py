@@ -163,9 +163,11 @@ def load_checkpoint(path: str | Path, state_keys: tuple[str, ...] = ()) -> Check
     scheduler and RNG archives' directories are read (their tensors stay memory-mapped). ``state_keys``:
     keys of ``Checkpoint.state`` the caller will read, missing ones making the checkpoint damaged too."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist: give a checkpoint directory "
+                                "(<output_dir>/checkpoints/step-N) or 'latest' (the run's newest)")
     if not (path / STATE_FILE).is_file():
-        hint = f"; complete checkpoints there: {[p.name for p in list_checkpoints(path)]}" if path.is_dir() else ""
-        raise FileNotFoundError(f"{str(path)!r} is not a complete oomb checkpoint (no {STATE_FILE}){hint}")
+        raise FileNotFoundError(f"{str(path)!r} is not a complete oomb checkpoint (no {STATE_FILE}){_found_hint(path)}")
     state = _read_file(path, STATE_FILE, lambda file: _read_state(file, (*STATE_KEYS, *state_keys)))
     adapter = bool(state.pop("adapter"))
     weights = _read_file(path, ADAPTER_WEIGHTS if adapter else FULL_WEIGHTS, LazyTensors)
@@ -179,6 +181,15 @@ def load_checkpoint(path: str | Path, state_keys: tuple[str, ...] = ()) -> Check
                       optimizer=_read_file(path, "optimizer.pt", load),
                       scheduler=_read_file(path, "scheduler.pt", load), rng=_read_file(path, "rng.pt", load),
                       state=state, config_yaml=config_yaml)
+
+
+def _found_hint(path: Path) -> str:
+    """Where complete checkpoints are, from a directory that is not one (a run's directory, its checkpoints/)."""
+    for root in (path, path / "checkpoints"):
+        found = list_checkpoints(root)
+        if found:
+            return f"; the newest complete checkpoint there is {str(found[-1])!r}"
+    return "; no complete checkpoint there" if path.is_dir() else ""
 
 
 def latest_intact_checkpoint(root: str | Path, state_keys: tuple[str, ...] = ()) -> tuple[Path | None, list[str]]:

@@ -567,6 +567,9 @@ class Trainer(Checkpointing):
         """Run setup, then steps up to train.max_steps; checkpoint, export and summarize."""
         self.setup()
         cfg = self.config
+        if self.step >= cfg.train.max_steps:
+            logger.warning("resumed at step %d, already train.max_steps=%d: nothing to train (raise --steps to train "
+                           "on)", self.step, cfg.train.max_steps)
         reporter = Reporter(cfg, self.output_dir, self.step, enabled=self.parallel.is_main)
         interrupted = False
         try:
