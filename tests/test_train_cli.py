@@ -167,6 +167,9 @@ def test_print_config_shows_what_auto_resolves_to_here(capsys, monkeypatch):
     assert annotated["backend"] == "torch" and annotated["enabled"] == "false"  # a CPU: offload.enabled
     assert annotated["score"] == config.oomb.sparse.resolved_score
     assert "# configuration: pages in host memory" in out and "chunk 2048" in out and "#   why: " in out
+    # The run's own empty settings too: the learning rate the header prints, the dtype (device cpu is as given).
+    assert "\n  lr: null  # here: 0.003\n" in out and "\n  dtype: auto  # here: float32\n" in out
+    assert "\n  device: cpu\n" in out
 
     assert cli_main([*args, "--no-auto-config"]) == 0  # nothing left to the chooser: no plan
     out = capsys.readouterr().out

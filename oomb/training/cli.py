@@ -31,7 +31,14 @@ from ..planning.choose import NoConfigFitsError
 from ..units import count, format_indices, parse_tokens
 from .config import TrainerConfig
 from .presets import PRESETS
-from .trainer import NotEnoughMemoryError, Trainer, TrainResult, preview_choice, terminate_as_interrupt
+from .trainer import (
+    NotEnoughMemoryError,
+    Trainer,
+    TrainResult,
+    preview_choice,
+    resolved_run_settings,
+    terminate_as_interrupt,
+)
 
 SPARSE_FLAGS = ("sparse_budget", "sparse_sink_pages", "sparse_score", "sparse_pooling", "sparse_candidate_pooling",
                 "sparse_query_block_pages")
@@ -177,6 +184,10 @@ def annotated_config(config: TrainerConfig) -> str:
         dense = o.sparse.resolved_dense_layers(choice.num_layers, choice.window_layers)
         resolved.update({"sparse.read_share": _yaml_value(o.sparse.resolved_read_share),
                          "sparse.dense_layers": _yaml_value(list(dense))})
+    try:
+        run_settings = resolved_run_settings(config)
+    except ValueError:  # another machine's device: left as written
+        run_settings = {}
     lines, path = [], []  # path: (indent, key) of the mappings the line is in
     for line in text.splitlines():
         indent = len(line) - len(line.lstrip())
@@ -186,6 +197,8 @@ def annotated_config(config: TrainerConfig) -> str:
         dotted = ".".join([k for _, k in path][1:] + [key])
         if path and path[0][1] == "oomb" and value == "auto" and dotted in resolved:
             line += f"  # here: {resolved[dotted]}"
+        elif value in ("auto", "null") and ".".join([k for _, k in path] + [key]) in run_settings:
+            line += f"  # here: {run_settings['.'.join([k for _, k in path] + [key])]}"
         if not value:
             path.append((indent, key))
         lines.append(line)

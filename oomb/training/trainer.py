@@ -293,7 +293,7 @@ class Trainer(Checkpointing):
         self._check_memory(causal_lm)  # before the masters and optimizer state exist
         self.masters = MasterWeights(self.model, cfg.optim.master_weights, cfg.optim.offload)
         self.host_slabs = HostSlabs() if cfg.oomb.offload.enabled else None  # pinned pages, reused by every step
-        self.lr = cfg.optim.lr or self._default_lr()
+        self.lr = cfg.optim.lr or default_lr(cfg)
         self.optimizer = build_optimizer(self.masters, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         if self.parallel.is_main:
@@ -312,11 +312,6 @@ class Trainer(Checkpointing):
         self._data_position = self.data.position  # where the step after the last complete one starts
         self._ready = True
         self.setup_s = time.perf_counter() - setup_start
-
-    def _default_lr(self) -> float:
-        if self.config.model.path is None and self.config.model.preset == TINY_PRESET:
-            return DEFAULT_LR["tiny"]
-        return DEFAULT_LR["lora" if self.config.lora.enabled else "full"]
 
     def _prepare_output_dir(self) -> tuple[Path | None, list[Path]]:
         """The checkpoint to resume from (None: a fresh run), and the old artifacts a fresh run replaces.
@@ -785,6 +780,21 @@ def _gathered_on_host(state: dict[str, torch.Tensor], keep: bool) -> dict[str, t
         out[name] = whole.cpu() if keep else None
         del whole
     return out
+
+
+def default_lr(config: TrainerConfig) -> float:
+    """optim.lr when left empty: by what is trained (the tiny preset, LoRA adapters, every weight)."""
+    if config.model.path is None and config.model.preset == TINY_PRESET:
+        return DEFAULT_LR["tiny"]
+    return DEFAULT_LR["lora" if config.lora.enabled else "full"]
+
+
+def resolved_run_settings(config: TrainerConfig) -> dict[str, str]:
+    """What the run's own settings left empty or ``auto`` resolve to on this machine (dotted keys): the learning
+    rate, the device and the model dtype, for ``--print-config``."""
+    device = _resolve_device(config.train.device)
+    return {"optim.lr": f"{default_lr(config):g}", "train.device": str(device),
+            "model.dtype": str(_resolve_dtype(config.model.dtype, device)).removeprefix("torch.")}
 
 
 def _resolve_device(name: str) -> torch.device:
