@@ -194,11 +194,12 @@ def annotated_config(config: TrainerConfig) -> str:
         key, _, value = line.strip().partition(":")
         value = value.strip()
         path = [(i, k) for i, k in path if i < indent]
-        dotted = ".".join([k for _, k in path][1:] + [key])
+        full = ".".join([k for _, k in path] + [key])
+        dotted = full.partition(".")[2]  # below its section
         if path and path[0][1] == "oomb" and value == "auto" and dotted in resolved:
             line += f"  # here: {resolved[dotted]}"
-        elif value in ("auto", "null") and ".".join([k for _, k in path] + [key]) in run_settings:
-            line += f"  # here: {run_settings['.'.join([k for _, k in path] + [key])]}"
+        elif value in ("auto", "null") and full in run_settings:
+            line += f"  # here: {run_settings[full]}"
         if not value:
             path.append((indent, key))
         lines.append(line)
