@@ -318,3 +318,31 @@ def test_eval_section_takes_token_strings_and_the_callback_refuses_nothing_to_ev
         oomb.EvalSection(seq_len="lots")
     with pytest.raises(ValueError, match="nothing to evaluate"):
         oomb.OOMBEvalCallback(byte_tokenizer(), oomb.EvalSection(every_steps=2))
+
+
+def test_eval_reads_the_documents_field_it_is_given(model_dir, data_file, tmp_path, capsys):
+    """A jsonl whose documents sit under another key: refused with eval's own fix (not data.text_field, which
+    oomb eval cannot set), and --text-field reads the same tokens as the "text" file."""
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({"content": json.loads(line)["text"]}) + "\n"
+                               for line in data_file.read_text().splitlines()))
+    common = ["eval", "--model", str(model_dir), "--seq-len", "1K", "--chunk-size", "256", "--page-size", "64"]
+    assert cli.main([*common, "--data", str(renamed)]) == 2
+    err = capsys.readouterr().err
+    assert "keys: ['content']" in err and "oomb eval --text-field" in err and "data.text_field" not in err
+    original, again = tmp_path / "original.json", tmp_path / "again.json"
+    assert cli.main([*common, "--data", str(data_file), "--json", str(original)]) == 0
+    assert cli.main([*common, "--data", str(renamed), "--text-field", "content", "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["perplexity"] == json.loads(original.read_text())["perplexity"]
+    # The trainer's evaluation reads its data.text_field unless eval.text_field says otherwise.
+    config = TrainerConfig.from_dict({
+        "model": {"path": str(model_dir)},
+        "data": {"paths": [str(renamed)], "seq_len": 128, "text_field": "content"},
+        "train": {"max_steps": 1, "output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "checkpoint": {"every": 0, "export": False}, "logging": {"progress": False},
+        "oomb": {"chunk_size": 64, "page_size": 32, "performance": {"backend": "torch"}},
+        "eval": {"every_steps": 1, "data": str(renamed), "seq_len": 256},
+    })
+    Trainer(config).train()
+    (line,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert line["eval"]["perplexity"][0]["tokens"] == 255

@@ -253,7 +253,8 @@ def test_cli_named_gpu_plans_that_card_on_any_machine(capsys, monkeypatch):
     hint = "host memory is this machine's, the GPU the one named: give the target machine's with --host-gib"
     monkeypatch.setattr("oomb.machine.host_available_bytes", lambda *a, **k: 16 * 2**30)
     cli.main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--lora"])
-    assert hint in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert hint in out and "GPU 79.6 GiB (H100's size, --gpu)" in out  # the card's size, not one the user gave
     cli.main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu", "H100", "--host-gib", "120", "--lora"])
     assert hint not in capsys.readouterr().out
 

@@ -58,11 +58,13 @@ class EvalOptions:
     device: str = "auto"
     dtype: str = "auto"
     json_path: str | None = None
+    text_field: str = "text"
 
     def section(self) -> EvalSection:
         return EvalSection(data=self.data, seq_len=self.seq_len, sequences=self.sequences,
                            passkey_lengths=list(self.passkey_lengths), passkey_depths=list(self.passkey_depths),
-                           passkeys_per_point=self.passkeys_per_point, seed=self.seed)
+                           passkeys_per_point=self.passkeys_per_point, seed=self.seed,
+                           text_field=self.text_field)
 
     def oomb_config(self) -> OOMBConfig:
         return OOMBConfig(attention=self.attention, offload=OffloadConfig(enabled=self.offload),
@@ -153,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{REAL_MODEL!r} (the real SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--data", default=None,
                         help="held-out text file, or jsonl with a \"text\" field per line (documents joined with EOS)")
+    parser.add_argument("--text-field", default=d.text_field,
+                        help="the jsonl field (parquet column) holding each document")
     add_option(parser, "--seq-len", "--context", type=parse_tokens, default=d.seq_len,
                help="tokens per sequence (e.g. 32K, 1M)")
     parser.add_argument("--sequences", type=positive_int, default=d.sequences,

@@ -246,7 +246,8 @@ def make_plan(
         workload = Workload(shape, tokens, setup.batch_size, setup.dtype, setup.lora_rank, setup.optimizer,
                             setup.master_weights, fp32_targets=setup.master_weights,  # as oomb train's
                             **_step_kernels(model, shape, setup))
-        gpu_name = gpu or (budget.gpu_source.removeprefix("detected: ") if budget.gpu_source != "given" else None)
+        gpu_name = gpu or (budget.gpu_source.removeprefix("detected: ")
+                           if budget.gpu_source.startswith("detected: ") else None)
         resources = Resources("cuda", budget.gpu_limit, budget.host_limit, gpu_name=gpu_name)
         try:
             choice = choose_config(workload, resources, fixed, config)
@@ -324,7 +325,7 @@ def format_plan(plan: Plan) -> str:
         f"usable; host {budget.host_bytes / GIB:.1f} GiB ({budget.host_source}) -> {budget.host_limit / GIB:.1f} GiB "
         f"usable ({budget.margin:.0%} margin, {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context)",
         *(["host memory is this machine's, the GPU the one named: give the target machine's with --host-gib"]
-          if budget.gpu_source == "given" and budget.host_source != "given" else []),
+          if not budget.gpu_source.startswith("detected") and budget.host_source != "given" else []),
         "",
     ]
     width = max(15, *(len(r.mode.name) + 2 for r in plan.reports))
@@ -567,6 +568,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                              f"--modes {' '.join(args.modes)}")
         modes, fixed = [m for m in args.modes if m != "hf"], None
     budget = Budget.detect(planned_gpu_gib(args), args.host_gib, args.margin)
+    if args.gpu_gib is None and args.gpu is not None and gpu_kind(args.gpu) is not None:
+        budget = dataclasses.replace(budget, gpu_source=f"{gpu_kind(args.gpu)}'s size, --gpu")
     shape = load_model_shape(args.model).per_rank(args.tp)
     return make_plan(args.model, shape, args.context, budget, config, setup, modes, fixed, args.gpu)
 

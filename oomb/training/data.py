@@ -274,6 +274,10 @@ def _parse_line(line: bytes, where: str):
         raise ValueError(f"{where}: not UTF-8 (byte {err.start} of the line): save the file as UTF-8") from None
 
 
+DATA_FIELD_HINT = "set data.text_field or data.messages_field"
+"""The fix a record or table without its document field names (evaluation names its own)."""
+
+
 def _record_problem(record, options: DataSection, chat_template: bool) -> str | None:
     """Why a jsonl or parquet record cannot be trained on, or None."""
     text_field, messages_field = options.text_field, options.messages_field
@@ -294,7 +298,7 @@ def _record_problem(record, options: DataSection, chat_template: bool) -> str | 
             return f"field {messages_field!r} must be a list of {{role, content}} objects, got {kind}"
         return None
     return (f"record has neither {text_field!r} nor {messages_field!r} (keys: {sorted(record)}); "
-            "set data.text_field or data.messages_field")
+            + DATA_FIELD_HINT)
 
 
 def check_records(files: list[DataFile], options: DataSection, tokenizer, shown: int = 5,
@@ -346,8 +350,7 @@ def _not_parquet(err: Exception) -> str:
 
 
 def _no_document_column(columns: tuple[str, str], names: list[str]) -> str:
-    return (f"no column named {columns[0]!r} or {columns[1]!r} (columns: {names}); set data.text_field or "
-            "data.messages_field")
+    return f"no column named {columns[0]!r} or {columns[1]!r} (columns: {names}); " + DATA_FIELD_HINT
 
 
 def _never(kind) -> bool:

@@ -22,19 +22,32 @@ from ..passkey import passkey_accuracy, passkey_prompts
 from ..perplexity import PerplexityByPosition
 from ..units import format_tokens
 from .config import DataSection, EvalSection
-from .data import PackedSequences, resolve_files
+from .data import DATA_FIELD_HINT, PackedSequences, resolve_files
 
 logger = logging.getLogger(__name__)
 
 
-def held_out_sequences(path: str, tokenizer, seq_len: int, count: int) -> list[torch.Tensor]:
-    """The first ``count`` sequences of ``seq_len`` tokens of a text or jsonl file (a "text" field per
+def held_out_sequences(path: str, tokenizer, seq_len: int, count: int, text_field: str = "text") -> list[torch.Tensor]:
+    """The first ``count`` sequences of ``seq_len`` tokens of a text or jsonl file (``text_field`` per
     line), documents joined with the tokenizer's EOS; refuses a file that holds fewer tokens."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"eval data {path!r} is not a file: give a text file or a jsonl file with a "
-                                "\"text\" field per line")
-    options = DataSection(paths=[path], seq_len=seq_len, documents="joined", shuffle=False)
-    stream = PackedSequences(resolve_files(options), tokenizer, options, seed=0, repeats_allowed=False)
+                                f"{text_field!r} field per line")
+    options = DataSection(paths=[path], seq_len=seq_len, documents="joined", shuffle=False, text_field=text_field)
+    try:
+        return _first_sequences(PackedSequences(resolve_files(options), tokenizer, options, seed=0,
+                                                repeats_allowed=False), path, seq_len, count)
+    except ValueError as err:
+        if DATA_FIELD_HINT not in str(err):
+            raise
+        # the data section's fix names data.*, which evaluation does not read
+        raise ValueError(str(err).replace(DATA_FIELD_HINT, EVAL_FIELD_HINT)) from None
+
+
+EVAL_FIELD_HINT = "set eval.text_field (oomb eval --text-field) to the field holding each document"
+
+
+def _first_sequences(stream: PackedSequences, path: str, seq_len: int, count: int) -> list[torch.Tensor]:
     sequences = []
     try:
         for _ in range(count):
@@ -51,7 +64,8 @@ def held_out_sequences(path: str, tokenizer, seq_len: int, count: int) -> list[t
 
 
 def run_evaluation(model: torch.nn.Module, tokenizer, options: EvalSection, config: OOMBConfig | None = None, *,
-                   seq_len: int | None = None, progress: bool = False, host_slabs: HostSlabs | None = None) -> dict:
+                   seq_len: int | None = None, text_field: str = "text", progress: bool = False,
+                   host_slabs: HostSlabs | None = None) -> dict:
     """Perplexity by position over ``options.data`` and passkey accuracy, as a JSON-able dict.
 
     Args:
@@ -60,6 +74,8 @@ def run_evaluation(model: torch.nn.Module, tokenizer, options: EvalSection, conf
         options: what to evaluate (data, sequences, passkey lengths, depths, prompts per point, seed).
         config: the stage-1 options (attention mode, offload, chunk and page size); default dense.
         seq_len: the sequence length when ``options.seq_len`` is empty (the trainer's data.seq_len).
+        text_field: the jsonl field of each document when ``options.text_field`` is empty (the trainer's
+            data.text_field).
         progress: a progress bar over each sequence's chunks.
         host_slabs: with offload, pinned host memory to reuse (the trainer's).
     Returns:
@@ -73,7 +89,8 @@ def run_evaluation(model: torch.nn.Module, tokenizer, options: EvalSection, conf
     if options.data is not None:
         if seq_len is None:
             raise ValueError("evaluating eval.data needs a sequence length: set eval.seq_len (--seq-len)")
-        sequences = held_out_sequences(options.data, tokenizer, seq_len, options.sequences)
+        sequences = held_out_sequences(options.data, tokenizer, seq_len, options.sequences,
+                                       options.text_field or text_field)
         totals = PerplexityByPosition(seq_len)
         for index, ids in enumerate(sequences):
             totals.add(token_logprobs(model, ids, config=config, progress=progress, host_slabs=host_slabs).logprobs)
