@@ -689,7 +689,8 @@ class Trainer(Checkpointing):
         self.setup()
         cfg = self.config
         return run_evaluation(self.model, self.tokenizer, cfg.eval, cfg.oomb, seq_len=cfg.data.seq_len,
-                              text_field=cfg.data.text_field, progress=cfg.logging.progress and cfg.logging.chunk_progress and self.parallel.is_main,
+                              text_field=cfg.data.text_field,
+                              progress=cfg.logging.progress and cfg.logging.chunk_progress and self.parallel.is_main,
                               host_slabs=self.host_slabs)
 
     def export(self) -> tuple[Path, Path | None]:
