@@ -26,7 +26,7 @@ def parse_tokens(text: str | int) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     tokens = int(value)
     if tokens <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a context must be at least one token")
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count must be at least 1")
     return tokens
 
 

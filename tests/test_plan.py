@@ -195,6 +195,8 @@ def test_token_counts():
     assert format_tokens(131072) == "128K" and format_tokens(1 << 20) == "1M" and format_tokens(1000) == "1,000"
     with pytest.raises(Exception, match="not a token count"):
         parse_tokens("lots")
+    with pytest.raises(Exception, match="'0': a token count must be at least 1"):  # a page size as a context length
+        parse_tokens("0")
 
 
 def test_index_runs():
