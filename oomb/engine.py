@@ -455,11 +455,9 @@ def _check_pages(shape: PageShape, config: OOMBConfig, device: torch.device, hos
     the operating system may page out)."""
     if device.type != "cuda":
         return
-    gpu_free = gpu_free_bytes(device)
     host_free = host_available_bytes() if config.offload.enabled else None
-    if host_free is not None and host_slabs is not None:
-        host_free += host_slabs.nbytes  # slabs kept from earlier steps are reused
-    check_pages_fit(shape, config, gpu_free, host_free)
+    held = host_slabs.nbytes if host_slabs is not None else 0  # slabs kept from earlier steps are reused
+    check_pages_fit(shape, config, gpu_free_bytes(device), host_free, host_held=held)
 
 
 def rng_state(device: torch.device) -> tuple:

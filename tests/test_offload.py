@@ -486,6 +486,26 @@ def test_engine_checks_pages_against_free_memory_on_cuda(monkeypatch):
     oomb.engine._check_pages(SHAPE_7B_1M, oomb.OOMBConfig(), torch.device("cpu"), None)  # not checked on CPU
 
 
+def test_a_later_step_reusing_its_pinned_slabs_is_not_refused(monkeypatch):
+    """The headroom applies to what a step must newly pin, not to slabs it reuses: a 1M-token `oomb train` on an
+    H100 (128 GiB host) ran its first step and was refused at its second with "host RAM needs 114.00 GiB, 119.51
+    GiB available" (114 > 0.95 x 119.51), its 114 GiB of slabs among the 119.51."""
+    config = oomb.OOMBConfig(offload=OffloadConfig(enabled=True), precision=PrecisionConfig(kv_grad_dtype="bf16"))
+    need = page_footprint(SHAPE_7B_1M, config).host  # 112 GiB
+    check_pages_fit(SHAPE_7B_1M, config, None, host_free=int(5.5 * GIB), host_held=need)
+    check_pages_fit(SHAPE_7B_1M, config, None, host_free=int(0.95 * 40 * GIB) + GIB, host_held=80 * GIB)
+    with pytest.raises(PagesDoNotFitError, match=r"host RAM needs 112.00 GiB \(80.00 GiB of it pinned already\), "
+                                                 r"30.00 GiB more available"):
+        check_pages_fit(SHAPE_7B_1M, config, None, host_free=30 * GIB, host_held=80 * GIB)
+    monkeypatch.setattr(oomb.engine, "host_available_bytes", lambda: int(5.5 * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    slabs = HostSlabs(pin=False)
+    slabs._slabs["k"] = torch.empty(1, dtype=torch.uint8).expand(need)  # the first step's bytes, not allocated here
+    oomb.engine._check_pages(SHAPE_7B_1M, config, torch.device("cuda"), slabs)
+
+
 def test_pages_freed_into_the_caching_allocator_count_as_free(monkeypatch):
     """A second step's check sees the first step's pages, freed but still reserved by PyTorch's caching
     allocator, as available (the driver's free figure misses them: a 1M-token `oomb train` stopped at its

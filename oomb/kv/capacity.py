@@ -83,12 +83,15 @@ def page_footprint(shape: PageShape, config: OOMBConfig) -> PageFootprint:
                          host=sum(host_page_bytes(shape, config)))
 
 
-def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, host_free: int | None) -> None:
+def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, host_free: int | None,
+                    host_held: int = 0) -> None:
     """Raise PagesDoNotFitError naming bytes needed/available and the options that would fit.
 
     ``gpu_free``/``host_free``: available bytes, None when unknown (that side is not checked).
+    ``host_held``: pinned host bytes kept from an earlier step (kv/host_slabs.py), reused without a new
+    allocation: only what the pages need beyond them must fit the available memory, with its headroom.
     """
-    problems = _problems(page_footprint(shape, config), gpu_free, host_free)
+    problems = _problems(page_footprint(shape, config), gpu_free, host_free, host_held)
     if not problems:
         return
     alternatives = []
@@ -98,7 +101,7 @@ def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, 
                          ("offload.enabled=True", offload),
                          ("offload.enabled=True, precision.kv_grad_dtype='bfloat16'", {**offload, **bf16})):
         candidate = config.with_options(option)
-        if candidate != config and not _problems(page_footprint(shape, candidate), gpu_free, host_free):
+        if candidate != config and not _problems(page_footprint(shape, candidate), gpu_free, host_free, host_held):
             alternatives.append(name)
     advice = (f"options that would fit: {'; '.join(alternatives)}" if alternatives else
               "no page option fits: use fewer tokens per step (or a machine with more memory)")
@@ -107,9 +110,12 @@ def check_pages_fit(shape: PageShape, config: OOMBConfig, gpu_free: int | None, 
         + f"\n  {advice}")
 
 
-def _problems(need: PageFootprint, gpu_free: int | None, host_free: int | None) -> list[str]:
+def _problems(need: PageFootprint, gpu_free: int | None, host_free: int | None, host_held: int = 0) -> list[str]:
     problems = []
-    for where, bytes_needed, free in (("GPU", need.gpu, gpu_free), ("host RAM", need.host, host_free)):
-        if free is not None and bytes_needed > HEADROOM * free:
-            problems.append(f"{where} needs {bytes_needed / GIB:.2f} GiB, {free / GIB:.2f} GiB available")
+    if gpu_free is not None and need.gpu > HEADROOM * gpu_free:
+        problems.append(f"GPU needs {need.gpu / GIB:.2f} GiB, {gpu_free / GIB:.2f} GiB available")
+    if host_free is not None and need.host - host_held > HEADROOM * host_free:
+        held = f" ({host_held / GIB:.2f} GiB of it pinned already)" if host_held else ""
+        problems.append(f"host RAM needs {need.host / GIB:.2f} GiB{held}, {host_free / GIB:.2f} GiB "
+                        f"{'more ' if host_held else ''}available")
     return problems
