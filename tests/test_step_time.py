@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomb.config import OffloadConfig, OOMBConfig, PerformanceConfig, SparseConfig
-from oomb.planning.choose import NoConfigFitsError, Resources, Workload, choose_config
+from oomb.planning.choose import NoConfigFitsError, Resources, Workload, choose_config, relative_time
 from oomb.planning.model_shape import ModelShape
 from oomb.planning.step_time import RATES, format_duration, gpu_kind, predict_step_time
 
@@ -22,6 +22,16 @@ def test_the_measured_runs_are_predicted_back():
                                gpu_name=H100)  # the measured run: the fixed budget of 64 pages
     assert dense.seconds == pytest.approx(43.46, rel=0.02) and sparse.seconds == pytest.approx(21.66, rel=0.02)
     assert "dense step on an H100" in dense.basis and "not measured" not in dense.basis
+    # The 1M bench plan on an H100 (offload, 6 of 28 layers resident, bf16 page gradients): its own relative time
+    # (1.10) is the measured plan's, not charged again on top of the rate it ran at.
+    offload = OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None)).with_options({
+        "offload.enabled": True, "offload.resident_layers": 6, "precision.kv_grad_dtype": "bfloat16",
+        "performance.checkpoint_layers": False, "performance.recompute_logits": False})
+    relative, _ = relative_time(offload, QWEN_7B.num_layers)
+    measured = predict_step_time(QWEN_7B, 1 << 20, offload, gpu_name=H100, relative_time=relative)
+    assert measured.seconds == pytest.approx(196.74, rel=0.02) and "sparse+offload step on an H100" in measured.basis
+    more = predict_step_time(QWEN_7B, 1 << 20, offload, gpu_name=H100, relative_time=1.5 * relative)
+    assert more.seconds == pytest.approx(1.5 * measured.seconds) and "x 1.50 for this plan's options" in more.basis
 
 
 def test_a_longer_step_costs_its_flops_and_other_gpus_are_extrapolations():

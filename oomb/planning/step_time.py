@@ -26,17 +26,24 @@ class MeasuredRate:
     attention: str
     offload: bool
     tflops: float
+    """Executed TFLOP/s of the measured step."""
     measured: str
     source: str
+    plan_relative_time: float = 1.0
+    """The chooser's relative step time of the measured step's plan (planning/choose.py): a plan is predicted at
+    its own relative time over this one's, so a measured plan that paid for offload is not charged twice."""
 
 
 RATES: tuple[MeasuredRate, ...] = (
     MeasuredRate("H100", "dense", False, 524.4, "7B shape, 128K, 43.46 s", "sparse_reads_7b_128k_b64_h100.json"),
     MeasuredRate("H100", "sparse", False, 483.5, "7B shape, 128K, budget 64, 21.66 s",
                  "sparse_reads_7b_128k_b64_h100.json"),
-    MeasuredRate("H200", "dense", False, 525.3, "7B shape, 512K, 529.08 s", "dense_chosen_512k_h200_2026-12-04.json"),
-    MeasuredRate("H200", "sparse", True, 472.5, "7B shape, 1M, 185.58 s",
-                 "sparse_offload_chosen_candidates_softmax_max_256_1m_h200_2026-12-05.json"),
+    MeasuredRate("H100", "sparse", True, 445.7, "7B shape, 1M, budget 64, 6 of 28 layers resident, 196.74 s",
+                 "train_vs_bench_qwen2.5-7b_1m_sparse_lora_bench_h100.json", plan_relative_time=1.104),
+    MeasuredRate("H200", "dense", False, 525.3, "7B shape, 512K, 529.08 s", "dense_chosen_512k_h200_2026-12-04.json",
+                 plan_relative_time=1.01),
+    MeasuredRate("H200", "sparse", True, 472.5, "7B shape, 1M, 20 of 28 layers resident, 185.58 s",
+                 "sparse_offload_chosen_candidates_softmax_max_256_1m_h200_2026-12-05.json", plan_relative_time=1.009),
 )
 """One per measured (GPU kind, attention, offload); files in benchmarks/results/."""
 
@@ -90,8 +97,9 @@ def predict_step_time(shape: ModelShape, tokens: int, config: OOMBConfig, *, gpu
     """The step's executed FLOPs over the nearest measured rate; None on a CPU (no rate is measured there).
 
     The rates were measured on the chooser's fastest plans (no layer replay, cuDNN); ``relative_time`` (the
-    chooser's relative step time of this plan, planning/choose.py) scales the result for what such a plan
-    does differently: the FLOPs are counted without a replay, which the relative time already prices."""
+    chooser's relative step time of this plan, planning/choose.py) over the measured plan's scales the result
+    for what this plan does differently: the FLOPs are counted without a replay, which the relative time
+    already prices."""
     if gpu_name is None:
         return None
     kind = gpu_kind(gpu_name)
@@ -103,10 +111,13 @@ def predict_step_time(shape: ModelShape, tokens: int, config: OOMBConfig, *, gpu
     mode = config.attention + ("+offload" if config.offload.enabled else "")
     rate_mode = rate.attention + ("+offload" if rate.offload else "")
     basis = f"{flops / 1e15:,.0f} PFLOP at {rate.tflops:.0f} TFLOP/s, the rate of a {rate_mode} step on an {rate.gpu}"
-    if relative_time != 1.0:
-        basis += f", x {relative_time:.2f} for this plan's options"
+    scale = relative_time / rate.plan_relative_time
+    if round(scale, 2) != 1.0:
+        basis += f", x {scale:.2f} for this plan's options"
+        if rate.plan_relative_time != 1.0:
+            basis += f" ({relative_time:.2f} against the measured plan's {rate.plan_relative_time:.2f})"
     if kind is None:
         basis += f"; {gpu_name} is not measured: scale by its bf16 throughput against the H100's"
     elif rate.gpu != kind or rate_mode != mode:
         basis += f"; no {mode} step on an {kind} is measured"
-    return StepTime(relative_time * flops / (rate.tflops * 1e12), rate, basis)
+    return StepTime(scale * flops / (rate.tflops * 1e12), rate, basis)
