@@ -1,9 +1,13 @@
 """Which dtype the dK/dV page buffers should have (OOMBConfig.precision.kv_grad_dtype): bf16 vs float32, measured.
 
-    # one H100: SmolLM2-135M on the Python standard library's source, 64 and 256 chunks (3-4 minutes,
-    # estimated: the float32 reference at 128K, plain torch attention, is the longest arm)
-    python benchmarks/kv_grad_dtype.py --model smollm2 --data python-stdlib --seq-len 32K 128K --yarn 16 \
+    # one H100: SmolLM2-135M on the Python standard library's source, 64 and 128 chunks (about 7 minutes: the
+    # float32 reference, plain torch attention, took 73 s at 32K and 260 s at 64K; at 128K it would not finish
+    # in a 10-minute call)
+    python benchmarks/kv_grad_dtype.py --model smollm2 --data python-stdlib --seq-len 32K 64K --yarn 16 \
         --chunk-size 512 --page-size 64 --device cuda --out "$OUT/kv_grad_dtype.json"
+    # 256 chunks at the cost of 32K: smaller chunks
+    python benchmarks/kv_grad_dtype.py --model smollm2 --data python-stdlib --seq-len 32K --yarn 16 \
+        --chunk-size 128 --page-size 64 --device cuda --out "$OUT/kv_grad_dtype_256.json"
     # CPU smoke: the tiny random preset, everything in float32 (arms 2 and 4 then equal the reference)
     python benchmarks/kv_grad_dtype.py --model tiny-qwen2 --seq-len 1K --chunk-size 128 --page-size 32 \
         --device cpu --dtype float32 --out /tmp/kv.json
