@@ -25,6 +25,7 @@ constants those terms assume, are in oomb/planning/activations.py. Both are re-e
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -238,6 +239,7 @@ def sparse_pages_read(sparse: SparseConfig, tokens: int, page_size: int) -> int:
     return read_share_budget(sparse.budget, sparse.resolved_read_share, -(-tokens // page_size)) + sparse.sink_pages
 
 
+@lru_cache(maxsize=4096)  # the chooser asks the same few (config, length) pairs for thousands of candidates
 def selection_bytes(sparse: SparseConfig, tokens: int, chunk_size: int, page_size: int, batch: int, kv_heads: int,
                     layer: int = 0) -> int:
     """Bytes of ``layer``'s stage-1 selections over a step of ``tokens``, all kept until stage 2 (oomb/sparse.py):
