@@ -224,7 +224,8 @@ class EvalSection:
     seed: int = 0
     """The passkeys' random seed."""
     text_field: str | None = None
-    """The jsonl field (parquet column) holding each held-out document. Empty: data.text_field."""
+    """The jsonl field (parquet column) holding each held-out document. Empty: data.text_field in `oomb train`,
+    "text" elsewhere (`oomb eval`, OOMBEvalCallback)."""
 
     def __post_init__(self) -> None:
         # '128K' in Python as in YAML (from_dict converts too; an int passes unchanged)
