@@ -253,7 +253,7 @@ def test_sparse_offload_steps_equal_sparse_steps_without_bitwise(resident, selec
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index",
-                            lambda self, real_positions=False: False)  # as CUDA
+                            lambda self, documents_allowed=False: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
                            sparse=SparseConfig(**SPARSE, query_block_pages=group, score=score,
@@ -348,7 +348,7 @@ def test_sparse_offload_of_two_sequences_equals_sparse_bitwise(group, staging, m
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
         monkeypatch.setattr(head_rows.HeadRowStaging, "_gathers_by_device_index",
-                            lambda self, real_positions=False: False)  # as CUDA
+                            lambda self, documents_allowed=False: False)  # as CUDA
     model = build_tiny_model("qwen2", seed=4)
     ids = random_ids(2, 150, seed=3)
     base = oomb.OOMBConfig(chunk_size=32, page_size=8, attention="sparse", sparse=SparseConfig(**SPARSE,

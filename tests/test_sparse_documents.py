@@ -214,16 +214,21 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
 @pytest.mark.parametrize("score", ["minmax", "rerank"])
 def test_stage_one_with_documents_stages_in_place_without_reading_selections_bitwise(score, monkeypatch):
     """One selection per chunk (what the chooser gives sparse offload): stage 1 of a step with packed documents
-    stages its selected pages (and rerank's candidate keys) in place, by index on the device, so the host never
-    reads a selection there (on a GPU, each read is a device synchronisation per layer and chunk); the pages a
-    selection fills up with before its document move too and are masked. Stage 2 keeps the union of the pages
-    some query sees. Gradients equal sparse without offload bit for bit."""
-    in_place, union = [], []
+    stages its selected pages in place, by index on the device, so the host never reads a selection there (on a
+    GPU, each read is a device synchronisation per layer and chunk); the pages a selection fills up with before
+    its document move too and are masked. Rerank's candidate keys move as (page, head) rows, each head's own
+    candidates only (the score reads no document). Stage 2 keeps the union of the pages some query sees.
+    Gradients equal sparse without offload bit for bit."""
+    in_place, union, head_rows = [], [], []
 
     class Recording(OffloadedKVStore):
         def _stage_in_place(self, index, layer, chunk, pages, kinds, fresh):
             in_place.append((layer, chunk.index, kinds))
             return super()._stage_in_place(index, layer, chunk, pages, kinds, fresh)
+
+        def scoring_head_rows(self, index, layer, chunk, candidates):
+            head_rows.append((layer, chunk.index))
+            return super().scoring_head_rows(index, layer, chunk, candidates)
 
         def _selected_columns(self, layer, chunk, selection):
             union.append((layer, chunk.index, (layer, chunk.index) in self._fresh_kv))
@@ -233,8 +238,8 @@ def test_stage_one_with_documents_stages_in_place_without_reading_selections_bit
     _assert_offload_bitwise(CONFIG.with_options({"sparse.query_block_pages": CHUNK // PAGE, "sparse.score": score}),
                             seed=55)
     assert ("k", "v") in {kinds for *_, kinds in in_place}  # stage 1's selected pages
-    if score == "rerank":
-        assert ("k",) in {kinds for *_, kinds in in_place}  # stage 1's candidate keys
+    assert ("k",) not in {kinds for *_, kinds in in_place}  # candidate keys never move with all their heads
+    assert bool(head_rows) == (score == "rerank")  # stage 1's candidate keys
     # The host reads selections in stage 2 only, but for the last chunk: one block (200 = 6 x 32 + 8), whose
     # selection is not a stride-0 view over blocks.
     assert union and {chunk for _, chunk, stage_one in union if stage_one} == {TOKENS // CHUNK}

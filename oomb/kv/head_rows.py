@@ -23,8 +23,10 @@ without the union's sync by kv/sparse_staging.py's in-place path).
 
 Why: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it against
 33.61 s with the union (``offload-staging-1m`` in docs/results.md). Context parallelism keeps the union
-(its selections point at pages of other ranks), and so do packed documents, whose backends read a
-document's first page by its position; their stage 1 stages in place (kv/sparse_staging.py).
+(its selections point at pages of other ranks), and so do packed documents' attention calls, whose
+backends read a document's first page by its position: their stage 1 stages the selection in place
+(kv/sparse_staging.py), and moves rerank's candidate keys as (page, head) rows all the same (the score
+reads no document; in place, every candidate page would move with all its heads, Hkv times the bytes).
 """
 
 from __future__ import annotations
@@ -73,22 +75,25 @@ class HeadRowStaging:
     """Methods of ``OffloadedKVStore`` (through kv/sparse_staging.py's ``SparseStaging``) that stage a
     call's selection as (page, head) rows; they read the store's host tensors and bookkeeping."""
 
-    def _gathers_by_device_index(self, real_positions: bool = False) -> bool:
+    def _gathers_by_device_index(self, documents_allowed: bool = False) -> bool:
         """Whether pages can move by index tensors on the device, without the host reading the positions:
         kernels that read host memory (mapped slabs, or a CPU device), and no context parallelism (a
-        selection points at pages other ranks hold). Packed documents only where the pages keep their
-        ``real_positions`` in the page table (kv/sparse_staging.py's in-place path): a block whose document
-        holds fewer history pages than it reads fills its selection up with earlier pages, which the
-        backend masks by position (cudnn never reads them), so they may move too; virtual positions
-        (head rows) would hide where each page's document starts. Otherwise copies run by run, or the
-        union, stage them."""
-        if self.context is not None or (self.document_starts is not None and not real_positions):
+        selection points at pages other ranks hold). Packed documents only where ``documents_allowed``:
+        where nothing finds a page's document from its staged position. So for pages kept at their real
+        positions in the page table (kv/sparse_staging.py's in-place path: a block whose document holds
+        fewer history pages than it reads fills its selection up with earlier pages, which the backend masks
+        by position, so they may move too), and for rerank's candidate keys (the score masks no document;
+        top_pages does, on the candidates' own positions). An attention call's virtual positions (head
+        rows) would hide where each page's document starts. Otherwise copies run by run, or the union,
+        stage them."""
+        if self.context is not None or (self.document_starts is not None and not documents_allowed):
             return False
         return self.mapped_host is not None or self.device.type != "cuda"
 
-    def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor) -> bool:
-        """Whether this call's selection (host or device) can move as (page, head) rows."""
-        if not shared_by_all_blocks(selection) or not self._gathers_by_device_index():
+    def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor, scoring: bool = False) -> bool:
+        """Whether this call's selection (host or device) can move as (page, head) rows; ``scoring``: rerank's
+        candidate keys, which may with packed documents too."""
+        if not shared_by_all_blocks(selection) or not self._gathers_by_device_index(documents_allowed=scoring):
             return False
         first, _ = self._page_range(chunk)
         return 0 < selection.shape[3] <= first

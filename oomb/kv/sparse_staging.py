@@ -142,7 +142,7 @@ class SparseStaging(HeadRowStaging):
             raise RuntimeError(f"scoring keys of offloaded layer {layer} are staged in stage 1, after its write")
         fresh = self._fresh_kv[layer, chunk.index]  # None: another context-parallel rank holds the chunk
         first, last = self._page_range(chunk)
-        if by_head and self._stages_head_rows(chunk, history):
+        if by_head and self._stages_head_rows(chunk, history, scoring=True):
             with self.scoring_head_rows(index, layer, chunk, history) as keys:
                 yield keys
             return
@@ -237,7 +237,7 @@ class SparseStaging(HeadRowStaging):
         reading them on the host (module docstring); else None. Needs kernels that gather from host
         memory (mapped slabs, or a CPU device) and no context parallelism. With packed documents the
         pages a selection fills up with (wholly before its document) move too: the backend masks them."""
-        if not shared_by_all_blocks(pages) or not self._gathers_by_device_index(real_positions=True):
+        if not shared_by_all_blocks(pages) or not self._gathers_by_device_index(documents_allowed=True):
             return None
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
