@@ -43,7 +43,14 @@ from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
 from .kv.offload import HostSlabs, OffloadedKVStore
-from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels
+from .loss import (
+    IGNORE_INDEX,
+    ScaledGradient,
+    chunked_cross_entropy,
+    gradient_scale,
+    shift_labels,
+    slices_with_labels,
+)
 from .machine import gpu_free_bytes, host_available_bytes
 from .models import (
     Stage,
@@ -127,7 +134,8 @@ def forward_backward(
     if documents is not None:
         labels = documents.mask_labels(labels)
     targets = shift_labels(labels)
-    num_targets = int((targets != IGNORE_INDEX).sum())
+    targets_on_host = targets.cpu()  # one read from the device a step: each chunk's loss slices come from it
+    num_targets = int((targets_on_host != IGNORE_INDEX).sum())
     if num_targets == 0:
         raise ValueError("labels have no counted position (all -100 after shifting): the loss is undefined")
     chunks = split_into_chunks(num_tokens, config.chunk_size)
@@ -201,10 +209,11 @@ def forward_backward(
                     hidden, router_logits = run_chunk(chunk, Stage.GRAD)
                     # The loss's own backward follows at once, unscaled: a trained head's weight gradient can be
                     # made in its forward (nothing of the vocabulary's size kept or recomputed).
+                    slice_tokens = config.performance.loss_chunk_tokens
                     loss = chunked_cross_entropy(
-                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets,
-                        config.performance.loss_chunk_tokens, config.performance.recompute_logits,
-                        weight_gradient_now=True,
+                        hidden, targets[:, chunk.start:chunk.end], lm_head, num_targets, slice_tokens,
+                        config.performance.recompute_logits, weight_gradient_now=True,
+                        counted_slices=slices_with_labels(targets_on_host[:, chunk.start:chunk.end], slice_tokens),
                     )
                     if router_loss is not None:
                         loss = loss + _router_term(router_loss.chunk_loss(router_logits), causal_lm, lm_head)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -201,9 +203,9 @@ def _fused_slice_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: 
                                        grad_sink(lm_head), weight_gradient_now)
 
 
-def _slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
-    """Whether each slice of ``slice_tokens`` positions has a counted label: one read from the
-    device for all slices (a device synchronisation), not one per slice."""
+def slices_with_labels(targets: torch.Tensor, slice_tokens: int) -> list[bool]:
+    """Whether each slice of ``slice_tokens`` positions has a counted label: one read of ``targets`` for all
+    slices (on a GPU a device synchronisation: a step reads its targets' host copy once instead)."""
     B, L = targets.shape
     n = -(-L // slice_tokens)
     counted = F.pad(targets != IGNORE_INDEX, (0, n * slice_tokens - L))
@@ -219,6 +221,7 @@ def chunked_cross_entropy(
     recompute: bool = True,
     fused: bool = True,
     weight_gradient_now: bool = False,
+    counted_slices: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``hidden`` (B, L, H) against ``targets`` (B, L), / normalizer.
 
@@ -234,6 +237,7 @@ def chunked_cross_entropy(
     ``recompute``, nothing with it. ``weight_gradient_now`` (the engine's: only for a backward of the
     returned loss itself, unscaled) makes a trained head's weight gradient in the forward where the head has
     a gradient sink (fp32_linear.py), which then keeps no more than a frozen head's and recomputes nothing.
+    ``counted_slices``: slices_with_labels of ``targets``, where the caller has them without reading the device.
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     fused = (fused and torch.is_grad_enabled() and hidden.dtype != torch.float16 and fused_head(lm_head)
@@ -241,8 +245,9 @@ def chunked_cross_entropy(
     if fused:  # float32: 1 / normalizer, and the gradient's factor (GRADIENT_SCALE in) before it rounds
         scale = torch.ones((), dtype=torch.float32, device=hidden.device) / normalizer
         gradient = scale * gradient_scale(lm_head)
-    for start, counted in zip(range(0, hidden.shape[1], slice_tokens), _slices_with_labels(targets, slice_tokens),
-                              strict=True):
+    if counted_slices is None:
+        counted_slices = slices_with_labels(targets, slice_tokens)
+    for start, counted in zip(range(0, hidden.shape[1], slice_tokens), counted_slices, strict=True):
         part = slice(start, start + slice_tokens)
         if not counted:
             continue  # nothing to learn here: skip the vocabulary projection entirely

@@ -58,7 +58,14 @@ from .engine import (
 )
 from .kv import ChunkSpan, split_into_chunks
 from .kv.offload import HostSlabs
-from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels
+from .loss import (
+    IGNORE_INDEX,
+    ScaledGradient,
+    chunked_cross_entropy,
+    gradient_scale,
+    shift_labels,
+    slices_with_labels,
+)
 from .models import (
     Stage,
     StepState,
@@ -195,6 +202,7 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
     rows = _make_rows(causal_lm, context, context_labels, context_documents, continuations, labels, chunk_size,
                       len(trunk), device)
     trunk_targets = rows[0].targets[:, :trunk_end]  # the same in every row
+    trunk_targets_on_host = trunk_targets.cpu()  # read once: each trunk chunk's loss slices come from it
     num_targets = sum(int((row.targets != IGNORE_INDEX).sum()) for row in rows)
     if loss_fn is None and num_targets == 0:
         raise ValueError("no counted label in any continuation (all -100): the loss is undefined")
@@ -302,9 +310,12 @@ def _shared_context_step(model, context_ids, continuations, labels, context_labe
                     hidden = run(chunk, Stage.GRAD, context, context_documents, kept_outputs)
                     loss = hidden.new_zeros((), dtype=torch.float32)  # loss_fn: no context label
                     if loss_fn is None:
+                        slice_tokens = config.performance.loss_chunk_tokens
+                        counted = slices_with_labels(trunk_targets_on_host[:, chunk.start:chunk.end], slice_tokens)
                         loss = chunked_cross_entropy(hidden, trunk_targets[:, chunk.start:chunk.end], lm_head,
-                                                     num_targets / len(rows), config.performance.loss_chunk_tokens,
-                                                     config.performance.recompute_logits, weight_gradient_now=True)
+                                                     num_targets / len(rows), slice_tokens,
+                                                     config.performance.recompute_logits, weight_gradient_now=True,
+                                                     counted_slices=counted)
                         total_loss += loss.detach()
                     routing.backward(loss, hidden)
                     store.free(chunk)

@@ -99,13 +99,42 @@ def test_shift_then_sum_matches_hugging_face_causal_loss():
 
 
 def test_slices_with_labels_read_once_with_a_partial_last_slice():
-    from oomb.loss import _slices_with_labels
+    from oomb.loss import slices_with_labels
 
     targets = torch.full((2, 11), IGNORE_INDEX)
     targets[1, 4] = 3  # slice 1 of [0, 4), [4, 8), [8, 11)
     targets[0, 10] = 5  # the partial last slice
-    assert _slices_with_labels(targets, 4) == [False, True, True]
-    assert _slices_with_labels(torch.full((1, 3), IGNORE_INDEX), 4) == [False]
+    assert slices_with_labels(targets, 4) == [False, True, True]
+    assert slices_with_labels(torch.full((1, 3), IGNORE_INDEX), 4) == [False]
+
+
+def test_the_step_takes_each_chunks_loss_slices_from_one_host_copy(monkeypatch):
+    """Each chunk's loss slices come from one host copy of the step's targets, read once (on a GPU, reading the
+    chunk's targets is a device synchronisation per chunk of stage 2); the loss and gradients are unchanged."""
+    from helpers import build_tiny_model
+
+    import oomb
+    from oomb import engine
+
+    model = build_tiny_model("qwen2", seed=7)
+    ids = torch.randint(0, model.config.vocab_size, (1, 96))
+    config = oomb.OOMBConfig(chunk_size=32, page_size=16,
+                             performance=PerformanceConfig(backend="torch", loss_chunk_tokens=8))
+    labels = ids.clone()
+    labels[:, 89:] = -100  # the last slice of the last chunk predicts nothing (targets 88-95)
+    plain = oomb.forward_backward(model, ids, labels, config)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    given = []
+
+    def recording(*args, counted_slices=None, **kwargs):
+        given.append(counted_slices)
+        return chunked_cross_entropy(*args, counted_slices=counted_slices, **kwargs)
+
+    monkeypatch.setattr(engine, "chunked_cross_entropy", recording)
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(oomb.forward_backward(model, ids, labels, config), plain)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert given == [[True] * 3 + [False], [True] * 4, [True] * 4]  # stage 2 runs the chunks last to first
 
 
 def _saved_bytes(loss_fn) -> int:
