@@ -236,6 +236,69 @@ def test_ctrl_c_during_an_update_keeps_that_step(uninterrupted, tmp_path, model_
     assert_bitwise_equal(trainable_state(resumed), want_weights)
 
 
+def test_a_failing_step_saves_the_last_complete_one_and_resume_finishes(uninterrupted, tmp_path, model_dir,
+                                                                        data_file, monkeypatch, caplog):
+    """A step that fails before its update (here out of memory in its third step, with no periodic checkpoint)
+    checkpoints the state after the last complete step, then fails as it would have: the steps since the last
+    checkpoint are not lost, and resuming gives the uninterrupted run's losses and weights bit for bit."""
+    case, want, want_weights, _ = uninterrupted
+    out = tmp_path / "run"
+    config = make_config(out, model_dir, data_file, **RESUME_CASES[case])
+    config.checkpoint.every = 0
+    calls = []
+    real = oomb.training.trainer.forward_backward
+
+    def out_of_memory_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 * config.train.grad_accum + 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", out_of_memory_in_step_3)
+    with caplog.at_level(logging.WARNING, logger="oomb.training.trainer"), pytest.raises(torch.OutOfMemoryError):
+        Trainer(config).train()
+    monkeypatch.setattr(oomb.training.trainer, "forward_backward", real)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002"]
+    assert "step 3 failed (OutOfMemoryError): saved the state after step 2" in caplog.text
+    config.checkpoint.resume = "latest"
+    resumed = Trainer(config)
+    assert resumed.train().losses == want.losses
+    assert_bitwise_equal(trainable_state(resumed), want_weights)
+
+
+@pytest.mark.parametrize("failure", ["in the update", "loss not finite"])
+def test_a_step_failing_in_its_update_or_with_a_non_finite_loss_saves_nothing(tmp_path, model_dir, data_file,
+                                                                               monkeypatch, failure):
+    """An update that fails half applied leaves no state worth saving, and a non-finite loss may come from the
+    weights themselves: neither checkpoints (a rotation would drop an earlier, good checkpoint)."""
+    out = tmp_path / "run"
+    config = make_config(out, model_dir, data_file, checkpoint={"every": 0})
+    if failure == "in the update":
+        real_step = torch.optim.AdamW.step
+
+        def fails_in_third_update(self, *args, **kwargs):
+            if self.state and next(iter(self.state.values()))["step"] == 2:
+                raise RuntimeError("failed mid-update")
+            return real_step(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.optim.AdamW, "step", fails_in_third_update)
+        error = RuntimeError
+    else:
+        real = oomb.training.trainer.forward_backward
+        calls = []
+
+        def nan_in_step_3(*args, **kwargs):
+            calls.append(1)
+            loss = real(*args, **kwargs)
+            return loss * float("nan") if len(calls) == 3 else loss
+
+        monkeypatch.setattr(oomb.training.trainer, "forward_backward", nan_in_step_3)
+        error = FloatingPointError
+    with pytest.raises(error):
+        Trainer(config).train()
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
 def test_ctrl_c_waits_for_the_optimizer_update():
     before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN under nohup or a background job
     with pytest.raises(KeyboardInterrupt):

@@ -200,6 +200,7 @@ class Trainer(Checkpointing):
         self.resumed_from: Path | None = None
         self._last_saved: Path | None = None
         self._saved_step = -1
+        self._updating = False  # inside a step's optimizer update (_applying_update)
         self._ready = False
         self._last_metrics: dict | None = None
         self._peak_gpu = 0.0
@@ -582,6 +583,9 @@ class Trainer(Checkpointing):
                 reporter.log(self._last_metrics)  # Ctrl-C came during that step's update, which completed
             self.masters.zero_grads()  # the partial step is dropped; its data is read again on resume
             logger.warning("interrupted during step %d: saving the state after step %d", self.step + 1, self.step)
+        except Exception as err:
+            self._save_before_failing(err)
+            raise
         finally:
             reporter.close()
         if self._saved_step != self.step or self._last_saved is None:
@@ -594,6 +598,25 @@ class Trainer(Checkpointing):
             (self.output_dir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
         self.data.close()
         return result
+
+    def _save_before_failing(self, err: Exception) -> None:
+        """A step that failed before its update (out of memory, pages that no longer fit, a data error) leaves the
+        state after the last complete step intact: checkpoint it, so that the steps since the last checkpoint are
+        not lost (at 1M tokens a step takes minutes). One process only (a collective save would wait on the
+        others), and not for a non-finite loss (the weights that gave it may be the fault, and the checkpoint's
+        rotation would drop an earlier, good one)."""
+        if (self._updating or isinstance(err, FloatingPointError) or torch.distributed.is_initialized()
+                or self._saved_step == self.step or self.step == 0):
+            return
+        try:
+            self.masters.zero_grads()  # the failed step's partial gradients
+            self._timed_checkpoint()
+        except Exception as save_error:  # e.g. a CUDA error leaves the device unusable: the step's error stands
+            logger.warning("step %d failed and saving the state after step %d failed too (%s: %s)", self.step + 1,
+                           self.step, type(save_error).__name__, save_error)
+            return
+        logger.warning("step %d failed (%s): saved the state after step %d to %s; continue it with --resume %s once "
+                       "fixed", self.step + 1, type(err).__name__, self.step, self._last_saved, self.output_dir)
 
     def train_step(self, on_chunk: Callable[[int, int, int], None] | None = None) -> dict:
         """One optimizer step over train.grad_accum sequences; returns its metrics. ``on_chunk(sequence, done,
@@ -637,7 +660,7 @@ class Trainer(Checkpointing):
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} at step {self.step + 1}: lower optim.lr (now "
                                      f"{self.lr}) or check the data; the last checkpoint is {self._last_saved}")
-        with _sigint_deferred():  # an update is applied whole or not at all
+        with _sigint_deferred(), self._applying_update():  # an update is applied whole or not at all
             self.masters.scale_grads(1 / cfg.train.grad_accum)  # the mean over sequences
             clip = cfg.optim.max_grad_norm or math.inf
             if parallel.mesh is None:
@@ -678,6 +701,13 @@ class Trainer(Checkpointing):
                 self._peak_gpu = max(self._peak_gpu, metrics["gpu_peak_gib"])
             self._last_metrics = metrics
         return metrics
+
+    @contextlib.contextmanager
+    def _applying_update(self):
+        """Marks the update under way: a failure inside it leaves no state worth saving (_save_before_failing)."""
+        self._updating = True
+        yield
+        self._updating = False  # (left set when the update raised)
 
     def _evaluation_due(self) -> bool:
         every = self.config.eval.every_steps
