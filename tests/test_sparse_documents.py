@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 
 import oomb
 from oomb import OOMBConfig
+from oomb.attention.reference_sparse import shared_by_all_blocks
 from oomb.config import PerformanceConfig, SparseConfig
 from oomb.documents import resolve_documents
 from oomb.kv import ChunkSpan, PagedKVStore
@@ -160,6 +161,39 @@ def _assert_offload_bitwise(config: OOMBConfig, seed: int) -> None:
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
+@pytest.mark.parametrize("options", [{}, {"sparse.query_block_pages": CHUNK // PAGE},
+                                     {"offload.enabled": True, "sparse.query_block_pages": CHUNK // PAGE}])
+def test_chunks_whose_documents_fit_the_selection_skip_scoring_with_the_same_result(options, monkeypatch):
+    """Where every block's document has at most as many history pages as the selection reads, the chunk reads
+    the pages just before it instead of scoring (the document's pages, and earlier ones the backend masks as it
+    masked the scored fill-ups): the step's loss and gradients equal the scored step's bit for bit."""
+    import oomb.sparse
+
+    config = CONFIG.with_options(options)
+    model = build_tiny_model("qwen2", seed=56)
+    ids = random_ids(2, TOKENS, seed=56)
+    cu = [_cu(LENGTHS), _cu(LENGTHS_2)]
+    shortcuts = []
+    real = oomb.sparse.recent_pages_hold_the_documents
+
+    def recording(*args):
+        shortcuts.append(real(*args) is not None)
+        return real(*args)
+
+    monkeypatch.setattr(oomb.sparse, "recent_pages_hold_the_documents", recording)
+    results = []
+    for shortcut in (recording, lambda *args: None):  # the shortcut, then every chunk scored
+        monkeypatch.setattr(oomb.sparse, "recent_pages_hold_the_documents", shortcut)
+        model.zero_grad(set_to_none=True)
+        slabs = HostSlabs(pin=False) if config.offload.enabled else None
+        results.append((oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
+                        grads(model)))
+    assert any(shortcuts) and not all(shortcuts)  # both kinds of chunk occur
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
 def test_sparse_documents_with_offload_equal_without_bitwise():
     _assert_offload_bitwise(CONFIG, seed=53)
 
@@ -176,12 +210,15 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
     gradients bit-identical to sparse without offload."""
     if staging == "copy per run":
         monkeypatch.setattr(HostSlabs, "mapped", lambda *args: None)
-    staged = []  # (layer, chunk, history positions staged) per call
+    staged, in_place = [], []  # (layer, chunk, history positions staged, selected) per call; in-place calls
 
     class Recording(OffloadedKVStore):
         def _stage_selection(self, index, layer, chunk, selection, grads):
             result = super()._stage_selection(index, layer, chunk, selection, grads)
-            staged.append((layer, chunk, result.history, torch.unique(selection).tolist()))
+            if shared_by_all_blocks(selection) and not grads and result.stage_one:
+                in_place.append((layer, chunk.index))  # the documents' recent pages (oomb/sparse.py): moved whole
+            else:
+                staged.append((layer, chunk, result.history, torch.unique(selection).tolist()))
             return result
 
     monkeypatch.setattr(oomb.engine, "OffloadedKVStore", Recording)
@@ -201,7 +238,8 @@ def test_sparse_offload_stages_only_pages_some_query_sees(backend, staging, rows
     docs = resolve_documents(None, cu, tuple(ids.shape), torch.device("cpu"))
     Hkv = model.config.num_key_value_heads
     visible = {layer: _visible(selections, layer, len(rows), Hkv, docs.start_cpu) for layer in (0, 1)}
-    assert len(staged) == 3 * sum(s is not None for _, s in selections.values())  # stage 1, forward, backward
+    assert len(staged) + len(in_place) == 3 * sum(s is not None for _, s in selections.values())  # stages 1, 2 (x2)
+    assert in_place  # chunks whose blocks' documents all fit the selection are not scored: their recent pages
     for layer, chunk, history, selected in staged:
         seen = visible[layer][:, :, chunk.start:chunk.end, :chunk.start].any(dim=(0, 1, 2))
         assert history == [p for p in range(chunk.start // PAGE) if bool(seen[p * PAGE:(p + 1) * PAGE].any())]
