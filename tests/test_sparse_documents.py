@@ -180,7 +180,14 @@ def test_chunks_whose_documents_fit_the_selection_skip_scoring_with_the_same_res
         shortcuts.append(real(*args) is not None)
         return real(*args)
 
-    monkeypatch.setattr(oomb.sparse, "recent_pages_hold_the_documents", recording)
+    widths = []  # pages listed per sequence by each stage-1 in-place staging
+    real_stage = OffloadedKVStore._stage_in_place
+
+    def stage_recording(self, index, layer, chunk, pages, kinds, fresh):
+        widths.append((kinds, pages.shape[1]))
+        return real_stage(self, index, layer, chunk, pages, kinds, fresh)
+
+    monkeypatch.setattr(OffloadedKVStore, "_stage_in_place", stage_recording)
     results = []
     for shortcut in (recording, lambda *args: None):  # the shortcut, then every chunk scored
         monkeypatch.setattr(oomb.sparse, "recent_pages_hold_the_documents", shortcut)
@@ -189,6 +196,10 @@ def test_chunks_whose_documents_fit_the_selection_skip_scoring_with_the_same_res
         results.append((oomb.forward_backward(model, ids, None, config, cu_seqlens=cu, host_slabs=slabs),
                         grads(model)))
     assert any(shortcuts) and not all(shortcuts)  # both kinds of chunk occur
+    if config.offload.enabled and config.sparse.query_block_pages > 1:  # the recent pages move once, not per head
+        selected = config.sparse.budget + config.sparse.sink_pages
+        kv_heads = model.config.num_key_value_heads
+        assert {w for kinds, w in widths if kinds == ("k", "v")} == {selected, kv_heads * selected}
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

@@ -232,13 +232,15 @@ class SparseStaging(HeadRowStaging):
         return _StagedSelection(staged, table, history, runs, n, ready, stage_one=stage_one, own_chunk=own_chunk)
 
     def _in_place_pages(self, pages: torch.Tensor) -> torch.Tensor | None:
-        """(B, Hkv * K) int64 page positions, on the device, of a selection or candidate set (B, Hkv,
-        n_blocks, K) that one group shares over the chunk's blocks, when stage 1 can stage them without
-        reading them on the host (module docstring); else None. Needs kernels that gather from host
+        """(B, Hkv * K) int64 page positions (B, K where every head reads the same), on the device, of a
+        selection or candidate set (B, Hkv, n_blocks, K) that one group shares over the chunk's blocks, when
+        stage 1 can stage them without reading them on the host (module docstring); else None. Needs kernels that gather from host
         memory (mapped slabs, or a CPU device) and no context parallelism. With packed documents the
         pages a selection fills up with (wholly before its document) move too: the backend masks them."""
         if not shared_by_all_blocks(pages) or not self._gathers_by_device_index(documents_allowed=True):
             return None
+        if pages.stride(1) == 0:  # every KV head reads the same pages (oomb/sparse.py's recent pages): each once
+            return pages[:, 0, 0].long()
         return pages[:, :, 0].reshape(pages.shape[0], -1).long()
 
     def _stage_in_place(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor, kinds: tuple[str, ...],
