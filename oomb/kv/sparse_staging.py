@@ -234,9 +234,10 @@ class SparseStaging(HeadRowStaging):
     def _in_place_pages(self, pages: torch.Tensor) -> torch.Tensor | None:
         """(B, Hkv * K) int64 page positions (B, K where every head reads the same), on the device, of a
         selection or candidate set (B, Hkv, n_blocks, K) that one group shares over the chunk's blocks, when
-        stage 1 can stage them without reading them on the host (module docstring); else None. Needs kernels that gather from host
-        memory (mapped slabs, or a CPU device) and no context parallelism. With packed documents the
-        pages a selection fills up with (wholly before its document) move too: the backend masks them."""
+        stage 1 can stage them without reading them on the host (module docstring); else None. Needs kernels
+        that gather from host memory (mapped slabs, or a CPU device) and no context parallelism. With packed
+        documents the pages a selection fills up with (wholly before its document) move too: the backend
+        masks them."""
         if not shared_by_all_blocks(pages) or not self._gathers_by_device_index(documents_allowed=True):
             return None
         if pages.stride(1) == 0:  # every KV head reads the same pages (oomb/sparse.py's recent pages): each once
