@@ -421,10 +421,12 @@ def make_step_store(
     _check_pages(shape, config, device, host_slabs)
     if not config.offload.enabled:
         return PagedKVStore(**options, **windows, chunk_size=config.chunk_size)
-    return OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
-                            resident_layers=config.offload.resident_layers,
-                            stream_buffers=config.offload.stream_buffers,
-                            chunk_size=config.chunk_size, **options, **windows)
+    store = OffloadedKVStore(slabs=host_slabs if host_slabs is not None else HostSlabs(),
+                             resident_layers=config.offload.resident_layers,
+                             stream_buffers=config.offload.stream_buffers,
+                             chunk_size=config.chunk_size, **options, **windows)
+    store.document_sinks = sparse is not None and sparse.sink_pages >= 1
+    return store
 
 
 def store_options(causal_lm, batch: int, num_tokens: int, config: OOMBConfig, device,

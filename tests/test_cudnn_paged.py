@@ -428,6 +428,40 @@ def test_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch,
     assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_sparse_documents_engine_on_the_stand_in_matches_the_torch_backend(monkeypatch, offload):
+    """A whole sparse step with packed documents and one selection per chunk through the cudnn backend's code
+    equals the torch backend's: documents shorter than the selection (read whole, unscored), longer ones (their
+    first page a sink; with offload staged as (page, head) rows numbered from it), documents starting inside
+    pages and chunks."""
+    from helpers import build_tiny_model, random_ids
+
+    from oomb.attention.backend import AttentionBackend
+    from oomb.kv.offload import OffloadedKVStore
+
+    model = build_tiny_model("qwen2", seed=43)
+    ids = random_ids(2, 200, seed=43)
+    cu = [[0, 13, 14, 84, 128, 200], [0, 100, 109, 200]]
+    windowed = cudnn_paged.WindowedAttention(MATH.kernel, short_kernel=MATH.kernel)
+    selected = cudnn_sparse.SelectedPagesAttention(MATH.kernel, windowed)
+    stand_in = AttentionBackend("stand-in", windowed.paged_attention_forward, windowed.paged_attention_backward,
+                                cudnn_paged.no_delta, selected.sparse_attention_forward,
+                                selected.sparse_attention_backward, whole_history=True, sparse_block_group=True)
+    config = OOMBConfig(chunk_size=32, page_size=8, attention="sparse",
+                        sparse=SparseConfig(budget=2, sink_pages=1, read_share=None, query_block_pages=4),
+                        offload=OffloadConfig(enabled=offload))
+    numbered = []
+    real = OffloadedKVStore._head_row_layout
+
+    def recording(self, index, layer, chunk, pages, first_pages=None):
+        numbered.append(first_pages is not None)
+        return real(self, index, layer, chunk, pages, first_pages)
+
+    monkeypatch.setattr(OffloadedKVStore, "_head_row_layout", recording)
+    assert_step_matches_torch(monkeypatch, stand_in, model, ids, config, cu_seqlens=cu)
+    assert any(numbered) == offload
+
+
 @pytest.mark.gpu
 def test_gpu_cudnn_documents_bf16_error_within_twice_reference():
     """The segments on cuDNN in bf16 (documents starting inside pages and before the chunk, a one-token

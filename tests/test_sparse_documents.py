@@ -266,9 +266,10 @@ def test_stage_one_with_documents_stages_in_place_without_reading_selections_bit
     stages its selected pages in place, by index on the device, so the host never reads a selection there (on a
     GPU, each read is a device synchronisation per layer and chunk); the pages a selection fills up with before
     its document move too and are masked. Rerank's candidate keys move as (page, head) rows, each head's own
-    candidates only (the score reads no document). Stage 2 keeps the union of the pages some query sees.
-    Gradients equal sparse without offload bit for bit."""
-    in_place, union, head_rows = [], [], []
+    candidates only (the score reads no document), and so does a selection of its document's own pages, its
+    virtual pages numbered from the document's first; otherwise stage 2 keeps the union of the pages some query
+    sees. Gradients equal sparse without offload bit for bit."""
+    in_place, union, head_rows, numbered = [], [], [], []
 
     class Recording(OffloadedKVStore):
         def _stage_in_place(self, index, layer, chunk, pages, kinds, fresh):
@@ -278,6 +279,11 @@ def test_stage_one_with_documents_stages_in_place_without_reading_selections_bit
         def scoring_head_rows(self, index, layer, chunk, candidates):
             head_rows.append((layer, chunk.index))
             return super().scoring_head_rows(index, layer, chunk, candidates)
+
+        def _head_row_layout(self, index, layer, chunk, pages, first_pages=None):
+            if first_pages is not None:
+                numbered.append((layer, chunk.index))
+            return super()._head_row_layout(index, layer, chunk, pages, first_pages)
 
         def _selected_columns(self, layer, chunk, selection):
             union.append((layer, chunk.index, (layer, chunk.index) in self._fresh_kv))
@@ -289,6 +295,8 @@ def test_stage_one_with_documents_stages_in_place_without_reading_selections_bit
     assert ("k", "v") in {kinds for *_, kinds in in_place}  # stage 1's selected pages
     assert ("k",) not in {kinds for *_, kinds in in_place}  # candidate keys never move with all their heads
     assert bool(head_rows) == (score == "rerank")  # stage 1's candidate keys
+    # Selections of a document's own pages, led by its first (a sink), move as (page, head) rows numbered from it.
+    assert numbered
     # The host reads selections in stage 2 only, but for the last chunk: one block (200 = 6 x 32 + 8), whose
     # selection is not a stride-0 view over blocks.
     assert union and {chunk for _, chunk, stage_one in union if stage_one} == {TOKENS // CHUNK}

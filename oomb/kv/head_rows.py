@@ -23,9 +23,12 @@ without the union's sync by kv/sparse_staging.py's in-place path).
 
 Why: the 7B shape's 1M sparse+offload step (first 2 layers, one H200) took 28.56 s with it against
 33.61 s with the union (``offload-staging-1m`` in docs/results.md). Context parallelism keeps the union
-(its selections point at pages of other ranks), and so do packed documents' attention calls, whose
-backends read a document's first page by its position: their stage 1 stages the selection in place
-(kv/sparse_staging.py), and moves rerank's candidate keys as (page, head) rows all the same (the score
+(its selections point at pages of other ranks). Packed documents' backends read a document's first page by
+its position and mask by position what lies before it: where every row's selection is its document's own
+pages led by that first page (a sink; the document has more history pages than the selection reads), the
+virtual pages are numbered from that page on, so it sits at its own position and every other selected page
+inside the document; other selections with documents stage in place in stage 1 (kv/sparse_staging.py) and
+as the union in stage 2. Rerank's candidate keys move as (page, head) rows with documents too (the score
 reads no document; in place, every candidate page would move with all its heads, Hkv times the bytes).
 """
 
@@ -92,11 +95,27 @@ class HeadRowStaging:
 
     def _stages_head_rows(self, chunk: ChunkSpan, selection: torch.Tensor, scoring: bool = False) -> bool:
         """Whether this call's selection (host or device) can move as (page, head) rows; ``scoring``: rerank's
-        candidate keys, which may with packed documents too."""
-        if not shared_by_all_blocks(selection) or not self._gathers_by_device_index(documents_allowed=scoring):
+        candidate keys, which may with packed documents too, as may a selection of its documents' own pages
+        (``_document_first_pages``)."""
+        if not shared_by_all_blocks(selection):
+            return False
+        documents_allowed = scoring or self._document_first_pages(chunk, selection.shape[3]) is not None
+        if not self._gathers_by_device_index(documents_allowed=documents_allowed):
             return False
         first, _ = self._page_range(chunk)
         return 0 < selection.shape[3] <= first
+
+    def _document_first_pages(self, chunk: ChunkSpan, selected: int) -> torch.Tensor | None:
+        """Packed documents: (B,) host positions of the first page of the document each row's chunk starts in,
+        where every row's selection is that document's own pages led by that page: the document has more history
+        pages than the selection reads, and each block's selection begins with its document's first page (a sink,
+        ``document_sinks``). Head rows then number their virtual pages from it, so the backends find the
+        document's first page at its own position and every other selected page inside the document. None
+        otherwise (and without packed documents)."""
+        if self.document_starts is None or not self.document_sinks:
+            return None
+        firsts = torch.div(self.document_starts[:, chunk.start], self.page_size, rounding_mode="floor")
+        return firsts if bool((chunk.start // self.page_size - firsts > selected).all()) else None
 
     def _head_rows_of(self, pages: torch.Tensor) -> torch.Tensor:
         """(n, Hkv, P, D) pages as n * Hkv rows of P x D values."""
@@ -114,8 +133,10 @@ class HeadRowStaging:
         """The same as (sequence, position, head) rows of P x D values."""
         return self._head_rows_of(self._host_layer_rows(kind, index))
 
-    def _head_row_layout(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor) -> _Layout:
-        """Where a call's (page, head) rows come from and go, its page table and virtual selection."""
+    def _head_row_layout(self, index: int, layer: int, chunk: ChunkSpan, pages: torch.Tensor,
+                         first_pages: torch.Tensor | None = None) -> _Layout:
+        """Where a call's (page, head) rows come from and go, its page table and virtual selection: virtual
+        positions 0..K-1, or from each row's ``first_pages`` on (packed documents, ``_document_first_pages``)."""
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = pages.shape
         n, dev = K + last - first, self.device
@@ -126,14 +147,19 @@ class HeadRowStaging:
         h = torch.arange(Hkv, device=dev)[None, :, None]
         rows = torch.arange(B, device=dev)[:, None] * n + torch.arange(n, device=dev)[None, :]
         table = torch.zeros((B, last), dtype=torch.int32, device=dev)
-        table[:, :K] = rows[:, :K].to(torch.int32)
+        if first_pages is None:
+            table[:, :K] = rows[:, :K].to(torch.int32)
+            virtual = torch.arange(K, dtype=torch.int32, device=dev).expand(B, Hkv, n_blocks, K)  # stride 0
+        else:  # from the host's positions: no copy to the device to wait for
+            numbered = torch.stack([torch.arange(p, p + K, device=dev) for p in first_pages.tolist()])  # (B, K)
+            table.scatter_(1, numbered, rows[:, :K].to(torch.int32))
+            virtual = numbered.to(torch.int32)[:, None, None, :].expand(B, Hkv, n_blocks, K)
         table[:, first:last] = rows[:, K:].to(torch.int32)
         return _Layout(
             n=n, table=table,
             source=((b * self.host_pages + positions) * Hkv + h).reshape(-1),  # host (sequence, position, head)
             target=((b * n + torch.arange(K, device=dev)) * Hkv + h).reshape(-1),  # staged (row, head)
-            virtual=torch.arange(K, dtype=torch.int32, device=dev).expand(B, Hkv, n_blocks, K),  # stride 0
-            own_target=rows[:, K:].reshape(-1))
+            virtual=virtual, own_target=rows[:, K:].reshape(-1))
 
     @contextmanager
     def scoring_head_rows(self, index: int, layer: int, chunk: ChunkSpan, candidates: torch.Tensor):
@@ -159,7 +185,7 @@ class HeadRowStaging:
         first, last = self._page_range(chunk)
         B, Hkv, n_blocks, K = selection.shape
         own, dev = last - first, self.device
-        layout = self._head_row_layout(index, layer, chunk, selection)
+        layout = self._head_row_layout(index, layer, chunk, selection, self._document_first_pages(chunk, K))
         n, table, source, target, virtual = layout.n, layout.table, layout.source, layout.target, layout.virtual
         own_target = layout.own_target
         stage_one = not grads and (layer, chunk.index) in self._fresh_kv

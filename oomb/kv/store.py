@@ -254,6 +254,9 @@ class PagedKVStore:
         """Packed documents: (B, T) int64 host copy of each token's document start (Documents.start_cpu),
         or None (one document per row). With offload, a sparse call does not stage the selected pages
         wholly before its query blocks' documents (kv/sparse_staging.py). Set once per step, before stage 1."""
+        self.document_sinks = False
+        """Packed documents, sparse: every block's selection begins with its document's first page
+        (sparse.sink_pages >= 1), so offload may stage it as (page, head) rows (kv/head_rows.py)."""
 
     @staticmethod
     def bytes_needed(
