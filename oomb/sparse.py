@@ -516,7 +516,7 @@ def select_pages(
         store.keep_scoring_queries(layer, chunk, q[:, :, chunk.length - P: chunk.length].detach())
     if options.num_selected(n_hist, layer) == n_hist:
         return None
-    if documents is not None and store.context is None:
+    if documents is not None:
         recent = recent_pages_hold_the_documents(documents, chunk, P, options.num_selected(n_hist, layer))
         if recent is not None:
             return recent.to(q.device).expand(q.shape[0], store.num_kv_heads, -(-chunk.length // P), -1)
