@@ -43,14 +43,7 @@ from .grads import Fp32GradAccumulator
 from .kv import ChunkSpan, PagedKVStore, split_into_chunks
 from .kv.capacity import PageShape, check_pages_fit
 from .kv.offload import HostSlabs, OffloadedKVStore
-from .loss import (
-    IGNORE_INDEX,
-    ScaledGradient,
-    chunked_cross_entropy,
-    gradient_scale,
-    shift_labels,
-    slices_with_labels,
-)
+from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels, slices_with_labels
 from .machine import gpu_free_bytes, host_available_bytes
 from .models import (
     Stage,

@@ -58,14 +58,7 @@ from .engine import (
 )
 from .kv import ChunkSpan, split_into_chunks
 from .kv.offload import HostSlabs
-from .loss import (
-    IGNORE_INDEX,
-    ScaledGradient,
-    chunked_cross_entropy,
-    gradient_scale,
-    shift_labels,
-    slices_with_labels,
-)
+from .loss import IGNORE_INDEX, ScaledGradient, chunked_cross_entropy, gradient_scale, shift_labels, slices_with_labels
 from .models import (
     Stage,
     StepState,
