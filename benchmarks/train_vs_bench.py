@@ -2,6 +2,8 @@
 
     python benchmarks/train_vs_bench.py --preset qwen2.5-7b --seq-len 1M --attention sparse \
         --bench-mode sparse+offload --lora --sparse-read-share none --steps 2        # one H100: ~15 min
+    python benchmarks/train_vs_bench.py --preset qwen2.5-7b --seq-len 1M --attention sparse \
+        --bench-mode sparse+offload --lora --sparse-read-share none --steps 2 --train-kv-grad-dtype bfloat16
     python benchmarks/train_vs_bench.py --preset qwen2.5-7b --seq-len 128K --attention dense --lora --steps 3
     python benchmarks/train_vs_bench.py --preset tiny-qwen2 --seq-len 4K --device cpu --steps 2   # the plumbing
 
@@ -9,7 +11,9 @@ Arm 1 is ``oomb bench --chosen``: a random-weight preset, every weight's gradien
 at --seq-len after a short warm-up step, with the plan the chooser makes for that workload. Arm 2 is
 ``oomb train`` on the same preset (random weights, --lora or every weight with AdamW), on its embedded
 corpus (packed documents) unless --data is given, --steps steps, its plan chosen for its own workload
-(optimizer and LoRA included). Both get the same --sparse-* options.
+(optimizer and LoRA included). Both get the same --sparse-* options; --train-kv-grad-dtype bfloat16 gives
+oomb train the page dtype the bench's plan takes where float32 pages do not fit it (every weight trained at
+1M), so that the comparison leaves the dtype out.
 
 Each arm starts with empty compile caches of its own (torch's inductor and Triton caches under --work-dir),
 so that each first step is what a fresh machine pays, not what the other arm left compiled.
@@ -57,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", help="oomb train's data (default: its embedded corpus, packed documents)")
     p.add_argument("--sparse-budget", help="given to both arms")
     p.add_argument("--sparse-read-share", help="given to both arms (e.g. none: the fixed budget)")
+    p.add_argument("--train-kv-grad-dtype",
+                   help="oomb train's dK/dV page dtype (default: its chooser's); bfloat16 compares the trainer at the "
+                        "page dtype the bench's plan takes where float32 does not fit it")
     p.add_argument("--progress", action="store_true",
                    help="oomb train's progress bar in its log, with the stage and chunk of the step in progress (where "
                         "a long step's time goes: stage 1 against stage 2, chunk by chunk)")
@@ -153,7 +160,8 @@ def comparison(args: argparse.Namespace, argv: list[str] | None, tokens: int, mo
         "commit": os.environ.get("OOMB_GIT_COMMIT"),
         "command": shlex.join(["python", "benchmarks/train_vs_bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "workload": {"preset": args.preset, "seq_len": tokens, "attention": args.attention, "bench_mode": mode,
-                     "lora": args.lora, "steps": args.steps, "data": args.data or "embedded corpus (packed documents)"},
+                     "lora": args.lora, "steps": args.steps, "data": args.data or "embedded corpus (packed documents)",
+                     "train_kv_grad_dtype": args.train_kv_grad_dtype or "chosen"},
         "timing": "each arm with empty compile caches of its own. bench: one step after a warm-up step, perf_counter "
                   "with synchronisation, every weight's gradient, "
                   "no optimizer. train: summary.json steady_step_s (median of the steps after the first; data, "
@@ -162,6 +170,25 @@ def comparison(args: argparse.Namespace, argv: list[str] | None, tokens: int, mo
         "train_over_bench": ratio(train.get("steady_step_s"), bench.get("step_seconds")),
         "first_train_step_over_bench": ratio(train.get("first_step_s"), bench.get("step_seconds")),
     }
+
+
+def arm_commands(args: argparse.Namespace, tokens: int, mode: str, work: Path) -> tuple[list[str], list[str]]:
+    """The bench's and oomb train's command lines (this Python, ``-m oomb``)."""
+    sparse = []
+    for flag in ("sparse_budget", "sparse_read_share"):
+        if getattr(args, flag) is not None:
+            sparse += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    py = sys.executable
+    bench_cmd = [py, "-m", "oomb", "bench", "--chosen", "--preset", args.preset, "--contexts", str(tokens),
+                 "--modes", mode, "--device", args.device, "--out-dir", str(work / "bench"), "--name", "bench", *sparse]
+    train_cmd = [py, "-m", "oomb", "train", "--preset", args.preset, "--seq-len", str(tokens), "--attention",
+                 args.attention, "--steps", str(args.steps), "--device", args.device, "--output-dir",
+                 str(work / "train"), "--overwrite", *sparse]
+    train_cmd += ["--set", f"logging.progress={str(args.progress).lower()}"]
+    train_cmd += ["--lora"] if args.lora else []
+    train_cmd += ["--data", args.data] if args.data else []
+    train_cmd += ["--kv-grad-dtype", args.train_kv_grad_dtype] if args.train_kv_grad_dtype else []
+    return bench_cmd, train_cmd
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -176,22 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    sparse = []
-    for flag in ("sparse_budget", "sparse_read_share"):
-        if getattr(args, flag) is not None:
-            sparse += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    py = sys.executable
     mode = args.bench_mode or args.attention
-
-    bench_cmd = [py, "-m", "oomb", "bench", "--chosen", "--preset", args.preset, "--contexts", str(tokens),
-                 "--modes", mode, "--device", args.device, "--out-dir", str(work / "bench"), "--name", "bench", *sparse]
+    bench_cmd, train_cmd = arm_commands(args, tokens, mode, work)
     train_dir = work / "train"
-    train_cmd = [py, "-m", "oomb", "train", "--preset", args.preset, "--seq-len", str(tokens), "--attention",
-                 args.attention, "--steps", str(args.steps), "--device", args.device, "--output-dir", str(train_dir),
-                 "--overwrite", *sparse]
-    train_cmd += ["--set", f"logging.progress={str(args.progress).lower()}"]
-    train_cmd += ["--lora"] if args.lora else []
-    train_cmd += ["--data", args.data] if args.data else []
     bench = {"arm": "oomb bench --chosen", "command": shlex.join(bench_cmd[1:])}
     train = {"arm": "oomb train", "command": shlex.join(train_cmd[1:])}
 

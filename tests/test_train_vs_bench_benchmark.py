@@ -47,3 +47,16 @@ def test_a_comparison_cut_short_keeps_the_arm_that_ran():
                                train)
     assert result["train"]["steady_step_s"] == 230.0 and result["train_over_bench"] is None
     assert result["plans_differ"]["precision.kv_grad_dtype"] == {"bench": None, "train": "float32"}
+
+
+def test_the_train_arm_can_take_the_benchs_page_dtype(tmp_path):
+    """--train-kv-grad-dtype bfloat16: oomb train at the page dtype the bench's plan takes (every weight trained,
+    float32 pages do not fit it at 1M), so the comparison leaves the dtype out; by default the chooser's."""
+    script = load_script("benchmarks/train_vs_bench.py")
+    args = script.parse_args(["--seq-len", "1M", "--attention", "sparse", "--lora",
+                              "--train-kv-grad-dtype", "bfloat16"])
+    bench, train = script.arm_commands(args, 1 << 20, "sparse+offload", tmp_path)
+    assert train[train.index("--kv-grad-dtype") + 1] == "bfloat16" and "--kv-grad-dtype" not in bench
+    assert "--kv-grad-dtype" not in script.arm_commands(script.parse_args([]), 1 << 20, "dense", tmp_path)[1]
+    result = script.comparison(args, [], 1 << 20, "sparse+offload", {}, {})
+    assert result["workload"]["train_kv_grad_dtype"] == "bfloat16"
