@@ -475,19 +475,19 @@ def _top_pages_in_documents(scores: torch.Tensor, options: SparseConfig, layer: 
 
 
 def recent_pages_hold_the_documents(documents: Documents, chunk: ChunkSpan, page_size: int,
-                                    selected: int) -> torch.Tensor | None:
+                                    selected: int, device: torch.device | None = None) -> torch.Tensor | None:
     """Packed documents: where the history of every block's document fits in ``selected`` pages, the selection
     whatever the scores: each block reads all of its document's pages and fills up with earlier pages, which the
     backends mask; the ``selected`` pages before the chunk hold every block's document pages and are all earlier
-    ones otherwise, so they serve every block ((1, 1, 1, selected) int32 positions, ascending) and the chunk is
-    not scored. Decided on the host from the documents' starts (no device synchronisation); None otherwise.
-    Packed corpora of files or chats often have such short documents (a 1M sequence of oomb's own source files:
-    about 45 % of chunks)."""
+    ones otherwise, so they serve every block ((1, 1, 1, selected) int32 positions on ``device``, ascending) and
+    the chunk is not scored. Decided on the host from the documents' starts and made on the device (no device
+    synchronisation, no copy); None otherwise. Packed corpora of files or chats often have such short documents
+    (docs/sparse.md counts them in oomb train's embedded corpus)."""
     n_hist = chunk.start // page_size
     earliest = int(documents.start_cpu[:, chunk.start:chunk.end:page_size].min()) // page_size
     if earliest < n_hist - selected:
         return None
-    return torch.arange(n_hist - selected, n_hist, dtype=torch.int32)[None, None, None]
+    return torch.arange(n_hist - selected, n_hist, dtype=torch.int32, device=device)[None, None, None]
 
 
 def block_first_pages(documents: Documents, chunk: ChunkSpan, page_size: int) -> torch.Tensor:
@@ -517,9 +517,9 @@ def select_pages(
     if options.num_selected(n_hist, layer) == n_hist:
         return None
     if documents is not None:
-        recent = recent_pages_hold_the_documents(documents, chunk, P, options.num_selected(n_hist, layer))
+        recent = recent_pages_hold_the_documents(documents, chunk, P, options.num_selected(n_hist, layer), q.device)
         if recent is not None:
-            return recent.to(q.device).expand(q.shape[0], store.num_kv_heads, -(-chunk.length // P), -1)
+            return recent.expand(q.shape[0], store.num_kv_heads, -(-chunk.length // P), -1)
     first_pages = block_first_pages(documents, chunk, P) if documents is not None else None
     if options.score == "exact" and store.context is not None:
         # Context parallel: rerank's code with every history page a candidate is the exact score (max
