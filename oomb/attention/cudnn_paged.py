@@ -31,7 +31,8 @@ has built after its first steps: a segment's queries and keys, and a history win
 zeros to a multiple of ``shape_step`` (a padded query's output is dropped and its zero dO adds nothing to any
 gradient; a causal segment's padded keys come after every real query), and a history window's keys, which
 cannot be padded, are cut at the next multiples of ``shape_step`` and ``history_step`` into at most three calls
-merged by their log-sum-exp.
+merged by their log-sum-exp; the first of them, under ``shape_step`` keys where a document starts inside a page,
+runs on plain torch (its length differs at almost every document: each would be a new graph).
 
 Sliding windows alone (``documents`` from documents.window_bounds with ``window`` set) are a band:
 its first key moves at every query, so segments would be one call per query; cudnn_band.py cuts the
@@ -230,6 +231,12 @@ class WindowedAttention:
         """The kernel of a packed-documents or band call of ``queries`` rows and ``keys`` keys."""
         return self.short_kernel if min(queries, keys) < self.short_segment else self.kernel
 
+    def _piece_kernel(self, queries: int, keys: int) -> FusedKernel:
+        """The kernel of a history piece: one under ``shape_step`` keys (a window starting inside a page has
+        1 to shape_step - 1, a new length at almost every document) runs on the short kernel, so that cuDNN
+        only ever sees key lengths from the small set and builds no graph for such a piece."""
+        return self.short_kernel if keys < self.shape_step else self._segment_kernel(queries, keys)
+
     def _padded(self, length: int) -> int:
         """A packed-documents call's query (and causal key) count: ``length`` up to a multiple of shape_step."""
         return -(-length // self.shape_step) * self.shape_step
@@ -346,7 +353,7 @@ class WindowedAttention:
                 o = s = None
                 for a_k, b_k in self._key_pieces(first, hi):
                     k, v = (_gather_from(pool, page_table[rows], a_k, b_k) for pool in (k_pool, v_pool))
-                    o_k, s_k = self._segment_kernel(Hq // Hkv * e, b_k - a_k).forward(q_f, k, v, False, scale)
+                    o_k, s_k = self._piece_kernel(Hq // Hkv * e, b_k - a_k).forward(q_f, k, v, False, scale)
                     o, s = (o_k, s_k) if o is None else merge_window(o, s, o_k, s_k)
                 out_w[rows, :, :e], lse_w[rows, :, :e] = _unfold(o, Hkv, m)[:, :, :e], s.reshape(1, Hq, m)[:, :, :e]
             out, lse = (out_w, lse_w) if out is None else merge_window(out, lse, out_w, lse_w)
@@ -385,7 +392,7 @@ class WindowedAttention:
                 lse_f = _pad_rows(lse[rows, :, :e], m).reshape(1, Hkv, -1)
                 for a_k, b_k in self._key_pieces(first, hi):
                     k, v = (_gather_from(pool, page_table[rows], a_k, b_k) for pool in (k_pool, v_pool))
-                    kernel = self._segment_kernel(Hq // Hkv * e, b_k - a_k)
+                    kernel = self._piece_kernel(Hq // Hkv * e, b_k - a_k)
                     dq_w, dk, dv = kernel.backward(do_f, q_f, k, v, out_f, lse_f, False, scale)
                     dq[rows, :, :e] += _unfold(dq_w, Hkv, m)[:, :, :e]
                     pad = a_k - a_k // P * P  # keys before the piece in its first page get zeros
