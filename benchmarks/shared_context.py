@@ -52,7 +52,8 @@ are done before timing. With offload, the host pages of a full-length sequence a
 Peak memory: torch.cuda.max_memory_allocated (``peak_gpu_gib`` with the weights, ``peak_gpu_above_weights_gib``
 without); on a CPU the process's peak resident size (VmHWM, reset before each measurement: ``host_peak_gib``).
 Writes the results JSON (date, machine, versions, command, workload, plan, rows, ratios) to --out-dir ($OUT
-if set) and prints a table.
+if set) after each measurement, ``complete`` false until the last, so a run cut short keeps what it measured;
+prints a table at the end.
 """
 
 from __future__ import annotations
@@ -319,11 +320,49 @@ def main(argv: list[str] | None = None) -> dict:
         reserve_host_slabs(slabs, resident_layers=config.offload.resident_layers, chunk_size=config.chunk_size,
                            **options, **window_store_options(causal_lm, sequence, options["context"]))
 
-    rows = []
+    rows: list[dict] = []
+    gpu = machine.detect_gpu(device) if cuda else None
+    mode = args.attention + ("_offload" if config.offload.enabled else "") + ("_lora" if args.lora else "")
+    tag = "cpu" if not cuda else ("h200" if "H200" in gpu.name else "h100" if "H100" in gpu.name else "cuda")
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    path = Path(args.out_dir) / (args.name or f"shared_context_{args.preset}_{format_tokens(context_tokens).lower()}_"
+                                 f"{mode}_{tag}_{date[:10]}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(complete: bool) -> dict:
+        """The results JSON so far: rewritten after each measurement, so a run cut short keeps what it measured."""
+        result = {
+            "benchmark": "shared_context", "date": date, "complete": complete,
+            "machine": machine.machine_info(device, gpu),
+            "versions": machine.versions(),
+            "command": shlex.join(["python", "benchmarks/shared_context.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
+            "workload": {"preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+                         "trained": "LoRA r 16, alpha 32, all linear layers (oomb train --lora)" if args.lora
+                         else "every weight", "trainable_parameters": trainable, "parameters": parameters,
+                         "optimizer": "none", "context_tokens": context_tokens, "continuation_tokens": n,
+                         "continuations": args.continuations, "sequence_tokens": sequence,
+                         "trunk_tokens": trunk, "tail_tokens": context_tokens - trunk,
+                         "labels": "each continuation's tokens; the context is not a target",
+                         "data": "random token ids (seeded)", "arms": args.arms, "repeats": args.repeats,
+                         "separate_all": args.separate_all},
+            "timing": "perf_counter between torch.cuda.synchronize() calls (oomb.tools.bench.measure), gradients set "
+                      "to None before each measurement, after a warm-up of each arm on a short context; with "
+                      "--repeats the first call is reported apart (first_seconds) and seconds is the median of the "
+                      "rest. Peak: max_memory_allocated (peak_gpu_gib with the weights), on a CPU VmHWM "
+                      "(host_peak_gib).",
+            "plan": {**how, "config": config.to_dict()},
+            "init_seconds": init_seconds, "warmup": warmup,
+            "rows": rows, "ratios": shared_ratios(rows, args.continuations, cuda),
+        }
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
     for k in args.continuations if "shared" in args.arms else []:
         result = measured(shared(context, k), model, device, args.repeats)
         rows.append({"arm": "shared", "continuations": k, **result})
         print(f"shared K={k}: {result['status']}, {result.get('seconds')} s", flush=True)
+        save(complete=False)
     for arm in ("separate", "hf"):
         if arm not in args.arms:
             continue
@@ -337,10 +376,19 @@ def main(argv: list[str] | None = None) -> dict:
                 break
         status = "ok" if all(s["status"] == "ok" for s in sequences) else sequences[-1]["status"]
         rows += sequence_rows(arm, {"status": status, "sequences": sequences}, args.continuations)
+        save(complete=False)
+    result = save(complete=True)
+    ratios = result["ratios"]
+    print_table(rows, ratios, cuda)
+    print(f"wrote {path}")
+    return result
 
+
+def shared_ratios(rows: list[dict], continuations: list[int], cuda: bool) -> list[dict]:
+    """Per count K: the shared call's seconds and peak over each other arm's (measured, or K x one sequence)."""
     ratios = []
     by = {(r["arm"], r["continuations"]): r for r in rows}
-    for k in args.continuations:
+    for k in continuations:
         s = by.get(("shared", k), {})
         entry = {"continuations": k}
         for arm in ("separate", "hf"):
@@ -354,41 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
             peak = "peak_gpu_gib" if cuda else "host_peak_gib"
             entry[f"shared_over_{arm}_{peak}"] = ratio(s.get(peak), other.get(peak))
         ratios.append(entry)
-
-    gpu = machine.detect_gpu(device) if cuda else None
-    result = {
-        "benchmark": "shared_context",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine.machine_info(device, gpu),
-        "versions": machine.versions(),
-        "command": shlex.join(["python", "benchmarks/shared_context.py", *(sys.argv[1:] if argv is None else argv)]),
-        "workload": {"preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
-                     "trained": "LoRA r 16, alpha 32, all linear layers (oomb train --lora)" if args.lora
-                     else "every weight", "trainable_parameters": trainable, "parameters": parameters,
-                     "optimizer": "none", "context_tokens": context_tokens, "continuation_tokens": n,
-                     "continuations": args.continuations, "sequence_tokens": sequence,
-                     "trunk_tokens": trunk, "tail_tokens": context_tokens - trunk,
-                     "labels": "each continuation's tokens; the context is not a target",
-                     "data": "random token ids (seeded)", "arms": args.arms, "repeats": args.repeats,
-                     "separate_all": args.separate_all},
-        "timing": "perf_counter between torch.cuda.synchronize() calls (oomb.tools.bench.measure), gradients set to "
-                  "None before each measurement, after a warm-up of each arm on a short context; with --repeats "
-                  "the first call is reported apart (first_seconds) and seconds is the median of the rest. "
-                  "Peak: max_memory_allocated (peak_gpu_gib with the weights), on a CPU VmHWM (host_peak_gib).",
-        "plan": {**how, "config": config.to_dict()},
-        "init_seconds": init_seconds, "warmup": warmup,
-        "rows": rows, "ratios": ratios,
-    }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mode = args.attention + ("_offload" if config.offload.enabled else "") + ("_lora" if args.lora else "")
-    tag = "cpu" if not cuda else ("h200" if "H200" in gpu.name else "h100" if "H100" in gpu.name else "cuda")
-    name = args.name or (f"shared_context_{args.preset}_{format_tokens(context_tokens).lower()}_{mode}_{tag}_"
-                         f"{result['date'][:10]}.json")
-    (out / name).write_text(json.dumps(result, indent=1) + "\n")
-    print_table(rows, ratios, cuda)
-    print(f"wrote {out / name}")
-    return result
+    return ratios
 
 
 def print_table(rows: list[dict], ratios: list[dict], cuda: bool) -> None:

@@ -22,7 +22,7 @@ def script():
 def test_every_arm_runs_and_the_shared_loss_is_the_mean_of_the_sequences(script, tmp_path, capsys):
     report = script.main([*TINY, "--arms", "shared", "separate", "hf", "--separate-all", "--out-dir", str(tmp_path),
                           "--name", "sc.json"])
-    assert json.loads((tmp_path / "sc.json").read_text()) == report
+    assert json.loads((tmp_path / "sc.json").read_text()) == report and report["complete"] is True
     assert report["command"].startswith("python benchmarks/shared_context.py")
     assert report["versions"]["torch"] == torch.__version__ and report["plan"]["chosen"]
     workload = report["workload"]
@@ -60,3 +60,25 @@ def test_one_separate_sequence_gives_an_estimate_and_out_of_memory_is_a_result(s
     assert report["warmup"]["hf"] == {"status": "out of memory"}
     assert all(rows["hf", k]["status"] == "out of memory" for k in (1, 2))
     assert {r["continuations"]: r["shared_over_hf"] for r in report["ratios"]} == {1: None, 2: None}
+
+
+def test_a_run_cut_short_keeps_what_it_measured(script, tmp_path, monkeypatch):
+    """The results JSON is rewritten after each measurement: a run stopped in its separate arm (a call's time
+    limit) has its shared rows on disk, marked incomplete."""
+    measured = script.measured
+
+    def stopped_in_the_separate_arm(step, *args, **kwargs):
+        if len(calls) == 2:  # the two shared counts measured, then the first separate sequence
+            raise KeyboardInterrupt
+        calls.append(step)
+        return measured(step, *args, **kwargs)
+
+    calls: list = []
+    monkeypatch.setattr(script, "measured", stopped_in_the_separate_arm)
+    with pytest.raises(KeyboardInterrupt):
+        script.main([*TINY, "--out-dir", str(tmp_path), "--name", "cut.json"])
+    saved = json.loads((tmp_path / "cut.json").read_text())
+    assert saved["complete"] is False
+    assert [(r["arm"], r["continuations"], r["status"]) for r in saved["rows"]] == [("shared", 1, "ok"),
+                                                                                     ("shared", 2, "ok")]
+    assert all(r["seconds"] > 0 for r in saved["rows"])
