@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--continuations", type=int, nargs="+", default=[2, 8, 32], help="counts K of continuations")
     p.add_argument("--continuation-tokens", type=parse_tokens, default=parse_tokens("2K"),
                    help="tokens of each continuation")
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=["shared", "separate"])
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=["shared", "separate"],
+                   help="measured in this order (warmed up in it too)")
     p.add_argument("--attention", choices=("dense", "sparse"), default="dense")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                    help="KV pages in pinned host memory (offload.enabled)")
@@ -358,13 +359,13 @@ def main(argv: list[str] | None = None) -> dict:
         path.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    for k in args.continuations if "shared" in args.arms else []:
-        result = measured(shared(context, k), model, device, args.repeats)
-        rows.append({"arm": "shared", "continuations": k, **result})
-        print(f"shared K={k}: {result['status']}, {result.get('seconds')} s", flush=True)
-        save(complete=False)
-    for arm in ("separate", "hf"):
-        if arm not in args.arms:
+    for arm in args.arms:  # in the order given: a run that may be cut short measures first what it needs most
+        if arm == "shared":
+            for k in args.continuations:
+                result = measured(shared(context, k), model, device, args.repeats)
+                rows.append({"arm": "shared", "continuations": k, **result})
+                print(f"shared K={k}: {result['status']}, {result.get('seconds')} s", flush=True)
+                save(complete=False)
             continue
         count = max(args.continuations) if arm == "separate" and args.separate_all else 1
         repeats = 1 if count > 1 else args.repeats

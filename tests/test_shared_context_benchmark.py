@@ -63,12 +63,12 @@ def test_one_separate_sequence_gives_an_estimate_and_out_of_memory_is_a_result(s
 
 
 def test_a_run_cut_short_keeps_what_it_measured(script, tmp_path, monkeypatch):
-    """The results JSON is rewritten after each measurement: a run stopped in its separate arm (a call's time
-    limit) has its shared rows on disk, marked incomplete."""
+    """The results JSON is rewritten after each measurement: a run stopped in its second arm (a call's time
+    limit) has the first arm's rows on disk, marked incomplete; arms run in the order given."""
     measured = script.measured
 
     def stopped_in_the_separate_arm(step, *args, **kwargs):
-        if len(calls) == 2:  # the two shared counts measured, then the first separate sequence
+        if len(calls) == 2:  # the separate sequence and the first shared count measured, then the second
             raise KeyboardInterrupt
         calls.append(step)
         return measured(step, *args, **kwargs)
@@ -76,9 +76,11 @@ def test_a_run_cut_short_keeps_what_it_measured(script, tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(script, "measured", stopped_in_the_separate_arm)
     with pytest.raises(KeyboardInterrupt):
-        script.main([*TINY, "--out-dir", str(tmp_path), "--name", "cut.json"])
+        script.main([*TINY, "--arms", "separate", "shared", "--out-dir", str(tmp_path), "--name", "cut.json"])
     saved = json.loads((tmp_path / "cut.json").read_text())
     assert saved["complete"] is False
-    assert [(r["arm"], r["continuations"], r["status"]) for r in saved["rows"]] == [("shared", 1, "ok"),
-                                                                                     ("shared", 2, "ok")]
-    assert all(r["seconds"] > 0 for r in saved["rows"])
+    assert [(r["arm"], r["continuations"], r["status"]) for r in saved["rows"]] == [
+        ("separate", 1, "ok"), ("separate", 2, "ok"), ("shared", 1, "ok")]
+    assert all((r.get("seconds") or r["separate_total_estimated_s"]) > 0 for r in saved["rows"])
+    ratios = {r["continuations"]: r["shared_over_separate"] for r in saved["ratios"]}
+    assert ratios[1] > 0 and ratios[2] is None  # K = 2's shared call was not measured
