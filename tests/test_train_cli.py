@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,22 @@ def test_round_trip_through_yaml(tmp_path):
 def test_bad_config_names_value_rule_and_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         TrainerConfig.load(None, overrides)
+
+
+def test_a_calibrate_plan_given_as_the_config_names_the_option_that_takes_it(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"oomb": {"attention": "sparse"}, "measured": {"history_read": 0.1}}))
+    with pytest.raises(ValueError, match=r"an `oomb calibrate` plan .* --set oomb.sparse_plan=PATH"):
+        TrainerConfig.load(plan)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--resume", "run.yaml"], r"--resume took 'run.yaml' as the checkpoint to resume: put the config file before"),
+    (["--resume", "--overwrite"], r"--resume and --overwrite contradict each other"),
+])
+def test_flags_a_user_did_not_mean_are_refused(argv, message, capsys):
+    assert cli_main(["train", *argv, "--print-config"]) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_missing_config_file():

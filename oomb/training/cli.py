@@ -228,8 +228,21 @@ def unused_sparse_flags(args: argparse.Namespace, config: TrainerConfig) -> list
     return ["--" + name.replace("_", "-") for name in given]
 
 
+def check_flag_values(args: argparse.Namespace) -> None:
+    """What argparse takes but a user did not mean: a config file swallowed by --resume's optional value, and
+    --resume with --overwrite (one continues the run, the other deletes it)."""
+    resume = args.resume
+    if isinstance(resume, str) and resume.endswith((".yaml", ".yml")) and not Path(resume).is_dir():
+        raise ValueError(f"--resume took {resume!r} as the checkpoint to resume: put the config file before "
+                         f"--resume (oomb train {resume} --resume), or name a checkpoint directory after it")
+    if resume is not None and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: --resume continues the run in the output "
+                         "dir, --overwrite deletes it and starts over; give one")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `oomb train`: 0 when done, 130 when interrupted (state saved), 3 when memory is short."""
+    check_flag_values(args)
     config = TrainerConfig.load(args.config, [*shortcut_overrides(args), *args.overrides])
     unused = unused_sparse_flags(args, config)
     if unused:

@@ -293,6 +293,9 @@ class TrainerConfig:
         if not isinstance(options, dict):
             raise ValueError(f"a training config must be a mapping of sections, got {type(options).__name__}")
         unknown = sorted(set(options) - set(SECTIONS))
+        if "measured" in unknown:
+            raise ValueError("this looks like an `oomb calibrate` plan (a 'measured' section), not a training config: "
+                             "give it as --set oomb.sparse_plan=PATH")
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections: {list(SECTIONS)}")
         sections = {}
