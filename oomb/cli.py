@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_device(args)
         return module.main(args)
-    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as err:
+    except (ValueError, TypeError, NotImplementedError, OSError) as err:  # OSError: a path that cannot be used
         print(f"oomb {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -206,6 +206,10 @@ def test_eval_command_errors_name_value_and_fix(model_dir, data_file, tmp_path, 
     assert "--model 'no-such-model' is not a preset" in capsys.readouterr().err
     assert cli.main(["eval", *common]) == 2
     assert "nothing to evaluate" in capsys.readouterr().err
+    assert cli.main(["eval", *common, "--data", str(data_file), "--json", str(tmp_path)]) == 2  # before evaluating
+    assert f"--json '{tmp_path}' is a directory: give a file name" in capsys.readouterr().err
+    assert cli.main(["eval", *common, "--data", str(data_file), "--json", str(tmp_path / "no" / "e.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_trainer_evaluates_every_n_steps_without_changing_training(model_dir, data_file, tmp_path, capsys):

@@ -202,6 +202,9 @@ def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path):
     assert "oomb train: error: unknown key(s) ['optim.lrr']" in capsys.readouterr().err
     assert cli_main(["train", "--model", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out"), *FAST]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert cli_main(["train", "--output-dir", str(tmp_path / "a_file"), *FAST]) == 2
+    assert f"train.output_dir '{tmp_path / 'a_file'}' is a file: give a directory" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -183,10 +183,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a progress bar over each sequence's chunks (default: when stderr is a terminal)")
 
 
+def check_writable(path: Path) -> None:
+    """A file can be written at ``path``: not a directory, in one that exists (the report is lost otherwise)."""
+    if path.is_dir():
+        raise ValueError(f"--json {str(path)!r} is a directory: give a file name, e.g. {str(path / 'eval.json')!r}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--json {str(path)!r}: the directory {str(path.parent)!r} does not exist")
+
+
 def main(args: argparse.Namespace) -> int:
     names = {f.name for f in fields(EvalOptions)}
     options = EvalOptions(**{k: v for k, v in vars(args).items() if k in names})
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    if options.json_path:  # before the evaluation, which may take hours, not after it
+        check_writable(Path(options.json_path))
     report = run_eval(options, progress=progress)
     report["command"] = "oomb " + shlex.join(sys.argv[1:]) if "eval" in sys.argv[1:3] else None
     print(f"oomb eval: {report['model']}, {options.attention} attention{', offload' if options.offload else ''}, "

@@ -192,6 +192,8 @@ class Trainer(Checkpointing):
             raise ValueError("pass model and tokenizer together (or neither, to load them from config.model)")
         self.model, self.tokenizer = model, tokenizer
         self.output_dir = Path(self.config.train.output_dir)
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ValueError(f"train.output_dir {str(self.output_dir)!r} is a file: give a directory (--output-dir)")
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.step = 0
         self.tokens = 0
