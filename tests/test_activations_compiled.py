@@ -134,3 +134,15 @@ def test_predict_and_planner_follow_compiled_layers():
     targets = dataclasses.replace(workload, fp32_targets=True)  # master weights: float32 linear gradients
     assert predict_candidate(dataclasses.replace(targets, may_compile=True), gpu, config).gpu_bytes \
         == predict_candidate(targets, gpu, config).gpu_bytes
+
+
+def test_the_choice_says_compiled_only_where_the_step_compiles():
+    """The chooser's summary (Choice.compiled_layers, `oomb plan`'s "layers: compiled" line) follows the workload:
+    a step that may not compile (several processes, an active dropout) is not reported compiled."""
+    from oomb.planning.choose import Resources, Workload, choose_config
+
+    shape = ModelShape.from_hf_config(preset_config("qwen2.5-7b"))
+    gpu = Resources("cuda", gpu_limit=200 * 1024**3, host_limit=200 * 1024**3, weights_loaded=True)
+    workload = Workload(shape, 131072, lora_rank=16)
+    assert choose_config(dataclasses.replace(workload, may_compile=True), gpu).compiled_layers
+    assert not choose_config(workload, gpu).compiled_layers

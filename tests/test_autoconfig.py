@@ -204,8 +204,13 @@ def test_refusal_says_which_fixed_option_blocks():
 
 def test_refusal_when_the_weights_alone_do_not_fit():
     tiny_gpu = Resources("cuda", 4 * GIB, 100 * GIB)
-    with pytest.raises(NoConfigFitsError, match="not even one page of tokens fits"):
+    with pytest.raises(NoConfigFitsError, match=r"not even one page of tokens fits.*\(train LoRA adapters, offload"):
         choose_config(Workload(SHAPES["qwen2.5-7b"], 8192), tiny_gpu)
+    with pytest.raises(NoConfigFitsError, match=r"too large \(offload the optimizer"):  # LoRA is already given
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 8192, lora_rank=16), Resources("cuda", 1 * GIB, 100 * GIB))
+    with pytest.raises(NoConfigFitsError, match=r"too large \(bfloat16 weights \(--dtype bfloat16\), a smaller"):
+        choose_config(Workload(SHAPES["qwen2.5-7b"], 8192, lora_rank=16, dtype=torch.float32),
+                      Resources("cpu", None, 4 * GIB))
 
 
 def test_more_memory_never_picks_a_slower_plan():

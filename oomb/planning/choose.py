@@ -381,13 +381,19 @@ def choose_backend(device: str, dtype: torch.dtype, deterministic: bool,
 # Memory and time of one candidate
 # ---------------------------------------------------------------------------------------------
 
+def _runs_compiled(workload: Workload, resources: Resources, config: OOMBConfig) -> bool:
+    """Whether the step of ``config`` compiles its decoder layers for this workload (never under several
+    processes or an active dropout: Workload.may_compile, unless compile_layers is set on)."""
+    fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
+    return (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
+            and (config.performance.compile_layers is True or workload.may_compile) and not fp32_linear)
+
+
 def predict_candidate(workload: Workload, resources: Resources, config: OOMBConfig) -> Candidate:
     """Predicted memory (oomb.planning.memory.predict, with the workload's exact counts where given) and the
     relative step time of ``config``."""
     mode = MODES[f"{config.attention}{'+offload' if config.offload.enabled else ''}"]
-    fp32_linear = workload.fp32_targets and not workload.lora_rank and workload.dtype.itemsize < FP32_BYTES
-    compiled = (compiles(config, resources.device == "cuda", bool(workload.shape.num_experts))
-                and (config.performance.compile_layers is True or workload.may_compile) and not fp32_linear)
+    compiled = _runs_compiled(workload, resources, config)
     setup = dataclasses.replace(workload.setup(), compiled_layers=compiled, fused_loss=workload.may_fuse_loss)
     p = predict(mode, workload.shape, workload.seq_len, config, setup)
     gpu = dict(p.gpu)
@@ -642,7 +648,7 @@ def choose_config(workload: Workload, resources: Resources, fixed: dict | None =
     if runner_up is not None:  # comparable with the choice: the same last decisions (it may then rank ahead)
         runner_up = _decided_last(runner_up, workload, resources, fixed)
     reason = _reason(best, runner_up, fitting, options, resources, workload, backend_why, fixed)
-    compiled = compiles(best.config, resources.device == "cuda", bool(workload.shape.num_experts))
+    compiled = _runs_compiled(workload, resources, best.config)
     gpu_name = (resources.gpu_name or "unknown GPU") if resources.device == "cuda" else None
     step_time = other_time = None
     other_fits = True
@@ -776,8 +782,10 @@ def _refusal(workload: Workload, resources: Resources, base: OOMBConfig, fixed: 
     if longest:
         lines.append(f"  up to {longest:,} tokens ({_approx_tokens(longest)}) fit, by the same search")
     else:
-        fixes = ("train LoRA adapters, use a smaller model or a machine with more memory" if resources.device == "cpu"
-                 else "train LoRA adapters, offload the optimizer, or use a larger GPU")
+        lora = "" if workload.lora_rank else "train LoRA adapters, "
+        bf16 = "bfloat16 weights (--dtype bfloat16), " if workload.dtype == torch.float32 else ""
+        fixes = (f"{lora}{bf16}a smaller model or a machine with more memory"
+                 if resources.device == "cpu" else f"{lora}offload the optimizer, or use a larger GPU")
         lines.append("  not even one page of tokens fits: the weights, gradients and optimizer state alone are too "
                      f"large ({fixes})")
     if fixed:
