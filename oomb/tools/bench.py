@@ -734,8 +734,22 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         resolve_dtype(values["kv_grad_dtype"], "kv_grad_dtype")
     options = BenchOptions(**values)
     if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("no CUDA device on this machine: use --device cpu (or --quick)")
+        raise ValueError("no CUDA device on this machine: use --quick, or --device cpu with a small preset "
+                         f"(--preset {presets.TINY_PRESET})")
+    if torch.device(options.device).type == "cpu":
+        check_weights_fit_host(options)
     return options
+
+
+def check_weights_fit_host(options: BenchOptions) -> None:
+    """A CPU bench of a preset whose weights alone exceed the available host memory is refused before its worker
+    builds the model: the kernel would kill the worker (and maybe other processes) instead."""
+    need = ModelShape.from_hf_config(preset_config(options.preset)).num_params() * options.dtype.itemsize
+    available = machine.host_available_bytes()
+    if available is not None and need > 0.95 * available:
+        raise ValueError(f"the {options.preset} preset's weights alone need {need / GIB:.1f} GiB in "
+                         f"{str(options.dtype).removeprefix('torch.')} on this CPU, and {available / GIB:.1f} GiB of "
+                         f"host memory are available: give a small preset (--preset {presets.TINY_PRESET}) or --quick")
 
 
 def main(args: argparse.Namespace) -> int:
