@@ -330,7 +330,7 @@ class Choice:
             other = "sparse" if self.config.attention == "dense" else "dense"
             also = (f"; {other} attention (its own plan): {self.other_mode_time}" if self.other_mode_time is not None
                     else f"; {other} attention: nothing fits" if not self.other_mode_fits else "")
-            lines.append(f"  step time: {self.step_time}{also}")
+            lines.append(f"  predicted step time: {self.step_time}{also}")
         if self.config.attention == "sparse" and self.seq_len:
             lines.append(f"  {sparse_fidelity.describe(self.seq_len, self.config, num_layers, self.window_layers)}")
         if self.compiled_layers:
