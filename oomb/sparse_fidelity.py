@@ -131,6 +131,9 @@ def describe(seq_len: int, config: OOMBConfig, num_layers: int, window_layers: t
     """One line for a sparse plan: the share of the history it reads and the nearest measured fidelity."""
     read = history_read(seq_len, config, num_layers, window_layers)
     line = f"sparse reads {format_share(read)} of the history at {format_tokens(seq_len)} tokens"
+    if read >= 1:
+        return (line + ": every query block reads every earlier page, so this step is dense attention (exact, "
+                "and no faster); sparse reads less at longer sequences or with a smaller sparse budget")
     point = nearest(seq_len, read)
     if point is None:
         return line + "; no fidelity measured near it"

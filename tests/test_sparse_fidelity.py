@@ -76,6 +76,10 @@ def test_describe_states_the_share_and_the_measurement():
     fixed = describe(1 << 20, OOMBConfig(attention="sparse", sparse=SparseConfig(read_share=None)), 28)
     assert fixed.startswith("sparse reads 1.6 % of the history at 1M tokens; nearest measurement:")
     assert "gradient cosine" in line and "near-dense mark" in line
+    short = describe(8192, OOMBConfig(attention="sparse"), 28)  # 64 pages hold 8K tokens' whole history
+    assert short == ("sparse reads 100 % of the history at 8K tokens: every query block reads every earlier page, so "
+                     "this step is dense attention (exact, and no faster); sparse reads less at longer sequences or "
+                     "with a smaller sparse budget")
 
 
 def test_the_memory_model_sizes_a_read_share_for_the_longest_history():
