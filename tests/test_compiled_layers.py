@@ -198,7 +198,7 @@ def test_the_plan_says_when_layers_compile():
     from oomb.planning.model_shape import ModelShape
 
     workload = Workload(ModelShape.from_hf_config(build_tiny_model("qwen2").config), 4096, 1, torch.bfloat16,
-                        optimizer="none")
+                        optimizer="none", may_compile=True)  # one process, no dropout (as the trainer finds it)
     roomy = choose_config(workload, Resources("cuda", 1 << 40, 1 << 40, weights_loaded=True))
     assert not roomy.config.performance.checkpoint_layers and roomy.compiled_layers
     assert "layers: compiled for the step" in roomy.describe()
