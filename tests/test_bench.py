@@ -419,7 +419,7 @@ def test_hf_baseline_checkpoints_without_a_deprecation_warning():
 def test_a_cpu_bench_of_weights_larger_than_the_host_is_refused_before_any_worker(monkeypatch, capsys):
     """The 7B preset in float32 (28.4 GiB) on a machine with 20 GiB available: one line naming the small preset,
     not a worker killed by the kernel; a tiny preset passes the check."""
-    monkeypatch.setattr(bench.machine, "host_available_bytes", lambda: 20 * 1024**3)
+    monkeypatch.setattr(bench.machine, "host_free_bytes", lambda: 20 * 1024**3)
     assert cli.main(["bench", "--device", "cpu", "--modes", "sparse", "--contexts", "1K"]) == 2
     err = capsys.readouterr().err
     assert "the qwen2.5-7b preset's weights alone need 28.4 GiB in float32 on this CPU, and 20.0 GiB" in err

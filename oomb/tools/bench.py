@@ -60,6 +60,7 @@ from ..engine import forward_backward, store_options, window_store_options
 from ..kv.offload import HostSlabs, reserve_host_slabs
 from ..loss import IGNORE_INDEX, chunked_cross_entropy, shift_labels
 from ..models import fused_loss_possible_for_config, plain_attention, unwrap_causal_lm
+from ..planning.choose import MEMORY_HEADROOM
 from ..planning.memory import GIB, MODES, TrainingSetup, predict
 from ..planning.model_shape import ModelShape
 from ..planning.step_work import StepSpec, step_work
@@ -745,8 +746,8 @@ def check_weights_fit_host(options: BenchOptions) -> None:
     """A CPU bench of a preset whose weights alone exceed the available host memory is refused before its worker
     builds the model: the kernel would kill the worker (and maybe other processes) instead."""
     need = ModelShape.from_hf_config(preset_config(options.preset)).num_params() * options.dtype.itemsize
-    available = machine.host_available_bytes()
-    if available is not None and need > 0.95 * available:
+    available = machine.host_free_bytes()
+    if need > MEMORY_HEADROOM * available:
         raise ValueError(f"the {options.preset} preset's weights alone need {need / GIB:.1f} GiB in "
                          f"{str(options.dtype).removeprefix('torch.')} on this CPU, and {available / GIB:.1f} GiB of "
                          f"host memory are available: give a small preset (--preset {presets.TINY_PRESET}) or --quick")
