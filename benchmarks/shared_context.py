@@ -332,32 +332,32 @@ def main(argv: list[str] | None = None) -> dict:
                                  f"{mode}_{tag}_{date[:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    header = {  # what does not change between measurements: read once
+        "benchmark": "shared_context", "date": date,
+        "machine": machine.machine_info(device, gpu),
+        "versions": machine.versions(),
+        "command": shlex.join(["python", "benchmarks/shared_context.py", *(sys.argv[1:] if argv is None else argv)]),
+        "workload": {"preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+                     "trained": "LoRA r 16, alpha 32, all linear layers (oomb train --lora)" if args.lora
+                     else "every weight", "trainable_parameters": trainable, "parameters": parameters,
+                     "optimizer": "none", "context_tokens": context_tokens, "continuation_tokens": n,
+                     "continuations": args.continuations, "sequence_tokens": sequence,
+                     "trunk_tokens": trunk, "tail_tokens": context_tokens - trunk,
+                     "labels": "each continuation's tokens; the context is not a target",
+                     "data": "random token ids (seeded)", "arms": args.arms, "repeats": args.repeats,
+                     "separate_all": args.separate_all},
+        "timing": "perf_counter between torch.cuda.synchronize() calls (oomb.tools.bench.measure), gradients set to "
+                  "None before each measurement, after a warm-up of each arm on a short context; with --repeats "
+                  "the first call is reported apart (first_seconds) and seconds is the median of the rest. "
+                  "Peak: max_memory_allocated (peak_gpu_gib with the weights), on a CPU VmHWM (host_peak_gib).",
+        "plan": {**how, "config": config.to_dict()},
+        "init_seconds": init_seconds, "warmup": warmup,
+    }
+
     def save(complete: bool) -> dict:
         """The results JSON so far: rewritten after each measurement, so a run cut short keeps what it measured."""
-        result = {
-            "benchmark": "shared_context", "date": date, "complete": complete,
-            "machine": machine.machine_info(device, gpu),
-            "versions": machine.versions(),
-            "command": shlex.join(["python", "benchmarks/shared_context.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
-            "workload": {"preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
-                         "trained": "LoRA r 16, alpha 32, all linear layers (oomb train --lora)" if args.lora
-                         else "every weight", "trainable_parameters": trainable, "parameters": parameters,
-                         "optimizer": "none", "context_tokens": context_tokens, "continuation_tokens": n,
-                         "continuations": args.continuations, "sequence_tokens": sequence,
-                         "trunk_tokens": trunk, "tail_tokens": context_tokens - trunk,
-                         "labels": "each continuation's tokens; the context is not a target",
-                         "data": "random token ids (seeded)", "arms": args.arms, "repeats": args.repeats,
-                         "separate_all": args.separate_all},
-            "timing": "perf_counter between torch.cuda.synchronize() calls (oomb.tools.bench.measure), gradients set "
-                      "to None before each measurement, after a warm-up of each arm on a short context; with "
-                      "--repeats the first call is reported apart (first_seconds) and seconds is the median of the "
-                      "rest. Peak: max_memory_allocated (peak_gpu_gib with the weights), on a CPU VmHWM "
-                      "(host_peak_gib).",
-            "plan": {**how, "config": config.to_dict()},
-            "init_seconds": init_seconds, "warmup": warmup,
-            "rows": rows, "ratios": shared_ratios(rows, args.continuations, cuda),
-        }
+        result = {**header, "complete": complete, "rows": rows,
+                  "ratios": shared_ratios(rows, args.continuations, cuda)}
         path.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
